@@ -1,0 +1,267 @@
+"""One typed configuration for the whole node.
+
+Every service reads its own section of `NodeConfig`; nothing else reads environment
+variables or globals. YAML files in `configs/` are parsed into this tree, CLI overrides
+(`--set trainer.lr=2e-5`) are applied on top, and the resolved tree is saved with the run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; its message is one readable line."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos in a config file: refuse them instead of ignoring them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DefaultModelConfig(_Section):
+    """Shape and warm start of the embedded default model (used when model.name_or_path is 'default')."""
+
+    hidden_size: int = Field(256, ge=16)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1)
+    """Number of decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads per layer (must divide hidden_size)."""
+    intermediate_size: int = Field(512, ge=16)
+    """Width of each MLP."""
+    max_position_embeddings: int = Field(512, ge=32)
+    """Longest prompt + completion the model can see, in characters."""
+    warmup_steps: int = Field(200, ge=0)
+    """Supervised steps on the default task mix before RL starts (0: untrained weights)."""
+    warmup_batch_size: int = Field(32, ge=1)
+    """Questions per supervised step."""
+    warmup_lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of the supervised warm start."""
+    seed: int = 0
+    """Seed of the initial weights and the warm-start data."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "DefaultModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class ModelConfig(_Section):
+    """Which policy the node trains."""
+
+    name_or_path: str = "default"
+    """'default' for the embedded tiny model built offline, else a local HF directory or hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the policy."""
+    cache_dir: str | None = None
+    """Where the built default model is cached (default: $SWARM_NODE_CACHE or ~/.cache/swarm-node)."""
+    default: DefaultModelConfig = DefaultModelConfig()
+    """Settings of the embedded default model."""
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return Path(os.environ.get("SWARM_NODE_CACHE", "~/.cache/swarm-node")).expanduser()
+
+
+class DatasetConfig(_Section):
+    """One reasoning-gym dataset of the task mix."""
+
+    name: str
+    """reasoning-gym dataset name, e.g. 'basic_arithmetic'."""
+    weight: float = Field(1.0, gt=0)
+    """Relative probability of drawing a question from this dataset."""
+    config: dict[str, Any] = {}
+    """Keyword arguments for reasoning_gym.create_dataset (besides seed and size)."""
+
+
+class TasksConfig(_Section):
+    """The verifiable tasks questions are drawn from."""
+
+    datasets: list[DatasetConfig] = [
+        DatasetConfig(
+            name="basic_arithmetic",
+            config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"},
+        ),
+    ]
+    """The task mix."""
+    prompt_template: str = "{question}\nAnswer: "
+    """How a question becomes a prompt; must contain '{question}'."""
+    format_reward: float = Field(0.0, ge=0, le=1)
+    """Extra reward for a completion that ends cleanly (end of sequence) with a non-empty answer."""
+    heldout_size: int = Field(200, ge=1)
+    """Number of questions in the fixed held-out evaluation set."""
+    heldout_seed: int = 1_000_003
+    """Seed of the held-out set; never used for training questions."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _non_empty(cls, value: list[DatasetConfig]) -> list[DatasetConfig]:
+        if not value:
+            raise ValueError("the task mix needs at least one dataset")
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_question(cls, value: str) -> str:
+        if "{question}" not in value:
+            raise ValueError("prompt_template must contain '{question}'")
+        return value
+
+
+class RolloutConfig(_Section):
+    """How completions are generated."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Generation engine; 'vllm' needs the optional vllm extra."""
+    completions_per_question: int = Field(8, ge=2)
+    """G: completions sampled per question (the GRPO group size)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scores log-probs at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest completion, in tokens."""
+    generation_batch_size: int = Field(64, ge=1)
+    """Sequences generated together in one batch."""
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of GPU memory vLLM may take (vllm backend only)."""
+
+
+class TrainerConfig(_Section):
+    """GRPO / DAPO policy update."""
+
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    eps_low: float = Field(0.2, ge=0)
+    """Lower clip range of the importance ratio (1 - eps_low)."""
+    eps_high: float = Field(0.28, ge=0)
+    """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to a frozen copy of the initial policy (0: no reference kept)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping norm."""
+    micro_batch_size: int = Field(32, ge=1)
+    """Sequences per forward/backward; gradients accumulate over the round's batch."""
+    epochs_per_round: int = Field(1, ge=1)
+    """Optimizer steps over the same round's rollouts (>1 makes clipping matter)."""
+    drop_uniform_groups: bool = True
+    """Skip question groups whose rewards are all equal (zero advantage; DAPO dynamic sampling)."""
+    advantage_eps: float = Field(1e-4, gt=0)
+    """Added to the group's reward std before dividing."""
+    importance_cap: float = Field(2.0, gt=0)
+    """c in min(c, pi_local/pi_behaviour): truncated importance weight for off-policy samples."""
+
+
+class SwarmConfig(_Section):
+    """How the node mixes its own and its peers' questions (SAPO)."""
+
+    transport: Literal["none"] = "none"
+    """'none' runs isolated (a null transport); swarm transports plug in here."""
+    local_questions: int = Field(8, ge=1)
+    """I: questions the node draws and answers itself each round."""
+    external_questions: int = Field(0, ge=0)
+    """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
+
+
+class NodeConfig(_Section):
+    """The whole node."""
+
+    name: str = "node"
+    """Display name of this node."""
+    seed: int = 0
+    """Seed of this node's question stream and sampling."""
+    state_dir: str = "~/.swarm-node/state"
+    """Where the policy, optimizer, metrics and logs live; resumed when it exists."""
+    rounds: int | None = None
+    """Rounds to run in this invocation (None: until interrupted)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Save the full state every this many rounds."""
+    checkpoint_keep: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk."""
+    eval_every: int = Field(50, ge=0)
+    """Measure greedy accuracy on the held-out set every this many rounds (0: never)."""
+    torch_threads: int | None = None
+    """Intra-op CPU threads for torch (None: torch's default)."""
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    swarm: SwarmConfig = SwarmConfig()
+
+    @model_validator(mode="after")
+    def _isolated_has_no_external(self) -> "NodeConfig":
+        if self.swarm.transport == "none" and self.swarm.external_questions:
+            raise ValueError("swarm.external_questions must be 0 when swarm.transport is 'none' (there are no peers)")
+        return self
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir).expanduser()
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"]) or "config"
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"invalid config: {location}: {message}{more}"
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"invalid override {assignment!r}: expected key=value, e.g. trainer.lr=2e-5")
+    dotted, raw_value = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"invalid override {assignment!r}: empty key")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid override {assignment!r}: value is not YAML ({exc.problem})") from None
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"invalid override {assignment!r}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), **fields: Any) -> NodeConfig:
+    """Parse a YAML file (or the defaults), apply `key=value` overrides, then explicit fields."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded or {}
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    for key, value in fields.items():
+        if value is not None:
+            tree[key] = value
+    try:
+        return NodeConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def dump_config(config: NodeConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

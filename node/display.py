@@ -1,0 +1,82 @@
+"""What a person watching a node sees: a live panel on a terminal, one line per round otherwise."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "until Ctrl-C"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class RoundDisplay:
+    def __init__(self, console: Console, first_round: int, target_round: int | None, title: str):
+        self.console = console
+        self.first_round = first_round
+        self.target_round = target_round
+        self.title = title
+        self.started = time.monotonic()
+        self.last: dict[str, Any] | None = None
+        self.last_heldout: float | None = None
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
+
+    def __enter__(self) -> "RoundDisplay":
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def eta_s(self) -> float | None:
+        if self.target_round is None or self.last is None:
+            return None
+        done = self.last["round"] - self.first_round
+        per_round = (time.monotonic() - self.started) / max(done, 1)
+        return per_round * (self.target_round - self.last["round"])
+
+    def _render(self) -> Table:
+        table = Table(title=self.title, show_header=True, header_style="bold")
+        for column in ("round", "reward", "accuracy", "held-out", "tokens/s", "step", "policy", "ETA"):
+            table.add_column(column, justify="right")
+        row = self.last
+        if row is None:
+            table.add_row("-", "-", "-", "-", "-", "-", "-", "starting")
+            return table
+        target = f"/{self.target_round}" if self.target_round else ""
+        heldout = "-" if self.last_heldout is None else f"{self.last_heldout:.1%}"
+        table.add_row(
+            f"{row['round']}{target}",
+            f"{row['reward_mean']:.3f}",
+            f"{row['accuracy']:.1%}",
+            heldout,
+            f"{row['tokens_per_s']:.0f}",
+            f"{row['step_s']:.2f}s",
+            str(row["policy_version"]),
+            _eta(self.eta_s()),
+        )
+        return table
+
+    def update(self, row: dict[str, Any]) -> None:
+        self.last = row
+        if "heldout_accuracy" in row:
+            self.last_heldout = row["heldout_accuracy"]
+        if self.live:
+            self.live.update(self._render())
+        else:
+            heldout = f" heldout={row['heldout_accuracy']:.3f}" if "heldout_accuracy" in row else ""
+            self.console.print(
+                f"round {row['round']} reward={row['reward_mean']:.3f} accuracy={row['accuracy']:.3f}{heldout} "
+                f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']} eta={_eta(self.eta_s())}",
+                highlight=False,
+            )

@@ -1,0 +1,107 @@
+"""Batched sampling with a plain transformers model and its KV cache.
+
+We sample with our own loop instead of `model.generate` because the trainer must see the
+exact same distribution: behaviour log-probs are log_softmax(logits / temperature) of the
+sampled token, over the same positions (left padding with explicit position ids, so pads
+never shift positions) that the trainer will use when it recomputes them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from node.config import RolloutConfig
+from node.rollouts.base import Completion, RolloutBackend
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled token ids and their log-probs under softmax(logits / temperature)."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if greedy:
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        probs = logprobs.exp()
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
+            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class TransformersBackend(RolloutBackend):
+    def __init__(self, config: RolloutConfig, model: torch.nn.Module, tokenizer, policy_version: int = 0):
+        self.config = config
+        self.model = model  # shared with the trainer: updates are visible without copying
+        self.tokenizer = tokenizer
+        self.policy_version = policy_version
+
+    def sync_weights(self, model: torch.nn.Module, policy_version: int) -> None:
+        self.model = model
+        self.policy_version = policy_version
+
+    def generate(self, prompts: list[str], n: int, seed: int, greedy: bool = False) -> list[list[Completion]]:
+        generator = torch.Generator().manual_seed(seed)
+        encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        flat = [ids for ids in encoded for _ in range(n)]
+        results: list[Completion] = []
+        step = self.config.generation_batch_size
+        for start in range(0, len(flat), step):
+            results.extend(self._generate_batch(flat[start : start + step], generator, greedy))
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompt_rows: list[list[int]], generator: torch.Generator, greedy: bool) -> list[Completion]:
+        was_training = self.model.training
+        self.model.eval()
+        eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        input_ids, attention_mask = left_pad(prompt_rows, pad_id)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        batch = len(prompt_rows)
+        tokens_out = torch.full((batch, self.config.max_new_tokens), pad_id, dtype=torch.long)
+        logprobs_out = torch.zeros((batch, self.config.max_new_tokens))
+        lengths = torch.zeros(batch, dtype=torch.long)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        next_position = position_ids[:, -1:] + 1
+        for t in range(self.config.max_new_tokens):
+            tokens, logprobs = sample_next(out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy)
+            tokens = tokens.masked_fill(finished, pad_id)
+            tokens_out[:, t] = tokens
+            logprobs_out[:, t] = logprobs
+            lengths += (~finished).long()
+            finished |= tokens == eos_id
+            if finished.all() or t + 1 == self.config.max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position, past_key_values=out.past_key_values, use_cache=True)
+            next_position = next_position + 1
+        if was_training:
+            self.model.train()
+        completions = []
+        for i, prompt_ids in enumerate(prompt_rows):
+            ids = tokens_out[i, : lengths[i]].tolist()
+            stopped = bool(ids) and ids[-1] == eos_id
+            text_ids = ids[:-1] if stopped else ids
+            completions.append(
+                Completion(
+                    prompt_ids=list(prompt_ids),
+                    completion_ids=ids,
+                    text=self.tokenizer.decode(text_ids, skip_special_tokens=False),
+                    logprobs=logprobs_out[i, : lengths[i]].tolist(),
+                    finish_reason="stop" if stopped else "length",
+                    policy_version=self.policy_version,
+                )
+            )
+        return completions

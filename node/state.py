@@ -1,0 +1,173 @@
+"""The node's local state: checkpoints and metrics that survive kill -9.
+
+Layout of a state directory:
+    config.yaml              resolved config of the latest run
+    metrics.jsonl            one JSON object per completed round
+    node.log                 the log
+    checkpoints/LATEST       name of the newest complete checkpoint
+    checkpoints/round-000042/{config.json, model.safetensors, tokenizer/, trainer.pt}
+
+A checkpoint is written into a temporary folder, fsynced, renamed into place, and only then
+named in LATEST (itself replaced atomically). A kill at any moment leaves LATEST naming a
+complete checkpoint. Metrics rows are fsynced before the checkpoint of their round, and on
+resume rows newer than the checkpoint are dropped, so a round counts once or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.model import save_policy
+
+CHECKPOINT_PREFIX = "round-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(Path(root) / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(Path(root))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class TrainerState:
+    round: int  # rounds completed
+    policy_version: int
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+
+class StateStore:
+    def __init__(self, root: Path):
+        self.root = root
+        self.checkpoints = root / "checkpoints"
+        self.metrics_path = root / "metrics.jsonl"
+
+    def exists(self) -> bool:
+        return self.latest() is not None
+
+    def latest(self) -> Path | None:
+        pointer = self.checkpoints / "LATEST"
+        try:
+            name = pointer.read_text().strip()
+        except FileNotFoundError:
+            return None
+        path = self.checkpoints / name
+        return path if (path / "trainer.pt").exists() else None
+
+    def save(self, round_: int, model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, policy_version: int, keep: int) -> Path:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
+        try:
+            save_policy(model, tokenizer, staging)
+            torch.save(
+                {
+                    "round": round_,
+                    "policy_version": policy_version,
+                    "optimizer": optimizer.state_dict(),
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                },
+                staging / "trainer.pt",
+            )
+            fsync_tree(staging)
+            final = self.checkpoints / f"{CHECKPOINT_PREFIX}{round_:08d}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            fsync_dir(self.checkpoints)
+            atomic_write_text(self.checkpoints / "LATEST", final.name + "\n")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._prune(keep, final)
+        return final
+
+    def _prune(self, keep: int, newest: Path) -> None:
+        complete = sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+        for old in complete[:-keep]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.checkpoints.glob(".staging-*"):  # from a killed save
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def load_round(self, checkpoint: Path) -> int:
+        return int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
+
+    def load_trainer_state(self, checkpoint: Path) -> TrainerState:
+        data = torch.load(checkpoint / "trainer.pt", weights_only=False)
+        return TrainerState(round=data["round"], policy_version=data["policy_version"], optimizer=data["optimizer"], rng=data["rng"])
+
+    # metrics ---------------------------------------------------------------
+
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Complete rows only: a line cut by a kill is skipped."""
+        rows = []
+        try:
+            lines = self.metrics_path.read_text().splitlines()
+        except FileNotFoundError:
+            return rows
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("round"), int):
+                rows.append(row)
+        return rows
+
+    def truncate_metrics(self, last_round: int) -> None:
+        """Keep rows of rounds <= last_round (those the checkpoint contains)."""
+        if not self.metrics_path.exists():
+            return
+        rows = [r for r in self.read_metrics() if r["round"] <= last_round]
+        atomic_write_text(self.metrics_path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+    def wipe(self) -> None:
+        """--fresh: forget checkpoints and metrics, keep the identity and logs."""
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        self.metrics_path.unlink(missing_ok=True)
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])

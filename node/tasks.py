@@ -1,0 +1,112 @@
+"""Verifiable tasks: questions re-derived from specs, prompts, answer extraction, rewards.
+
+A question is never trusted from its text: everything is re-generated from its `TaskSpec`
+(dataset, config, seed, index) with reasoning-gym, which is deterministic given the spec.
+The reward is the dataset's own scorer applied to the answer we extract.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import reasoning_gym
+
+from node.config import ConfigError, TasksConfig
+from protocol.specs import TaskSpec
+
+# reasoning-gym datasets are virtual: an item depends only on (seed, index), but the
+# dataset object refuses indices beyond its declared size. Declare a size large enough
+# for any index a node will ever ask for.
+_VIRTUAL_SIZE = 2**31 - 1
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+class TaskError(ConfigError):
+    """A spec that cannot be turned into a question (unknown dataset, bad config)."""
+
+
+@dataclass(frozen=True)
+class Question:
+    spec: TaskSpec
+    text: str
+    answer: str  # reference answer re-derived locally; never taken from a peer
+    entry: dict[str, Any]  # the dataset's own item, needed by its scorer
+
+
+@lru_cache(maxsize=64)
+def _dataset(name: str, config_key: str, seed: int):
+    import json
+
+    config = json.loads(config_key)
+    try:
+        return reasoning_gym.create_dataset(name, seed=seed, size=_VIRTUAL_SIZE, **config)
+    except Exception as exc:  # reasoning-gym raises assorted types for unknown names/bad configs
+        raise TaskError(f"cannot create dataset {name!r} with config {config}: {exc}") from None
+
+
+def materialize(spec: TaskSpec) -> Question:
+    """Re-generate the question and its ground truth from the spec (deterministic)."""
+    dataset = _dataset(spec.dataset, spec.config_key, spec.seed)
+    try:
+        entry = dataset[spec.index]
+    except Exception as exc:
+        raise TaskError(f"dataset {spec.dataset!r} cannot produce item {spec.index}: {exc}") from None
+    return Question(spec=spec, text=entry["question"], answer=str(entry["answer"]), entry=entry)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The answer a completion gives: the last <answer>…</answer> if tagged, else its first line."""
+    tagged = _ANSWER_TAG.findall(completion)
+    if tagged:
+        return tagged[-1].strip() or None
+    first_line = completion.split("\n", 1)[0].strip()
+    return first_line or None
+
+
+@dataclass(frozen=True)
+class Grade:
+    reward: float  # what the trainer optimizes: correctness plus the optional format bonus
+    correct: bool  # the dataset's scorer gave full marks
+
+
+def grade(question: Question, completion: str, finished: bool, format_reward: float = 0.0) -> Grade:
+    """The dataset's own scorer on the extracted answer, plus an optional format bonus."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return Grade(0.0, False)
+    dataset = _dataset(question.spec.dataset, question.spec.config_key, question.spec.seed)
+    correctness = float(dataset.score_answer(answer=answer, entry=question.entry))
+    return Grade(correctness + (format_reward if finished else 0.0), correctness >= 1.0)
+
+
+class TaskSource:
+    """Draws this node's training questions from the weighted mix, reproducibly by index."""
+
+    def __init__(self, config: TasksConfig, seed: int):
+        self.config = config
+        self.seed = seed
+        self._weights = [d.weight for d in config.datasets]
+        # Validate every dataset of the mix at start, not at the first unlucky draw.
+        for dataset in config.datasets:
+            materialize(TaskSpec(dataset.name, dataset.config, seed, 0))
+
+    def spec(self, draw: int) -> TaskSpec:
+        """The `draw`-th question of this node's stream (same draw, same spec)."""
+        picker = random.Random(f"{self.seed}:{draw}")
+        dataset = picker.choices(self.config.datasets, weights=self._weights)[0]
+        return TaskSpec(dataset.name, dataset.config, self.seed, draw)
+
+    def batch(self, first_draw: int, count: int) -> list[Question]:
+        return [materialize(self.spec(first_draw + i)) for i in range(count)]
+
+    def prompt(self, question: Question) -> str:
+        return self.config.prompt_template.format(question=question.text)
+
+    def heldout(self) -> list[Question]:
+        """A fixed evaluation set, disjoint in seed from every training stream."""
+        return TaskSource(self.config, self.config.heldout_seed).batch(0, self.config.heldout_size)

@@ -1,0 +1,229 @@
+"""GRPO policy update with DAPO's options.
+
+Per question group: A_i = (r_i - mean(r)) / (std(r) + eps). Per completion token:
+    loss_t = -min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A) * w_t  (+ beta * KL_t)
+with rho_t = pi_theta / pi_old, and w_t = min(c, pi_old / pi_behaviour) a truncated
+importance weight for samples produced by another policy (a peer's, or an older ours).
+The loss is averaged over all completion tokens of the round (DAPO's token-level mean),
+whatever the micro-batching.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from node.config import TrainerConfig
+from node.rollouts.base import Completion
+from protocol.specs import TaskSpec
+
+
+@dataclass
+class RolloutGroup:
+    """One question and the completions sampled for it, with locally computed rewards."""
+
+    spec: TaskSpec
+    completions: list[Completion]
+    rewards: list[float]
+    source: str = "local"  # "local" or the id of the peer that generated it
+
+
+@dataclass
+class TrainStats:
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    clip_fraction: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+    groups_used: int = 0
+    groups_dropped: int = 0
+    stepped: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def group_advantages(rewards: list[float], eps: float) -> list[float]:
+    """Rewards normalized within their group (sample std, as GRPO implementations do)."""
+    values = torch.tensor(rewards, dtype=torch.float64)
+    std = values.std(unbiased=True) if len(rewards) > 1 else torch.tensor(0.0, dtype=torch.float64)
+    return ((values - values.mean()) / (std + eps)).tolist()
+
+
+def is_uniform(rewards: list[float]) -> bool:
+    return max(rewards) - min(rewards) < 1e-9
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    importance_weights: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over masked tokens of the clipped surrogate (divide by the token count yourself).
+
+    logprobs/old_logprobs/mask/importance_weights/ref_logprobs: [batch, tokens]; advantages: [batch].
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and kl_beta > 0:
+        log_ratio = ref_logprobs - logprobs  # k3 estimator: unbiased, always >= 0
+        kl = torch.exp(log_ratio) - log_ratio - 1
+        per_token = per_token + kl_beta * kl
+    mask = mask.to(per_token.dtype)
+    info = {
+        "clipped_tokens": ((unclipped != clipped).to(mask.dtype) * mask).sum().detach(),
+        "kl_sum": (kl * mask).sum().detach(),
+    }
+    return (per_token * mask).sum(), info
+
+
+def completion_logprobs(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of each completion token given its prompt: [batch, max_completion], mask.
+
+    Sequences are right-padded with positions 0..n-1, the same positions the sampler used.
+    """
+    seqs = [prompt + completion for prompt, completion in rows]
+    width = max(map(len, seqs))
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+    position_ids = torch.arange(width).expand(len(seqs), width)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    targets = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # targets[:, j] scores token j+1
+    max_completion = max(len(c) for _, c in rows)
+    out = torch.zeros((len(rows), max_completion), dtype=targets.dtype)
+    mask = torch.zeros((len(rows), max_completion), dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(rows):
+        start = len(prompt) - 1
+        out[i, : len(completion)] = targets[i, start : start + len(completion)]
+        mask[i, : len(completion)] = True
+    return out, mask
+
+
+def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+@dataclass
+class _Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    behaviour_logprobs: list[float] | None
+    on_policy: bool
+
+
+class GRPOTrainer:
+    """Owns the optimizer (and the optional frozen reference) of one policy."""
+
+    def __init__(self, config: TrainerConfig, model: torch.nn.Module, pad_id: int, temperature: float, policy_version: int = 0):
+        self.config = config
+        self.model = model
+        self.pad_id = pad_id
+        self.temperature = temperature
+        self.policy_version = policy_version
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        self.reference = None
+        if config.kl_beta > 0:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def _samples(self, groups: list[RolloutGroup], stats: TrainStats) -> list[_Sample]:
+        samples = []
+        for group in groups:
+            if self.config.drop_uniform_groups and is_uniform(group.rewards):
+                stats.groups_dropped += 1
+                continue
+            stats.groups_used += 1
+            for completion, advantage in zip(group.completions, group_advantages(group.rewards, self.config.advantage_eps)):
+                if not completion.completion_ids:
+                    continue  # nothing to score; never divides the loss by zero tokens
+                samples.append(
+                    _Sample(
+                        prompt_ids=completion.prompt_ids,
+                        completion_ids=completion.completion_ids,
+                        advantage=advantage,
+                        behaviour_logprobs=completion.logprobs,
+                        on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
+                    )
+                )
+        return samples
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """pi_old for the ratio, and the truncated importance weight w.r.t. the behaviour policy."""
+        width = max(len(s.completion_ids) for s in batch)
+        if all(s.on_policy for s in batch):
+            return _pad_rows([s.behaviour_logprobs for s in batch], width), None
+        recomputed, _ = completion_logprobs(self.model, [(s.prompt_ids, s.completion_ids) for s in batch], self.pad_id, self.temperature)
+        old = recomputed.clone()
+        weights = torch.ones_like(old)
+        for i, sample in enumerate(batch):
+            n = len(sample.completion_ids)
+            if sample.on_policy:
+                old[i, :n] = torch.tensor(sample.behaviour_logprobs)
+            elif sample.behaviour_logprobs is not None:
+                behaviour = torch.tensor(sample.behaviour_logprobs)
+                weights[i, :n] = torch.exp(recomputed[i, :n] - behaviour).clamp(max=self.config.importance_cap)
+        return old, weights
+
+    def step(self, groups: list[RolloutGroup]) -> TrainStats:
+        stats = TrainStats()
+        samples = self._samples(groups, stats)
+        total_tokens = sum(len(s.completion_ids) for s in samples)
+        stats.tokens = total_tokens
+        if total_tokens == 0:
+            return stats  # every group uniform or empty: no update, policy version unchanged
+        self.model.train()
+        micro = self.config.micro_batch_size
+        batches = [samples[i : i + micro] for i in range(0, len(samples), micro)]
+        frozen = [self._old_logprobs(batch) for batch in batches]
+        loss_sum = clipped = kl_sum = 0.0
+        for _ in range(self.config.epochs_per_round):
+            self.optimizer.zero_grad(set_to_none=True)
+            for batch, (old, weights) in zip(batches, frozen):
+                rows = [(s.prompt_ids, s.completion_ids) for s in batch]
+                logprobs, mask = completion_logprobs(self.model, rows, self.pad_id, self.temperature)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = completion_logprobs(self.reference, rows, self.pad_id, self.temperature)
+                advantages = torch.tensor([s.advantage for s in batch], dtype=logprobs.dtype)
+                loss, info = policy_loss(logprobs, old, advantages, mask, self.config.eps_low, self.config.eps_high, weights, ref, self.config.kl_beta)
+                (loss / total_tokens).backward()
+                loss_sum += loss.item()
+                clipped += info["clipped_tokens"].item()
+                kl_sum += info["kl_sum"].item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update refused")
+            self.optimizer.step()
+            stats.grad_norm = grad_norm.item()
+        self.model.eval()
+        epoch_tokens = total_tokens * self.config.epochs_per_round
+        stats.loss = loss_sum / epoch_tokens
+        stats.clip_fraction = clipped / epoch_tokens
+        stats.kl = kl_sum / epoch_tokens
+        stats.stepped = True
+        self.policy_version += 1
+        if not math.isfinite(stats.loss):
+            raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
+        return stats

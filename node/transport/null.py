@@ -1,0 +1,14 @@
+"""The transport of an isolated node: publishes nowhere, receives nothing."""
+
+from __future__ import annotations
+
+from node.transport.base import ExternalGroup, Transport
+from node.trainer import RolloutGroup
+
+
+class NullTransport(Transport):
+    async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
+        return None
+
+    async def collect(self, round_: int, count: int) -> list[ExternalGroup]:
+        return []

@@ -1,0 +1,54 @@
+import asyncio
+import json
+
+import torch
+
+from node.loop import Node
+from node.state import StateStore, atomic_write_text
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    path = tmp_path / "f.txt"
+    atomic_write_text(path, "one")
+    atomic_write_text(path, "two")
+    assert path.read_text() == "two"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temp files left
+
+
+def test_metrics_skip_cut_lines_and_truncate(tmp_path):
+    store = StateStore(tmp_path)
+    for i in range(1, 4):
+        store.append_metrics({"round": i, "x": i})
+    with open(store.metrics_path, "a") as handle:
+        handle.write('{"round": 4, "x"')  # a kill mid-write
+    assert [r["round"] for r in store.read_metrics()] == [1, 2, 3]
+    store.truncate_metrics(2)
+    assert [json.loads(line)["round"] for line in store.metrics_path.read_text().splitlines()] == [1, 2]
+
+
+def test_interrupted_checkpoint_is_ignored(tiny_config, tmp_path):
+    config = tiny_config()
+    node = Node(config)
+    node.load()
+    asyncio.run(node.run(2, asyncio.Event()))
+    store = node.store
+    assert store.latest().name == "round-00000002"
+    # a save killed before LATEST moved: a staging folder and a newer folder without LATEST
+    (store.checkpoints / ".staging-x").mkdir()
+    assert store.latest().name == "round-00000002"
+
+
+def test_resume_restores_weights_optimizer_and_version(tiny_config, tmp_path):
+    config = tiny_config()
+    first = Node(config)
+    first.load()
+    asyncio.run(first.run(3, asyncio.Event()))
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()}
+    optimizer_steps = [s["step"] for s in first.trainer.optimizer.state_dict()["state"].values()]
+
+    second = Node(config)
+    second.load()
+    assert second.round == 3 and second.policy_version == first.policy_version
+    assert all(torch.equal(weights[k], v) for k, v in second.model.state_dict().items())
+    assert [s["step"] for s in second.trainer.optimizer.state_dict()["state"].values()] == optimizer_steps
+    assert len(list(second.store.checkpoints.glob("round-*"))) == config.checkpoint_keep

@@ -1,0 +1,117 @@
+import math
+
+import pytest
+import torch
+
+from node.config import TrainerConfig
+from node.rollouts.base import Completion
+from node.trainer import GRPOTrainer, RolloutGroup, completion_logprobs, group_advantages, policy_loss
+from protocol.specs import TaskSpec
+
+
+def test_group_advantages_hand_computed():
+    # mean 0.5, sample std sqrt(1/3) = 0.57735
+    advantages = group_advantages([1.0, 0.0, 1.0, 0.0], eps=0.0)
+    assert advantages == pytest.approx([0.866025, -0.866025, 0.866025, -0.866025], rel=1e-5)
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], eps=0.0) == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert group_advantages([0.3, 0.3], eps=1e-4) == [0.0, 0.0]
+
+
+def test_policy_loss_clipping_hand_computed():
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))  # ratios 1.5, 0.5, 1.0 against old = 0
+    old = torch.zeros(1, 3)
+    mask = torch.tensor([[True, True, True]])
+    # A = +1: min(1.5, 1.28) = 1.28; min(0.5, 0.8) = 0.5; 1.0 -> loss = -(1.28 + 0.5 + 1.0)
+    loss, info = policy_loss(logprobs, old, torch.tensor([1.0]), mask, 0.2, 0.28)
+    assert loss.item() == pytest.approx(-(1.28 + 0.5 + 1.0))
+    assert info["clipped_tokens"].item() == 2
+    # A = -1: -min(-1.5, -1.28) = 1.5; -min(-0.5, -0.8) = 0.8; 1.0
+    loss, _ = policy_loss(logprobs, old, torch.tensor([-1.0]), mask, 0.2, 0.28)
+    assert loss.item() == pytest.approx(1.5 + 0.8 + 1.0)
+    # masked tokens and importance weights
+    loss, _ = policy_loss(logprobs, old, torch.tensor([1.0]), torch.tensor([[True, False, True]]), 0.2, 0.28, torch.tensor([[0.5, 9.0, 2.0]]))
+    assert loss.item() == pytest.approx(-(1.28 * 0.5 + 1.0 * 2.0))
+
+
+def test_policy_loss_kl_term():
+    logprobs = torch.log(torch.tensor([[0.5]]))
+    ref = torch.log(torch.tensor([[0.25]]))
+    loss, info = policy_loss(logprobs, logprobs.clone(), torch.tensor([0.0]), torch.tensor([[True]]), 0.2, 0.28, None, ref, kl_beta=0.1)
+    expected_kl = 0.5 - math.log(0.5) - 1  # exp(ref - logp) - (ref - logp) - 1
+    assert info["kl_sum"].item() == pytest.approx(expected_kl)
+    assert loss.item() == pytest.approx(0.1 * expected_kl)
+
+
+@pytest.fixture
+def tiny_policy():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _completion(prompt, ids, version=0, logprobs=None):
+    return Completion(prompt_ids=prompt, completion_ids=ids, text="", logprobs=logprobs, finish_reason="stop", policy_version=version)
+
+
+def test_padding_does_not_change_logprobs(tiny_policy):
+    rows = [([3, 4, 5, 6, 7], [8, 9]), ([3], [8, 9, 10, 11])]
+    together, mask = completion_logprobs(tiny_policy, rows, pad_id=0, temperature=1.0)
+    for i, row in enumerate(rows):
+        alone, _ = completion_logprobs(tiny_policy, [row], pad_id=0, temperature=1.0)
+        assert torch.allclose(together[i, : len(row[1])], alone[0, : len(row[1])], atol=1e-5)
+    assert mask.sum().item() == 6
+
+
+def test_step_raises_logprobs_of_positive_advantage_completions(tiny_policy):
+    prompt = [3, 4, 5]
+    good, bad = [8, 9, 1], [10, 11, 1]
+    with torch.no_grad():
+        before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad)], 0, 1.0)
+    completions = [_completion(prompt, good, logprobs=before[0].tolist()), _completion(prompt, bad, logprobs=before[1].tolist())]
+    trainer = GRPOTrainer(TrainerConfig(lr=1e-2), tiny_policy, pad_id=0, temperature=1.0)
+    stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])])
+    assert stats.stepped and trainer.policy_version == 1 and stats.tokens == 6
+    with torch.no_grad():
+        after, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad)], 0, 1.0)
+    assert after[0].sum() > before[0].sum()
+    assert after[1].sum() < before[1].sum()
+
+
+def test_uniform_and_empty_groups_do_not_step(tiny_policy):
+    weights = [p.detach().clone() for p in tiny_policy.parameters()]
+    trainer = GRPOTrainer(TrainerConfig(), tiny_policy, pad_id=0, temperature=1.0)
+    uniform = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion([3], [4]), _completion([3], [5])], [1.0, 1.0])
+    empty = RolloutGroup(TaskSpec("x", {}, 0, 1), [_completion([3], []), _completion([3], [])], [1.0, 0.0])
+    stats = trainer.step([uniform, empty])
+    assert not stats.stepped and stats.groups_dropped == 1 and trainer.policy_version == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, tiny_policy.parameters()))
+    assert all(torch.isfinite(p).all() for p in tiny_policy.parameters())
+
+
+def test_micro_batching_gives_the_same_gradient(tiny_policy):
+    import copy
+
+    groups = [RolloutGroup(TaskSpec("x", {}, 0, i), [_completion([3, i + 4], [5, 6, 1][: i + 1]), _completion([3], [7, 1])], [float(i % 2), 1.0 - i % 2]) for i in range(3)]
+    results = []
+    for micro in (1, 64):
+        model = copy.deepcopy(tiny_policy)
+        trainer = GRPOTrainer(TrainerConfig(micro_batch_size=micro, lr=1e-3), model, pad_id=0, temperature=1.0)
+        trainer.step(groups)
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(results[0], results[1], atol=1e-6)
+
+
+def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
+    trainer = GRPOTrainer(TrainerConfig(importance_cap=2.0), tiny_policy, pad_id=0, temperature=1.0, policy_version=5)
+    with torch.no_grad():
+        current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
+    # behaviour much less likely than now -> weight capped at 2; much more likely -> weight < 1
+    stale_low = _completion([3], [4, 5], version=1, logprobs=(current[0] - 5.0).tolist())
+    stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
+    samples = trainer._samples([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])], type("S", (), {"groups_used": 0, "groups_dropped": 0})())
+    old, weights = trainer._old_logprobs(samples)
+    assert torch.allclose(old[0], current[0], atol=1e-6)
+    assert torch.allclose(weights[0], torch.full((2,), 2.0))
+    assert torch.allclose(weights[1], torch.full((2,), math.exp(-0.5)), atol=1e-5)
