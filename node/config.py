@@ -37,7 +37,7 @@ class DefaultModelConfig(_Section):
     """Width of each MLP."""
     max_position_embeddings: int = Field(512, ge=32)
     """Longest prompt + completion the model can see, in characters."""
-    warmup_steps: int = Field(200, ge=0)
+    warmup_steps: int = Field(260, ge=0)
     """Supervised steps on the default task mix before RL starts (0: untrained weights)."""
     warmup_batch_size: int = Field(32, ge=1)
     """Questions per supervised step."""
@@ -138,7 +138,7 @@ class RolloutConfig(_Section):
 class TrainerConfig(_Section):
     """GRPO / DAPO policy update."""
 
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(3e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""

