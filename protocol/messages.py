@@ -1,0 +1,195 @@
+"""Every message a node sends, as a frozen dataclass with `to_wire()` and `from_wire()`.
+
+`from_wire` is the only validator: it checks exact types, bounds and lengths against the
+receiver's `Limits` and raises `ProtocolRejection` for anything else. The sender runs
+the same check before signing (`encode_message`), so a node never publishes what its
+peers would refuse. On the wire a message is a map keyed by its field names, in field
+order; new fields are only ever appended, in a new minor version (see `version.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self
+
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.refusals import Refusal
+from protocol.specs import SpecError, TaskSpec
+from protocol.validation import check_fields, check_float, check_int, check_list, check_str, reject
+from protocol.version import PROTOCOL_MINOR
+
+MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
+MAX_FINGERPRINT_CHARS = 64  # e.g. a sha256 hex digest of the model's architecture and weights
+FINISH_REASONS = ("stop", "length")
+NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")  # see identity.node_id_from_public_key
+SPEC_FIELDS = frozenset(f.name for f in fields(TaskSpec))
+
+
+class MessageKind(enum.StrEnum):
+    """The envelope's `kind`: which message class its payload decodes to.
+
+    A minor version may add kinds; an older node refuses them as `unknown_kind`, which
+    says "upgrade me", not "this peer misbehaves".
+    """
+
+    ROLLOUT_BATCH = "rollout_batch"
+    PEER_STATS = "peer_stats"
+    # Reserved for later minor versions (append here, never reuse a code):
+    # "averaging_*"  NoLoCo outer-step gossip (announce, pseudo-gradient chunks, done);
+    # "pipeline_*"   stage serving and CheckFree recovery (stage requests, weights).
+
+
+@dataclass(frozen=True)
+class RolloutCompletion:
+    """One sampled answer to a question."""
+
+    text: str  # the completion as decoded text
+    token_ids: list[int]  # sampled token ids, each in [0, 2^31)
+    logprobs: list[float] | None  # sampler log-probability per token (finite, <= 0), None when not recorded
+    finish_reason: str  # "stop": end of sequence sampled; "length": max_new_tokens reached
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": list(self.token_ids),
+                "logprobs": None if self.logprobs is None else list(self.logprobs),
+                "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        token_ids = check_list(f["token_ids"], "token_ids", limits.max_tokens_per_completion)
+        for token in token_ids:
+            check_int(token, "token id", hi=MAX_TOKEN_ID)
+        logprobs = f["logprobs"]
+        if logprobs is not None:
+            check_list(logprobs, "logprobs", limits.max_tokens_per_completion)
+            if len(logprobs) != len(token_ids):
+                reject(Refusal.BAD_STRUCTURE, f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+            for logprob in logprobs:
+                check_float(logprob, "logprob", hi=0.0)
+        if check_str(f["finish_reason"], "finish_reason", limits.max_name_chars) not in FINISH_REASONS:
+            reject(Refusal.BAD_VALUE, f"finish_reason {f['finish_reason']!r} is not one of {FINISH_REASONS}")
+        return cls(text=check_str(f["text"], "text", limits.max_string_chars), token_ids=token_ids,
+                   logprobs=logprobs, finish_reason=f["finish_reason"])
+
+
+@dataclass(frozen=True)
+class RolloutQuestion:
+    """A question, named by its spec, with the completions a node sampled for it."""
+
+    spec: TaskSpec  # re-derivable question: the receiver regenerates it and its ground truth
+    completions: list[RolloutCompletion]  # 1..max_completions_per_question samples
+    claimed_rewards: list[float]  # sender's reward per completion (finite); advisory, the receiver re-scores
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_wire(), "completions": [c.to_wire() for c in self.completions],
+                "claimed_rewards": list(self.claimed_rewards)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        spec_wire = f["spec"]
+        if minor > PROTOCOL_MINOR and type(spec_wire) is dict:  # a later minor may append spec fields too
+            spec_wire = {key: value for key, value in spec_wire.items() if key in SPEC_FIELDS}
+        try:
+            spec = TaskSpec.from_wire(spec_wire)
+        except (SpecError, RecursionError) as exc:  # a config nested past the recursion limit is not JSON data either
+            reject(Refusal.BAD_SPEC, str(exc) or "task spec config is nested too deeply")
+        completions = check_list(f["completions"], "completions", limits.max_completions_per_question, min_items=1)
+        rewards = check_list(f["claimed_rewards"], "claimed_rewards", limits.max_completions_per_question)
+        if len(rewards) != len(completions):
+            reject(Refusal.BAD_STRUCTURE, f"{len(rewards)} claimed rewards for {len(completions)} completions")
+        for reward in rewards:
+            check_float(reward, "claimed reward")
+        return cls(spec=spec, completions=[RolloutCompletion.from_wire(c, limits, minor=minor) for c in completions],
+                   claimed_rewards=rewards)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What a node shares each round: its questions and completions (SAPO rollout sharing)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.ROLLOUT_BATCH
+
+    round: int  # the sender's training round (>= 0) when it sampled these
+    policy_version: int  # the sender's policy version that sampled them (>= 0); off-policy age = ours - this
+    model_fingerprint: str  # <= 64 chars naming the model family; receivers skip batches of another model
+    questions: list[RolloutQuestion]  # 0..max_questions questions
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "policy_version": self.policy_version,
+                "model_fingerprint": self.model_fingerprint, "questions": [q.to_wire() for q in self.questions]}
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        questions = check_list(f["questions"], "questions", limits.max_questions)
+        return cls(round=check_int(f["round"], "round"),
+                   policy_version=check_int(f["policy_version"], "policy_version"),
+                   model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+                   questions=[RolloutQuestion.from_wire(q, limits, minor=minor) for q in questions])
+
+    def claimed_node_id(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """A node's heartbeat: who it is, where to reach it and how its training goes."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.PEER_STATS
+
+    node_id: str  # must equal the node id of the envelope's signing key
+    display_name: str  # human-chosen name for dashboards; not unique, not trusted
+    software_version: str  # swarm-node package version
+    protocol_version: str  # "major.minor" the sender speaks
+    model_name: str  # model (or default-model preset) the node trains
+    model_parameters: int  # its parameter count
+    round: int  # current training round
+    policy_version: int  # current policy version (optimizer steps applied)
+    reward_mean: float  # moving average of rewards (finite; may be negative if a task penalizes)
+    accuracy: float  # moving average of answers judged correct, in [0, 1]
+    rollouts_published: int  # rollouts this node has shared
+    rollouts_received: int  # rollouts received from peers
+    rollouts_accepted: int  # received rollouts that passed checks and re-scoring
+    rollouts_rejected: int  # received rollouts refused
+    tokens_per_s: float  # recent sampling throughput
+    uptime_s: float  # seconds since the node started
+    last_seen: float  # unix time the sender composed these stats
+    addresses: list[str]  # multiaddrs where the node listens, at most max_addresses
+
+    _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
+                                          "rollouts_received", "rollouts_accepted", "rollouts_rejected")
+    _NAMES: ClassVar[tuple[str, ...]] = ("display_name", "software_version", "protocol_version", "model_name")
+    _RATES: ClassVar[tuple[str, ...]] = ("tokens_per_s", "uptime_s", "last_seen")
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = {f.name: getattr(self, f.name) for f in fields(self)}
+        wire["addresses"] = list(self.addresses)
+        return wire
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        if not NODE_ID_PATTERN.fullmatch(check_str(f["node_id"], "node_id", limits.max_name_chars)):
+            reject(Refusal.BAD_VALUE, "node_id must be 40 lowercase hex characters")
+        values: dict[str, Any] = {"node_id": f["node_id"]}
+        values |= {name: check_str(f[name], name, limits.max_name_chars) for name in cls._NAMES}
+        values |= {name: check_int(f[name], name) for name in cls._COUNTS}
+        values |= {name: check_float(f[name], name, lo=0.0) for name in cls._RATES}
+        values["reward_mean"] = check_float(f["reward_mean"], "reward_mean")
+        values["accuracy"] = check_float(f["accuracy"], "accuracy", lo=0.0, hi=1.0)
+        addresses = check_list(f["addresses"], "addresses", limits.max_addresses)
+        values["addresses"] = [check_str(a, "address", limits.max_name_chars) for a in addresses]
+        return cls(**values)
+
+    def claimed_node_id(self) -> str | None:
+        return self.node_id
+
+
+Message = RolloutBatch | PeerStats
+MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats]] = {
+    MessageKind.ROLLOUT_BATCH: RolloutBatch,
+    MessageKind.PEER_STATS: PeerStats,
+}

@@ -1,0 +1,81 @@
+"""Why a message is refused: one enum whose every code carries a sentence for humans.
+
+Decoding raises only `ProtocolRejection`, so a node can count refusals per peer and
+reason (`RefusalCounter`) and show the sentence in its dashboard instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+
+
+class Refusal(enum.Enum):
+    """A refusal reason; `.value` is the short wire/log code, `.sentence` explains it."""
+
+    sentence: str
+
+    TOO_LARGE = ("too_large", "The message is larger than the receiver's size limit.")
+    NOT_MSGPACK = ("not_msgpack", "The bytes are not one complete, well-formed msgpack value.")
+    BAD_STRUCTURE = ("bad_structure", "A field has the wrong type, or a field is missing or unexpected.")
+    UNKNOWN_VERSION = ("unknown_version", "The message uses a protocol major version this node does not speak.")
+    UNKNOWN_KIND = ("unknown_kind", "The message kind is not one this node knows.")
+    WRONG_SWARM = ("wrong_swarm", "The message belongs to another swarm.")
+    BAD_SIGNATURE = ("bad_signature", "The signature does not match the sender's key and the signed bytes.")
+    SENDER_MISMATCH = ("sender_mismatch", "The signing key is not the one the message claims or the receiver expected.")
+    REPLAY = ("replay", "The sequence number is not newer than one already seen from this sender.")
+    STALE = ("stale", "The message is too old (or too far in the future), or refers to a round or policy that is too old.")
+    TOO_MANY_ITEMS = ("too_many_items", "A list in the message has more items than the receiver allows.")
+    STRING_TOO_LONG = ("string_too_long", "A string in the message is longer than the receiver allows.")
+    BAD_VALUE = ("bad_value", "A value is out of range: a non-finite float, a negative count, an unknown option.")
+    BAD_SPEC = ("bad_spec", "A task spec is malformed or out of bounds.")
+    UNSCORABLE = ("unscorable", "A task spec is well-formed but the receiver cannot materialize and score its question.")
+
+    def __new__(cls, code: str, sentence: str) -> "Refusal":
+        member = object.__new__(cls)
+        member._value_ = code
+        member.sentence = sentence
+        return member
+
+
+class ProtocolRejection(Exception):
+    """A message refused for `reason`; `detail` names the field or the number that failed."""
+
+    def __init__(self, reason: Refusal, detail: str = "") -> None:
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
+
+    def __reduce__(self):  # keeps the exception picklable across process boundaries
+        return (type(self), (self.reason, self.detail))
+
+
+class RefusalCounter:
+    """Counts refusals per peer and reason, for stats and for deciding whom to distrust.
+
+    Totals per reason are exact; per-peer counts keep the `max_peers` most recently
+    refused peers, so a flood from throwaway identities cannot grow memory without bound.
+    """
+
+    def __init__(self, max_peers: int = 1024) -> None:
+        self.max_peers = max_peers
+        self._totals: Counter[Refusal] = Counter()
+        self._peers: OrderedDict[str, Counter[Refusal]] = OrderedDict()
+
+    def record(self, peer_id: str, rejection: ProtocolRejection | Refusal) -> None:
+        reason = rejection.reason if isinstance(rejection, ProtocolRejection) else rejection
+        self._totals[reason] += 1
+        counts = self._peers.pop(peer_id, None) or Counter()
+        counts[reason] += 1
+        self._peers[peer_id] = counts
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+
+    def by_reason(self) -> dict[str, int]:
+        return {reason.value: n for reason, n in self._totals.items()}
+
+    def by_peer(self) -> dict[str, dict[str, int]]:
+        return {peer: {reason.value: n for reason, n in counts.items()} for peer, counts in self._peers.items()}

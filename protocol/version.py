@@ -1,0 +1,11 @@
+"""The protocol version every envelope carries as [major, minor].
+
+Compatibility rule: a minor release only appends fields (to the envelope body or to a
+message) and may add message kinds, so a receiver accepts any minor of its own major and
+ignores trailing fields it does not know when the sender's minor is higher than its own.
+A new major may change anything, so an unknown major is refused outright.
+"""
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"  # as a PeerStats.protocol_version string

@@ -1,0 +1,348 @@
+"""The wire protocol: golden bytes, round trips, every refusal reason, identities."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protocol import (DEFAULT_LIMITS, PROTOCOL_MAJOR, PROTOCOL_MINOR, Envelope, Limits, NodeIdentity,
+                      PeerStats, ProtocolRejection, Refusal, RefusalCounter, ReplayGuard, RolloutBatch,
+                      RolloutCompletion, RolloutQuestion, TaskSpec, decode_message, encode_message,
+                      node_id_from_public_key, verify_signature)
+from protocol.envelope import SIGNING_CONTEXT
+
+IDENTITY = NodeIdentity(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+OTHER = NodeIdentity(Ed25519PrivateKey.from_private_bytes(bytes(32)))
+SWARM = "test-swarm"
+T0 = 1_700_000_000.5
+
+
+def make_batch(**overrides) -> RolloutBatch:
+    question = RolloutQuestion(
+        spec=TaskSpec("basic_arithmetic", {"min_terms": 2}, 7, 1),
+        completions=[RolloutCompletion("4", [19, 2], [-0.5, -0.25], "stop"),
+                     RolloutCompletion("five", [20], None, "length")],
+        claimed_rewards=[1.0, 0.0])
+    return replace(RolloutBatch(round=3, policy_version=2, model_fingerprint="tiny-qwen", questions=[question]),
+                   **overrides)
+
+
+def make_stats(identity: NodeIdentity = IDENTITY, **overrides) -> PeerStats:
+    stats = PeerStats(node_id=identity.node_id, display_name="alice", software_version="0.1.0",
+                      protocol_version="1.0", model_name="tiny", model_parameters=12345, round=3, policy_version=2,
+                      reward_mean=0.5, accuracy=0.25, rollouts_published=10, rollouts_received=20,
+                      rollouts_accepted=15, rollouts_rejected=5, tokens_per_s=123.5, uptime_s=60.0,
+                      last_seen=1_700_000_000.0, addresses=["/ip4/127.0.0.1/tcp/4001"])
+    return replace(stats, **overrides)
+
+
+def encode(message, seq: int = 1, identity: NodeIdentity = IDENTITY, **kwargs) -> bytes:
+    return encode_message(message, identity=identity, swarm_id=SWARM, seq=seq, timestamp=T0, **kwargs)
+
+
+def decode(data: bytes, **kwargs) -> Envelope:
+    kwargs.setdefault("swarm_id", SWARM)
+    kwargs.setdefault("now", T0)
+    return decode_message(data, **kwargs)
+
+
+def signed(payload, *, version=(PROTOCOL_MAJOR, PROTOCOL_MINOR), kind="rollout_batch", swarm=SWARM, seq=1,
+           timestamp=T0, extra=(), identity: NodeIdentity = IDENTITY, raw_payload: bytes | None = None) -> bytes:
+    """A correctly signed envelope around anything (`raw_payload`: exact payload bytes), so
+    that it reaches the checks after the signature."""
+    header = [list(version), kind, swarm, identity.public_key_bytes, seq, timestamp]
+    if raw_payload is None:
+        body = msgpack.packb([*header, payload, *extra])
+    else:  # a msgpack array is its length prefix followed by its items
+        body = bytes([0x90 + len(header) + 1]) + b"".join(msgpack.packb(x) for x in header) + raw_payload
+    return frame(body, identity.sign(SIGNING_CONTEXT + body))
+
+
+def frame(body: bytes, signature: bytes) -> bytes:
+    return msgpack.packb([body, signature])
+
+
+def _reframe_with_long_header() -> bytes:
+    body, signature = msgpack.unpackb(encode(make_batch()))
+    return b"\x92\xc6" + len(body).to_bytes(4, "big") + body + msgpack.packb(signature)  # bin32 where bin16 fits
+
+
+def refusal(data: bytes, **kwargs) -> ProtocolRejection:
+    with pytest.raises(ProtocolRejection) as caught:
+        decode(data, **kwargs)
+    return caught.value
+
+
+GOLDEN_BATCH = (
+    "92c5017297920100ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c44024c61c7a03bd2c5e"
+    "62fa340c2386845bcfc3346b576a81707b2b3014db4ede74d3a4594f48972034de820ea28ef010cb8446fcb2dd6b6fec"
+    "8a60951a5193b800"
+)
+GOLDEN_STATS = (
+    "92c501c797920100aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0012a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031c440d3e5a3460990e93f7191a3e13b345d85f41dd4"
+    "59ec3d2c1666239ee825f69a00ef8641a6eed8bea90f86d8be10bd873447cbbff2769d5eb7750e8f56b338a70e"
+)
+
+
+# --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
+
+def test_golden_rollout_batch():
+    assert encode(make_batch()).hex() == GOLDEN_BATCH
+    assert decode(bytes.fromhex(GOLDEN_BATCH)).message == make_batch()
+
+
+def test_golden_peer_stats():
+    assert encode(make_stats(), seq=2).hex() == GOLDEN_STATS
+    assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
+
+
+# --- round trips ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("message", [make_batch(), make_batch(questions=[]), make_stats(),
+                                     make_stats(addresses=[], reward_mean=-0.5)], ids=["batch", "empty", "stats", "bare"])
+def test_round_trip(message):
+    envelope = decode(encode(message, seq=9))
+    assert envelope.message == message and type(envelope.message) is type(message)
+    assert (envelope.version, envelope.kind, envelope.swarm_id, envelope.seq, envelope.timestamp) == \
+           ((PROTOCOL_MAJOR, PROTOCOL_MINOR), message.KIND, SWARM, 9, T0)
+    assert envelope.sender == IDENTITY.public_key_bytes and envelope.sender_id == IDENTITY.node_id
+
+
+def test_parts_round_trip_and_logprobs_none_is_not_empty():
+    with_none, with_list = make_batch().questions[0].completions[1], RolloutCompletion("", [], [], "stop")
+    for completion in (with_none, with_list):
+        assert RolloutCompletion.from_wire(completion.to_wire()) == completion
+    assert RolloutCompletion.from_wire(with_none.to_wire()).logprobs is None
+    assert RolloutCompletion.from_wire(with_list.to_wire()).logprobs == []
+    question = make_batch().questions[0]
+    assert RolloutQuestion.from_wire(question.to_wire()) == question
+
+
+def test_booleans_are_not_integers_and_integers_are_not_floats():
+    for bad in (make_batch(round=True), make_stats(model_parameters=False), make_stats(uptime_s=60)):
+        with pytest.raises(ProtocolRejection) as caught:
+            encode(bad)
+        assert caught.value.reason is Refusal.BAD_STRUCTURE
+    wire = make_batch().to_wire()
+    wire["questions"][0]["completions"][0]["token_ids"] = [True, 2]
+    assert refusal(signed(wire)).reason is Refusal.BAD_STRUCTURE
+    wire = make_batch().to_wire()
+    wire["questions"][0]["claimed_rewards"] = [1, 0.0]
+    assert refusal(signed(wire)).reason is Refusal.BAD_STRUCTURE
+
+
+def test_encode_refuses_what_peers_would_refuse():
+    with pytest.raises(ProtocolRejection, match="bad_value"):
+        encode(make_stats(accuracy=math.nan))
+    big = make_batch(questions=make_batch().questions * 64)
+    with pytest.raises(ProtocolRejection) as caught:
+        encode(big, limits=Limits(max_message_bytes=10_000))
+    assert caught.value.reason is Refusal.TOO_LARGE
+    with pytest.raises(TypeError):
+        encode(make_batch().questions[0])
+
+
+# --- every refusal reason reachable, and counted --------------------------------------------------
+
+def _mutate(data: bytes, needle: bytes, replacement: bytes) -> bytes:
+    assert data.count(needle) == 1 and len(needle) == len(replacement)
+    return data.replace(needle, replacement)
+
+
+def _with_payload(**changes) -> dict:
+    wire = make_batch().to_wire()
+    wire.update(changes)
+    return wire
+
+
+CASES = {
+    "oversize": (Refusal.TOO_LARGE, lambda: (encode(make_batch()), {"limits": Limits(max_message_bytes=100)})),
+    "garbage": (Refusal.NOT_MSGPACK, lambda: (b"\xc1\xc1 not msgpack", {})),
+    "truncated": (Refusal.NOT_MSGPACK, lambda: (encode(make_batch())[:-1], {})),
+    "trailing": (Refusal.NOT_MSGPACK, lambda: (encode(make_batch()) + b"\x00", {})),
+    "ext type": (Refusal.BAD_STRUCTURE, lambda: (signed({"x": msgpack.ExtType(5, b"ab")}), {})),
+    "not a frame": (Refusal.BAD_STRUCTURE, lambda: (msgpack.packb({"body": b"", "signature": b""}), {})),
+    "repeated key": (Refusal.BAD_STRUCTURE, lambda: (signed(None, raw_payload=b"\x82\xa1a\x01\xa1a\x02"), {})),
+    "non-canonical frame": (Refusal.BAD_STRUCTURE, lambda: (_reframe_with_long_header(), {})),
+    "wrong type": (Refusal.BAD_STRUCTURE, lambda: (signed(_with_payload(round="3")), {})),
+    "missing field": (Refusal.BAD_STRUCTURE, lambda: (signed({"round": 1}), {})),
+    "extra field same minor": (Refusal.BAD_STRUCTURE, lambda: (signed(_with_payload(colour="red")), {})),
+    "extra body field same minor": (Refusal.BAD_STRUCTURE, lambda: (signed(make_batch().to_wire(), extra=[1]), {})),
+    "unknown major": (Refusal.UNKNOWN_VERSION, lambda: (signed(make_batch().to_wire(), version=(2, 0)), {})),
+    "unknown kind": (Refusal.UNKNOWN_KIND, lambda: (signed({}, kind="averaging_announce"), {})),
+    "wrong swarm": (Refusal.WRONG_SWARM, lambda: (encode(make_batch()), {"swarm_id": "other-swarm"})),
+    "flipped signature": (Refusal.BAD_SIGNATURE, lambda: (encode(make_batch())[:-1] + b"\x01", {})),
+    "flipped payload": (Refusal.BAD_SIGNATURE, lambda: (_mutate(encode(make_batch()), b"tiny-qwen", b"tiny-qwem"), {})),
+    "other key": (Refusal.BAD_SIGNATURE, lambda: (_mutate(encode(make_batch()), IDENTITY.public_key_bytes,
+                                                          OTHER.public_key_bytes), {})),
+    "expected other sender": (Refusal.SENDER_MISMATCH, lambda: (encode(make_batch()),
+                                                                {"expected_sender": OTHER.public_key_bytes})),
+    "stats claim another node": (Refusal.SENDER_MISMATCH, lambda: (encode(make_stats(OTHER)), {})),
+    "stale": (Refusal.STALE, lambda: (encode(make_batch()), {"now": T0 + DEFAULT_LIMITS.max_clock_skew_s + 1})),
+    "from the future": (Refusal.STALE, lambda: (encode(make_batch()), {"now": T0 - 301})),
+    "too many questions": (Refusal.TOO_MANY_ITEMS, lambda: (encode(make_batch(questions=make_batch().questions * 2)),
+                                                            {"limits": Limits(max_questions=1)})),
+    "too many addresses": (Refusal.TOO_MANY_ITEMS, lambda: (
+        signed({**make_stats().to_wire(), "addresses": ["/ip4/1.2.3.4"] * 17}, kind="peer_stats"), {})),
+    "text too long": (Refusal.STRING_TOO_LONG, lambda: (encode(make_batch()), {"limits": Limits(max_string_chars=3)})),
+    "name too long": (Refusal.STRING_TOO_LONG, lambda: (signed(_with_payload(model_fingerprint="x" * 65)), {})),
+    "nan reward": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
+        {**make_batch().questions[0].to_wire(), "claimed_rewards": [math.nan, 0.0]}])), {})),
+    "positive logprob": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
+        {**make_batch().questions[0].to_wire(), "completions": [{**make_batch().questions[0].completions[0].to_wire(),
+                                                                 "logprobs": [0.5, -1.0]}], "claimed_rewards": [1.0]}])), {})),
+    "negative round": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(round=-1)), {})),
+    "no completions": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
+        {**make_batch().questions[0].to_wire(), "completions": [], "claimed_rewards": []}])), {})),
+    "bad spec": (Refusal.BAD_SPEC, lambda: (signed(_with_payload(questions=[
+        {**make_batch().questions[0].to_wire(), "spec": {"dataset": "", "config": {}, "seed": 0, "index": 0}}])), {})),
+    "deep spec config": (Refusal.BAD_SPEC, lambda: (signed(_with_payload(questions=[
+        {**make_batch().questions[0].to_wire(),
+         "spec": {"dataset": "d", "config": {"a": _nested(1000)}, "seed": 0, "index": 0}}])), {})),
+}
+
+
+def _nested(depth: int):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_refusal(case):
+    reason, make = CASES[case]
+    data, kwargs = make()
+    rejection = refusal(data, **kwargs)
+    assert rejection.reason is reason, str(rejection)
+    assert str(rejection).startswith(f"{reason.value}: ")
+
+
+def test_every_reason_is_reachable_and_counted():
+    counter = RefusalCounter()
+    for i, (_, make) in enumerate(CASES.values()):
+        data, kwargs = make()
+        counter.record("peer-a" if i % 2 else "peer-b", refusal(data, **kwargs))
+    guard = ReplayGuard()
+    guard.check_and_record(decode(encode(make_batch(), seq=5)))
+    with pytest.raises(ProtocolRejection) as caught:
+        guard.check_and_record(decode(encode(make_batch(), seq=5)))
+    counter.record("peer-a", caught.value)
+    counter.record("peer-b", Refusal.UNSCORABLE)  # the node's reason, when a spec cannot be materialized
+    assert set(counter.by_reason()) == {reason.value for reason in Refusal}
+    assert sum(counter.by_reason().values()) == len(CASES) + 2
+    assert counter.by_peer()["peer-a"]["replay"] == 1
+
+
+def test_higher_minor_is_accepted_and_its_appended_fields_ignored():
+    payload = _with_payload(colour="red")
+    payload["questions"][0]["completions"][0]["score"] = 1
+    payload["questions"][0]["spec"]["difficulty"] = 3
+    envelope = decode(signed(payload, version=(PROTOCOL_MAJOR, PROTOCOL_MINOR + 1), extra=["future field"]))
+    assert envelope.version == (PROTOCOL_MAJOR, PROTOCOL_MINOR + 1) and envelope.message == make_batch()
+
+
+def test_replay_guard():
+    guard = ReplayGuard(max_senders=2)
+    guard.check_and_record(decode(encode(make_batch(), seq=5)))
+    for seq in (5, 4):
+        with pytest.raises(ProtocolRejection, match="replay"):
+            guard.check_and_record(decode(encode(make_batch(), seq=seq)))
+    guard.check_and_record(decode(encode(make_batch(), seq=6)))
+    guard.check_and_record(decode(encode(make_stats(), seq=1)))  # seq counts per kind
+    guard.check_and_record(decode(encode(make_stats(OTHER), seq=1, identity=OTHER)))  # evicts the oldest pair
+    guard.check_and_record(decode(encode(make_batch(), seq=1)))
+
+
+def test_refusal_codes_and_sentences():
+    for reason in Refusal:
+        assert reason.value.replace("_", "").isalpha() and reason.value.islower()
+        assert reason.sentence.endswith(".") and len(reason.sentence) > 20
+        assert Refusal(reason.value) is reason
+    assert str(ProtocolRejection(Refusal.REPLAY, "seq 3")) == "replay: seq 3"
+
+
+def test_refusal_counter_is_bounded_per_peer():
+    counter = RefusalCounter(max_peers=2)
+    for peer in ("a", "b", "c"):
+        counter.record(peer, ProtocolRejection(Refusal.STALE))
+    assert counter.by_reason() == {"stale": 3} and set(counter.by_peer()) == {"b", "c"}
+
+
+def test_decode_refuses_non_bytes():
+    assert refusal("a string").reason is Refusal.NOT_MSGPACK  # type: ignore[arg-type]
+    assert decode(bytearray(encode(make_batch()))).message == make_batch()
+
+
+# --- identity -------------------------------------------------------------------------------------
+
+def test_node_id_derivation():
+    key = IDENTITY.public_key_bytes
+    assert len(key) == 32 and IDENTITY.node_id == hashlib.sha256(key).hexdigest()[:40]
+    assert node_id_from_public_key(key) == IDENTITY.node_id != OTHER.node_id
+    with pytest.raises(ValueError):
+        node_id_from_public_key(key[:31])
+
+
+def test_sign_and_verify():
+    signature = IDENTITY.sign(b"data")
+    assert verify_signature(IDENTITY.public_key_bytes, signature, b"data")
+    assert not verify_signature(IDENTITY.public_key_bytes, signature, b"datb")
+    assert not verify_signature(OTHER.public_key_bytes, signature, b"data")
+    assert not verify_signature(b"short", signature, b"data")
+    assert not verify_signature(IDENTITY.public_key_bytes, b"short", b"data")
+
+
+def test_load_or_create(tmp_path):
+    path = tmp_path / "keys" / "node.pem"
+    first = NodeIdentity.load_or_create(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert NodeIdentity.load_or_create(path).node_id == first.node_id
+    assert [p.name for p in path.parent.iterdir()] == ["node.pem"]  # no temporary file left behind
+    assert first.node_id in repr(first) and "PRIVATE" not in repr(first)
+
+
+def test_load_raw_key_and_refuse_open_permissions(tmp_path):
+    raw = tmp_path / "node.key"
+    raw.write_bytes(bytes(range(32)))
+    raw.chmod(0o600)
+    assert NodeIdentity.load_or_create(raw).node_id == IDENTITY.node_id
+    raw.chmod(0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        NodeIdentity.load_or_create(raw)
+    junk = tmp_path / "junk.key"
+    junk.write_bytes(b"not a key")
+    junk.chmod(0o600)
+    with pytest.raises(ValueError):
+        NodeIdentity.load_or_create(junk)
+
+
+def test_import_does_not_pull_torch():
+    code = "import protocol, sys; assert 'torch' not in sys.modules, 'protocol imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
