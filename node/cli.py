@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -36,8 +37,17 @@ def _setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+# `swarm-node join` without --config: the built-in defaults turned into a swarm node.
+JOIN_PRESET = ["swarm.transport=dht", "swarm.local_questions=4", "swarm.external_questions=4", "state_dir=~/.swarm-node/swarm"]
+
+
 def _config_from_args(args: argparse.Namespace) -> NodeConfig:
-    return load_config(args.config, args.set or [], state_dir=args.state_dir, rounds=args.rounds)
+    overrides = list(args.set or [])
+    if args.command == "join":
+        overrides = (["swarm.transport=dht"] if args.config else JOIN_PRESET) + overrides
+        if args.initial_peers:
+            overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
+    return load_config(args.config, overrides, state_dir=args.state_dir, rounds=args.rounds)
 
 
 # train -----------------------------------------------------------------------------------
@@ -61,19 +71,30 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
 
     node = Node(config)
     await asyncio.to_thread(node.load, fresh)
+    if node.identity is not None:
+        console.print(f"node id {node.identity.node_id}", highlight=False)
     console.print(
         f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, "
         f"resuming at round {node.round}" if node.round else f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, fresh start",
         highlight=False,
     )
     target = None if config.rounds is None else node.round + config.rounds
-    with RoundDisplay(console, node.round, target, title=f"{config.name} (isolated)" if config.swarm.transport == "none" else config.name) as display:
+    def show_addresses(addresses: list[str]) -> None:
+        node._announce(addresses)
+        console.print("joined swarm " + config.swarm.swarm_id + "; others can join with --initial-peers " + " ".join(addresses), highlight=False)
+
+    if node.identity is not None:
+        node.transport.announce = show_addresses
+    title = f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
+    with RoundDisplay(console, node.round, target, title=title) as display:
         await node.run(config.rounds, stop, on_round=display.update)
     console.print(f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False)
     return 0
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from node.transport.dht import SwarmJoinError
+
     config = _config_from_args(args)
     _setup_logging(config.resolved_state_dir(), args.verbose, console)
     try:
@@ -81,6 +102,84 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]")
         return 130
+    except SwarmJoinError as exc:
+        print(f"swarm-node: error: {exc}", file=sys.stderr)
+        return 1
+
+
+# peers and identity ------------------------------------------------------------------------
+
+
+def _peer_rows(peers) -> list[dict[str, Any]]:
+    from dataclasses import asdict
+
+    return sorted((asdict(stats) for stats, _ in peers), key=lambda row: row["node_id"])
+
+
+def _peers_table(rows: list[dict[str, Any]], swarm_id: str) -> Table:
+    import time
+
+    table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)")
+    for column in ("node", "name", "round", "policy", "reward", "accuracy", "published", "received", "accepted", "rejected", "tokens/s", "up", "seen"):
+        table.add_column(column, justify="left" if column in ("node", "name") else "right")
+    now = time.time()
+    for row in rows:
+        table.add_row(
+            row["node_id"][:12], row["display_name"], str(row["round"]), str(row["policy_version"]), f"{row['reward_mean']:.3f}", f"{row['accuracy']:.1%}",
+            str(row["rollouts_published"]), str(row["rollouts_received"]), str(row["rollouts_accepted"]), str(row["rollouts_rejected"]),
+            f"{row['tokens_per_s']:.0f}", f"{row['uptime_s'] / 60:.1f}m", f"{max(0.0, now - row['last_seen']):.0f}s ago",
+        )
+    return table
+
+
+async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Console) -> int:
+    from node.transport.dht import create_dht_node, read_peer_stats, shutdown_dht
+
+    dht = await create_dht_node(config, client_mode=True)
+    try:
+        while True:
+            rows = _peer_rows(await read_peer_stats(dht, config))
+            if as_json:
+                print(json.dumps(rows), flush=True)
+            else:
+                if watch:
+                    console.clear()
+                console.print(_peers_table(rows, config.swarm.swarm_id))
+            if not watch:
+                return 0
+            await asyncio.sleep(2.0)
+    finally:
+        await shutdown_dht(dht)
+
+
+def cmd_peers(args: argparse.Namespace, console: Console) -> int:
+    from node.transport.dht import SwarmJoinError
+
+    overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), "swarm.bootstrap_attempts=2"]
+    overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
+    if args.swarm_id:
+        overrides.append(f"swarm.swarm_id={args.swarm_id}")
+    config = load_config(None, overrides)
+    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+    try:
+        return asyncio.run(_peers(config, args.json, args.watch, console))
+    except KeyboardInterrupt:
+        return 0
+    except SwarmJoinError as exc:
+        print(f"swarm-node: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_identity(args: argparse.Namespace, console: Console) -> int:
+    from protocol import NodeIdentity
+
+    state_dir = Path(args.state_dir or "~/.swarm-node/swarm").expanduser()
+    identity = NodeIdentity.load_or_create(state_dir / "identity.key")
+    if args.json:
+        print(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key_bytes.hex(), "key_file": str(state_dir / "identity.key")}))
+    else:
+        print(identity.node_id)
+    return 0
 
 
 # stats -----------------------------------------------------------------------------------
@@ -116,6 +215,9 @@ def cmd_stats(args: argparse.Namespace, console: Console) -> int:
         console.print(f"swarm-node: error: no metrics in {state_dir} (has a node trained there?)", highlight=False)
         return 1
     summary = {"state_dir": str(state_dir), **summarize_metrics(store.read_metrics())}
+    swarm_file = state_dir / "swarm.json"
+    if swarm_file.exists():
+        summary["swarm"] = json.loads(swarm_file.read_text())
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -123,8 +225,20 @@ def cmd_stats(args: argparse.Namespace, console: Console) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        if key != "swarm":
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for key, value in summary.get("swarm", {}).get("totals", {}).items():
+        table.add_row(f"swarm.{key}", str(value))
     console.print(table)
+    peers = summary.get("swarm", {}).get("peers", {})
+    if peers:
+        per_peer = Table(title="rollouts received per peer")
+        for column in ("peer", "received", "accepted", "questions used", "rewards disagree", "rejected"):
+            per_peer.add_column(column)
+        for peer, counters in sorted(peers.items()):
+            rejected = ", ".join(f"{reason}={count}" for reason, count in counters["rejected"].items()) or "-"
+            per_peer.add_row(peer[:12], str(counters["batches_received"]), str(counters["batches_accepted"]), str(counters["questions_used"]), str(counters["claimed_rewards_disagree"]), rejected)
+        console.print(per_peer)
     return 0
 
 
@@ -135,14 +249,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-node", description="A peer-to-peer node for RL post-training of language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def add_training_arguments(command: argparse.ArgumentParser, default_config: str, default_state: str) -> None:
+        command.add_argument("--config", type=Path, help=f"YAML config (default: {default_config})")
+        command.add_argument("--state-dir", help=f"where the policy, optimizer, metrics and logs live (default: {default_state})")
+        command.add_argument("--rounds", type=int, help="run N more rounds from wherever the state stands (default: until interrupted)")
+        command.add_argument("--fresh", action="store_true", help="discard the checkpoints and metrics in the state directory and start over")
+        command.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set trainer.lr=2e-5 (repeatable)")
+        command.add_argument("-v", "--verbose", action="store_true", help="show info logs on the console (they always go to node.log)")
+        command.set_defaults(handler=cmd_train)
+
     train = sub.add_parser("train", help="train in isolation (no network), resuming from the state directory", description="Run the node's round loop alone: rollouts, local scoring, GRPO updates, checkpoints.")
-    train.add_argument("--config", type=Path, help="YAML config (default: built-in defaults, as configs/isolated.yaml)")
-    train.add_argument("--state-dir", help="where the policy, optimizer, metrics and logs live (default: ~/.swarm-node/state)")
-    train.add_argument("--rounds", type=int, help="run N more rounds from wherever the state stands (default: until interrupted)")
-    train.add_argument("--fresh", action="store_true", help="discard the checkpoints and metrics in the state directory and start over")
-    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set trainer.lr=2e-5 (repeatable)")
-    train.add_argument("-v", "--verbose", action="store_true", help="show info logs on the console (they always go to node.log)")
-    train.set_defaults(handler=cmd_train)
+    add_training_arguments(train, "built-in defaults, as configs/isolated.yaml", "~/.swarm-node/state")
+    join = sub.add_parser("join", help="join a swarm over the DHT and train on own and peers' rollouts (SAPO)", description="The same loop as train, publishing rollouts to peers found over a hivemind DHT and mixing theirs into each batch.")
+    add_training_arguments(join, "built-in defaults with 4 local + 4 external questions, as configs/swarm.yaml", "~/.swarm-node/swarm")
+    join.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers (none: start a new swarm)")
+
+    peers = sub.add_parser("peers", help="list the live peers of a swarm and their statistics", description="Join a swarm as a client-only DHT peer and print every live node's signed heartbeat.")
+    peers.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of any running peer")
+    peers.add_argument("--swarm-id", help="swarm name (default: swarm-node-public)")
+    peers.add_argument("--json", action="store_true", help="print a JSON list, one object per peer")
+    peers.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
+    peers.set_defaults(handler=cmd_peers)
+
+    identity = sub.add_parser("identity", help="print this node's id (creating its key on first use)", description="Print the node id derived from the Ed25519 key in the state directory.")
+    identity.add_argument("--state-dir", help="state directory holding identity.key (default: ~/.swarm-node/swarm)")
+    identity.add_argument("--json", action="store_true", help="print node id, public key and key file as JSON")
+    identity.set_defaults(handler=cmd_identity)
 
     stats = sub.add_parser("stats", help="summarize a node's metrics", description="Summarize metrics.jsonl of a state directory.")
     stats.add_argument("--state-dir", help="state directory to read (default: ~/.swarm-node/state)")
@@ -152,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack: for hung nodes
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     if getattr(args, "rounds", None) is not None and args.rounds < 1:

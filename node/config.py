@@ -165,14 +165,50 @@ class TrainerConfig(_Section):
 
 
 class SwarmConfig(_Section):
-    """How the node mixes its own and its peers' questions (SAPO)."""
+    """How the node finds peers and mixes its own and their questions (SAPO)."""
 
-    transport: Literal["none"] = "none"
-    """'none' runs isolated (a null transport); swarm transports plug in here."""
+    transport: Literal["none", "dht"] = "none"
+    """'none' runs isolated (a null transport); 'dht' joins a swarm over a hivemind DHT."""
     local_questions: int = Field(8, ge=1)
     """I: questions the node draws and answers itself each round."""
     external_questions: int = Field(0, ge=0)
     """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
+    swarm_id: str = Field("swarm-node-public", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name of the swarm: keys are namespaced by it, and messages of other swarms are refused."""
+    initial_peers: list[str] = []
+    """Multiaddrs of peers to join (empty: this node starts a new swarm)."""
+    host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    """Addresses the node listens on (port 0: any free port)."""
+    announce_maddrs: list[str] = []
+    """Addresses announced to peers, when they differ from the listening ones (NAT, containers)."""
+    client_mode: bool = False
+    """Join without accepting incoming connections (behind a firewall)."""
+    p2pd_startup_timeout_s: float = Field(30.0, gt=0)
+    """How long the p2p daemon may take to start (slow machines need more than hivemind's 15 s)."""
+    bootstrap_attempts: int = Field(5, ge=1)
+    """Tries to reach the initial peers before giving up."""
+    bootstrap_backoff_s: float = Field(2.0, gt=0)
+    """First wait between bootstrap tries; doubles each time."""
+    dht_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for one DHT store or read; past it the round goes on without (peers are optional)."""
+    window_s: float = Field(10.0, gt=0)
+    """Rollouts are published under time windows of this length; a round reads the current and previous ones."""
+    collect_windows: int = Field(2, ge=1)
+    """Windows read per round (current and older), so that peers of other speeds still overlap."""
+    max_batch_age_s: float = Field(120.0, gt=0)
+    """Peers' batches older than this are refused as stale."""
+    max_external_tokens: int = Field(256, ge=1)
+    """A peer completion longer than this (in local tokens) is refused: it would cost more than it teaches."""
+    importance_weighting: bool = True
+    """Weight peers' tokens by min(c, pi_local/pi_behaviour) where their behaviour log-probs are usable."""
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    """How often the node publishes its signed statistics."""
+    heartbeat_ttl_s: float = Field(30.0, gt=0)
+    """A peer whose last heartbeat is older than this is considered gone."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus counters on http://127.0.0.1:PORT/metrics (None: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the metrics endpoint."""
 
 
 class NodeConfig(_Section):

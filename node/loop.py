@@ -9,7 +9,9 @@ publish own groups -> collect J external groups and re-score them locally -> GRP
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +20,14 @@ from typing import Any
 import torch
 
 from node.config import NodeConfig, dump_config
-from node.model import resolve_initial_policy, load_policy
+from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
 from node.state import StateStore, atomic_write_text, restore_rng
 from node.tasks import Question, TaskError, TaskSource, grade, materialize
+from node.rollouts.base import Completion
+from node.stats import MetricsServer, SwarmStats, prometheus_text
 from node.trainer import GRPOTrainer, RolloutGroup
-from node.transport import ExternalGroup, Transport, build_transport
+from node.transport import ExternalGroup, Transport
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +40,35 @@ class RoundTimings:
     checkpoint_s: float = 0.0
 
 
+SOFTWARE_VERSION = "0.1.0"
+EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
+
+
 class Node:
     def __init__(self, config: NodeConfig, transport: Transport | None = None):
         self.config = config
         self.store = StateStore(config.resolved_state_dir())
-        self.transport = transport or build_transport(config)
-        self.tasks = TaskSource(config.tasks, seed=config.seed)
+        self.transport = transport  # built in load() when not given: it needs the model's fingerprint
+        self.identity = None
+        self.stream_seed = config.seed
+        if config.swarm.transport != "none":
+            from protocol import NodeIdentity
+
+            self.identity = NodeIdentity.load_or_create(self.store.root / "identity.key")
+            # Peers sharing a config must not draw the same questions and samples.
+            self.stream_seed = int(hashlib.sha256(f"{config.seed}:{self.identity.node_id}".encode()).hexdigest()[:15], 16)
+        self.tasks = TaskSource(config.tasks, seed=self.stream_seed)
+        self.stats = SwarmStats()
         self.round = 0  # rounds completed
         self.model = self.tokenizer = self.trainer = self.backend = None
+        self.fingerprint = ""
+        self.reward_ema: float | None = None
+        self.accuracy_ema: float | None = None
+        self.last_tokens_per_s = 0.0
+        self.announced_addresses: list[str] = []
         self._heldout: list[Question] | None = None
+        self._mix = {d.name for d in config.tasks.datasets}
+        self._metrics_server: MetricsServer | None = None
 
     # set-up ------------------------------------------------------------------
 
@@ -72,6 +96,48 @@ class Node:
             log.info("starting fresh from %s", self.config.model.name_or_path)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
+        self.fingerprint = model_fingerprint(self.model, self.tokenizer)
+        if self.transport is None:
+            self.transport = self._build_transport()
+
+    def _build_transport(self) -> Transport:
+        if self.config.swarm.transport == "none":
+            from node.transport.null import NullTransport
+
+            return NullTransport()
+        from node.transport.dht import DHTTransport
+
+        return DHTTransport(self.config, self.identity, self.stats, self.store.root, self.fingerprint, heartbeat=self.peer_stats, announce=self._announce)
+
+    def _announce(self, addresses: list[str]) -> None:
+        self.announced_addresses = addresses
+        log.info("node %s listening on %s", self.identity.node_id, " ".join(addresses))
+
+    def peer_stats(self):
+        """This node's signed heartbeat content."""
+        from protocol import PROTOCOL_VERSION, PeerStats
+
+        totals = self.stats.totals()
+        return PeerStats(
+            node_id=self.identity.node_id,
+            display_name=self.config.name,
+            software_version=SOFTWARE_VERSION,
+            protocol_version=PROTOCOL_VERSION,
+            model_name=self.config.model.name_or_path,
+            model_parameters=sum(p.numel() for p in self.model.parameters()),
+            round=self.round,
+            policy_version=self.policy_version,
+            reward_mean=self.reward_ema or 0.0,
+            accuracy=self.accuracy_ema or 0.0,
+            rollouts_published=totals["batches_published"],
+            rollouts_received=totals["batches_received"],
+            rollouts_accepted=totals["batches_accepted"],
+            rollouts_rejected=sum(totals["rejected"].values()),
+            tokens_per_s=self.last_tokens_per_s,
+            uptime_s=time.time() - self.stats.started,
+            last_seen=time.time(),
+            addresses=self.announced_addresses[:8],
+        )
 
     def _build_services(self, policy_version: int) -> None:
         self.model.eval()
@@ -85,24 +151,59 @@ class Node:
     # one round ------------------------------------------------------------------
 
     def _generation_seed(self, round_: int) -> int:
-        return (self.config.seed * 1_000_003 + round_) % (2**63)
+        return (self.stream_seed * 1_000_003 + round_) % (2**63)
 
     def score_group(self, question: Question, completions, source: str) -> RolloutGroup:
         grades = [grade(question, c.text, c.finish_reason == "stop", self.config.tasks.format_reward) for c in completions]
         return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source)
 
-    def _rescore_external(self, external: list[ExternalGroup]) -> tuple[list[RolloutGroup], int]:
-        """Re-derive each peer question from its spec and score it here; peers' answers are never used."""
-        groups, refused = [], 0
+    def _refuse(self, item: ExternalGroup, reason, detail: str) -> None:
+        self.stats.reject(item.peer_id, reason.value)
+        log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
+
+    def _rescore_external(self, external: list[ExternalGroup]) -> list[RolloutGroup]:
+        """Re-derive each peer question from its spec, re-tokenize its completions and score them here.
+
+        The sender's answers and rewards are never used; its token ids and behaviour log-probs
+        only when it runs the same model and they match our own tokenization exactly.
+        """
+        from protocol import Refusal
+
+        eos_id = self.tokenizer.eos_token_id
+        groups = []
         for item in external:
+            if item.spec.dataset not in self._mix:
+                self._refuse(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} is not in this node's task mix")
+                continue
             try:
                 question = materialize(item.spec)
             except TaskError as exc:
-                log.warning("refused a group from %s: %s", item.peer_id, exc)
-                refused += 1
+                self._refuse(item, Refusal.UNSCORABLE, str(exc))
                 continue
-            groups.append(self.score_group(question, item.completions, source=item.peer_id))
-        return groups, refused
+            prompt_ids = self.tokenizer.encode(self.tasks.prompt(question), add_special_tokens=False)
+            completions = []
+            for sent in item.completions:
+                ids = self.tokenizer.encode(sent.text, add_special_tokens=False) + ([eos_id] if sent.finish_reason == "stop" else [])
+                usable = self.config.swarm.importance_weighting and item.same_model and ids == list(sent.token_ids)
+                completions.append(Completion(prompt_ids, ids, sent.text, list(sent.logprobs) if usable and sent.logprobs is not None else None, sent.finish_reason, policy_version=-1))
+            longest = max(len(c.completion_ids) for c in completions)
+            if longest > self.config.swarm.max_external_tokens:
+                self._refuse(item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens")
+                continue
+            group = self.score_group(question, completions, source=item.peer_id)
+            if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):
+                self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
+            groups.append(group)
+        return groups
+
+    def _sample_external(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
+        """SAPO: J questions drawn uniformly from the peers' groups that carry a learning signal."""
+        if self.config.trainer.drop_uniform_groups:
+            groups = [g for g in groups if max(g.rewards) - min(g.rewards) > 1e-9]
+        chosen = random.Random(self._generation_seed(round_)).sample(groups, min(self.config.swarm.external_questions, len(groups)))
+        for group in chosen:
+            self.stats.peer(group.source).questions_used += 1
+        return chosen
 
     def _generate_and_score(self, questions: list[Question], round_: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
         timings = RoundTimings()
@@ -136,10 +237,11 @@ class Node:
         questions = self.tasks.batch(first_draw=self.round * swarm.local_questions, count=swarm.local_questions)
         local_groups, summary, timings = await asyncio.to_thread(self._generate_and_score, questions, round_)
         await self.transport.publish(round_, self.policy_version, local_groups)
-        external_groups, refused = [], 0
+        external_groups: list[RolloutGroup] = []
         if swarm.external_questions:
-            received = await self.transport.collect(round_, swarm.external_questions)
-            external_groups, refused = await asyncio.to_thread(self._rescore_external, received)
+            received = await self.transport.collect(round_)
+            rescored = await asyncio.to_thread(self._rescore_external, received)
+            external_groups = self._sample_external(rescored, round_)
         start = time.perf_counter()
         stats = await asyncio.to_thread(self.trainer.step, local_groups + external_groups)
         timings.update_s = time.perf_counter() - start
@@ -156,7 +258,7 @@ class Node:
             "groups_used": stats.groups_used,
             "groups_dropped": stats.groups_dropped,
             "external_questions": len(external_groups),
-            "external_refused": refused,
+            "rejected": self.stats.take_round_rejections(),
             "generation_s": timings.generation_s,
             "scoring_s": timings.scoring_s,
             "update_s": timings.update_s,
@@ -167,9 +269,22 @@ class Node:
         row["step_s"] = time.perf_counter() - round_start
         self.store.append_metrics(row)
         self.round = round_
+        self._update_moving_averages(row)
+        if swarm.transport != "none":
+            self.stats.save(self.store.root / "swarm.json")
         if round_ % self.config.checkpoint_every == 0:
             await asyncio.to_thread(self.save)
         return row
+
+    def _update_moving_averages(self, row: dict[str, Any]) -> None:
+        ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
+        self.reward_ema = ema(self.reward_ema, row["reward_mean"])
+        self.accuracy_ema = ema(self.accuracy_ema, row["accuracy"])
+        self.last_tokens_per_s = row["tokens_per_s"]
+
+    def prometheus(self) -> str:
+        gauges = {"round": self.round, "policy_version": self.policy_version, "reward_mean": self.reward_ema or 0.0, "accuracy": self.accuracy_ema or 0.0, "tokens_per_s": self.last_tokens_per_s}
+        return prometheus_text(gauges, self.stats)
 
     # evaluation and persistence -----------------------------------------------------
 
@@ -191,10 +306,14 @@ class Node:
 
     async def run(self, rounds: int | None, stop: asyncio.Event, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Run `rounds` more rounds (None: until `stop` is set); the state is saved on the way out."""
-        await self.transport.start()
         target = None if rounds is None else self.round + rounds
         try:
+            await self.transport.start()
+            if self.config.swarm.metrics_port is not None:
+                self._metrics_server = MetricsServer(self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus)
+                await self._metrics_server.start()
             while not stop.is_set() and (target is None or self.round < target):
+                self.transport.check_alive()
                 row = await self.run_round()
                 if on_round:
                     on_round(row)
@@ -204,5 +323,7 @@ class Node:
             if latest is None or self.store.load_round(latest) != self.round:
                 await asyncio.to_thread(self.save)
         finally:
+            if self._metrics_server is not None:
+                await self._metrics_server.stop()
             await self.transport.stop()
             self.backend.close()

@@ -9,8 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from node.rollouts.base import Completion
 from node.trainer import RolloutGroup
+from protocol.messages import RolloutCompletion
 from protocol.specs import TaskSpec
 
 
@@ -19,8 +19,11 @@ class ExternalGroup:
     """A peer's question and completions as received: its rewards are not trusted, the node re-scores."""
 
     spec: TaskSpec
-    completions: list[Completion]
+    completions: list[RolloutCompletion]  # text and the sender's token ids / behaviour log-probs
+    claimed_rewards: list[float]  # advisory only: compared with our own scores, never trained on
     peer_id: str
+    same_model: bool  # sender's model fingerprint equals ours: its token ids and log-probs are comparable
+    policy_version: int  # the sender's policy version (its own counter)
 
 
 class Transport(ABC):
@@ -35,9 +38,8 @@ class Transport(ABC):
         """Offer this round's own scored groups to peers."""
 
     @abstractmethod
-    async def collect(self, round_: int, count: int) -> list[ExternalGroup]:
-        """Up to `count` peers' groups for this round; fewer (or none) when peers are missing."""
+    async def collect(self, round_: int) -> list[ExternalGroup]:
+        """Peers' groups verified by the protocol and not seen before; none when peers are missing."""
 
-    def counters(self) -> dict[str, int]:
-        """Transport counters for metrics (received, rejected by reason, ...)."""
-        return {}
+    def check_alive(self) -> None:
+        """Raise if one of the transport's background services died."""

@@ -1,0 +1,138 @@
+"""Swarm statistics of one node: per-peer counters, the heartbeat it publishes, /metrics.
+
+Counters are plain integers owned by the node; the transport and the loop record into
+them, the heartbeat and the Prometheus endpoint read them, and `swarm.json` in the state
+directory keeps them for `swarm-node stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from node.state import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerCounters:
+    batches_received: int = 0  # decoded envelopes of kind rollout_batch, before any check of ours
+    batches_accepted: int = 0
+    questions_received: int = 0
+    questions_used: int = 0  # sampled into one of our training batches
+    claimed_rewards_disagree: int = 0  # questions whose advisory rewards differ from our re-scoring
+    rejected: Counter = field(default_factory=Counter)  # refusal code -> count
+    last_seen: float = 0.0
+
+
+class SwarmStats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.peers: dict[str, PeerCounters] = {}
+        self.batches_published = 0
+        self.questions_published = 0
+        self.bytes_published = 0
+        self.bytes_received = 0
+        self.round_rejected: Counter = Counter()  # since the last metrics row
+
+    def peer(self, peer_id: str) -> PeerCounters:
+        counters = self.peers.get(peer_id)
+        if counters is None:
+            counters = self.peers[peer_id] = PeerCounters()
+        counters.last_seen = time.time()
+        return counters
+
+    def reject(self, peer_id: str, reason_code: str) -> None:
+        self.peer(peer_id).rejected[reason_code] += 1
+        self.round_rejected[reason_code] += 1
+
+    def take_round_rejections(self) -> dict[str, int]:
+        rejected, self.round_rejected = dict(self.round_rejected), Counter()
+        return rejected
+
+    def totals(self) -> dict[str, Any]:
+        rejected: Counter = Counter()
+        for counters in self.peers.values():
+            rejected.update(counters.rejected)
+        return {
+            "peers_seen": len(self.peers),
+            "batches_published": self.batches_published,
+            "questions_published": self.questions_published,
+            "bytes_published": self.bytes_published,
+            "bytes_received": self.bytes_received,
+            "batches_received": sum(c.batches_received for c in self.peers.values()),
+            "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
+            "questions_used": sum(c.questions_used for c in self.peers.values()),
+            "claimed_rewards_disagree": sum(c.claimed_rewards_disagree for c in self.peers.values()),
+            "rejected": dict(rejected),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"totals": self.totals(), "peers": {peer: {**asdict(c), "rejected": dict(c.rejected)} for peer, c in self.peers.items()}}
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(self.snapshot(), indent=1))
+
+
+def _escape(label: str) -> str:
+    return label.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
+    """The Prometheus text exposition of the node's gauges and swarm counters."""
+    lines = []
+    for name, value in node_gauges.items():
+        lines += [f"# TYPE swarm_node_{name} gauge", f"swarm_node_{name} {float(value)}"]
+    totals = stats.totals()
+    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received"):
+        lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
+    per_peer = ("batches_received", "batches_accepted", "questions_received", "questions_used", "claimed_rewards_disagree")
+    for name in per_peer:
+        lines.append(f"# TYPE swarm_node_peer_{name}_total counter")
+        for peer, counters in stats.peers.items():
+            lines.append(f'swarm_node_peer_{name}_total{{peer="{_escape(peer)}"}} {getattr(counters, name)}')
+    lines.append("# TYPE swarm_node_peer_rejected_total counter")
+    for peer, counters in stats.peers.items():
+        for reason, count in counters.rejected.items():
+            lines.append(f'swarm_node_peer_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """A minimal HTTP endpoint serving GET /metrics (Prometheus scrapes nothing else)."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], str]):
+        self.host, self.port, self.render = host, port, render
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("serving metrics on http://%s:%d/metrics", self.host, self.port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
+            if path == b"/metrics":
+                body, status = self.render().encode(), b"200 OK"
+            else:
+                body, status = b"not found: try /metrics\n", b"404 Not Found"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a client that does not speak HTTP gets nothing
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()

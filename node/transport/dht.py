@@ -1,0 +1,318 @@
+"""Swarm transport over a hivemind DHT: membership, heartbeats and rollout gossip.
+
+The DHT node runs inside the node's own asyncio loop (`DHTNode`, not the `hivemind.DHT`
+child process): the child's uvloop pipe can die on values above ~16 KB and leave its
+caller waiting forever (../shared/NOTES.md), and our loop is free anyway since torch work
+runs in worker threads.
+
+Keys, all namespaced by protocol major version and swarm id:
+    swarm-node/v1/<swarm>/peers               subkey = node id, value = signed PeerStats
+    swarm-node/v1/<swarm>/rollouts/<window>   subkey = node id, value = signed RolloutBatch
+where <window> = floor(unix time / window_s). Each round a node publishes its batch under
+the current window and reads the last `collect_windows` windows, so nodes of different
+speeds overlap and a late joiner finds what was published in the recent past.
+Every value is an envelope signed by its sender; a value whose signer is not the node id
+it is stored under is refused, and so is anything that fails the protocol's checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+from node.config import NodeConfig
+from node.stats import SwarmStats
+from node.trainer import RolloutGroup
+from node.transport.base import ExternalGroup, Transport
+from protocol import (
+    DEFAULT_LIMITS,
+    MessageKind,
+    NodeIdentity,
+    PeerStats,
+    ProtocolRejection,
+    Refusal,
+    RolloutBatch,
+    RolloutCompletion,
+    RolloutQuestion,
+    decode_message,
+    encode_message,
+)
+from protocol.version import PROTOCOL_MAJOR
+
+log = logging.getLogger(__name__)
+
+MAX_VALUES_PER_KEY = 256  # peers read per key and round: bounds the work a flood of subkeys can cause
+SEEN_PER_SENDER = 64
+MAX_REFUSED_REMEMBERED = 4096
+
+
+class SwarmJoinError(RuntimeError):
+    """The node could not start its p2p daemon or reach any initial peer."""
+
+
+def key_prefix(swarm_id: str) -> str:
+    return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
+
+
+async def create_dht_node(config: NodeConfig, client_mode: bool | None = None):
+    """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff."""
+    from hivemind.dht.node import DHTNode
+
+    swarm = config.swarm
+    delay, last_error = swarm.bootstrap_backoff_s, None
+    for attempt in range(1, swarm.bootstrap_attempts + 1):
+        try:
+            return await DHTNode.create(
+                initial_peers=swarm.initial_peers or None,
+                client_mode=swarm.client_mode if client_mode is None else client_mode,
+                host_maddrs=swarm.host_maddrs,
+                announce_maddrs=swarm.announce_maddrs or None,
+                startup_timeout=swarm.p2pd_startup_timeout_s,
+            )
+        except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
+            last_error = exc
+            if attempt == swarm.bootstrap_attempts:
+                break
+            log.warning("cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs", attempt, swarm.bootstrap_attempts, exc, delay)
+            await asyncio.sleep(delay)
+            delay *= 2
+    target = ", ".join(swarm.initial_peers) if swarm.initial_peers else "a new swarm"
+    raise SwarmJoinError(f"could not join {target} after {swarm.bootstrap_attempts} attempts: {last_error}")
+
+
+async def shutdown_dht(dht, timeout: float = 10.0) -> None:
+    """Shut the DHT node and its p2pd down, without hanging when p2pd is already gone.
+
+    A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
+    signal that asked the node to stop, and a polite shutdown would then wait forever.
+    """
+    try:
+        await asyncio.wait_for(dht.shutdown(), timeout)
+    except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
+        log.warning("DHT shutdown did not complete (%s); leaving anyway", type(exc).__name__)
+        process = getattr(getattr(dht, "p2p", None), "_child", None)
+        if process is not None and process.returncode is None:
+            process.kill()
+
+
+class _SeenEnvelopes:
+    """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay."""
+
+    def __init__(self) -> None:
+        self._by_sender: dict[str, OrderedDict[int, None]] = {}
+
+    def seen(self, sender: str, seq: int) -> bool:
+        return seq in self._by_sender.get(sender, ())
+
+    def newest(self, sender: str) -> int:
+        return max(self._by_sender.get(sender, {-1: None}))
+
+    def add(self, sender: str, seq: int) -> None:
+        seqs = self._by_sender.setdefault(sender, OrderedDict())
+        seqs[seq] = None
+        while len(seqs) > SEEN_PER_SENDER:
+            seqs.popitem(last=False)
+
+
+def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float):
+    """Decode a DHT value and check that it is what its subkey claims; raises ProtocolRejection."""
+    if not isinstance(raw, bytes):
+        raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
+    envelope = decode_message(raw, swarm_id=swarm_id, now=now)
+    if envelope.sender_id != subkey:
+        raise ProtocolRejection(Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…")
+    if envelope.kind != kind:
+        raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"expected {kind.value}, got {envelope.kind.value}")
+    return envelope
+
+
+class DHTTransport(Transport):
+    def __init__(self, config: NodeConfig, identity: NodeIdentity, stats: SwarmStats, state_dir: Path, fingerprint: str, heartbeat: Callable[[], PeerStats], announce: Callable[[list[str]], None] | None = None):
+        self.config = config
+        self.identity = identity
+        self.stats = stats
+        self.state_dir = state_dir
+        self.fingerprint = fingerprint
+        self.heartbeat = heartbeat
+        self.announce = announce
+        self.prefix = key_prefix(config.swarm.swarm_id)
+        self.dht = None
+        self.addresses: list[str] = []
+        self._seq = 0
+        self._seen = _SeenEnvelopes()
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
+        self._heartbeat_task: asyncio.Task | None = None
+
+    # lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.dht = await create_dht_node(self.config)
+        self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
+        from node.state import atomic_write_text
+
+        atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in self.addresses))
+        if self.announce:
+            self.announce(self.addresses)
+        await self.publish_heartbeat()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def stop(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        if self.dht is not None:
+            await shutdown_dht(self.dht)
+            self.dht = None
+
+    def check_alive(self) -> None:
+        """Raise if a background service died: the node must stop loudly, not limp on."""
+        task = self._heartbeat_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError("the heartbeat service died") from task.exception()
+
+    # publishing ----------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        # Microseconds since the epoch: increases across restarts too, so peers' replay
+        # checks keep accepting a node that was killed and came back.
+        self._seq = max(self._seq + 1, int(time.time() * 1e6))
+        return self._seq
+
+    def _encode(self, message) -> bytes:
+        return encode_message(message, identity=self.identity, swarm_id=self.config.swarm.swarm_id, seq=self._next_seq(), timestamp=time.time())
+
+    async def _store(self, key: str, value: bytes, ttl: float) -> None:
+        from hivemind.utils import get_dht_time
+
+        try:
+            ok = await asyncio.wait_for(self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=self.identity.node_id), self.config.swarm.dht_timeout_s)
+        except asyncio.TimeoutError:
+            ok = False
+        if not ok:
+            log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(value), self.config.swarm.dht_timeout_s)
+
+    async def publish_heartbeat(self) -> None:
+        await self._store(f"{self.prefix}/peers", self._encode(self.heartbeat()), self.config.swarm.heartbeat_ttl_s)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.swarm.heartbeat_interval_s)
+            try:
+                await self.publish_heartbeat()
+            except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
+                log.warning("heartbeat not published: %s", exc)
+
+    def _batch(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> RolloutBatch:
+        questions = [
+            RolloutQuestion(
+                spec=group.spec,
+                completions=[RolloutCompletion(text=c.text, token_ids=list(c.completion_ids), logprobs=c.logprobs, finish_reason=c.finish_reason) for c in group.completions],
+                claimed_rewards=[float(r) for r in group.rewards],
+            )
+            for group in groups
+        ]
+        return RolloutBatch(round=round_, policy_version=policy_version, model_fingerprint=self.fingerprint, questions=questions)
+
+    async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
+        window = int(time.time() // self.config.swarm.window_s)
+        keep = len(groups)
+        while True:
+            try:
+                data = self._encode(self._batch(round_, policy_version, groups[:keep]))
+                break
+            except ProtocolRejection as exc:
+                if exc.reason is not Refusal.TOO_LARGE or keep <= 1:
+                    raise
+                keep = keep // 2
+        if keep < len(groups):
+            log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
+        await self._store(f"{self.prefix}/rollouts/{window}", data, self.config.swarm.max_batch_age_s)
+        self.stats.batches_published += 1
+        self.stats.questions_published += keep
+        self.stats.bytes_published += len(data)
+
+    # receiving -----------------------------------------------------------------------
+
+    async def collect(self, round_: int) -> list[ExternalGroup]:
+        now = time.time()
+        window = int(now // self.config.swarm.window_s)
+        keys = [f"{self.prefix}/rollouts/{window - k}" for k in range(self.config.swarm.collect_windows)]
+        reads = await asyncio.gather(*(read_key(self.dht, k, self.config.swarm.dht_timeout_s) for k in keys))
+        values = [item for found in reads for item in found]
+        envelopes = []
+        for subkey, raw in values:
+            if subkey == self.identity.node_id:
+                continue
+            try:
+                envelopes.append((decode_verified(raw, subkey, self.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, now), len(raw)))
+            except ProtocolRejection as exc:
+                self._refuse_once(str(subkey)[:64], raw, exc)
+        groups: list[ExternalGroup] = []
+        for envelope, size in sorted(envelopes, key=lambda pair: pair[0].seq):
+            peer = envelope.sender_id
+            if self._seen.seen(peer, envelope.seq):
+                continue  # the same value read again from the DHT: not news, not a replay
+            counters = self.stats.peer(peer)
+            counters.batches_received += 1
+            self.stats.bytes_received += size
+            if envelope.seq < self._seen.newest(peer):
+                self.stats.reject(peer, Refusal.REPLAY.value)
+                self._seen.add(peer, envelope.seq)
+                continue
+            self._seen.add(peer, envelope.seq)
+            if now - envelope.timestamp > self.config.swarm.max_batch_age_s:
+                self.stats.reject(peer, Refusal.STALE.value)
+                continue
+            batch: RolloutBatch = envelope.message
+            counters.batches_accepted += 1
+            counters.questions_received += len(batch.questions)
+            same_model = batch.model_fingerprint == self.fingerprint
+            for question in batch.questions:
+                groups.append(ExternalGroup(spec=question.spec, completions=question.completions, claimed_rewards=question.claimed_rewards, peer_id=peer, same_model=same_model, policy_version=batch.policy_version))
+        return groups
+
+    def _refuse_once(self, peer: str, raw: object, rejection: ProtocolRejection) -> None:
+        """Count a refused value the first time it is read (it stays in the DHT until it expires)."""
+        digest = hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()[:16]
+        if digest in self._refused:
+            return
+        self._refused[digest] = None
+        while len(self._refused) > MAX_REFUSED_REMEMBERED:
+            self._refused.popitem(last=False)
+        self.stats.reject(peer, rejection.reason.value)
+        log.info("refused a value stored as %s: %s", peer[:12], rejection)
+
+    async def read_peers(self) -> list[tuple[PeerStats, float]]:
+        return await read_peer_stats(self.dht, self.config)
+
+
+async def read_key(dht, key: str, timeout: float) -> list[tuple[object, object]]:
+    """(subkey, value) pairs stored under a key, at most MAX_VALUES_PER_KEY; none if the DHT does not answer in time."""
+    try:
+        found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
+    except asyncio.TimeoutError:
+        log.warning("the DHT did not answer for %s within %.0fs", key, timeout)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(subkey, entry.value) for subkey, entry in found.value.items()][:MAX_VALUES_PER_KEY]
+
+
+async def read_peer_stats(dht, config: NodeConfig) -> list[tuple[PeerStats, float]]:
+    """Live peers' verified heartbeats with their signing time (refused ones are logged)."""
+    now = time.time()
+    peers = []
+    for subkey, raw in await read_key(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.dht_timeout_s):
+        try:
+            envelope = decode_verified(raw, subkey, config.swarm.swarm_id, MessageKind.PEER_STATS, now)
+        except ProtocolRejection as exc:
+            log.info("refused a heartbeat stored as %s: %s", str(subkey)[:12], exc)
+            continue
+        if now - envelope.timestamp <= config.swarm.heartbeat_ttl_s:
+            peers.append((envelope.message, envelope.timestamp))
+    return peers

@@ -1,0 +1,89 @@
+"""Start real swarm nodes on 127.0.0.1 and stop exactly the processes a test started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import REPO, TINY_OVERRIDES, cli
+
+SWARM_OVERRIDES = [
+    *TINY_OVERRIDES,
+    "swarm.transport=dht",
+    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "swarm.local_questions=2",
+    "swarm.external_questions=2",
+    "swarm.window_s=2",
+    "swarm.heartbeat_interval_s=1",
+    "swarm.heartbeat_ttl_s=10",
+    "swarm.bootstrap_backoff_s=0.5",
+    "swarm.swarm_id=test-swarm",
+    # Tiny random models score 0 everywhere; a format bonus gives groups a reward spread.
+    "tasks.format_reward=0.1",
+    "checkpoint_keep=1",
+    "eval_every=0",
+]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def read_rows(state_dir: Path) -> list[dict]:
+    path = state_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+class SwarmProcess:
+    """One `swarm-node join` subprocess in its own process group."""
+
+    def __init__(self, config_path: Path, state_dir: Path, env: dict, initial_peers: list[str] = ()):
+        self.state_dir = state_dir
+        args = ["join", "--config", str(config_path), "--state-dir", str(state_dir)]
+        if initial_peers:
+            args += ["--initial-peers", *initial_peers]
+        self.log = open(state_dir.parent / f"{state_dir.name}.out", "w")
+        self.process = subprocess.Popen(cli(*args), stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+    def addresses(self, timeout: float = 90) -> list[str]:
+        path = self.state_dir / "addresses.txt"
+        self.assert_running()
+        return wait_for(lambda: path.exists() and path.read_text().split(), timeout, f"{path}")
+
+    def assert_running(self) -> None:
+        if self.process.poll() is not None:
+            raise AssertionError(f"node exited with {self.process.returncode}: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.state_dir.parent / f"{self.state_dir.name}.out").read_text()[-3000:]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the node and its p2pd child, nothing else
+        self.process.wait(timeout=30)
+
+    def interrupt(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()

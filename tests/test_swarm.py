@@ -1,0 +1,111 @@
+"""Real swarm nodes on 127.0.0.1: joining, SAPO sharing, peers listing, churn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from node.config import dump_config, load_config
+from tests.conftest import REPO, cli
+from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, read_rows, wait_for
+
+
+@pytest.fixture
+def swarm_yaml(model_cache, tmp_path):
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "swarm.yaml", SWARM_OVERRIDES)
+    ensure_default_model(config, progress=False)  # build once, before several nodes race to
+    path = tmp_path / "swarm.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
+@pytest.fixture
+def nodes():
+    started: list[SwarmProcess] = []
+    yield started
+    for node in started:
+        node.close()
+
+
+def uses_peers(state_dir) -> bool:
+    return any(row.get("external_questions", 0) > 0 for row in read_rows(state_dir))
+
+
+def peers_json(env, address: str) -> list[dict]:
+    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def wait_for_peers(env, address: str, count: int) -> list[dict]:
+    def listed():
+        peers = peers_json(env, address)
+        return peers if len(peers) == count else None
+
+    return wait_for(listed, 60, f"{count} live peers", interval=1)
+
+
+def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env, nodes):
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    bootstrap = first.addresses()
+    nodes += [SwarmProcess(swarm_yaml, tmp_path / name, cli_env, bootstrap) for name in ("b", "c")]
+    for node in nodes:
+        wait_for(lambda: node.assert_running() or uses_peers(node.state_dir), 180, f"{node.state_dir.name} to train on peers' rollouts")
+
+    listed = wait_for_peers(cli_env, bootstrap[0], 3)
+    for peer in listed:
+        assert {"node_id", "round", "reward_mean", "last_seen"} <= set(peer)
+        assert peer["round"] > 0 and peer["rollouts_published"] > 0
+    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60).stdout)["node_id"] for n in nodes}
+    assert {peer["node_id"] for peer in listed} == ids
+
+    for node in nodes:
+        assert node.interrupt() == 0, node.output()
+    for node in nodes:
+        swarm = json.loads((node.state_dir / "swarm.json").read_text())
+        used = {peer: counters["questions_used"] for peer, counters in swarm["peers"].items() if counters["questions_used"]}
+        assert used, f"{node.state_dir.name} used no peer questions"
+        assert swarm["totals"]["rejected"] == {}  # honest peers: nothing refused
+        stats = subprocess.run(cli("stats", "--state-dir", str(node.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60)
+        assert json.loads(stats.stdout)["swarm"]["totals"]["batches_accepted"] > 0
+
+
+def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cli_env, nodes):
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    bootstrap = first.addresses()
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap)
+    nodes.append(second)
+    wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b to use a's rollouts")
+    wait_for(lambda: uses_peers(first.state_dir), 180, "a to use b's rollouts")
+
+    second.kill()
+    rounds_at_kill = read_rows(second.state_dir)[-1]["round"]
+    first_rounds = read_rows(first.state_dir)[-1]["round"]
+    wait_for(lambda: first.assert_running() or read_rows(first.state_dir)[-1]["round"] > first_rounds + 5, 60, "a to keep training alone")
+
+    restarted = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap)
+    nodes.append(restarted)
+    marker = len(read_rows(restarted.state_dir))
+    wait_for(lambda: restarted.assert_running() or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:]), 180, "the restarted node to use a's rollouts again")
+    rows = read_rows(restarted.state_dir)
+    assert rows[0]["round"] == 1 and [r["round"] for r in rows] == list(range(1, rows[-1]["round"] + 1))
+    assert rows[-1]["round"] > rounds_at_kill - 1  # resumed, not restarted from scratch
+    assert "resuming at round" in restarted.output()
+    assert len({peer["node_id"] for peer in wait_for_peers(cli_env, bootstrap[0], 2)}) == 2
+
+
+def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
+    result = subprocess.run(
+        cli("join", "--config", str(swarm_yaml), "--state-dir", str(tmp_path / "x"), "--initial-peers", dead, "--set", "swarm.bootstrap_attempts=2", "--set", "swarm.p2pd_startup_timeout_s=10"),
+        capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180,
+    )
+    assert result.returncode == 1
+    assert "could not join" in result.stderr and "after 2 attempts" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,103 @@
+"""A hostile peer on 127.0.0.1 stores forged, false, oversize, truncated, replayed and foreign
+values where an honest node reads rollouts: each is refused with its reason and counted,
+and the honest node keeps training on its own scores."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from node.config import load_config
+from node.loop import Node
+from node.tasks import materialize
+from node.transport.dht import key_prefix
+from protocol import NodeIdentity, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec, encode_message
+from tests.conftest import REPO
+from tests.swarm_helpers import SWARM_OVERRIDES
+
+SWARM = "test-swarm"
+
+
+def batch_for(spec: TaskSpec, completions: list[str], claimed: list[float]) -> RolloutBatch:
+    sent = [RolloutCompletion(text=text, token_ids=[1], logprobs=None, finish_reason="length") for text in completions]
+    return RolloutBatch(round=1, policy_version=1, model_fingerprint="someone-else", questions=[RolloutQuestion(spec=spec, completions=sent, claimed_rewards=claimed)])
+
+
+def test_hostile_values_are_refused_and_counted(model_cache, tmp_path):
+    asyncio.run(_hostile_scenario(tmp_path))
+
+
+async def _hostile_scenario(tmp_path):
+    from hivemind.dht.node import DHTNode
+    from hivemind.utils import get_dht_time
+
+    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "swarm.window_s=120", "swarm.collect_windows=1"], state_dir=str(tmp_path / "honest"))
+    honest = Node(config)
+    honest.load()
+    await honest.transport.start()
+    hostile = await DHTNode.create(initial_peers=honest.transport.addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        window = int(time.time() // config.swarm.window_s)
+        key = f"{key_prefix(SWARM)}/rollouts/{window}"
+        mix = config.tasks.datasets[0]
+        spec = TaskSpec(mix.name, mix.config, seed=5, index=3)
+        question = materialize(spec)
+        wrong = str(int(question.answer) + 1)
+        peers = {name: NodeIdentity.generate() for name in ("forger", "liar", "big", "cut", "foreign", "mismatch", "other_task", "replayer")}
+
+        def signed(identity, batch, seq, swarm=SWARM):
+            return encode_message(batch, identity=identity, swarm_id=swarm, seq=seq, timestamp=time.time())
+
+        async def put(subkey: str, value: bytes) -> None:
+            assert await hostile.store(key, value, expiration_time=get_dht_time() + 60, subkey=subkey)
+
+        honest_batch = batch_for(spec, [question.answer, wrong], [1.0, 0.0])
+        forged = bytearray(signed(peers["forger"], honest_batch, 10))
+        forged[-1] ^= 0xFF
+        await put(peers["forger"].node_id, bytes(forged))
+        # a valid signature, but it claims its wrong answers are right: we re-score, never trust
+        await put(peers["liar"].node_id, signed(peers["liar"], batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0]), 10))
+        await put(peers["big"].node_id, b"\x92" + b"\xc6" + (1_500_000).to_bytes(4, "big") + bytes(1_500_000))
+        await put(peers["cut"].node_id, signed(peers["cut"], honest_batch, 10)[:-25])
+        await put(peers["foreign"].node_id, signed(peers["foreign"], honest_batch, 10, swarm="another-swarm"))
+        await put(peers["mismatch"].node_id, signed(peers["forger"], honest_batch, 11))  # signed by someone else
+        await put(peers["other_task"].node_id, signed(peers["other_task"], batch_for(TaskSpec("chain_sum", {}, 1, 1), ["1", "2"], [0.0, 1.0]), 10))
+        old_envelope = signed(peers["replayer"], honest_batch, 100)
+        await put(peers["replayer"].node_id, signed(peers["replayer"], honest_batch, 200))
+
+        weights_before = [p.detach().clone() for p in honest.model.parameters()]
+        await honest.run_round()
+        await put(peers["replayer"].node_id, old_envelope)  # an old, genuinely signed batch stored again
+        await honest.run_round()
+
+        rejected = {peer: dict(counters.rejected) for peer, counters in honest.stats.peers.items()}
+        assert rejected[peers["forger"].node_id] == {"bad_signature": 1}
+        assert rejected[peers["big"].node_id] == {"too_large": 1}
+        assert set(rejected[peers["cut"].node_id]) <= {"not_msgpack", "bad_structure"} and sum(rejected[peers["cut"].node_id].values()) == 1
+        assert rejected[peers["foreign"].node_id] == {"wrong_swarm": 1}
+        assert rejected[peers["mismatch"].node_id] == {"sender_mismatch": 1}
+        assert rejected[peers["other_task"].node_id] == {"bad_spec": 1}
+        assert rejected[peers["replayer"].node_id] == {"replay": 1}
+        liar = honest.stats.peers[peers["liar"].node_id]
+        assert liar.rejected == {} and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
+        # what the node trained on was scored here: the liar's group carries our rewards
+        rescored = honest._rescore_external(_liar_group(peers["liar"], spec, question, wrong))
+        assert rescored[0].rewards[:2] == [0.0, 0.0] and rescored[0].rewards[2] == 1.0
+
+        rows = honest.store.read_metrics()
+        assert [r["round"] for r in rows] == [1, 2]
+        assert sum(sum(r["rejected"].values()) for r in rows) == 7
+        assert all(torch.isfinite(p).all() for p in honest.model.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(weights_before, honest.model.parameters()))  # still training
+    finally:
+        await hostile.shutdown()
+        await honest.transport.stop()
+
+
+def _liar_group(identity, spec, question, wrong):
+    from node.transport.base import ExternalGroup
+
+    batch = batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0])
+    return [ExternalGroup(spec=q.spec, completions=q.completions, claimed_rewards=q.claimed_rewards, peer_id=identity.node_id, same_model=False, policy_version=1) for q in batch.questions]
