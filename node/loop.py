@@ -158,7 +158,7 @@ class Node:
         return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source)
 
     def _refuse(self, item: ExternalGroup, reason, detail: str) -> None:
-        self.stats.reject(item.peer_id, reason.value)
+        self.stats.reject(item.peer_id, reason)
         log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
 
     def _rescore_external(self, external: list[ExternalGroup]) -> list[RolloutGroup]:

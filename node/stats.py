@@ -11,12 +11,13 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from node.state import atomic_write_text
+from protocol import Refusal, RefusalCounter
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,17 @@ class PeerCounters:
     questions_received: int = 0
     questions_used: int = 0  # sampled into one of our training batches
     claimed_rewards_disagree: int = 0  # questions whose advisory rewards differ from our re-scoring
-    rejected: Counter = field(default_factory=Counter)  # refusal code -> count
     last_seen: float = 0.0
+
+
+MAX_TRACKED_PEERS = 1024  # throwaway identities must not grow memory without bound
 
 
 class SwarmStats:
     def __init__(self) -> None:
         self.started = time.time()
-        self.peers: dict[str, PeerCounters] = {}
+        self.peers: OrderedDict[str, PeerCounters] = OrderedDict()  # least recently seen first
+        self.refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)
         self.batches_published = 0
         self.questions_published = 0
         self.bytes_published = 0
@@ -43,24 +47,25 @@ class SwarmStats:
         self.round_rejected: Counter = Counter()  # since the last metrics row
 
     def peer(self, peer_id: str) -> PeerCounters:
-        counters = self.peers.get(peer_id)
-        if counters is None:
-            counters = self.peers[peer_id] = PeerCounters()
+        counters = self.peers.pop(peer_id, None) or PeerCounters()
         counters.last_seen = time.time()
+        self.peers[peer_id] = counters
+        while len(self.peers) > MAX_TRACKED_PEERS:
+            self.peers.popitem(last=False)
         return counters
 
-    def reject(self, peer_id: str, reason_code: str) -> None:
-        self.peer(peer_id).rejected[reason_code] += 1
-        self.round_rejected[reason_code] += 1
+    def reject(self, peer_id: str, reason: Refusal) -> None:
+        self.refusals.record(peer_id, reason)
+        self.round_rejected[reason.value] += 1
+
+    def rejected_by(self, peer_id: str) -> dict[str, int]:
+        return self.refusals.by_peer().get(peer_id, {})
 
     def take_round_rejections(self) -> dict[str, int]:
         rejected, self.round_rejected = dict(self.round_rejected), Counter()
         return rejected
 
     def totals(self) -> dict[str, Any]:
-        rejected: Counter = Counter()
-        for counters in self.peers.values():
-            rejected.update(counters.rejected)
         return {
             "peers_seen": len(self.peers),
             "batches_published": self.batches_published,
@@ -71,11 +76,15 @@ class SwarmStats:
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
             "questions_used": sum(c.questions_used for c in self.peers.values()),
             "claimed_rewards_disagree": sum(c.claimed_rewards_disagree for c in self.peers.values()),
-            "rejected": dict(rejected),
+            "rejected": self.refusals.by_reason(),
         }
 
     def snapshot(self) -> dict[str, Any]:
-        return {"totals": self.totals(), "peers": {peer: {**asdict(c), "rejected": dict(c.rejected)} for peer, c in self.peers.items()}}
+        rejected = self.refusals.by_peer()
+        peers = {peer: {**asdict(c), "rejected": rejected.get(peer, {})} for peer, c in self.peers.items()}
+        for peer, counts in rejected.items():  # peers that only ever sent refused values
+            peers.setdefault(peer, {**asdict(PeerCounters()), "rejected": counts})
+        return {"totals": self.totals(), "peers": peers}
 
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(self.snapshot(), indent=1))
@@ -99,8 +108,8 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         for peer, counters in stats.peers.items():
             lines.append(f'swarm_node_peer_{name}_total{{peer="{_escape(peer)}"}} {getattr(counters, name)}')
     lines.append("# TYPE swarm_node_peer_rejected_total counter")
-    for peer, counters in stats.peers.items():
-        for reason, count in counters.rejected.items():
+    for peer, counts in stats.refusals.by_peer().items():
+        for reason, count in counts.items():
             lines.append(f'swarm_node_peer_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}')
     return "\n".join(lines) + "\n"
 

@@ -72,7 +72,7 @@ async def _hostile_scenario(tmp_path):
         await put(peers["replayer"].node_id, old_envelope)  # an old, genuinely signed batch stored again
         await honest.run_round()
 
-        rejected = {peer: dict(counters.rejected) for peer, counters in honest.stats.peers.items()}
+        rejected = honest.stats.refusals.by_peer()
         assert rejected[peers["forger"].node_id] == {"bad_signature": 1}
         assert rejected[peers["big"].node_id] == {"too_large": 1}
         assert set(rejected[peers["cut"].node_id]) <= {"not_msgpack", "bad_structure"} and sum(rejected[peers["cut"].node_id].values()) == 1
@@ -81,7 +81,7 @@ async def _hostile_scenario(tmp_path):
         assert rejected[peers["other_task"].node_id] == {"bad_spec": 1}
         assert rejected[peers["replayer"].node_id] == {"replay": 1}
         liar = honest.stats.peers[peers["liar"].node_id]
-        assert liar.rejected == {} and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
+        assert peers["liar"].node_id not in rejected and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
         # what the node trained on was scored here: the liar's group carries our rewards
         rescored = honest._rescore_external(_liar_group(peers["liar"], spec, question, wrong))
         assert rescored[0].rewards[:2] == [0.0, 0.0] and rescored[0].rewards[2] == 1.0

@@ -261,12 +261,12 @@ class DHTTransport(Transport):
             counters.batches_received += 1
             self.stats.bytes_received += size
             if envelope.seq < self._seen.newest(peer):
-                self.stats.reject(peer, Refusal.REPLAY.value)
+                self.stats.reject(peer, Refusal.REPLAY)
                 self._seen.add(peer, envelope.seq)
                 continue
             self._seen.add(peer, envelope.seq)
             if now - envelope.timestamp > self.config.swarm.max_batch_age_s:
-                self.stats.reject(peer, Refusal.STALE.value)
+                self.stats.reject(peer, Refusal.STALE)
                 continue
             batch: RolloutBatch = envelope.message
             counters.batches_accepted += 1
@@ -284,7 +284,7 @@ class DHTTransport(Transport):
         self._refused[digest] = None
         while len(self._refused) > MAX_REFUSED_REMEMBERED:
             self._refused.popitem(last=False)
-        self.stats.reject(peer, rejection.reason.value)
+        self.stats.reject(peer, rejection.reason)
         log.info("refused a value stored as %s: %s", peer[:12], rejection)
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
