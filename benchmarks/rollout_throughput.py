@@ -47,7 +47,7 @@ def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
     parser.add_argument("--set", action="append", default=[])
@@ -65,6 +65,9 @@ def main() -> None:
         questions = node.tasks.batch(0, config.swarm.local_questions)
         prompts = [node.tasks.prompt(q) for q in questions]
         ours, theirs = [], []
+        node.backend.generate(prompts, rollout.completions_per_question, seed=-1 % 2**31)  # warm-up, untimed
+        with torch.no_grad():
+            generate_tokens_hf(node.model, node.tokenizer, prompts, rollout.completions_per_question, rollout.max_new_tokens, rollout.temperature, rollout.top_p, 0)
         for repeat in range(args.repeats):
             start = time.perf_counter()
             groups = node.backend.generate(prompts, rollout.completions_per_question, seed=repeat)

@@ -189,6 +189,11 @@ class SwarmConfig(_Section):
     """Tries to reach the initial peers before giving up."""
     bootstrap_backoff_s: float = Field(2.0, gt=0)
     """First wait between bootstrap tries; doubles each time."""
+    gossip: Literal["dht", "libp2p"] = "libp2p"
+    """Push channel for rollouts and heartbeats: 'libp2p' gossipsub (low latency) on top of the DHT
+    records, or 'dht' alone (peers poll the DHT each round)."""
+    gossip_port: int = Field(0, ge=0, le=65535)
+    """TCP port of the gossipsub host (0: any free port); it listens on the host_maddrs' first IP."""
     dht_timeout_s: float = Field(10.0, gt=0)
     """Longest wait for one DHT store or read; past it the round goes on without (peers are optional)."""
     window_s: float = Field(10.0, gt=0)

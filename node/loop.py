@@ -137,6 +137,7 @@ class Node:
             uptime_s=time.time() - self.stats.started,
             last_seen=time.time(),
             addresses=self.announced_addresses[:8],
+            gossip_addresses=[],  # the transport fills in its own
         )
 
     def _build_services(self, policy_version: int) -> None:

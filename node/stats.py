@@ -44,6 +44,7 @@ class SwarmStats:
         self.questions_published = 0
         self.bytes_published = 0
         self.bytes_received = 0
+        self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
         self.round_rejected: Counter = Counter()  # since the last metrics row
 
     def peer(self, peer_id: str) -> PeerCounters:
@@ -72,6 +73,7 @@ class SwarmStats:
             "questions_published": self.questions_published,
             "bytes_published": self.bytes_published,
             "bytes_received": self.bytes_received,
+            "gossip_messages_received": self.gossip_messages_received,
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
             "questions_used": sum(c.questions_used for c in self.peers.values()),

@@ -158,6 +158,7 @@ class PeerStats:
     uptime_s: float  # seconds since the node started
     last_seen: float  # unix time the sender composed these stats
     addresses: list[str]  # multiaddrs where the node listens, at most max_addresses
+    gossip_addresses: list[str]  # libp2p gossipsub multiaddrs (empty: the node gossips over the DHT only)
 
     _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
                                           "rollouts_received", "rollouts_accepted", "rollouts_rejected")
@@ -167,6 +168,7 @@ class PeerStats:
     def to_wire(self) -> dict[str, Any]:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
         wire["addresses"] = list(self.addresses)
+        wire["gossip_addresses"] = list(self.gossip_addresses)
         return wire
 
     @classmethod
@@ -182,6 +184,8 @@ class PeerStats:
         values["accuracy"] = check_float(f["accuracy"], "accuracy", lo=0.0, hi=1.0)
         addresses = check_list(f["addresses"], "addresses", limits.max_addresses)
         values["addresses"] = [check_str(a, "address", limits.max_name_chars) for a in addresses]
+        gossip = check_list(f["gossip_addresses"], "gossip_addresses", limits.max_addresses)
+        values["gossip_addresses"] = [check_str(a, "gossip_address", limits.max_name_chars) for a in gossip]
         return cls(**values)
 
     def claimed_node_id(self) -> str | None:

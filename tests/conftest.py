@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from node.transport.protobuf_shim import import_hivemind_isolated
+
+# hivemind and libp2p register the same protobuf names; tests import both, so hivemind's
+# go into a private pool before anything imports it (as the node itself does).
+import_hivemind_isolated()
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY_OVERRIDES = [

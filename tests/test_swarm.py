@@ -71,6 +71,7 @@ def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env
         used = {peer: counters["questions_used"] for peer, counters in swarm["peers"].items() if counters["questions_used"]}
         assert used, f"{node.state_dir.name} used no peer questions"
         assert swarm["totals"]["rejected"] == {}  # honest peers: nothing refused
+        assert swarm["totals"]["gossip_messages_received"] > 0  # pushed over libp2p gossipsub, not only polled
         stats = subprocess.run(cli("stats", "--state-dir", str(node.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60)
         assert json.loads(stats.stdout)["swarm"]["totals"]["batches_accepted"] > 0
 
@@ -109,3 +110,39 @@ def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     assert result.returncode == 1
     assert "could not join" in result.stderr and "after 2 attempts" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("gossip", ["dht", "libp2p"])
+def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
+    """In-process pair: the DHT-only fallback polls records; libp2p also pushes."""
+    import asyncio
+
+    from node.loop import Node
+
+    async def scenario():
+        pair = []
+        try:
+            for i in range(2):
+                peers = [f"swarm.initial_peers={json.dumps(pair[0].transport.addresses)}"] if pair else []
+                node = Node(load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, *peers, f"swarm.gossip={gossip}", f"seed={i}"], state_dir=str(tmp_path / str(i))))
+                node.load()
+                await node.transport.start()
+                pair.append(node)
+            if gossip == "libp2p":
+                await pair[0].transport._connect_gossip_peers()  # do not wait for the next heartbeat
+                await asyncio.sleep(1.5)  # one gossipsub heartbeat builds the mesh
+            for _ in range(4):
+                for node in pair:
+                    await node.run_round()
+                await asyncio.sleep(0.2)
+            return [node.stats.totals() for node in pair]
+        finally:
+            for node in pair:
+                await node.transport.stop()
+
+    totals = asyncio.run(scenario())
+    assert all(t["batches_accepted"] >= 2 and t["rejected"] == {} for t in totals)
+    if gossip == "dht":
+        assert all(t["gossip_messages_received"] == 0 for t in totals)
+    else:
+        assert all(t["gossip_messages_received"] > 0 for t in totals)

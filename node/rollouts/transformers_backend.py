@@ -73,7 +73,9 @@ class TransformersBackend(RolloutBackend):
         logprobs_out = torch.zeros((batch, self.config.max_new_tokens))
         lengths = torch.zeros(batch, dtype=torch.long)
         finished = torch.zeros(batch, dtype=torch.bool)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        # logits_to_keep=1: the prefill needs only the last position's logits, not a
+        # [batch, prompt, vocab] tensor (which dominates memory for large vocabularies).
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
         next_position = position_ids[:, -1:] + 1
         for t in range(self.config.max_new_tokens):
             tokens, logprobs = sample_next(out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy)

@@ -18,6 +18,7 @@ it is stored under is refused, and so is anything that fails the protocol's chec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -61,6 +62,9 @@ def key_prefix(swarm_id: str) -> str:
 
 async def create_dht_node(config: NodeConfig, client_mode: bool | None = None):
     """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff."""
+    from node.transport.protobuf_shim import import_hivemind_isolated
+
+    import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
     from hivemind.dht.node import DHTNode
 
     swarm = config.swarm
@@ -119,12 +123,24 @@ class _SeenEnvelopes:
             seqs.popitem(last=False)
 
 
+def listen_ip(host_maddrs: list[str]) -> str:
+    """The IP of the first /ip4/ listening address (where the gossip host listens too)."""
+    for maddr in host_maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "0.0.0.0"
+
+
 def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float):
-    """Decode a DHT value and check that it is what its subkey claims; raises ProtocolRejection."""
+    """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
+
+    Raises ProtocolRejection.
+    """
     if not isinstance(raw, bytes):
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
     envelope = decode_message(raw, swarm_id=swarm_id, now=now)
-    if envelope.sender_id != subkey:
+    if subkey is not None and envelope.sender_id != subkey:
         raise ProtocolRejection(Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…")
     if envelope.kind != kind:
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"expected {kind.value}, got {envelope.kind.value}")
@@ -143,6 +159,8 @@ class DHTTransport(Transport):
         self.prefix = key_prefix(config.swarm.swarm_id)
         self.dht = None
         self.addresses: list[str] = []
+        self.gossip = None
+        self.gossip_addresses: list[str] = []
         self._seq = 0
         self._seen = _SeenEnvelopes()
         self._refused: OrderedDict[bytes, None] = OrderedDict()
@@ -150,21 +168,46 @@ class DHTTransport(Transport):
 
     # lifecycle -----------------------------------------------------------------------
 
+    @property
+    def rollouts_topic(self) -> str:
+        return f"{self.prefix}/rollouts"
+
     async def start(self) -> None:
         self.dht = await create_dht_node(self.config)
         self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
         from node.state import atomic_write_text
 
         atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in self.addresses))
+        if self.config.swarm.gossip == "libp2p":
+            await self._start_gossip()
         if self.announce:
             self.announce(self.addresses)
         await self.publish_heartbeat()
+        await self._connect_gossip_peers()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def _start_gossip(self) -> None:
+        from node.transport.gossip_libp2p import LibP2PGossip
+
+        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
+        self.gossip_addresses = await self.gossip.start()
+        await self.gossip.subscribe(self.rollouts_topic)
+
+    async def _connect_gossip_peers(self) -> None:
+        """Dial the gossip addresses peers announce in their heartbeats (new ones only)."""
+        if self.gossip is None:
+            return
+        addresses = [a for stats, _ in await read_peer_stats(self.dht, self.config) if stats.node_id != self.identity.node_id for a in stats.gossip_addresses]
+        if addresses:
+            await self.gossip.connect(addresses)
 
     async def stop(self) -> None:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        if self.gossip is not None:
+            await self.gossip.stop()
+            self.gossip = None
         if self.dht is not None:
             await shutdown_dht(self.dht)
             self.dht = None
@@ -174,6 +217,8 @@ class DHTTransport(Transport):
         task = self._heartbeat_task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError("the heartbeat service died") from task.exception()
+        if self.gossip is not None and not self.gossip.running:
+            raise RuntimeError("the gossip service died") from self.gossip.failure
 
     # publishing ----------------------------------------------------------------------
 
@@ -197,13 +242,15 @@ class DHTTransport(Transport):
             log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(value), self.config.swarm.dht_timeout_s)
 
     async def publish_heartbeat(self) -> None:
-        await self._store(f"{self.prefix}/peers", self._encode(self.heartbeat()), self.config.swarm.heartbeat_ttl_s)
+        stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses)
+        await self._store(f"{self.prefix}/peers", self._encode(stats), self.config.swarm.heartbeat_ttl_s)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.swarm.heartbeat_interval_s)
             try:
                 await self.publish_heartbeat()
+                await self._connect_gossip_peers()
             except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
                 log.warning("heartbeat not published: %s", exc)
 
@@ -232,6 +279,8 @@ class DHTTransport(Transport):
         if keep < len(groups):
             log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
         await self._store(f"{self.prefix}/rollouts/{window}", data, self.config.swarm.max_batch_age_s)
+        if self.gossip is not None:
+            await self.gossip.publish(self.rollouts_topic, data)
         self.stats.batches_published += 1
         self.stats.questions_published += keep
         self.stats.bytes_published += len(data)
@@ -244,14 +293,21 @@ class DHTTransport(Transport):
         keys = [f"{self.prefix}/rollouts/{window - k}" for k in range(self.config.swarm.collect_windows)]
         reads = await asyncio.gather(*(read_key(self.dht, k, self.config.swarm.dht_timeout_s) for k in keys))
         values = [item for found in reads for item in found]
+        if self.gossip is not None:
+            pushed = self.gossip.drain(self.rollouts_topic)
+            self.stats.gossip_messages_received += len(pushed)
+            values += [(None, raw) for raw in pushed]
         envelopes = []
         for subkey, raw in values:
             if subkey == self.identity.node_id:
                 continue
             try:
-                envelopes.append((decode_verified(raw, subkey, self.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, now), len(raw)))
+                envelope = decode_verified(raw, subkey, self.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, now)
             except ProtocolRejection as exc:
-                self._refuse_once(str(subkey)[:64], raw, exc)
+                self._refuse_once(str(subkey)[:64] if subkey is not None else "gossip", raw, exc)
+                continue
+            if envelope.sender_id != self.identity.node_id:
+                envelopes.append((envelope, len(raw)))
         groups: list[ExternalGroup] = []
         for envelope, size in sorted(envelopes, key=lambda pair: pair[0].seq):
             peer = envelope.sender_id
