@@ -22,12 +22,13 @@ import torch
 from node.config import NodeConfig, dump_config
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
-from node.state import StateStore, atomic_write_text, restore_rng
-from node.tasks import Question, TaskError, TaskSource, grade, materialize
 from node.rollouts.base import Completion
+from node.state import StateStore, atomic_write_text, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
+from node.tasks import Question, TaskError, TaskSource, grade, materialize
 from node.trainer import GRPOTrainer, RolloutGroup
 from node.transport import ExternalGroup, Transport
+from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ class RoundTimings:
     generation_s: float = 0.0
     scoring_s: float = 0.0
     update_s: float = 0.0
-    checkpoint_s: float = 0.0
 
 
 SOFTWARE_VERSION = "0.1.0"
@@ -52,8 +52,6 @@ class Node:
         self.identity = None
         self.stream_seed = config.seed
         if config.swarm.transport != "none":
-            from protocol import NodeIdentity
-
             self.identity = NodeIdentity.load_or_create(self.store.root / "identity.key")
             # Peers sharing a config must not draw the same questions and samples.
             self.stream_seed = int(hashlib.sha256(f"{config.seed}:{self.identity.node_id}".encode()).hexdigest()[:15], 16)
@@ -67,7 +65,9 @@ class Node:
         self.last_tokens_per_s = 0.0
         self.announced_addresses: list[str] = []
         self._heldout: list[Question] | None = None
-        self._mix = {d.name for d in config.tasks.datasets}
+        # Peer specs are accepted only for the datasets *and configs* of our own mix: an
+        # arbitrary config could make a generator burn CPU or memory (max_digits=10**6...).
+        self._mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self._metrics_server: MetricsServer | None = None
 
     # set-up ------------------------------------------------------------------
@@ -113,10 +113,8 @@ class Node:
         self.announced_addresses = addresses
         log.info("node %s listening on %s", self.identity.node_id, " ".join(addresses))
 
-    def peer_stats(self):
-        """This node's signed heartbeat content."""
-        from protocol import PROTOCOL_VERSION, PeerStats
-
+    def peer_stats(self) -> PeerStats:
+        """This node's heartbeat content (the transport signs it)."""
         totals = self.stats.totals()
         return PeerStats(
             node_id=self.identity.node_id,
@@ -158,7 +156,7 @@ class Node:
         grades = [grade(question, c.text, c.finish_reason == "stop", self.config.tasks.format_reward) for c in completions]
         return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source)
 
-    def _refuse(self, item: ExternalGroup, reason, detail: str) -> None:
+    def _refuse(self, item: ExternalGroup, reason: Refusal, detail: str) -> None:
         self.stats.reject(item.peer_id, reason)
         log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
 
@@ -168,13 +166,11 @@ class Node:
         The sender's answers and rewards are never used; its token ids and behaviour log-probs
         only when it runs the same model and they match our own tokenization exactly.
         """
-        from protocol import Refusal
-
         eos_id = self.tokenizer.eos_token_id
         groups = []
         for item in external:
-            if item.spec.dataset not in self._mix:
-                self._refuse(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} is not in this node's task mix")
+            if (item.spec.dataset, item.spec.config_key) not in self._mix:
+                self._refuse(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} with this config is not in this node's task mix")
                 continue
             try:
                 question = materialize(item.spec)

@@ -7,6 +7,7 @@ The reward is the dataset's own scorer applied to the answer we extract.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import reasoning_gym
 
 from node.config import ConfigError, TasksConfig
 from protocol.specs import TaskSpec
+
+log = logging.getLogger(__name__)
 
 # reasoning-gym datasets are virtual: an item depends only on (seed, index), but the
 # dataset object refuses indices beyond its declared size. Declare a size large enough
@@ -80,7 +83,11 @@ def grade(question: Question, completion: str, finished: bool, format_reward: fl
     if answer is None:
         return Grade(0.0, False)
     dataset = _dataset(question.spec.dataset, question.spec.config_key, question.spec.seed)
-    correctness = float(dataset.score_answer(answer=answer, entry=question.entry))
+    try:
+        correctness = float(dataset.score_answer(answer=answer, entry=question.entry))
+    except Exception:  # a scorer that chokes on odd text (model output, a peer's) judges it wrong
+        log.debug("scorer of %s raised on %r; scored 0", question.spec.dataset, answer[:80], exc_info=True)
+        correctness = 0.0
     return Grade(correctness + (format_reward if finished else 0.0), correctness >= 1.0)
 
 

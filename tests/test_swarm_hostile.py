@@ -45,7 +45,7 @@ async def _hostile_scenario(tmp_path):
         spec = TaskSpec(mix.name, mix.config, seed=5, index=3)
         question = materialize(spec)
         wrong = str(int(question.answer) + 1)
-        peers = {name: NodeIdentity.generate() for name in ("forger", "liar", "big", "cut", "foreign", "mismatch", "other_task", "replayer")}
+        peers = {name: NodeIdentity.generate() for name in ("forger", "liar", "big", "cut", "foreign", "mismatch", "other_task", "bomb", "replayer")}
 
         def signed(identity, batch, seq, swarm=SWARM):
             return encode_message(batch, identity=identity, swarm_id=swarm, seq=seq, timestamp=time.time())
@@ -64,6 +64,8 @@ async def _hostile_scenario(tmp_path):
         await put(peers["foreign"].node_id, signed(peers["foreign"], honest_batch, 10, swarm="another-swarm"))
         await put(peers["mismatch"].node_id, signed(peers["forger"], honest_batch, 11))  # signed by someone else
         await put(peers["other_task"].node_id, signed(peers["other_task"], batch_for(TaskSpec("chain_sum", {}, 1, 1), ["1", "2"], [0.0, 1.0]), 10))
+        bomb = TaskSpec(mix.name, {**mix.config, "max_digits": 10**6, "min_digits": 10**6}, seed=1, index=1)  # a CPU/memory bomb
+        await put(peers["bomb"].node_id, signed(peers["bomb"], batch_for(bomb, ["1", "2"], [0.0, 1.0]), 10))
         old_envelope = signed(peers["replayer"], honest_batch, 100)
         await put(peers["replayer"].node_id, signed(peers["replayer"], honest_batch, 200))
 
@@ -79,6 +81,7 @@ async def _hostile_scenario(tmp_path):
         assert rejected[peers["foreign"].node_id] == {"wrong_swarm": 1}
         assert rejected[peers["mismatch"].node_id] == {"sender_mismatch": 1}
         assert rejected[peers["other_task"].node_id] == {"bad_spec": 1}
+        assert rejected[peers["bomb"].node_id] == {"bad_spec": 1}
         assert rejected[peers["replayer"].node_id] == {"replay": 1}
         liar = honest.stats.peers[peers["liar"].node_id]
         assert peers["liar"].node_id not in rejected and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
@@ -88,7 +91,7 @@ async def _hostile_scenario(tmp_path):
 
         rows = honest.store.read_metrics()
         assert [r["round"] for r in rows] == [1, 2]
-        assert sum(sum(r["rejected"].values()) for r in rows) == 7
+        assert sum(sum(r["rejected"].values()) for r in rows) == 8
         assert all(torch.isfinite(p).all() for p in honest.model.parameters())
         assert any(not torch.equal(a, b) for a, b in zip(weights_before, honest.model.parameters()))  # still training
     finally:

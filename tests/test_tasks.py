@@ -80,3 +80,16 @@ def test_distinct_specs_never_merge():
     b = TaskSpec("chain_sum", {"min_terms": 3}, 0, 1)
     assert a.key != b.key
     assert TaskSpec.from_wire(a.to_wire()) == a
+
+
+def test_a_scorer_that_raises_grades_zero(monkeypatch):
+    from node import tasks
+
+    question = materialize(TaskSpec("basic_arithmetic", ARITH, 3, 5))
+    dataset = tasks._dataset(question.spec.dataset, question.spec.config_key, question.spec.seed)
+
+    def explode(answer, entry):
+        raise ValueError("cannot parse")
+
+    monkeypatch.setattr(dataset, "score_answer", explode)
+    assert grade(question, "{{{", finished=True) == tasks.Grade(0.0, False)

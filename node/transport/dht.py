@@ -278,9 +278,9 @@ class DHTTransport(Transport):
                 keep = keep // 2
         if keep < len(groups):
             log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
-        await self._store(f"{self.prefix}/rollouts/{window}", data, self.config.swarm.max_batch_age_s)
-        if self.gossip is not None:
+        if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
             await self.gossip.publish(self.rollouts_topic, data)
+        await self._store(f"{self.prefix}/rollouts/{window}", data, self.config.swarm.max_batch_age_s)
         self.stats.batches_published += 1
         self.stats.questions_published += keep
         self.stats.bytes_published += len(data)
