@@ -64,7 +64,8 @@ def test_vllm_backend_follows_weight_updates(tiny_config):
     pytest.importorskip("vllm")
     from node.rollouts.vllm_backend import VLLMBackend
 
-    node = Node(tiny_config("rollout.max_new_tokens=6"))
+    # vLLM's CPU attention needs a head size of 32 or more: 64 wide, 2 heads.
+    node = Node(tiny_config("rollout.max_new_tokens=6", "model.default.hidden_size=64", "model.default.intermediate_size=128"))
     node.load()
     engine = VLLMBackend(node.config, node.model, node.tokenizer, 0)
     prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 4)]

@@ -56,7 +56,12 @@ class VLLMBackend(RolloutBackend):
 
     def sync_weights(self, model: torch.nn.Module, policy_version: int) -> None:
         weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-        self.engine.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        try:
+            # In-place reload: also right where the engine repacked its weights for its kernels
+            # (the CPU backend does), which a plain model.load_weights is not.
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        except AttributeError:  # older vLLM without reload_weights: parameters keep their loaders there
+            self.engine.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.policy_version = policy_version
 
     def generate(self, prompts: list[str], n: int, seed: int, greedy: bool = False) -> list[list[Completion]]:

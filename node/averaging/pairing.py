@@ -1,0 +1,579 @@
+"""The weight exchange: pairs of peers (NoLoCo) or all live peers (DiLoCo baseline).
+
+Design choice: our own exchange over the node's p2p daemon, not hivemind's averager.
+hivemind's `DecentralizedAverager` is an `mp.Process` that needs a `hivemind.DHT` (it calls
+`dht.replicate_p2p()` and `dht.get(..., return_future=True)`), i.e. the DHT child process
+the node deliberately does not run, and its own forked child with a uvloop loop (the
+loop behind the pipe crash in ../shared/NOTES.md). Using it would mean two extra
+processes per node, a second p2p identity bootstrapped from our multiaddrs, patching
+`switch_to_uvloop` in two hivemind modules, and forking a process that already runs torch
+and libp2p threads. Worse for us, its butterfly all-reduce has every peer reduce a part
+of everyone's vector: a receiver never sees a partner's whole theta, so it cannot refuse
+NaN, wrong-shaped or far-away weights before they are mixed in (it could only inspect the
+mean, and in a group of more than two not tell who spoiled it). A pair exchange is
+simple enough to do directly, in the node's own asyncio loop, on the `DHTNode` it
+already runs: rendezvous through DHT keys, the tensors over a raw libp2p stream of the
+same p2pd (streams are not DHT values, so neither the ~4 MB DHT value limit nor the
+pipe crash applies), each side validating the other's full weights before committing.
+
+Rendezvous, per round r (no barrier, no leader):
+    <prefix>/ready/<r>   subkey = p2p peer id (base58), value = msgpack {"v": 1, "state": "free" | "done"}
+expiring at the announcer's deadline. A node announces "free", then polls the key. Pairs
+mode: the free peers are ordered by sha256("<r>:<peer id>") and paired consecutively
+((0, 1), (2, 3), ...), so peers with the same view agree on a fresh random partner every
+round without talking; the lower id of a pair opens the stream. Views can differ (a peer
+appears late), so an acceptor takes any caller while it is still free: each node holds
+at most one exchange at a time and commits at most one partner per round. A node whose
+partner is busy or not ready yet retries on the next poll, with a fresh view; the odd
+one out skips (returns None) at its timeout, or earlier once every other announced peer
+is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
+window a node calls every announced peer with a higher id and accepts calls from any
+peer; it finishes when no announced peer it has not exchanged with is still free.
+
+One exchange, on a stream opened to `<prefix>/exchange/v1` (frames: 1-byte type, 8-byte
+big-endian length, body; weights frames are bounded by our own model's fp32 size,
+control frames by 64 KiB):
+    caller -> HELLO {"v", "prefix", "round"} ; acceptor -> ACCEPT | REFUSE {"reason", "detail"}
+    both, concurrently: WEIGHTS (codec.EncodedWeights bytes)
+    each validates what it received (validation.py) -> COMMIT | REFUSE {"reason", "detail"}
+    each commits the partner's weights iff its own check passed and it read the partner's COMMIT.
+The stream's peer id is authenticated by libp2p, so a weights message cannot claim to be
+from someone else. The ready announcements are not signed: a forged "free" entry only
+costs callers a refused call.
+
+Results: the mean over this node and its committed partners, in fp32, summed in sorted
+peer-id order so that all members of a group compute bit-identical means when they
+exchanged fp32 weights. A node's own theta enters exactly; with fp16/int8/int4 on the
+wire each side sees the other's quantized weights, so the two means differ by the
+quantization error. Limits: a stream that breaks between the two COMMIT frames can leave
+one side averaged and the other not; in all mode, peers whose views differ (churn) can end
+with different groups and so different means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+import math
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
+from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
+from node.transport.protobuf_shim import import_hivemind_isolated
+
+import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
+
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID  # noqa: E402
+from hivemind.utils import get_dht_time  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+Named = dict[str, torch.Tensor]
+
+EXCHANGE_VERSION = 1
+CONTROL_MAX_BYTES = 64 * 1024
+MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
+_FRAME_HEADER = struct.Struct(">BQ")
+
+
+class Frame(enum.IntEnum):
+    HELLO = 1  # caller -> acceptor: msgpack {"v": int, "prefix": str, "round": int}
+    ACCEPT = 2  # acceptor -> caller: empty; the weights follow
+    REFUSE = 3  # either way: msgpack {"reason": str, "detail": str}; the stream ends
+    WEIGHTS = 4  # both ways: EncodedWeights.to_bytes()
+    COMMIT = 5  # both ways: empty; "your weights passed my checks"
+
+
+class CallRefusal(str, enum.Enum):
+    """Why an acceptor turned a caller away before any weights moved."""
+
+    sentence: str
+
+    NOT_READY = ("not_ready", "The acceptor is not averaging this round (not started yet, or already finished).")
+    BUSY = ("busy", "The acceptor already has its partner (or an exchange in flight) for this round.")
+    DUPLICATE = ("duplicate", "The acceptor already exchanged with, or is exchanging with, this caller this round.")
+    WRONG_GROUP = ("wrong_group", "The caller's averaging prefix (swarm, model fingerprint) is not the acceptor's.")
+    BAD_HELLO = ("bad_hello", "The caller's first frame is not a well-formed HELLO.")
+
+    def __new__(cls, code: str, sentence: str) -> "CallRefusal":
+        member = str.__new__(cls, code)
+        member._value_ = code
+        member.sentence = sentence
+        return member
+
+
+_RETRYABLE = {CallRefusal.NOT_READY.value, CallRefusal.BUSY.value}
+
+
+class ExchangeError(Exception):
+    """The stream broke the exchange protocol (unexpected frame, oversized frame, bad body)."""
+
+
+class OversizedFrame(ExchangeError):
+    """A frame longer than the receiver allows for its type; nothing of its body was read."""
+
+    def __init__(self, kind: Frame, length: int, limit: int) -> None:
+        super().__init__(f"{kind.name} frame of {length} bytes exceeds {limit}")
+        self.kind = kind
+
+
+@dataclass
+class AveragingResult:
+    mean_theta: Named  # fp32 mean over this node and partner_ids
+    partner_ids: list[str]  # base58 p2p ids of the peers whose weights are in the mean
+    bytes_sent: int  # all bytes this node wrote for the round, failed attempts included
+    bytes_received: int
+    seconds: float  # from the call of average() to the result
+    round_id: int
+
+    @property
+    def group_size(self) -> int:
+        return 1 + len(self.partner_ids)
+
+
+@dataclass
+class _Round:
+    round_id: int
+    theta: Named  # our snapshot, original dtypes: what partners' weights are checked against
+    payload: bytes  # our encoded weights
+    capacity: int | None  # partners to commit: 1 for pairs, None for all
+    deadline: float  # loop time
+    received: dict[str, Named] = field(default_factory=dict)  # committed partners' weights
+    engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
+    given_up: set[str] = field(default_factory=set)  # peers not to try again this round
+    closed: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def refusal_for(self, peer: str) -> CallRefusal | None:
+        """Why a new exchange with `peer` cannot start now (None: it can)."""
+        if self.closed:
+            return CallRefusal.NOT_READY
+        if peer in self.received or peer in self.engaged:
+            return CallRefusal.DUPLICATE
+        if self.capacity is not None and len(self.received) + len(self.engaged) >= self.capacity:
+            return CallRefusal.BUSY
+        return None
+
+    def commit(self, peer: str, weights: Named) -> bool:
+        if self.closed or peer in self.received or (self.capacity is not None and len(self.received) >= self.capacity):
+            return False
+        self.received[peer] = weights
+        self.changed.set()
+        return True
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+def pair_order(peers: list[str], round_id: int) -> list[str]:
+    """The round's random-looking but agreed order of peers: pairs are (0, 1), (2, 3), ..."""
+    return sorted(peers, key=lambda peer: hashlib.sha256(f"{round_id}:{peer}".encode()).digest())
+
+
+def pair_partner(peers: list[str], me: str, round_id: int) -> str | None:
+    """My partner among `peers` (which include me) this round; None for the odd one out."""
+    order = pair_order(sorted(set(peers)), round_id)
+    index = order.index(me)
+    mate = index + 1 if index % 2 == 0 else index - 1
+    return order[mate] if mate < len(order) else None
+
+
+async def _write_frame(writer: asyncio.StreamWriter, kind: Frame, body: bytes = b"") -> int:
+    writer.write(_FRAME_HEADER.pack(kind, len(body)))
+    if body:
+        writer.write(body)
+    await writer.drain()
+    return _FRAME_HEADER.size + len(body)
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_weights_bytes: int) -> tuple[Frame, bytes]:
+    kind, length = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
+    try:
+        kind = Frame(kind)
+    except ValueError:
+        raise ExchangeError(f"unknown frame type {kind}") from None
+    limit = max_weights_bytes if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES
+    if length > limit:
+        raise OversizedFrame(kind, length, limit)
+    return kind, await reader.readexactly(length)
+
+
+def _refusal_body(reason: str, detail: str = "") -> bytes:
+    return msgpack.packb({"reason": reason, "detail": detail[:500]})
+
+
+def _parse_refusal(body: bytes) -> str:
+    try:
+        message = msgpack.unpackb(body, raw=False)
+        reason = message["reason"]
+    except Exception:  # noqa: BLE001 - a peer's malformed refusal is still a refusal
+        return "unparsable"
+    return reason[:32] if isinstance(reason, str) else "unparsable"
+
+
+class PairAverager:
+    """Averages named tensors with one partner (group_size=2) or all live peers (group_size=None).
+
+    `dht` is the node's running hivemind `DHTNode` (its `p2p` carries the streams). The
+    caller owns the DHT; `stop()` leaves it running.
+    """
+
+    def __init__(
+        self,
+        dht,
+        prefix: str,
+        *,
+        group_size: int | None = 2,
+        mode: str = "fp32",
+        max_relative_distance: float = 0.5,
+        poll_interval: float = 0.2,
+        settle_s: float = 2.0,
+        gather_s: float = 2.0,
+        dht_timeout: float = 5.0,
+    ) -> None:
+        if group_size not in (2, None):
+            raise ValueError("group_size must be 2 (NoLoCo pairs) or None (all live peers)")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        self.dht = dht
+        self.prefix = prefix
+        self.group_size = group_size
+        self.mode = mode
+        self.max_relative_distance = max_relative_distance
+        self.poll_interval = poll_interval
+        self.settle_s = settle_s
+        self.gather_s = gather_s
+        self.dht_timeout = dht_timeout
+        self.peer_id = dht.peer_id.to_base58()
+        self.refusals: Counter[str] = Counter()  # partners' weights we refused, by WeightsRefusal code
+        self.failures: Counter[str] = Counter()  # everything else that kept a round or an attempt from averaging
+        self.rounds_averaged = 0
+        self.rounds_skipped = 0
+        self._round: _Round | None = None
+        self._max_payload = 0
+        self._tasks: set[asyncio.Task] = set()  # stream handlers and late announcements in flight
+        self._started = False
+
+    @property
+    def handler_name(self) -> str:
+        return f"{self.prefix}/exchange/v{EXCHANGE_VERSION}"
+
+    def ready_key(self, round_id: int) -> str:
+        return f"{self.prefix}/ready/{round_id}"
+
+    # lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.dht.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+        self._started = True
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting exchanges and end the ones in flight (within `timeout`)."""
+        if self._round is not None:
+            self._round.closed = True
+        if self._started:
+            self._started = False
+            try:
+                await asyncio.wait_for(self.dht.p2p.remove_binary_stream_handler(self.handler_name), timeout)
+            except (asyncio.TimeoutError, P2PDaemonError, OSError, ConnectionError) as exc:
+                log.warning("could not remove the averaging handler (%s); p2pd may be gone", type(exc).__name__)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # what travels (the seams a faulty peer in the tests overrides) ----------------------
+
+    def _outgoing(self, theta: Named) -> Named:
+        """The weights we send for our snapshot."""
+        return theta
+
+    async def _send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
+        return await _write_frame(writer, Frame.WEIGHTS, payload)
+
+    # one round -----------------------------------------------------------------------
+
+    async def average(self, named_theta: Named, round_id: int, timeout: float) -> AveragingResult | None:
+        """Average a snapshot of `named_theta` (taken now; the tensors are never modified) with peers.
+
+        Returns None when no partner committed within `timeout` seconds (or every
+        partner's weights were refused); never waits on peers beyond the timeout.
+        """
+        if not self._started:
+            raise RuntimeError("PairAverager.start() was not awaited")
+        if self._round is not None:
+            raise RuntimeError("an exchange is already running; average() rounds must not overlap")
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        wall_deadline = get_dht_time() + timeout
+        theta = {name: t.detach().to("cpu").clone() for name, t in named_theta.items()}
+        try:
+            payload = await asyncio.to_thread(lambda: encode_weights(self._outgoing(theta), self.mode).to_bytes())
+        except ValueError as exc:  # non-finite weights cannot be quantized: ours are broken, not a peer's
+            log.warning("round %d: not averaging, our weights cannot be encoded: %s", round_id, exc)
+            self.failures["own_weights_unencodable"] += 1
+            self.rounds_skipped += 1
+            return None
+        numel = sum(t.numel() for t in theta.values())
+        self._max_payload = 4 * numel + 1024 * len(theta) + CONTROL_MAX_BYTES
+        rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else None, deadline=deadline)
+        self._round = rnd
+        try:
+            await asyncio.wait_for(self._run(rnd, wall_deadline), timeout=rnd.remaining())
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            rnd.closed = True
+            self._round = None
+        if not rnd.received:
+            self.failures["no_partner"] += 1
+            self.rounds_skipped += 1
+            return None
+        self._spawn(self._announce(round_id, "done", wall_deadline + 1.0), name=f"averaging-done-{round_id}")
+        peers = sorted(rnd.received)
+        mean = await asyncio.to_thread(self._mean, rnd)
+        self.rounds_averaged += 1
+        return AveragingResult(mean_theta=mean, partner_ids=peers, bytes_sent=rnd.bytes_sent, bytes_received=rnd.bytes_received, seconds=time.perf_counter() - started, round_id=round_id)
+
+    def _mean(self, rnd: _Round) -> Named:
+        members = sorted([(self.peer_id, rnd.theta), *rnd.received.items()], key=lambda item: item[0])
+        mean = {}
+        for name in rnd.theta:
+            total = members[0][1][name].to(torch.float32).clone()
+            for _, weights in members[1:]:
+                total += weights[name].to(torch.float32)
+            mean[name] = total / len(members)
+        return mean
+
+    async def _run(self, rnd: _Round, wall_deadline: float) -> None:
+        await self._announce(rnd.round_id, "free", wall_deadline)
+        if self.group_size == 2:
+            await self._run_pairs(rnd)
+        else:
+            await self._run_all(rnd)
+
+    async def _run_pairs(self, rnd: _Round) -> None:
+        loop = asyncio.get_running_loop()
+        settle_at = loop.time() + self.settle_s
+        while not rnd.received and not rnd.closed:
+            view = await self._read_view(rnd.round_id)
+            free = [p for p, state in view.items() if state == "free" and p not in rnd.given_up]
+            free.append(self.peer_id)
+            partner = pair_partner(free, self.peer_id, rnd.round_id)
+            if partner is not None and self.peer_id < partner and rnd.refusal_for(partner) is None:
+                if await self._call(rnd, partner):
+                    return
+            others = [p for p in view if p != self.peer_id]
+            if others and all(view[p] == "done" for p in others) and not rnd.engaged and loop.time() >= settle_at:
+                return  # everyone else has paired this round: nobody is left to pair with
+            await self._wait_for_change(rnd)
+
+    async def _run_all(self, rnd: _Round) -> None:
+        loop = asyncio.get_running_loop()
+        gather_end = loop.time() + min(self.gather_s, rnd.remaining() / 2)
+        calls: dict[str, asyncio.Task] = {}
+        try:
+            while not rnd.closed:
+                view = await self._read_view(rnd.round_id)
+                gathering = loop.time() < gather_end
+                for peer, state in view.items():
+                    if peer == self.peer_id or peer in rnd.given_up or state != "free" or self.peer_id > peer:
+                        continue
+                    if gathering or peer in calls:  # after the window: only retry peers already in the group
+                        if rnd.refusal_for(peer) is None and (peer not in calls or calls[peer].done()):
+                            calls[peer] = asyncio.create_task(self._call(rnd, peer))
+                pending = [p for p, state in view.items() if p != self.peer_id and p not in rnd.received and p not in rnd.given_up and (state == "free" or p in rnd.engaged)]
+                if not gathering and not pending and not rnd.engaged:
+                    return
+                await self._wait_for_change(rnd)
+        finally:
+            for task in calls.values():
+                task.cancel()
+            if calls:
+                await asyncio.gather(*calls.values(), return_exceptions=True)
+
+    async def _wait_for_change(self, rnd: _Round) -> None:
+        try:
+            await asyncio.wait_for(rnd.changed.wait(), timeout=min(self.poll_interval, rnd.remaining()))
+        except asyncio.TimeoutError:
+            pass
+        rnd.changed.clear()
+
+    # rendezvous ----------------------------------------------------------------------
+
+    async def _announce(self, round_id: int, state: str, expiration: float) -> None:
+        value = msgpack.packb({"v": EXCHANGE_VERSION, "state": state})
+        try:
+            ok = await asyncio.wait_for(self.dht.store(self.ready_key(round_id), value, expiration_time=expiration, subkey=self.peer_id), self.dht_timeout)
+        except asyncio.TimeoutError:
+            ok = False
+        if not ok:
+            log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
+
+    async def _read_view(self, round_id: int) -> dict[str, str]:
+        """Announced peers of the round and their state ("free" or "done"); malformed entries are skipped."""
+        try:
+            found = await asyncio.wait_for(self.dht.get(self.ready_key(round_id), latest=True), self.dht_timeout)
+        except asyncio.TimeoutError:
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        view = {}
+        for subkey, entry in list(found.value.items())[:MAX_READY_ENTRIES]:
+            if not isinstance(subkey, str) or not 0 < len(subkey) <= 64 or not isinstance(entry.value, bytes) or len(entry.value) > 256:
+                continue
+            try:
+                message = msgpack.unpackb(entry.value, raw=False)
+            except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+                continue
+            if isinstance(message, dict) and message.get("v") == EXCHANGE_VERSION and message.get("state") in ("free", "done"):
+                view[subkey] = message["state"]
+        return view
+
+    # the exchange --------------------------------------------------------------------
+
+    async def _call(self, rnd: _Round, peer: str) -> bool:
+        """Open an exchange with `peer`; True if its weights were committed."""
+        rnd.engaged.add(peer)  # before any await: a concurrent incoming call now sees us busy
+        writer = None
+        try:
+            _, reader, writer = await self.dht.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler_name)
+            hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": self.prefix, "round": rnd.round_id})
+            rnd.bytes_sent += await _write_frame(writer, Frame.HELLO, hello)
+            kind, body = await _read_frame(reader, self._max_payload)
+            rnd.bytes_received += _FRAME_HEADER.size + len(body)
+            if kind is Frame.REFUSE:
+                reason = _parse_refusal(body)
+                self.failures[f"call_refused:{reason}"] += 1
+                if reason not in _RETRYABLE:
+                    rnd.given_up.add(peer)
+                return False
+            if kind is not Frame.ACCEPT:
+                raise ExchangeError(f"expected ACCEPT, got {kind.name}")
+            weights = await self._swap(rnd, peer, reader, writer)
+        except (ExchangeError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
+            log.info("round %d: exchange with %s failed: %s: %s", rnd.round_id, peer[:12], type(exc).__name__, exc)
+            self.failures["exchange_failed"] += 1
+            return False
+        finally:
+            rnd.engaged.discard(peer)
+            rnd.changed.set()
+            if writer is not None:
+                writer.close()
+        return weights is not None and rnd.commit(peer, weights)
+
+    async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """An incoming exchange (called by the p2p daemon's stream handler)."""
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        peer = stream_info.peer_id.to_base58()
+        rnd, engaged = None, False
+        try:
+            kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=self.dht_timeout)
+            rnd = self._round
+            refusal = self._check_hello(kind, body, rnd, peer)
+            if rnd is not None:
+                rnd.bytes_received += _FRAME_HEADER.size + len(body)
+            if refusal is not None:
+                sent = await _write_frame(writer, Frame.REFUSE, _refusal_body(refusal.value))
+                if rnd is not None:
+                    rnd.bytes_sent += sent
+                return
+            rnd.engaged.add(peer)
+            engaged = True
+            rnd.bytes_sent += await _write_frame(writer, Frame.ACCEPT)
+            weights = await asyncio.wait_for(self._swap(rnd, peer, reader, writer), timeout=rnd.remaining())
+            if weights is not None:
+                rnd.commit(peer, weights)
+        except (ExchangeError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError) as exc:
+            log.info("exchange from %s failed: %s: %s", peer[:12], type(exc).__name__, exc)
+            self.failures["exchange_failed"] += 1
+        finally:
+            if rnd is not None and engaged:
+                rnd.engaged.discard(peer)
+                rnd.changed.set()
+            writer.close()
+            self._tasks.discard(task)
+
+    def _check_hello(self, kind: Frame, body: bytes, rnd: _Round | None, peer: str) -> CallRefusal | None:
+        if kind is not Frame.HELLO:
+            return CallRefusal.BAD_HELLO
+        try:
+            hello = msgpack.unpackb(body, raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return CallRefusal.BAD_HELLO
+        if not isinstance(hello, dict) or hello.get("v") != EXCHANGE_VERSION or type(hello.get("round")) is not int:
+            return CallRefusal.BAD_HELLO
+        if hello.get("prefix") != self.prefix:
+            return CallRefusal.WRONG_GROUP
+        if rnd is None or hello["round"] != rnd.round_id:
+            return CallRefusal.NOT_READY
+        return rnd.refusal_for(peer)
+
+    async def _swap(self, rnd: _Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Named | None:
+        """Send our weights while reading theirs, check theirs, trade verdicts; their weights if both passed."""
+        sending = asyncio.create_task(self._send_weights(writer, rnd.payload))
+        try:
+            try:
+                kind, body = await _read_frame(reader, self._max_payload)
+            except OversizedFrame as exc:  # weights larger than our own model's: refused like any bad weights
+                if exc.kind is not Frame.WEIGHTS:
+                    raise
+                self._refuse_weights(rnd, peer, WeightsRefused(WeightsRefusal.MALFORMED, str(exc)))
+                return None
+            rnd.bytes_received += _FRAME_HEADER.size + len(body)
+            rnd.bytes_sent += await sending
+        finally:
+            if not sending.done():
+                sending.cancel()
+                await asyncio.gather(sending, return_exceptions=True)
+        if kind is Frame.REFUSE:
+            self.failures[f"call_refused:{_parse_refusal(body)}"] += 1
+            return None
+        if kind is not Frame.WEIGHTS:
+            raise ExchangeError(f"expected WEIGHTS, got {kind.name}")
+        try:
+            weights = await asyncio.to_thread(self._decode_checked, rnd, body)
+        except WeightsRefused as refused:
+            self._refuse_weights(rnd, peer, refused)
+            rnd.bytes_sent += await _write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
+            return None
+        rnd.bytes_sent += await _write_frame(writer, Frame.COMMIT)
+        kind, body = await _read_frame(reader, 0)
+        rnd.bytes_received += _FRAME_HEADER.size + len(body)
+        if kind is not Frame.COMMIT:
+            self.failures["partner_refused_our_weights"] += 1
+            rnd.given_up.add(peer)
+            return None
+        return weights
+
+    def _refuse_weights(self, rnd: _Round, peer: str, refused: WeightsRefused) -> None:
+        self.refusals[refused.reason.value] += 1
+        rnd.given_up.add(peer)
+        log.warning("round %d: refused the weights of %s: %s", rnd.round_id, peer[:12], refused)
+
+    def _decode_checked(self, rnd: _Round, body: bytes) -> Named:
+        try:
+            encoded = EncodedWeights.from_bytes(body, max_tensors=len(rnd.theta) + 16, max_values=sum(t.numel() for t in rnd.theta.values()) * 2 + 1024)
+            received = decode_weights(encoded, dtype=None)
+        except CodecError as exc:
+            raise WeightsRefused(WeightsRefusal.MALFORMED, str(exc)) from None
+        validate_partner_weights(rnd.theta, received, self.max_relative_distance)
+        return received
