@@ -216,6 +216,32 @@ class SwarmConfig(_Section):
     """Interface of the metrics endpoint."""
 
 
+class AveragingConfig(_Section):
+    """Partial weight averaging between peers (NoLoCo), or DiLoCo's all-reduce as a baseline."""
+
+    method: Literal["none", "noloco", "diloco"] = "none"
+    """'noloco': average with ONE random peer every `every_steps` updates; 'diloco': with all live peers."""
+    every_steps: int = Field(50, ge=1)
+    """H: policy updates between outer steps."""
+    outer_lr: float = Field(0.7, gt=0)
+    """eta of the outer step (NoLoCo and DiLoCo)."""
+    outer_momentum: float | None = Field(None, ge=0, lt=1)
+    """mu (None: the authors' 0.5 for NoLoCo, 0.9 with Nesterov for DiLoCo)."""
+    transfer_dtype: Literal["fp32", "fp16", "int8", "int4"] = "fp16"
+    """Encoding of the weights sent to partners."""
+    window_s: float = Field(30.0, gt=0)
+    """Peers pair up within time windows of this length (no barrier: they need not be in step)."""
+    timeout_s: float = Field(20.0, gt=0)
+    """Longest wait for a partner and the exchange; past it the outer step is skipped."""
+    max_relative_distance: float = Field(0.5, gt=0)
+    """A partner whose weights are farther than this (relative L2) from ours is refused."""
+
+    def momentum(self) -> float:
+        if self.outer_momentum is not None:
+            return self.outer_momentum
+        return 0.5 if self.method == "noloco" else 0.9
+
+
 class NodeConfig(_Section):
     """The whole node."""
 
@@ -240,11 +266,14 @@ class NodeConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     swarm: SwarmConfig = SwarmConfig()
+    averaging: AveragingConfig = AveragingConfig()
 
     @model_validator(mode="after")
     def _isolated_has_no_external(self) -> "NodeConfig":
         if self.swarm.transport == "none" and self.swarm.external_questions:
             raise ValueError("swarm.external_questions must be 0 when swarm.transport is 'none' (there are no peers)")
+        if self.swarm.transport == "none" and self.averaging.method != "none":
+            raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
         return self
 
     def resolved_state_dir(self) -> Path:

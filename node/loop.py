@@ -69,6 +69,8 @@ class Node:
         # arbitrary config could make a generator burn CPU or memory (max_digits=10**6...).
         self._mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self._metrics_server: MetricsServer | None = None
+        self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
+        self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
 
@@ -85,6 +87,7 @@ class Node:
             self._build_services(state.policy_version)
             self.trainer.optimizer.load_state_dict(state.optimizer)
             restore_rng(state.rng)
+            self._outer_state = state.outer
             self.round = state.round
             self.store.truncate_metrics(self.round)
             log.info("resumed from %s (round %d, policy version %d)", checkpoint.name, self.round, state.policy_version)
@@ -227,10 +230,43 @@ class Node:
         }
         return groups, summary, timings
 
+    async def start_services(self) -> None:
+        """Join the swarm (if any), then the services that need it: averaging, /metrics."""
+        await self.transport.start()
+        if self.config.averaging.method != "none":
+            from node.averaging.fingerprint import averaging_prefix
+            from node.averaging.pairing import PairAverager
+            from node.averaging.service import OuterStepService
+
+            averaging = self.config.averaging
+            averager = PairAverager(
+                self.transport.dht,
+                averaging_prefix(self.config.swarm.swarm_id, self.fingerprint),
+                group_size=2 if averaging.method == "noloco" else None,
+                mode=averaging.transfer_dtype,
+                max_relative_distance=averaging.max_relative_distance,
+            )
+            await averager.start()
+            self.averaging = OuterStepService(self.config, self.model, averager)
+            self.averaging.last_trigger_version = self.policy_version
+            if self._outer_state is not None:
+                self.averaging.outer.load_state_dict(self._outer_state)
+        if self.config.swarm.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus)
+            await self._metrics_server.start()
+
+    async def stop_services(self) -> None:
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        if self.averaging is not None:
+            await self.averaging.stop()
+        await self.transport.stop()
+
     async def run_round(self) -> dict[str, Any]:
         round_ = self.round + 1
         round_start = time.perf_counter()
         swarm = self.config.swarm
+        outer_step = self.averaging.apply_if_done() if self.averaging else None
         questions = self.tasks.batch(first_draw=self.round * swarm.local_questions, count=swarm.local_questions)
         local_groups, summary, timings = await asyncio.to_thread(self._generate_and_score, questions, round_)
         await self.transport.publish(round_, self.policy_version, local_groups)
@@ -242,6 +278,8 @@ class Node:
         start = time.perf_counter()
         stats = await asyncio.to_thread(self.trainer.step, local_groups + external_groups)
         timings.update_s = time.perf_counter() - start
+        if self.averaging:
+            self.averaging.maybe_start(self.policy_version)
         self.backend.sync_weights(self.model, self.policy_version)
         row: dict[str, Any] = {
             "round": round_,
@@ -256,6 +294,7 @@ class Node:
             "groups_dropped": stats.groups_dropped,
             "external_questions": len(external_groups),
             "rejected": self.stats.take_round_rejections(),
+            **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": timings.generation_s,
             "scoring_s": timings.scoring_s,
             "update_s": timings.update_s,
@@ -281,6 +320,9 @@ class Node:
 
     def prometheus(self) -> str:
         gauges = {"round": self.round, "policy_version": self.policy_version, "reward_mean": self.reward_ema or 0.0, "accuracy": self.accuracy_ema or 0.0, "tokens_per_s": self.last_tokens_per_s}
+        if self.averaging:
+            counters = self.averaging.counters()
+            gauges |= {f"averaging_{k}": v for k, v in counters.items() if k != "refusals"}
         return prometheus_text(gauges, self.stats)
 
     # evaluation and persistence -----------------------------------------------------
@@ -297,7 +339,8 @@ class Node:
         return sum(grade(q, c[0].text, True).correct for q, c in zip(questions, completions)) / len(questions)
 
     def save(self) -> None:
-        self.store.save(self.round, self.model, self.tokenizer, self.trainer.optimizer, self.policy_version, self.config.checkpoint_keep)
+        outer = self.averaging.outer.state_dict() if self.averaging else self._outer_state
+        self.store.save(self.round, self.model, self.tokenizer, self.trainer.optimizer, self.policy_version, self.config.checkpoint_keep, outer=outer)
 
     # the loop ----------------------------------------------------------------------------
 
@@ -305,10 +348,7 @@ class Node:
         """Run `rounds` more rounds (None: until `stop` is set); the state is saved on the way out."""
         target = None if rounds is None else self.round + rounds
         try:
-            await self.transport.start()
-            if self.config.swarm.metrics_port is not None:
-                self._metrics_server = MetricsServer(self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus)
-                await self._metrics_server.start()
+            await self.start_services()
             while not stop.is_set() and (target is None or self.round < target):
                 self.transport.check_alive()
                 row = await self.run_round()
@@ -320,7 +360,5 @@ class Node:
             if latest is None or self.store.load_round(latest) != self.round:
                 await asyncio.to_thread(self.save)
         finally:
-            if self._metrics_server is not None:
-                await self._metrics_server.stop()
-            await self.transport.stop()
+            await self.stop_services()
             self.backend.close()

@@ -68,6 +68,7 @@ class TrainerState:
     policy_version: int
     optimizer: dict[str, Any]
     rng: dict[str, Any]
+    outer: dict[str, Any] | None  # averaging's slow weights and outer momentum (None: no averaging)
 
 
 class StateStore:
@@ -88,7 +89,7 @@ class StateStore:
         path = self.checkpoints / name
         return path if (path / "trainer.pt").exists() else None
 
-    def save(self, round_: int, model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, policy_version: int, keep: int) -> Path:
+    def save(self, round_: int, model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, policy_version: int, keep: int, outer: dict | None = None) -> Path:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
         try:
@@ -99,6 +100,7 @@ class StateStore:
                     "policy_version": policy_version,
                     "optimizer": optimizer.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                    "outer": outer,
                 },
                 staging / "trainer.pt",
             )
@@ -128,7 +130,7 @@ class StateStore:
 
     def load_trainer_state(self, checkpoint: Path) -> TrainerState:
         data = torch.load(checkpoint / "trainer.pt", weights_only=False)
-        return TrainerState(round=data["round"], policy_version=data["policy_version"], optimizer=data["optimizer"], rng=data["rng"])
+        return TrainerState(round=data["round"], policy_version=data["policy_version"], optimizer=data["optimizer"], rng=data["rng"], outer=data.get("outer"))
 
     # metrics ---------------------------------------------------------------
 

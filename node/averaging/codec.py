@@ -130,9 +130,10 @@ def _parse_entry(entry: object, mode: str) -> EncodedTensor:
     expected = _data_nbytes(mode, math.prod(shape))
     if len(data) != expected:
         raise CodecError(f"{name}: {len(data)} data bytes, expected {expected} for {mode} {list(shape)}")
-    expected_scale = 4 * rows if mode in _QMAX else None
-    if (None if scale is None else len(scale)) != expected_scale:
-        raise CodecError(f"{name}: scale must be {expected_scale} bytes for {mode}")
+    if mode in _QMAX and (scale is None or len(scale) != 4 * rows):
+        raise CodecError(f"{name}: {mode} needs a scale of {4 * rows} bytes (one float32 per row)")
+    if mode not in _QMAX and scale is not None:
+        raise CodecError(f"{name}: {mode} carries no scale")
     return EncodedTensor(name=name, dtype=dtype, shape=shape, data=data, scale=scale)
 
 

@@ -1,0 +1,100 @@
+"""The outer-step service: NoLoCo (or DiLoCo) averaging beside training, never blocking it.
+
+Every `every_steps` policy updates the node snapshots its weights theta and starts an
+exchange in the background (pairing.py); training goes on. When the exchange ends, the
+outer step is applied between two rounds: new theta from the rule (outer.py), plus the
+inner steps taken while the exchange ran (Streaming DiLoCo's idea, outer.apply_with_drift).
+An exchange that finds no partner in time, or whose partner's weights are refused, is
+skipped: the weights stay as training left them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from node.averaging.outer import OuterOptimizerState, apply_with_drift, diloco_step, float_parameters, noloco_step
+from node.averaging.validation import relative_distance
+from node.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AveragingStats:
+    attempted: int = 0
+    succeeded: int = 0
+    skipped: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_partners: list[str] = field(default_factory=list)
+    last_seconds: float = 0.0
+    last_distance: float = 0.0  # relative L2 distance of our theta to the group mean, at the last success
+
+
+class OuterStepService:
+    def __init__(self, config: NodeConfig, model: torch.nn.Module, averager):
+        self.config = config.averaging
+        self.model = model
+        self.averager = averager  # a started pairing.PairAverager
+        self.outer = OuterOptimizerState.from_model(model)
+        self.stats = AveragingStats()
+        self.last_trigger_version = 0
+        self._last_window = -1
+        self._task: asyncio.Task | None = None
+        self._theta_sent: dict[str, torch.Tensor] | None = None
+
+    def maybe_start(self, policy_version: int) -> bool:
+        """Start an exchange when H updates have passed since the last one and none is in flight."""
+        if self._task is not None or policy_version - self.last_trigger_version < self.config.every_steps:
+            return False
+        window = int(time.time() // self.config.window_s)
+        if window == self._last_window:
+            return False  # one exchange per window: peers pair up by window
+        self._last_window = window
+        self.last_trigger_version = policy_version
+        self._theta_sent = {k: v.detach().to("cpu", torch.float32).clone() for k, v in float_parameters(self.model).items()}
+        self.stats.attempted += 1
+        self._task = asyncio.create_task(self.averager.average(self._theta_sent, round_id=window, timeout=self.config.timeout_s), name="outer-step")
+        return True
+
+    def apply_if_done(self) -> dict | None:
+        """Apply a finished exchange (call between rounds, when no torch work runs); its stats, or None."""
+        if self._task is None or not self._task.done():
+            return None
+        task, theta_sent, self._task, self._theta_sent = self._task, self._theta_sent, None, None
+        result = task.result()  # the averager returns None for every expected failure; anything else is a bug
+        if result is None:
+            self.stats.skipped += 1
+            return {"outcome": "skipped"}
+        if self.config.method == "noloco":
+            new_theta = noloco_step(self.outer, theta_sent, result.mean_theta, self.config.momentum(), self.config.outer_lr)
+        else:
+            new_theta = diloco_step(self.outer, self.outer.outer_delta(result.mean_theta), self.config.outer_lr, self.config.momentum())
+        params = float_parameters(self.model)
+        now = {k: v.detach().to("cpu", torch.float32) for k, v in params.items()}
+        final = apply_with_drift(now, theta_sent, new_theta)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(final[name].to(param.dtype))
+        self.stats.succeeded += 1
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        self.stats.last_partners = list(result.partner_ids)
+        self.stats.last_seconds = result.seconds
+        self.stats.last_distance = relative_distance(result.mean_theta, theta_sent)
+        return {"outcome": "averaged", "partners": self.stats.last_partners, "seconds": result.seconds, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received, "distance": self.stats.last_distance}
+
+    def counters(self) -> dict:
+        stats = self.stats
+        return {"attempted": stats.attempted, "succeeded": stats.succeeded, "skipped": stats.skipped, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "last_distance": stats.last_distance, "refusals": dict(self.averager.refusals)}
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.averager.stop()

@@ -1,0 +1,203 @@
+"""The weight exchange between real, honest peers on 127.0.0.1 (in-process DHT nodes, one p2pd each).
+
+The swarm helpers here are shared with test_averaging_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+
+from node.averaging.pairing import PairAverager, pair_partner
+from node.transport.dht import shutdown_dht
+
+PREFIX = "swarm-node/v1/test-swarm/avg/aaaaaaaaaaaaaaaa"
+OTHER_PREFIX = "swarm-node/v1/test-swarm/avg/bbbbbbbbbbbbbbbb"
+FAST = dict(poll_interval=0.1, settle_s=0.5, gather_s=1.0, dht_timeout=3.0)
+
+
+def ordered_identities(directory, count: int) -> list[str]:
+    """`count` p2p identity files, sorted by the peer id they give: the first one is the caller of a pair."""
+    from hivemind.p2p import P2P, PeerID
+
+    paths = [str(directory / f"identity-{i}.key") for i in range(count)]
+    for path in paths:
+        P2P.generate_identity(path)
+    return sorted(paths, key=lambda path: PeerID.from_identity(open(path, "rb").read()).to_base58())
+
+
+@asynccontextmanager
+async def swarm(count: int, identities: list[str] | None = None):
+    """`count` DHT nodes: the first on 127.0.0.1:0, the others joined to its real addresses."""
+    from hivemind.dht.node import DHTNode
+
+    def options(i: int) -> dict:
+        return dict(identity_path=identities[i], check_if_identity_free=False) if identities else {}
+
+    nodes = []
+    try:
+        nodes.append(await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **options(0)))
+        addresses = [str(a) for a in await nodes[0].get_visible_maddrs()]
+        nodes += await asyncio.gather(*(DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses, **options(i)) for i in range(1, count)))
+        yield nodes
+    finally:
+        await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))
+
+
+@asynccontextmanager
+async def averagers(nodes, prefixes=None, cls=PairAverager, **kwargs):
+    started = []
+    try:
+        for node, prefix in zip(nodes, prefixes or [PREFIX] * len(nodes)):
+            averager = cls(node, prefix, **{**FAST, **kwargs})
+            await averager.start()
+            started.append(averager)
+        yield started
+    finally:
+        await asyncio.gather(*(a.stop(timeout=5) for a in started))
+
+
+def weights(seed: int, rows: int = 16, cols: int = 8) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.Generator().manual_seed(1234)  # shared init: peers stay close, as after regular averaging
+    return {
+        "w": torch.randn(rows, cols, generator=base) + 0.05 * torch.randn(rows, cols, generator=generator),
+        "b": torch.randn(cols, generator=base) + 0.05 * torch.randn(cols, generator=generator),
+    }
+
+
+def snapshot(named):
+    return {k: v.clone() for k, v in named.items()}
+
+
+def assert_untouched(named, before):
+    for name in before:
+        assert torch.equal(named[name], before[name]), f"{name} was modified"
+
+
+def test_two_peers_get_exactly_the_mean_fp32():
+    async def scenario():
+        async with swarm(2) as nodes, averagers(nodes) as (a, b):
+            theta_a, theta_b = weights(1), weights(2)
+            before_a, before_b = snapshot(theta_a), snapshot(theta_b)
+            result_a, result_b = await asyncio.gather(a.average(theta_a, 7, timeout=15), b.average(theta_b, 7, timeout=15))
+            assert result_a is not None and result_b is not None, (a.failures, b.failures)
+            assert result_a.partner_ids == [b.peer_id] and result_b.partner_ids == [a.peer_id]
+            for name in theta_a:
+                expected = (theta_a[name] + theta_b[name]) / 2
+                assert torch.equal(result_a.mean_theta[name], expected)
+                assert torch.equal(result_b.mean_theta[name], expected)
+            assert_untouched(theta_a, before_a)
+            assert_untouched(theta_b, before_b)
+            payload = 4 * (16 * 8 + 8)
+            assert payload < result_a.bytes_sent < payload + 1024 and payload < result_a.bytes_received < payload + 1024
+            assert 0 < result_a.seconds < 15 and result_a.round_id == 7 and result_a.group_size == 2
+            assert a.refusals == {} and b.refusals == {} and a.rounds_averaged == 1
+
+    asyncio.run(scenario())
+
+
+def test_two_peers_fp16_within_half_precision_error():
+    async def scenario():
+        async with swarm(2) as nodes, averagers(nodes, mode="fp16") as (a, b):
+            theta_a, theta_b = weights(1), weights(2)
+            result_a, result_b = await asyncio.gather(a.average(theta_a, 1, timeout=15), b.average(theta_b, 1, timeout=15))
+            assert result_a is not None and result_b is not None
+            for name in theta_a:
+                expected = (theta_a[name] + theta_b[name]) / 2
+                # only the partner's half travelled in float16 (relative error <= 2^-11, halved by the mean)
+                for result, partner in ((result_a, theta_b), (result_b, theta_a)):
+                    assert torch.all((result.mean_theta[name] - expected).abs() <= partner[name].abs() * 2**-12 + 1e-7)
+            assert result_a.bytes_sent < 3 * (16 * 8 + 8) + 1024  # half of fp32's 4 bytes per value, plus framing
+
+    asyncio.run(scenario())
+
+
+def test_four_peers_form_pairs():
+    async def scenario():
+        async with swarm(4) as nodes, averagers(nodes) as group:
+            thetas = [weights(i) for i in range(4)]
+            for round_id in (0, 1):
+                results = await asyncio.gather(*(avg.average(theta, round_id, timeout=20) for avg, theta in zip(group, thetas)))
+                assert all(r is not None for r in results), [a.failures for a in group]
+                by_id = {avg.peer_id: (theta, result) for avg, theta, result in zip(group, thetas, results)}
+                for peer, (theta, result) in by_id.items():
+                    assert len(result.partner_ids) == 1
+                    partner = result.partner_ids[0]
+                    partner_theta, partner_result = by_id[partner]
+                    assert partner_result.partner_ids == [peer]  # pairs are mutual: nobody averaged twice
+                    for name in theta:
+                        assert torch.equal(result.mean_theta[name], (theta[name] + partner_theta[name]) / 2)
+
+    asyncio.run(scenario())
+
+
+def test_pair_order_is_agreed_and_changes_with_the_round():
+    peers = [f"peer-{i}" for i in range(6)]
+    partners = {round_id: {p: pair_partner(peers, p, round_id) for p in peers} for round_id in range(20)}
+    for mapping in partners.values():
+        assert all(mapping[mapping[p]] == p and mapping[p] != p for p in peers)
+    assert len({tuple(sorted(m.items())) for m in partners.values()}) > 1  # new partners across rounds
+    odd = [p for p in ["a", "b", "c"] if pair_partner(["a", "b", "c"], p, 3) is None]
+    assert len(odd) == 1  # the odd one out skips
+
+
+def test_all_live_peers_mode_gives_everyone_the_same_mean():
+    async def scenario():
+        async with swarm(3) as nodes, averagers(nodes, group_size=None) as group:
+            thetas = [weights(i) for i in range(3)]
+            results = await asyncio.gather(*(avg.average(theta, 5, timeout=20) for avg, theta in zip(group, thetas)))
+            assert all(r is not None and r.group_size == 3 for r in results), [a.failures for a in group]
+            for name in thetas[0]:
+                for result in results:
+                    assert torch.equal(result.mean_theta[name], results[0].mean_theta[name])  # bit-identical
+                torch.testing.assert_close(results[0].mean_theta[name], sum(t[name] for t in thetas) / 3, rtol=1e-6, atol=1e-6)
+
+    asyncio.run(scenario())
+
+
+def test_different_fingerprints_are_never_paired():
+    async def scenario():
+        async with swarm(3) as nodes, averagers(nodes, prefixes=[PREFIX, PREFIX, OTHER_PREFIX]) as (x1, x2, other):
+            thetas = [weights(i) for i in range(3)]
+            started = time.monotonic()
+            results = await asyncio.gather(*(avg.average(theta, 0, timeout=3) for avg, theta in zip((x1, x2, other), thetas)))
+            assert results[0].partner_ids == [x2.peer_id] and results[1].partner_ids == [x1.peer_id]
+            assert results[2] is None and time.monotonic() - started < 4.0
+            assert other.failures == {"no_partner": 1} and other.refusals == {}
+            # even a deliberate call across models is turned away: no handler under the other prefix
+            other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=1.5))
+            await asyncio.sleep(0.3)
+            from node.averaging.pairing import _Round
+
+            probe = _Round(round_id=1, theta=thetas[2], payload=b"", capacity=1, deadline=asyncio.get_running_loop().time() + 1)
+            other._max_payload = 1 << 20
+            assert not await other._call(probe, x1.peer_id)
+            assert other.failures["exchange_failed"] == 1
+            assert await other_round is None
+
+    asyncio.run(scenario())
+
+
+def test_average_requires_start_and_rounds_do_not_overlap():
+    async def scenario():
+        async with swarm(1) as nodes:
+            idle = PairAverager(nodes[0], PREFIX)
+            with pytest.raises(RuntimeError, match="start"):
+                await idle.average(weights(0), 0, timeout=1)
+            async with averagers(nodes) as (alone,):
+                first = asyncio.create_task(alone.average(weights(0), 0, timeout=1.5))
+                await asyncio.sleep(0.2)
+                with pytest.raises(RuntimeError, match="already running"):
+                    await alone.average(weights(0), 0, timeout=1)
+                assert await first is None  # alone in the swarm: skipped at the timeout
+                broken = weights(0)
+                broken["b"][0] = float("nan")
+                assert await alone.average(broken, 1, timeout=5) is None  # never offered to a partner
+                assert alone.failures["own_weights_not_finite"] == 1 and alone.rounds_skipped == 2
+
+    asyncio.run(scenario())
