@@ -47,7 +47,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def fake_heartbeat(identity: NodeIdentity):
     def build() -> PeerStats:
-        return PeerStats(identity.node_id, "bench", "0.1.0", "1.0", "default", 1, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, time.time(), [], [])
+        return PeerStats(identity.node_id, "bench", "0.1.0", "1.0", "default", 1, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, time.time(), [], [], 0, 0)
 
     return build
 

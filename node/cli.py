@@ -120,14 +120,14 @@ def _peers_table(rows: list[dict[str, Any]], swarm_id: str) -> Table:
     import time
 
     table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)")
-    for column in ("node", "name", "round", "policy", "reward", "accuracy", "published", "received", "accepted", "rejected", "tokens/s", "up", "seen"):
+    for column in ("node", "name", "round", "policy", "reward", "accuracy", "published", "received", "accepted", "rejected", "averaged", "tokens/s", "up", "seen"):
         table.add_column(column, justify="left" if column in ("node", "name") else "right")
     now = time.time()
     for row in rows:
         table.add_row(
             row["node_id"][:12], row["display_name"], str(row["round"]), str(row["policy_version"]), f"{row['reward_mean']:.3f}", f"{row['accuracy']:.1%}",
             str(row["rollouts_published"]), str(row["rollouts_received"]), str(row["rollouts_accepted"]), str(row["rollouts_rejected"]),
-            f"{row['tokens_per_s']:.0f}", f"{row['uptime_s'] / 60:.1f}m", f"{max(0.0, now - row['last_seen']):.0f}s ago",
+            f"{row['outer_steps']}/{row['outer_steps'] + row['outer_steps_skipped']}", f"{row['tokens_per_s']:.0f}", f"{row['uptime_s'] / 60:.1f}m", f"{max(0.0, now - row['last_seen']):.0f}s ago",
         )
     return table
 

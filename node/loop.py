@@ -139,6 +139,8 @@ class Node:
             last_seen=time.time(),
             addresses=self.announced_addresses[:8],
             gossip_addresses=[],  # the transport fills in its own
+            outer_steps=self.averaging.stats.succeeded if self.averaging else 0,
+            outer_steps_skipped=self.averaging.stats.skipped if self.averaging else 0,
         )
 
     def _build_services(self, policy_version: int) -> None:

@@ -159,9 +159,12 @@ class PeerStats:
     last_seen: float  # unix time the sender composed these stats
     addresses: list[str]  # multiaddrs where the node listens, at most max_addresses
     gossip_addresses: list[str]  # libp2p gossipsub multiaddrs (empty: the node gossips over the DHT only)
+    outer_steps: int  # weight-averaging rounds that succeeded (NoLoCo / DiLoCo)
+    outer_steps_skipped: int  # weight-averaging rounds skipped (no partner in time, or weights refused)
 
     _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
-                                          "rollouts_received", "rollouts_accepted", "rollouts_rejected")
+                                          "rollouts_received", "rollouts_accepted", "rollouts_rejected",
+                                          "outer_steps", "outer_steps_skipped")
     _NAMES: ClassVar[tuple[str, ...]] = ("display_name", "software_version", "protocol_version", "model_name")
     _RATES: ClassVar[tuple[str, ...]] = ("tokens_per_s", "uptime_s", "last_seen")
 

@@ -48,6 +48,7 @@ async def _scenario(tmp_path):
         row = await pair[0].run_round()
         assert all(torch.isfinite(p).all() for p in pair[0].model.parameters()) and row["round"] > 0
         assert "swarm_node_averaging_succeeded 1.0" in pair[0].prometheus()
+        assert (pair[0].peer_stats().outer_steps, pair[0].peer_stats().outer_steps_skipped) == (1, 0)  # the heartbeat says so
     finally:
         for node in pair:
             await node.stop_services()

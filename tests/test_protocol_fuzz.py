@@ -95,7 +95,7 @@ batches = st.builds(RolloutBatch, st.integers(0, 2**63 - 1), st.integers(0, 2**6
                     st.lists(questions, max_size=3))
 stats = st.builds(lambda count, rate, unit, text, addresses: PeerStats(
     IDENTITY.node_id, text, text, "1.0", text, count, count, count, -rate, unit, count, count, count, count,
-    rate, rate, rate, addresses, addresses[:2]), st.integers(0, 2**63 - 1), finite.map(abs), st.floats(0, 1), short_text,
+    rate, rate, rate, addresses, addresses[:2], count, count), st.integers(0, 2**63 - 1), finite.map(abs), st.floats(0, 1), short_text,
     st.lists(short_text, max_size=16))
 
 
