@@ -52,3 +52,47 @@ async def _scenario(tmp_path):
     finally:
         for node in pair:
             await node.stop_services()
+
+
+def _spread(nodes) -> float:
+    import itertools
+
+    from node.averaging.validation import relative_distance
+
+    weights = [{k: v.detach() for k, v in float_parameters(n.model).items()} for n in nodes]
+    pairs = list(itertools.combinations(weights, 2))
+    return sum(relative_distance(a, b) for a, b in pairs) / len(pairs)
+
+
+async def _four_nodes(method: str, tmp_path) -> tuple[float, int]:
+    overrides = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.external_questions=0", f"averaging.method={method}", "averaging.every_steps=3",
+                 "averaging.window_s=2", "averaging.timeout_s=5", "trainer.drop_uniform_groups=false", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
+    nodes: list[Node] = []
+    try:
+        for i in range(4):
+            peers = [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
+            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / method / str(i))))
+            node.load()
+            await node.start_services()
+            nodes.append(node)
+        for _ in range(18):
+            for node in nodes:
+                await node.run_round()
+            await asyncio.sleep(0.1)  # the exchanges get loop time between rounds, as beside real rounds
+        if method != "none":
+            await asyncio.gather(*(n.averaging._task for n in nodes if n.averaging._task), return_exceptions=True)
+            for node in nodes:
+                node.averaging.apply_if_done()
+        succeeded = sum(n.averaging.stats.succeeded for n in nodes) if method != "none" else 0
+        return _spread(nodes), succeeded
+    finally:
+        for node in nodes:
+            await node.stop_services()
+
+
+def test_four_nodes_pair_up_and_stay_closer_than_without_averaging(model_cache, tmp_path):
+    spread_alone, _ = asyncio.run(_four_nodes("none", tmp_path))
+    spread_noloco, outer_steps = asyncio.run(_four_nodes("noloco", tmp_path))
+    assert outer_steps >= 4  # pairs formed in several outer steps
+    print(f"spread without averaging {spread_alone:.4f}, with NoLoCo {spread_noloco:.4f}, outer steps {outer_steps}")
+    assert spread_noloco < 0.8 * spread_alone, (spread_noloco, spread_alone)
