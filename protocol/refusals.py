@@ -10,10 +10,23 @@ import enum
 from collections import Counter, OrderedDict
 
 
-class Refusal(enum.Enum):
-    """A refusal reason; `.value` is the short wire/log code, `.sentence` explains it."""
+class SentencedEnum(str, enum.Enum):
+    """Short codes for logs and counters, each with a sentence for humans (`.value` is the code).
+
+    The base of every "why was this refused" enum in the project, so that each reads the same.
+    """
 
     sentence: str
+
+    def __new__(cls, code: str, sentence: str) -> "SentencedEnum":
+        member = str.__new__(cls, code)
+        member._value_ = code
+        member.sentence = sentence
+        return member
+
+
+class Refusal(SentencedEnum):
+    """A refusal reason; `.value` is the short wire/log code, `.sentence` explains it."""
 
     TOO_LARGE = ("too_large", "The message is larger than the receiver's size limit.")
     NOT_MSGPACK = ("not_msgpack", "The bytes are not one complete, well-formed msgpack value.")
@@ -30,12 +43,6 @@ class Refusal(enum.Enum):
     BAD_VALUE = ("bad_value", "A value is out of range: a non-finite float, a negative count, an unknown option.")
     BAD_SPEC = ("bad_spec", "A task spec is malformed or out of bounds.")
     UNSCORABLE = ("unscorable", "A task spec is well-formed but the receiver cannot materialize and score its question.")
-
-    def __new__(cls, code: str, sentence: str) -> "Refusal":
-        member = object.__new__(cls)
-        member._value_ = code
-        member.sentence = sentence
-        return member
 
 
 class ProtocolRejection(Exception):

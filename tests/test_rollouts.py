@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from node.config import RolloutConfig
 from node.loop import Node
 from node.rollouts.transformers_backend import TransformersBackend, sample_next
 from node.trainer import completion_logprobs

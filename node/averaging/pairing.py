@@ -75,6 +75,8 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
+from protocol.refusals import SentencedEnum
+
 from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
 from node.transport.protobuf_shim import import_hivemind_isolated
@@ -103,10 +105,8 @@ class Frame(enum.IntEnum):
     COMMIT = 5  # both ways: empty; "your weights passed my checks"
 
 
-class CallRefusal(str, enum.Enum):
+class CallRefusal(SentencedEnum):
     """Why an acceptor turned a caller away before any weights moved."""
-
-    sentence: str
 
     NOT_READY = ("not_ready", "The acceptor is not averaging this round (not started yet, or already finished).")
     BUSY = ("busy", "The acceptor already has its partner (or an exchange in flight) for this round.")
@@ -115,11 +115,6 @@ class CallRefusal(str, enum.Enum):
     BAD_HELLO = ("bad_hello", "The caller's first frame is not a well-formed HELLO.")
     GIVEN_UP = ("given_up", "The acceptor refused this caller's weights, or was refused by it, earlier this round.")
 
-    def __new__(cls, code: str, sentence: str) -> "CallRefusal":
-        member = str.__new__(cls, code)
-        member._value_ = code
-        member.sentence = sentence
-        return member
 
 
 _RETRYABLE = {CallRefusal.NOT_READY.value, CallRefusal.BUSY.value}

@@ -9,16 +9,16 @@ different model, a diverged one, or an attack).
 
 from __future__ import annotations
 
-import enum
 import math
 
 import torch
 
+from protocol.refusals import SentencedEnum
 
-class WeightsRefusal(str, enum.Enum):
+
+class WeightsRefusal(SentencedEnum):
     """Why a partner's weights were not used; every code carries a sentence for humans."""
 
-    sentence: str
 
     WRONG_NAMES = ("wrong_names", "The partner's tensor names differ from ours (missing or extra tensors).")
     WRONG_SHAPE = ("wrong_shape", "A tensor's shape differs from ours.")
@@ -27,11 +27,6 @@ class WeightsRefusal(str, enum.Enum):
     TOO_FAR = ("too_far", "The partner's weights are further from ours than the allowed relative distance.")
     MALFORMED = ("malformed", "The bytes received are not a well-formed weights message, or exceed the size bound.")
 
-    def __new__(cls, code: str, sentence: str) -> "WeightsRefusal":
-        member = str.__new__(cls, code)
-        member._value_ = code
-        member.sentence = sentence
-        return member
 
 
 class WeightsRefused(Exception):

@@ -31,7 +31,6 @@ from node.stats import SwarmStats
 from node.trainer import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from protocol import (
-    DEFAULT_LIMITS,
     MessageKind,
     NodeIdentity,
     PeerStats,
