@@ -58,3 +58,15 @@ def test_metrics_endpoint_serves_prometheus_text():
     assert 'swarm_node_peer_batches_accepted_total{peer="odd\\"peer"} 1' in metrics
     assert 'swarm_node_peer_rejected_total{peer="x",reason="stale"} 1' in metrics
     assert other.startswith("HTTP/1.1 404")
+
+
+def test_seen_envelopes_are_bounded():
+    from node.transport.dht import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, _SeenEnvelopes
+
+    seen = _SeenEnvelopes()
+    for seq in range(SEEN_PER_SENDER + 10):
+        seen.add("a", seq)
+    assert seen.seen("a", SEEN_PER_SENDER + 9) and not seen.seen("a", 0) and seen.newest("a") == SEEN_PER_SENDER + 9
+    for i in range(MAX_SENDERS_REMEMBERED + 5):
+        seen.add(f"s{i}", 1)
+    assert not seen.seen("a", SEEN_PER_SENDER + 9) and seen.seen(f"s{MAX_SENDERS_REMEMBERED + 4}", 1)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_VALUES_PER_KEY = 256  # peers read per key and round: bounds the work a flood of subkeys can cause
 SEEN_PER_SENDER = 64
+MAX_SENDERS_REMEMBERED = 1024
 MAX_REFUSED_REMEMBERED = 4096
 
 
@@ -104,10 +105,14 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
 
 
 class _SeenEnvelopes:
-    """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay."""
+    """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay.
+
+    Bounded: the last SEEN_PER_SENDER seqs of the MAX_SENDERS_REMEMBERED most recent senders
+    (throwaway identities cannot grow it without bound).
+    """
 
     def __init__(self) -> None:
-        self._by_sender: dict[str, OrderedDict[int, None]] = {}
+        self._by_sender: OrderedDict[str, OrderedDict[int, None]] = OrderedDict()
 
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
@@ -116,10 +121,13 @@ class _SeenEnvelopes:
         return max(self._by_sender.get(sender, {-1: None}))
 
     def add(self, sender: str, seq: int) -> None:
-        seqs = self._by_sender.setdefault(sender, OrderedDict())
+        seqs = self._by_sender.pop(sender, None) or OrderedDict()
+        self._by_sender[sender] = seqs
         seqs[seq] = None
         while len(seqs) > SEEN_PER_SENDER:
             seqs.popitem(last=False)
+        while len(self._by_sender) > MAX_SENDERS_REMEMBERED:
+            self._by_sender.popitem(last=False)
 
 
 def listen_ip(host_maddrs: list[str]) -> str:
