@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack: for hung nodes
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console(stderr=False, soft_wrap=True)  # a line per message: logs and tests must not find words split by wrapping
     if getattr(args, "rounds", None) is not None and args.rounds < 1:
         print("swarm-node: error: --rounds must be at least 1", file=sys.stderr)
         return EXIT_USAGE
