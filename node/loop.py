@@ -157,9 +157,10 @@ class Node:
     def _generation_seed(self, round_: int) -> int:
         return (self.stream_seed * 1_000_003 + round_) % (2**63)
 
-    def score_group(self, question: Question, completions, source: str) -> RolloutGroup:
+    def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
+        """The group with its locally computed rewards, and how many of its completions are correct."""
         grades = [grade(question, c.text, c.finish_reason == "stop", self.config.tasks.format_reward) for c in completions]
-        return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source)
+        return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source), sum(g.correct for g in grades)
 
     def _refuse(self, item: ExternalGroup, reason: Refusal, detail: str) -> None:
         self.stats.reject(item.peer_id, reason)
@@ -192,7 +193,7 @@ class Node:
             if longest > self.config.swarm.max_external_tokens:
                 self._refuse(item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens")
                 continue
-            group = self.score_group(question, completions, source=item.peer_id)
+            group, _ = self.score_group(question, completions, source=item.peer_id)
             if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):
                 self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
             groups.append(group)
@@ -216,9 +217,9 @@ class Node:
         start = time.perf_counter()
         groups, correct, total, tokens = [], 0, 0, 0
         for question, group_completions in zip(questions, completions):
-            group = self.score_group(question, group_completions, source="local")
+            group, group_correct = self.score_group(question, group_completions, source="local")
             groups.append(group)
-            correct += sum(grade(question, c.text, True).correct for c in group_completions)
+            correct += group_correct
             total += len(group_completions)
             tokens += sum(len(c.completion_ids) for c in group_completions)
         timings.scoring_s = time.perf_counter() - start
