@@ -79,6 +79,7 @@ from protocol.refusals import SentencedEnum
 
 from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
+from node.transport.dht import read_key, store_value
 from node.transport.protobuf_shim import import_hivemind_isolated
 
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
@@ -436,27 +437,17 @@ class PairAverager:
 
     async def _announce(self, round_id: int, state: str, expiration: float) -> None:
         value = msgpack.packb({"v": EXCHANGE_VERSION, "state": state})
-        try:
-            ok = await asyncio.wait_for(self.dht.store(self.ready_key(round_id), value, expiration_time=expiration, subkey=self.peer_id), self.dht_timeout)
-        except asyncio.TimeoutError:
-            ok = False
-        if not ok:
+        if not await store_value(self.dht, self.ready_key(round_id), value, expiration, self.peer_id, self.dht_timeout):
             log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
 
     async def _read_view(self, round_id: int) -> dict[str, str]:
         """Announced peers of the round and their state ("free" or "done"); malformed entries are skipped."""
-        try:
-            found = await asyncio.wait_for(self.dht.get(self.ready_key(round_id), latest=True), self.dht_timeout)
-        except asyncio.TimeoutError:
-            return {}
-        if found is None or not isinstance(found.value, dict):
-            return {}
         view = {}
-        for subkey, entry in list(found.value.items())[:MAX_READY_ENTRIES]:
-            if not isinstance(subkey, str) or not 0 < len(subkey) <= 64 or not isinstance(entry.value, bytes) or len(entry.value) > 256:
+        for subkey, raw in await read_key(self.dht, self.ready_key(round_id), self.dht_timeout, limit=MAX_READY_ENTRIES):
+            if not isinstance(subkey, str) or not 0 < len(subkey) <= 64 or not isinstance(raw, bytes) or len(raw) > 256:
                 continue
             try:
-                message = msgpack.unpackb(entry.value, raw=False)
+                message = msgpack.unpackb(raw, raw=False)
             except ValueError:  # msgpack's unpack errors (ExtraData, FormatError, StackError) are ValueErrors
                 continue
             if isinstance(message, dict) and message.get("v") == EXCHANGE_VERSION and message.get("state") in ("free", "done"):

@@ -241,10 +241,7 @@ class DHTTransport(Transport):
     async def _store(self, key: str, value: bytes, ttl: float) -> None:
         from hivemind.utils import get_dht_time
 
-        try:
-            ok = await asyncio.wait_for(self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=self.identity.node_id), self.config.swarm.dht_timeout_s)
-        except asyncio.TimeoutError:
-            ok = False
+        ok = await store_value(self.dht, key, value, get_dht_time() + ttl, self.identity.node_id, self.config.swarm.dht_timeout_s)
         if not ok:
             log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(value), self.config.swarm.dht_timeout_s)
 
@@ -354,8 +351,16 @@ class DHTTransport(Transport):
         return await read_peer_stats(self.dht, self.config)
 
 
-async def read_key(dht, key: str, timeout: float) -> list[tuple[object, object]]:
-    """(subkey, value) pairs stored under a key, at most MAX_VALUES_PER_KEY; none if the DHT does not answer in time."""
+async def store_value(dht, key: str, value: bytes, expiration_time: float, subkey: str, timeout: float) -> bool:
+    """Store one subkey's value; False when the DHT refused it or did not answer within `timeout`."""
+    try:
+        return await asyncio.wait_for(dht.store(key, value, expiration_time=expiration_time, subkey=subkey), timeout)
+    except asyncio.TimeoutError:
+        return False
+
+
+async def read_key(dht, key: str, timeout: float, limit: int = MAX_VALUES_PER_KEY) -> list[tuple[object, object]]:
+    """(subkey, value) pairs stored under a key, at most `limit`; none if the DHT does not answer in time."""
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
     except asyncio.TimeoutError:
@@ -363,7 +368,7 @@ async def read_key(dht, key: str, timeout: float) -> list[tuple[object, object]]
         return []
     if found is None or not isinstance(found.value, dict):
         return []
-    return [(subkey, entry.value) for subkey, entry in found.value.items()][:MAX_VALUES_PER_KEY]
+    return [(subkey, entry.value) for subkey, entry in found.value.items()][:limit]
 
 
 async def read_peer_stats(dht, config: NodeConfig) -> list[tuple[PeerStats, float]]:
