@@ -73,11 +73,8 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     await asyncio.to_thread(node.load, fresh)
     if node.identity is not None:
         console.print(f"node id {node.identity.node_id}", highlight=False)
-    console.print(
-        f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, "
-        f"resuming at round {node.round}" if node.round else f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, fresh start",
-        highlight=False,
-    )
+    start = f"resuming at round {node.round}" if node.round else "fresh start"
+    console.print(f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, {start}", highlight=False)
     target = None if config.rounds is None else node.round + config.rounds
     def show_addresses(addresses: list[str]) -> None:
         node._announce(addresses)
