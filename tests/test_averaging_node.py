@@ -20,7 +20,7 @@ def test_two_nodes_apply_the_noloco_rule(model_cache, tmp_path):
 
 
 async def _scenario(tmp_path):
-    overrides = [*SWARM_OVERRIDES, "averaging.method=noloco", "averaging.every_steps=2", "averaging.transfer_dtype=fp32", "averaging.window_s=600", "averaging.timeout_s=20", "trainer.drop_uniform_groups=false", "trainer.lr=1e-3"]
+    overrides = [*SWARM_OVERRIDES, "averaging.method=noloco", "averaging.every_steps=2", "averaging.transfer_dtype=fp32", "averaging.window_s=600", "averaging.timeout_s=20", "trainer.lr=1e-3"]
     pair: list[Node] = []
     try:
         for i in range(2):
@@ -31,10 +31,15 @@ async def _scenario(tmp_path):
             pair.append(node)
         phi0 = {k: v.detach().clone() for k, v in float_parameters(pair[0].model).items()}
         assert all(torch.equal(phi0[k], v) for k, v in float_parameters(pair[1].model).items())  # same initial model
-        while not all(node.averaging._task for node in pair):
+        # Uniform-reward groups are dropped (the default), so every policy version counted
+        # towards H is a real gradient step: the two nodes cannot reach the outer step unchanged.
+        for _ in range(300):
+            if all(node.averaging._task for node in pair):
+                break
             for node in pair:
                 if node.averaging._task is None:
                     await node.run_round()
+        assert all(node.averaging._task for node in pair), "no outer step started within 300 rounds"
         sent = [node.averaging._theta_sent for node in pair]
         assert not all(torch.equal(sent[0][k], sent[1][k]) for k in phi0)  # they trained apart
         await asyncio.gather(*(node.averaging._task for node in pair))
@@ -66,7 +71,7 @@ def _spread(nodes) -> float:
 
 async def _four_nodes(method: str, tmp_path) -> tuple[float, int]:
     overrides = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.external_questions=0", f"averaging.method={method}", "averaging.every_steps=3",
-                 "averaging.window_s=2", "averaging.timeout_s=5", "trainer.drop_uniform_groups=false", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
+                 "averaging.window_s=2", "averaging.timeout_s=5", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
     nodes: list[Node] = []
     try:
         for i in range(4):
@@ -75,7 +80,7 @@ async def _four_nodes(method: str, tmp_path) -> tuple[float, int]:
             node.load()
             await node.start_services()
             nodes.append(node)
-        for _ in range(18):
+        for _ in range(24):
             for node in nodes:
                 await node.run_round()
             await asyncio.sleep(0.1)  # the exchanges get loop time between rounds, as beside real rounds
