@@ -36,8 +36,8 @@ is done and `settle_s` has passed. All mode (`group_size=None`): during the gath
 window a node calls every announced peer with a higher id and accepts calls from any
 peer; it finishes when no announced peer it has not exchanged with is still free.
 
-One exchange, on a stream opened to `<prefix>/exchange/v1` (frames: 1-byte type, 8-byte
-big-endian length, body; weights frames are bounded by our own model's fp32 size,
+One exchange, on a stream opened to `<prefix>/exchange/v1` (frames of
+`node/transport/framing.py`; weights frames are bounded by our own model's fp32 size,
 control frames by 64 KiB):
     caller -> HELLO {"v", "prefix", "round"} ; acceptor -> ACCEPT | REFUSE {"reason", "detail"}
     both, concurrently: WEIGHTS (codec.EncodedWeights bytes)
@@ -67,7 +67,6 @@ import asyncio
 import enum
 import hashlib
 import logging
-import struct
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ from protocol.refusals import SentencedEnum
 from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
 from node.transport.dht import read_key, store_value
+from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, read_frame, write_frame
 from node.transport.protobuf_shim import import_hivemind_isolated
 
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
@@ -95,7 +95,6 @@ EXCHANGE_VERSION = 1
 CONTROL_MAX_BYTES = 64 * 1024
 MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
-_FRAME_HEADER = struct.Struct(">BQ")
 
 
 class Frame(enum.IntEnum):
@@ -122,15 +121,7 @@ _RETRYABLE = {CallRefusal.NOT_READY.value, CallRefusal.BUSY.value}
 
 
 class ExchangeError(Exception):
-    """The stream broke the exchange protocol (unexpected frame, oversized frame, bad body)."""
-
-
-class OversizedFrame(ExchangeError):
-    """A frame longer than the receiver allows for its type; nothing of its body was read."""
-
-    def __init__(self, kind: Frame, length: int, limit: int) -> None:
-        super().__init__(f"{kind.name} frame of {length} bytes exceeds {limit}")
-        self.kind = kind
+    """The partner broke the exchange protocol (an unexpected frame or a bad body)."""
 
 
 @dataclass
@@ -199,24 +190,8 @@ def pair_partner(peers: list[str], me: str, round_id: int) -> str | None:
     return order[mate] if mate < len(order) else None
 
 
-async def _write_frame(writer: asyncio.StreamWriter, kind: Frame, body: bytes = b"") -> int:
-    writer.write(_FRAME_HEADER.pack(kind, len(body)))
-    if body:
-        writer.write(body)
-    await writer.drain()
-    return _FRAME_HEADER.size + len(body)
-
-
 async def _read_frame(reader: asyncio.StreamReader, max_weights_bytes: int) -> tuple[Frame, bytes]:
-    kind, length = _FRAME_HEADER.unpack(await reader.readexactly(_FRAME_HEADER.size))
-    try:
-        kind = Frame(kind)
-    except ValueError:
-        raise ExchangeError(f"unknown frame type {kind}") from None
-    limit = max_weights_bytes if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES
-    if length > limit:
-        raise OversizedFrame(kind, length, limit)
-    return kind, await reader.readexactly(length)
+    return await read_frame(reader, Frame, lambda kind: max_weights_bytes if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES)
 
 
 def _refusal_body(reason: str, detail: str = "") -> bytes:
@@ -316,7 +291,7 @@ class PairAverager:
         return theta
 
     async def _send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
-        return await _write_frame(writer, Frame.WEIGHTS, payload)
+        return await write_frame(writer, Frame.WEIGHTS, payload)
 
     # one round -----------------------------------------------------------------------
 
@@ -463,9 +438,9 @@ class PairAverager:
         try:
             _, reader, writer = await self.dht.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler_name)
             hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": self.prefix, "round": rnd.round_id})
-            rnd.bytes_sent += await _write_frame(writer, Frame.HELLO, hello)
+            rnd.bytes_sent += await write_frame(writer, Frame.HELLO, hello)
             kind, body = await _read_frame(reader, self._max_payload)
-            rnd.bytes_received += _FRAME_HEADER.size + len(body)
+            rnd.bytes_received += FRAME_HEADER.size + len(body)
             if kind is Frame.REFUSE:
                 reason = _parse_refusal(body)
                 self.failures[f"call_refused:{reason}"] += 1
@@ -475,7 +450,7 @@ class PairAverager:
             if kind is not Frame.ACCEPT:
                 raise ExchangeError(f"expected ACCEPT, got {kind.name}")
             weights = await self._swap(rnd, peer, reader, writer)
-        except (ExchangeError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
+        except (ExchangeError, FramingError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
             log.info("round %d: exchange with %s failed: %s: %s", rnd.round_id, peer[:12], type(exc).__name__, exc)
             self.failures["exchange_failed"] += 1
             rnd.failed_calls[peer] += 1
@@ -500,19 +475,19 @@ class PairAverager:
             rnd = self._round
             refusal = self._check_hello(kind, body, rnd, peer)
             if rnd is not None:
-                rnd.bytes_received += _FRAME_HEADER.size + len(body)
+                rnd.bytes_received += FRAME_HEADER.size + len(body)
             if refusal is not None:
-                sent = await _write_frame(writer, Frame.REFUSE, _refusal_body(refusal.value))
+                sent = await write_frame(writer, Frame.REFUSE, _refusal_body(refusal.value))
                 if rnd is not None:
                     rnd.bytes_sent += sent
                 return
             rnd.engaged.add(peer)
             engaged = True
-            rnd.bytes_sent += await _write_frame(writer, Frame.ACCEPT)
+            rnd.bytes_sent += await write_frame(writer, Frame.ACCEPT)
             weights = await asyncio.wait_for(self._swap(rnd, peer, reader, writer), timeout=rnd.remaining())
             if weights is not None:
                 rnd.commit(peer, weights)
-        except (ExchangeError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError) as exc:
+        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError) as exc:
             log.info("exchange from %s failed: %s: %s", peer[:12], type(exc).__name__, exc)
             self.failures["exchange_failed"] += 1
         finally:
@@ -549,9 +524,9 @@ class PairAverager:
                 refused = WeightsRefused(WeightsRefusal.MALFORMED, str(exc))
                 self._refuse_weights(rnd, peer, refused)
                 # Best effort: we close with its bytes still flowing, so p2pd may reset the stream first.
-                rnd.bytes_sent += await _write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
+                rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
                 return None
-            rnd.bytes_received += _FRAME_HEADER.size + len(body)
+            rnd.bytes_received += FRAME_HEADER.size + len(body)
             rnd.bytes_sent += await sending
         finally:
             if not sending.done():
@@ -566,12 +541,12 @@ class PairAverager:
             weights = await asyncio.to_thread(self._decode_checked, rnd, body)
         except WeightsRefused as refused:
             self._refuse_weights(rnd, peer, refused)
-            rnd.bytes_sent += await _write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
+            rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
             await self._read_partner_verdict(rnd, reader)
             return None
-        rnd.bytes_sent += await _write_frame(writer, Frame.COMMIT)
+        rnd.bytes_sent += await write_frame(writer, Frame.COMMIT)
         kind, body = await _read_frame(reader, 0)
-        rnd.bytes_received += _FRAME_HEADER.size + len(body)
+        rnd.bytes_received += FRAME_HEADER.size + len(body)
         if kind is not Frame.COMMIT:
             self.failures["partner_refused_our_weights"] += 1
             rnd.given_up.add(peer)
@@ -584,8 +559,8 @@ class PairAverager:
         the partner reads it, leaving it waiting for a verdict until its timeout."""
         try:
             _, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(2.0, rnd.remaining()))
-            rnd.bytes_received += _FRAME_HEADER.size + len(body)
-        except (ExchangeError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+            rnd.bytes_received += FRAME_HEADER.size + len(body)
+        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
             pass  # it went away or never answered: our verdict was sent either way
 
     def _refuse_weights(self, rnd: _Round, peer: str, refused: WeightsRefused) -> None:

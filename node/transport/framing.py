@@ -1,0 +1,73 @@
+"""Frames on a raw p2p stream: the one framing every stream protocol of the node uses.
+
+The averaging exchange (`node/averaging/pairing.py`) and the pipeline calls
+(`node/pipeline/`) both talk over streams of the node's own p2p daemon. A stream is a
+byte pipe with no message boundaries (a read may return fewer bytes than asked), so each
+message travels as one frame:
+
+    1 byte   frame type (each protocol has its own IntEnum of types)
+    8 bytes  body length, big-endian
+    N bytes  body
+
+The receiver bounds every frame before reading its body: each protocol says how long a
+frame of each type may be, and a longer one raises `OversizedFrame` with nothing of its
+body read (so a peer cannot make us allocate what it announces). An unknown type raises
+`FramingError`. Both are the caller's to count and answer with a refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from collections.abc import Callable
+from typing import TypeVar
+
+FRAME_HEADER = struct.Struct(">BQ")
+
+K = TypeVar("K", bound=enum.IntEnum)
+
+
+class FramingError(Exception):
+    """The stream broke the framing: an unknown frame type, or a frame longer than allowed."""
+
+
+class OversizedFrame(FramingError):
+    """A frame longer than the receiver allows for its type; nothing of its body was read."""
+
+    def __init__(self, kind: enum.IntEnum, length: int, limit: int) -> None:
+        super().__init__(f"{kind.name} frame of {length} bytes exceeds {limit}")
+        self.kind = kind
+        self.length = length
+        self.limit = limit
+
+
+def frame_bytes(kind: int, body: bytes = b"") -> bytes:
+    """One whole frame as bytes (for tests that write raw or truncated frames)."""
+    return FRAME_HEADER.pack(kind, len(body)) + body
+
+
+async def write_frame(writer: asyncio.StreamWriter, kind: enum.IntEnum, body: bytes = b"") -> int:
+    """Write one frame and wait until it is handed to the transport; the bytes written."""
+    writer.write(FRAME_HEADER.pack(kind, len(body)))
+    if body:
+        writer.write(body)
+    await writer.drain()
+    return FRAME_HEADER.size + len(body)
+
+
+async def read_frame(reader: asyncio.StreamReader, kinds: type[K], limit: Callable[[K], int]) -> tuple[K, bytes]:
+    """Read one frame whose type is a member of `kinds` and whose body is at most `limit(type)` bytes.
+
+    Raises FramingError / OversizedFrame as described above, and asyncio.IncompleteReadError
+    when the stream ends inside a frame.
+    """
+    raw_kind, length = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+    try:
+        kind = kinds(raw_kind)
+    except ValueError:
+        raise FramingError(f"unknown {kinds.__name__} frame type {raw_kind}") from None
+    allowed = limit(kind)
+    if length > allowed:
+        raise OversizedFrame(kind, length, allowed)
+    return kind, await reader.readexactly(length)
