@@ -36,9 +36,10 @@ class MessageKind(enum.StrEnum):
 
     ROLLOUT_BATCH = "rollout_batch"
     PEER_STATS = "peer_stats"
+    STAGE_ANNOUNCEMENT = "stage_announcement"  # minor 1: a pipeline stage server (or spare) says what it serves
     # Reserved for later minor versions (append here, never reuse a code):
     # "averaging_*"  NoLoCo outer-step gossip (announce, pseudo-gradient chunks, done);
-    # "pipeline_*"   stage serving and CheckFree recovery (stage requests, weights).
+    # (pipeline calls themselves travel on p2p streams: protocol/pipeline.py)
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,79 @@ class PeerStats:
         return self.node_id
 
 
-Message = RolloutBatch | PeerStats
-MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats]] = {
+STAGE_STATES = ("serving", "loading", "spare")
+MAX_STAGES = 4096
+MAX_REPLICAS_LISTED = 32
+
+
+@dataclass(frozen=True)
+class StageAnnouncement:
+    """A pipeline stage server's signed heartbeat: which stage it serves and how it trains.
+
+    Stored under `<prefix>/stages/<model fingerprint>` with the node id as subkey; drivers
+    build their routes from these, spares and joining nodes pick the stage to serve and the
+    sources of a recovery from them (see node/pipeline/)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.STAGE_ANNOUNCEMENT
+
+    node_id: str  # must equal the node id of the envelope's signing key
+    p2p_peer_id: str  # base58 libp2p peer id that serves the pipeline calls (authenticated by libp2p)
+    model_fingerprint: str  # the whole model's fingerprint (architecture, shapes, tokenizer)
+    num_stages: int  # S: how the model is split (1..MAX_STAGES)
+    stage: int  # index of the stage served, in [0, S); -1 for a spare waiting to take one over
+    stage_fingerprint: str  # the served stage's fingerprint ("" for a spare)
+    layer_start: int  # first decoder layer of the stage (inclusive)
+    layer_end: int  # last decoder layer of the stage (exclusive)
+    parts: list[str]  # parts held: "embed", "layers", "head" (CheckFree+ replicas included)
+    state: str  # "serving", "loading" (copying or recovering its weights) or "spare"
+    step: int  # optimizer steps this server's stage has taken (carried over by copies and recoveries)
+    grad_norm: float  # the stage's last gradient norm after clipping (CheckFree's neighbour weight)
+    samples_per_s: float  # recent throughput of forward+backward calls, in sequences per second
+    recoveries: int  # stage recoveries this server performed (replica copy, CheckFree, CheckFree+, re-init)
+    replicas: list[str]  # node ids of the other live servers of its stage it knows (at most 32)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = {f.name: getattr(self, f.name) for f in fields(self)}
+        wire["parts"] = list(self.parts)
+        wire["replicas"] = list(self.replicas)
+        return wire
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        if not NODE_ID_PATTERN.fullmatch(check_str(f["node_id"], "node_id", limits.max_name_chars)):
+            reject(Refusal.BAD_VALUE, "node_id must be 40 lowercase hex characters")
+        num_stages = check_int(f["num_stages"], "num_stages", lo=1, hi=MAX_STAGES)
+        stage = check_int(f["stage"], "stage", lo=-1, hi=num_stages - 1)
+        start, end = check_int(f["layer_start"], "layer_start"), check_int(f["layer_end"], "layer_end")
+        if end < start:
+            reject(Refusal.BAD_VALUE, f"layer range [{start}, {end}) is empty backwards")
+        parts = check_list(f["parts"], "parts", 3)
+        for part in parts:
+            if check_str(part, "part", 16) not in ("embed", "layers", "head"):
+                reject(Refusal.BAD_VALUE, f"part {part!r} is not embed, layers or head")
+        if check_str(f["state"], "state", 16) not in STAGE_STATES:
+            reject(Refusal.BAD_VALUE, f"state {f['state']!r} is not one of {STAGE_STATES}")
+        replicas = check_list(f["replicas"], "replicas", MAX_REPLICAS_LISTED)
+        for replica in replicas:
+            if not NODE_ID_PATTERN.fullmatch(check_str(replica, "replica", limits.max_name_chars)):
+                reject(Refusal.BAD_VALUE, "a replica must be a node id")
+        return cls(node_id=f["node_id"], p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128),
+                   model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+                   num_stages=num_stages, stage=stage,
+                   stage_fingerprint=check_str(f["stage_fingerprint"], "stage_fingerprint", MAX_FINGERPRINT_CHARS),
+                   layer_start=start, layer_end=end, parts=parts, state=f["state"], step=check_int(f["step"], "step"),
+                   grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
+                   samples_per_s=check_float(f["samples_per_s"], "samples_per_s", lo=0.0),
+                   recoveries=check_int(f["recoveries"], "recoveries"), replicas=replicas)
+
+    def claimed_node_id(self) -> str | None:
+        return self.node_id
+
+
+Message = RolloutBatch | PeerStats | StageAnnouncement
+MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement]] = {
     MessageKind.ROLLOUT_BATCH: RolloutBatch,
     MessageKind.PEER_STATS: PeerStats,
+    MessageKind.STAGE_ANNOUNCEMENT: StageAnnouncement,
 }

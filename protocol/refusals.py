@@ -86,3 +86,16 @@ class RefusalCounter:
 
     def by_peer(self) -> dict[str, dict[str, int]]:
         return {peer: {reason.value: n for reason, n in counts.items()} for peer, counts in self._peers.items()}
+
+
+class PipelineRefusal(SentencedEnum):
+    """Why a stage server turned a pipeline call away (beyond the message checks of `Refusal`)."""
+
+    WRONG_STAGE = ("wrong_stage", "The call is for a stage, or a stage fingerprint, this server does not serve.")
+    NOT_READY = ("not_ready", "The server is still loading or recovering its stage.")
+    MISSING_PART = ("missing_part", "The call asks for a part (embed, layers, head) this server does not hold.")
+    BAD_TENSOR = ("bad_tensor", "An input tensor has the wrong name, dtype or shape, or values that are not finite.")
+    UNKNOWN_CALL = ("unknown_call", "A backward for a forward this server does not hold (never made, already used, or expired).")
+    UNKNOWN_SESSION = ("unknown_session", "An inference step for a session this server does not hold.")
+    BUSY = ("busy", "The server holds as many pending forwards or sessions as it allows.")
+    FAILED = ("failed", "The server could not compute the call (its own error, logged there).")
