@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--state-dir", help="state directory to read (default: ~/.swarm-node/state)")
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     stats.set_defaults(handler=cmd_stats)
+
+    from node.pipeline.commands import add_pipeline_commands
+
+    add_pipeline_commands(sub)
     return parser
 
 

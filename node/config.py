@@ -242,6 +242,71 @@ class AveragingConfig(_Section):
         return 0.5 if self.method == "noloco" else 0.9
 
 
+class PipelineConfig(_Section):
+    """Pipeline stages across nodes (a model no single node holds) and their recovery (CheckFree/CheckFree+).
+
+    A `serve` node serves one stage; a `drive` node sends micro-batches through a route of
+    live servers (one random replica per stage) and steps every stage it used."""
+
+    num_stages: int = Field(4, ge=1, le=64)
+    """S: contiguous stages the model is split into (embeddings in stage 0, norm + LM head in stage S-1)."""
+    stage: int | Literal["auto", "spare"] = "auto"
+    """Stage a `serve` node serves: an index, 'auto' (the stage with the least live capacity, as Petals picks),
+    or 'spare' (wait, and take over a stage whose last server died)."""
+    objective: Literal["lm", "grpo"] = "lm"
+    """What the driver trains: 'lm' next-token loss on the fixed offline corpus, or 'grpo' (the node's RL loop)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per micro-batch (lm objective)."""
+    micro_batches: int = Field(4, ge=1)
+    """Micro-batches per optimizer step (lm objective); each takes its own random route."""
+    sequence_length: int = Field(64, ge=4)
+    """Tokens per training sequence of the corpus (lm objective)."""
+    corpus_sequences: int = Field(4096, ge=16)
+    """Sequences in the fixed training corpus (built offline from the task mix, seed `corpus_seed`)."""
+    validation_sequences: int = Field(64, ge=1)
+    """Sequences of the held-out validation corpus (the loss the benchmark's target refers to)."""
+    corpus_seed: int = 7
+    """Seed of the corpus; the validation part uses tasks.heldout_seed."""
+    eval_every: int = Field(10, ge=0)
+    """Driver steps between validation-loss measurements (0: never)."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of every stage server."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay of every stage server."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Each stage clips its own gradient to this norm (the norm after clipping is CheckFree's neighbour weight)."""
+    call_timeout_s: float = Field(20.0, gt=0)
+    """Longest wait for one call to a stage server; past it the hop fails and another replica is tried."""
+    attempts_per_micro_batch: int = Field(4, ge=1)
+    """Routes tried for one micro-batch before the driver waits for the failing stage to come back."""
+    avoid_s: float = Field(30.0, gt=0)
+    """How long a server whose call failed is left out of routes."""
+    announce_interval_s: float = Field(2.0, gt=0)
+    """How often a stage server (or spare) publishes its signed stage announcement."""
+    announce_ttl_s: float = Field(8.0, gt=0)
+    """A server whose last announcement is older than this is considered gone."""
+    recovery: Literal["checkfree", "random"] = "checkfree"
+    """How a stage with no live replica is rebuilt: 'checkfree' (neighbours' weighted average; CheckFree+ copy for
+    the first and last stage) or 'random' (fresh initialisation: the benchmark's baseline)."""
+    checkfree_plus: bool = True
+    """Out-of-order pipelining (stages 0/1 and S-2/S-1 swapped on odd micro-batches) and (de)embedding replicas on the
+    neighbouring stages, so that a lost first or last stage can be copied from its neighbour."""
+    recovered_lr_scale: float = Field(1.1, gt=0)
+    """Learning-rate factor of a stage rebuilt by CheckFree (the paper's 1.1; its optimizer starts fresh)."""
+    replica_sync_every: int = Field(5, ge=1)
+    """Steps between refreshes of a stage's CheckFree+ copy of its neighbour's embedding or head."""
+    max_pending_forwards: int = Field(256, ge=1)
+    """Forward graphs a server keeps for their backward; more are refused as busy."""
+    pending_ttl_s: float = Field(120.0, gt=0)
+    """A kept forward graph (or inference session) unused for this long is dropped."""
+    max_sessions: int = Field(64, ge=1)
+    """Inference sessions (per-session KV caches) a server keeps."""
+    max_batch_size: int = Field(64, ge=1)
+    """Largest batch a server accepts in one call."""
+    max_sequence_length: int | None = Field(None, ge=1)
+    """Longest sequence a server accepts (None: the model's max_position_embeddings)."""
+
+
 class NodeConfig(_Section):
     """The whole node."""
 
@@ -267,6 +332,7 @@ class NodeConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     swarm: SwarmConfig = SwarmConfig()
     averaging: AveragingConfig = AveragingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     @model_validator(mode="after")
     def _isolated_has_no_external(self) -> "NodeConfig":
@@ -274,6 +340,12 @@ class NodeConfig(_Section):
             raise ValueError("swarm.external_questions must be 0 when swarm.transport is 'none' (there are no peers)")
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
+        if self.pipeline.objective == "grpo":
+            if self.swarm.transport == "none":
+                raise ValueError("pipeline.objective grpo trains through stage servers: set swarm.transport to 'dht'")
+            if self.trainer.kl_beta > 0 or self.rollout.backend != "transformers" or self.averaging.method != "none":
+                raise ValueError("pipeline.objective grpo needs trainer.kl_beta 0, rollout.backend transformers and averaging.method none "
+                                 "(the stage servers average their replicas themselves)")
         return self
 
     def resolved_state_dir(self) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import random
 import time
@@ -41,6 +42,7 @@ class RoundTimings:
 
 
 SOFTWARE_VERSION = "0.1.0"
+PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its round and policy version
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 
 
@@ -60,6 +62,7 @@ class Node:
         self.round = 0  # rounds completed
         self.model = self.tokenizer = self.trainer = self.backend = None
         self.fingerprint = ""
+        self.model_parameters = 0
         self.reward_ema: float | None = None
         self.accuracy_ema: float | None = None
         self.last_tokens_per_s = 0.0
@@ -81,7 +84,9 @@ class Node:
         if fresh:
             self.store.wipe()
         checkpoint = self.store.latest()
-        if checkpoint is not None:
+        if self.uses_pipeline:
+            self._load_pipeline_policy()
+        elif checkpoint is not None:
             self.model, self.tokenizer = load_policy(checkpoint, self.config.model.dtype)
             state = self.store.load_trainer_state(checkpoint)
             self._build_services(state.policy_version)
@@ -99,9 +104,44 @@ class Node:
             log.info("starting fresh from %s", self.config.model.name_or_path)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
-        self.fingerprint = model_fingerprint(self.model, self.tokenizer)
+        if not self.uses_pipeline:
+            self.fingerprint = model_fingerprint(self.model, self.tokenizer)
+            self.model_parameters = sum(p.numel() for p in self.model.parameters())
         if self.transport is None:
             self.transport = self._build_transport()
+
+    @property
+    def uses_pipeline(self) -> bool:
+        """The policy is split across stage servers (pipeline.objective = grpo): this node drives it."""
+        return self.config.pipeline.objective == "grpo"
+
+    def _load_pipeline_policy(self) -> None:
+        """A remote policy: the initial model tells the architecture and fingerprint, its weights stay with the stage servers."""
+        from node.pipeline.remote_model import RemoteCausalLM, RemoteOptimizer
+
+        torch.manual_seed(self.config.seed)
+        initial, self.tokenizer = resolve_initial_policy(self.config)
+        self.fingerprint = model_fingerprint(initial, self.tokenizer)
+        self.model_parameters = sum(p.numel() for p in initial.parameters())
+        pipeline = self.config.pipeline
+        self.model = RemoteCausalLM(initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch)
+        state = self.store.root / PIPELINE_STATE
+        saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
+        self.model.eval()
+        self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(self.model))
+        self.backend = build_rollout_backend(self.config, self.model, self.tokenizer, saved["policy_version"])
+        self.round = saved["round"]
+        self.store.truncate_metrics(self.round)
+        log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, self.fingerprint, self.round)
+
+    async def _attach_pipeline(self) -> None:
+        from node.pipeline.driver import PipelineRouter
+        from node.pipeline.server import expected_fingerprints, pipeline_limits
+
+        router = PipelineRouter(self.transport.dht, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint),
+                                pipeline_limits(self.config, self.model.config, self.model_parameters), seed=self.stream_seed)
+        self.model.attach(router, asyncio.get_running_loop())
+        await router.wait_until_served()
 
     def _build_transport(self) -> Transport:
         if self.config.swarm.transport == "none":
@@ -125,7 +165,7 @@ class Node:
             software_version=SOFTWARE_VERSION,
             protocol_version=PROTOCOL_VERSION,
             model_name=self.config.model.name_or_path,
-            model_parameters=sum(p.numel() for p in self.model.parameters()),
+            model_parameters=self.model_parameters,
             round=self.round,
             policy_version=self.policy_version,
             reward_mean=self.reward_ema or 0.0,
@@ -236,6 +276,8 @@ class Node:
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics."""
         await self.transport.start()
+        if self.uses_pipeline:
+            await self._attach_pipeline()
         if self.config.averaging.method != "none":
             from node.averaging.fingerprint import averaging_prefix
             from node.averaging.pairing import PairAverager
@@ -295,6 +337,7 @@ class Node:
             "kl": stats.kl,
             "groups_used": stats.groups_used,
             "groups_dropped": stats.groups_dropped,
+            **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
             "external_questions": len(external_groups),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
@@ -342,6 +385,9 @@ class Node:
         return sum(grade(q, c[0].text, True).correct for q, c in zip(questions, completions)) / len(questions)
 
     def save(self) -> None:
+        if self.uses_pipeline:  # no weights here: the stage servers hold them and recover from each other
+            atomic_write_text(self.store.root / PIPELINE_STATE, json.dumps({"round": self.round, "policy_version": self.policy_version}))
+            return
         outer = self.averaging.outer.state_dict() if self.averaging else self._outer_state
         self.store.save(self.round, self.model, self.tokenizer, self.trainer.optimizer, self.policy_version, self.config.checkpoint_keep, outer=outer)
 

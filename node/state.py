@@ -168,6 +168,7 @@ class StateStore:
         """--fresh: forget checkpoints and metrics, keep the identity and logs."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         self.metrics_path.unlink(missing_ok=True)
+        (self.root / "pipeline_state.json").unlink(missing_ok=True)  # a pipeline driver's round (node/loop.py)
 
 
 def restore_rng(rng: dict[str, Any]) -> None:

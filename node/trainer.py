@@ -135,13 +135,14 @@ class _Sample:
 class GRPOTrainer:
     """Owns the optimizer (and the optional frozen reference) of one policy."""
 
-    def __init__(self, config: TrainerConfig, model: torch.nn.Module, pad_id: int, temperature: float, policy_version: int = 0):
+    def __init__(self, config: TrainerConfig, model: torch.nn.Module, pad_id: int, temperature: float, policy_version: int = 0, optimizer=None):
         self.config = config
         self.model = model
         self.pad_id = pad_id
         self.temperature = temperature
         self.policy_version = policy_version
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        # A policy split across stage servers brings its own optimizer (node/pipeline/remote_model.py): each stage steps itself.
+        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.reference = None
         if config.kl_beta > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)

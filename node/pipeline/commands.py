@@ -1,0 +1,180 @@
+"""`swarm-node serve` (a stage server or spare) and `swarm-node drive` (the pipeline's driver).
+
+Both join the swarm's DHT like `join` does (the first node of a swarm prints the address
+the others pass as --initial-peers and writes it to <state-dir>/addresses.txt), build the
+initial model only to know its architecture and fingerprint (and, for a server of a
+pipeline that has not trained yet, its first weights), and stop cleanly on Ctrl-C/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+PIPELINE_PRESET = ["swarm.transport=dht", "state_dir=~/.swarm-node/pipeline"]
+
+
+def add_pipeline_commands(sub) -> None:
+    serve = sub.add_parser("serve", help="serve one pipeline stage of a model split across nodes (CheckFree recovery)",
+                           description="Serve a pipeline stage: an index, 'auto' (the least-served stage) or 'spare' (take over a stage whose last server died).")
+    add_common(serve)
+    serve.add_argument("--stage", help="stage index, 'auto' or 'spare' (default: pipeline.stage, 'auto')")
+    serve.set_defaults(handler=cmd_serve)
+    drive = sub.add_parser("drive", help="train a model split across stage servers (language-model loss on the offline corpus)",
+                           description="Send micro-batches through random routes of live stage servers, step them, and record loss and recoveries.")
+    add_common(drive)
+    drive.add_argument("--steps", type=int, help="run N more steps (default: until interrupted)")
+    drive.set_defaults(handler=cmd_drive)
+
+
+def add_common(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--config", type=Path, help="YAML config (default: built-in defaults; see configs/pipeline.yaml)")
+    command.add_argument("--state-dir", help="where logs, metrics and the identity live (default: ~/.swarm-node/pipeline)")
+    command.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers (none: start a new swarm)")
+    command.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    command.add_argument("-v", "--verbose", action="store_true", help="show info logs on the console (they always go to node.log)")
+
+
+def _config(args):
+    from node.config import load_config
+
+    overrides = ["swarm.transport=dht"] if args.config else list(PIPELINE_PRESET)
+    overrides += list(args.set or [])
+    if args.initial_peers:
+        overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
+    if getattr(args, "stage", None) is not None:
+        overrides.append(f"pipeline.stage={args.stage}")
+    return load_config(args.config, overrides, state_dir=args.state_dir)
+
+
+async def _join(config, console: Console, role: str):
+    """Identity, DHT node and initial model: what both roles need first."""
+    import torch
+
+    from node.model import model_fingerprint, resolve_initial_policy
+    from node.state import atomic_write_text
+    from node.transport.dht import create_dht_node
+    from protocol import NodeIdentity
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    state_dir = config.resolved_state_dir()
+    identity = NodeIdentity.load_or_create(state_dir / "identity.key")
+    torch.manual_seed(config.seed)
+    model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
+    fingerprint = model_fingerprint(model, tokenizer)
+    dht = await create_dht_node(config)
+    addresses = [str(a) for a in await dht.get_visible_maddrs()]
+    atomic_write_text(state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
+    console.print(f"{role} {identity.node_id} in swarm {config.swarm.swarm_id}, model {fingerprint} in {config.pipeline.num_stages} stages; "
+                  f"others can join with --initial-peers {' '.join(addresses)}", highlight=False)
+    return identity, dht, model, tokenizer, fingerprint
+
+
+def _stop_on_signals(task: asyncio.Task | None = None, stop: asyncio.Event | None = None) -> None:
+    loop = asyncio.get_running_loop()
+
+    def request_stop() -> None:
+        if stop is not None:
+            stop.set()
+        if task is not None:
+            task.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, request_stop)
+
+
+async def _serve(config, console: Console) -> int:
+    from node.pipeline.server import StageServer
+    from node.transport.dht import shutdown_dht
+
+    identity, dht, model, _, fingerprint = await _join(config, console, "stage server")
+    server = StageServer(config, identity, dht, model, fingerprint, config.resolved_state_dir())
+    task = asyncio.current_task()
+    _stop_on_signals(task=task)
+    metrics = None
+    if config.swarm.metrics_port is not None:
+        from node.stats import MetricsServer
+
+        metrics = MetricsServer(config.swarm.metrics_host, config.swarm.metrics_port, server.prometheus)
+        await metrics.start()
+    try:
+        await server.run()
+    except asyncio.CancelledError:
+        console.print(f"stopped serving stage {server.index} at step {server.step}", highlight=False)
+    finally:
+        await server.stop()
+        if metrics is not None:
+            await metrics.stop()
+        await shutdown_dht(dht)
+    return 0
+
+
+async def _drive(config, console: Console, steps: int | None) -> int:
+    from node.pipeline.corpus import training_corpus, validation_corpus
+    from node.pipeline.driver import PipelineRouter
+    from node.pipeline.lm import LMDriver
+    from node.pipeline.server import expected_fingerprints, pipeline_limits
+    from node.state import StateStore
+    from node.transport.dht import shutdown_dht
+
+    if config.pipeline.objective != "lm":
+        print("swarm-node: error: `drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo", file=sys.stderr)
+        return 2
+    identity, dht, model, tokenizer, fingerprint = await _join(config, console, "driver")
+    fingerprints = expected_fingerprints(config, model.config, fingerprint)
+    limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
+    del model
+    router = PipelineRouter(dht, config, fingerprint, fingerprints, limits, seed=int(identity.node_id[:8], 16))
+    store = StateStore(config.resolved_state_dir())
+    corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
+    driver = LMDriver(config, router, corpus, validation, store)
+    stop = asyncio.Event()
+    _stop_on_signals(stop=stop)
+
+    def show(row: dict) -> None:
+        val = f", validation loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+        recovery = "".join(f"; stage {r['stage']} back after {r['recovery_s']:.1f}s" for r in row.get("recovery", []))
+        console.print(f"step {row['step']}: loss {row['loss']:.4f}{val}, {row['step_s']:.2f}s, retries {row['retries']}{recovery}", highlight=False)
+
+    try:
+        await driver.run(steps, stop, on_step=show)
+    finally:
+        await shutdown_dht(dht)
+    console.print(f"stopped at step {driver.step}; metrics in {store.root / 'metrics.jsonl'}", highlight=False)
+    return 0
+
+
+def _run(args, console: Console, coro_factory) -> int:
+    from node.cli import _setup_logging
+    from node.transport.dht import SwarmJoinError
+
+    config = _config(args)
+    _setup_logging(config.resolved_state_dir(), args.verbose, console)
+    try:
+        return asyncio.run(coro_factory(config))
+    except KeyboardInterrupt:
+        return 130
+    except SwarmJoinError as exc:
+        print(f"swarm-node: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_serve(args, console: Console) -> int:
+    return _run(args, console, lambda config: _serve(config, console))
+
+
+def cmd_drive(args, console: Console) -> int:
+    if args.steps is not None and args.steps < 1:
+        print("swarm-node: error: --steps must be at least 1", file=sys.stderr)
+        return 2
+    return _run(args, console, lambda config: _drive(config, console, args.steps))

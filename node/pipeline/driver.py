@@ -1,0 +1,192 @@
+"""The driver: sends micro-batches through a route of live stage servers and steps them.
+
+Routing (SWARM parallelism, NoLoCo's random routing): every micro-batch picks one random
+live server per stage, so replicas of a stage share the load and none is a fixed
+neighbour of another. The backward retraces the forward's route, hop by hop in reverse;
+each server accumulates its gradients, and at the end of the step the driver asks every
+server it used to apply them (`step`). A hop that fails (no answer within
+`call_timeout_s`, a broken stream, a refusal) puts its server on an avoid list for
+`avoid_s` and the micro-batch is tried again on a fresh route; a stage with no server
+left to try is *lost*: the driver abandons the step (servers drop what they accumulated),
+waits until a server announces the stage again (a spare or joining node that rebuilt it,
+see recovery.py), and records the recovery: cause, the new server, and the seconds from
+detection to the first step after it.
+
+CheckFree+ (pipeline.checkfree_plus): on odd micro-batches the first two and the last two
+stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
+stage 0 and stage S-2 for stage S-1; the embedding still runs first (on stage 0) and the
+head last (on stage S-1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from node.config import NodeConfig
+from node.pipeline.client import HopFailed, call_stage, handler_name
+from node.pipeline.stagemap import StageMap, read_stage_map
+from node.pipeline.tensors import from_wire, to_wire
+from protocol import StageAnnouncement
+from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
+
+log = logging.getLogger(__name__)
+
+
+def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
+    """The order in which the stages' LAYERS run for this micro-batch."""
+    order = list(range(num_stages))
+    if not swap or micro_batch % 2 == 0 or num_stages < 2:
+        return order
+    if num_stages == 2:
+        return [1, 0]
+    if num_stages == 3:  # the two pairs overlap: alternate between them
+        pair = (0, 1) if micro_batch % 4 == 1 else (1, 2)
+        order[pair[0]], order[pair[1]] = order[pair[1]], order[pair[0]]
+        return order
+    order[0], order[1] = 1, 0
+    order[-2], order[-1] = num_stages - 1, num_stages - 2
+    return order
+
+
+def route_hops(num_stages: int, order: list[int]) -> list[tuple[int, list[str]]]:
+    """(stage, parts) calls for one pass: embed on stage 0, LAYERS in `order`, head on stage S-1; same-stage neighbours merged."""
+    hops: list[tuple[int, list[str]]] = [(0, ["embed"])] + [(stage, ["layers"]) for stage in order] + [(num_stages - 1, ["head"])]
+    merged: list[tuple[int, list[str]]] = []
+    for stage, parts in hops:
+        if merged and merged[-1][0] == stage:
+            merged[-1][1].extend(parts)
+        else:
+            merged.append((stage, list(parts)))
+    return merged
+
+
+class StageLost(Exception):
+    """No live server of `stage` is left to try."""
+
+    def __init__(self, stage: int, cause: str) -> None:
+        super().__init__(f"stage {stage} has no live server ({cause})")
+        self.stage = stage
+        self.cause = cause
+
+
+@dataclass
+class StepReport:
+    loss: float
+    micro_batches: int
+    retries: int = 0
+    hop_failures: Counter = field(default_factory=Counter)
+    servers: dict[int, list[str]] = field(default_factory=dict)  # node ids used per stage
+    grad_norms: dict[int, float] = field(default_factory=dict)  # per stage, as the servers report after stepping
+
+
+class PipelineRouter:
+    """Calls into the pipeline of one model: routes, retries, avoidance, stage-map refresh."""
+
+    def __init__(self, dht, config: NodeConfig, model_fingerprint: str, stage_fingerprints: list[str], limits: PipelineLimits, seed: int = 0) -> None:
+        self.dht = dht
+        self.config = config
+        self.pipeline = config.pipeline
+        self.model_fingerprint = model_fingerprint
+        self.fingerprints = stage_fingerprints
+        self.limits = limits
+        self.handler = handler_name(config.swarm.swarm_id, model_fingerprint)
+        self.rng = random.Random(seed)
+        self.map = StageMap(self.pipeline.num_stages)
+        self._map_read_at = -1e9
+        self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
+        self.hop_failures: Counter[str] = Counter()
+        self.wrong_fingerprint = 0
+
+    async def refresh(self, force: bool = False) -> StageMap:
+        now = time.monotonic()
+        if force or now - self._map_read_at >= self.pipeline.announce_interval_s:
+            stage_map = await read_stage_map(self.dht, self.config, self.model_fingerprint)
+            for stage, servers in stage_map.servers.items():
+                good = [s for s in servers if s.stage_fingerprint == self.fingerprints[stage]]
+                self.wrong_fingerprint += len(servers) - len(good)
+                stage_map.servers[stage] = good
+            self.map, self._map_read_at = stage_map, now
+        return self.map
+
+    def avoided(self) -> set[str]:
+        now = time.monotonic()
+        for node_id in [n for n, until in self.avoid.items() if until <= now]:
+            del self.avoid[node_id]
+        return set(self.avoid)
+
+    def fail(self, failure: HopFailed) -> None:
+        self.hop_failures[failure.reason] += 1
+        self.avoid[failure.server.node_id] = time.monotonic() + self.pipeline.avoid_s
+        log.info("hop failed: %s", failure)
+
+    async def pick_route(self, hops: list[tuple[int, list[str]]]) -> dict[int, StageAnnouncement]:
+        stage_map = await self.refresh()
+        route = {}
+        for stage in sorted({stage for stage, _ in hops}):
+            server = stage_map.pick(stage, self.rng, self.avoided())
+            if server is None:
+                stage_map = await self.refresh(force=True)
+                server = stage_map.pick(stage, self.rng, self.avoided())
+            if server is None:
+                cause = "calls failing" if stage_map.live(stage) else "no announcement"
+                raise StageLost(stage, cause)
+            route[stage] = server
+        return route
+
+    def _call(self, op: str, server: StageAnnouncement, call_id: str, parts: list[str] = (), train: bool = False, tensors: dict | None = None, scale: float = 1.0) -> StageCall:
+        return StageCall(v=PIPELINE_VERSION, op=op, stage=server.stage, stage_fingerprint=self.fingerprints[server.stage], call_id=call_id,
+                         parts=list(parts), train=train, tensors={k: to_wire(v) for k, v in (tensors or {}).items()}, scale=scale)
+
+    async def call(self, server: StageAnnouncement, call: StageCall, timeout: float | None = None):
+        return await call_stage(self.dht.p2p, self.handler, server, call, self.limits, timeout or self.pipeline.call_timeout_s)
+
+    async def forward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, input_ids, position_ids, attention_mask, train: bool) -> torch.Tensor:
+        x = input_ids
+        for k, (stage, parts) in enumerate(hops):
+            inputs = {"input_ids" if parts[0] == "embed" else "hidden": x, "position_ids": position_ids, "attention_mask": attention_mask}
+            result = await self.call(route[stage], self._call("forward", route[stage], f"{call_prefix}-{k}", parts, train, inputs))
+            if "output" not in result.tensors:
+                raise HopFailed(route[stage], "malformed", "a forward result without output")
+            x = from_wire(result.tensors["output"])
+        return x
+
+    async def backward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, grad: torch.Tensor) -> None:
+        for k in reversed(range(len(hops))):
+            stage, parts = hops[k]
+            result = await self.call(route[stage], self._call("backward", route[stage], f"{call_prefix}-{k}", parts, tensors={"grad": grad}))
+            if parts[0] == "embed":
+                break
+            if "grad" not in result.tensors:
+                raise HopFailed(route[stage], "malformed", "a backward result without grad")
+            grad = from_wire(result.tensors["grad"])
+
+    async def wait_until_served(self) -> None:
+        """Return once every stage has a live server that is not avoided (a lost one rebuilt, see recovery.py)."""
+        while True:
+            stage_map = await self.refresh(force=True)
+            if all(stage_map.live(i, self.avoided()) for i in range(self.pipeline.num_stages)):
+                return
+            await asyncio.sleep(min(1.0, self.pipeline.announce_interval_s))
+
+    def missing_stages(self) -> list[int]:
+        return [i for i in range(self.pipeline.num_stages) if not self.map.live(i, self.avoided())]
+
+    async def step(self, servers: dict[str, StageAnnouncement], scale: float, step_id: str) -> dict[int, float]:
+        """Ask every server used in this step to apply (scale > 0) or drop (scale 0) its gradients; their grad norms."""
+        calls = [self.call(s, self._call("step", s, step_id, scale=scale)) for s in servers.values()]
+        norms = {}
+        for server, outcome in zip(servers.values(), await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(outcome, HopFailed):
+                self.fail(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                norms[server.stage] = outcome.grad_norm
+        return norms

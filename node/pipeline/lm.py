@@ -1,0 +1,159 @@
+"""The driver's language-model objective: next-token loss on the fixed offline corpus.
+
+One step = `micro_batches` micro-batches, each forward and backward through its own
+random route, then `step` on every server used. A lost stage abandons the step, waits for
+the stage to be served again and retries the same step (same micro-batches), so a
+failure costs time, never data. Each step appends a row to metrics.jsonl: loss, the
+validation loss every `eval_every` steps, retries, hop failures, the servers used and
+their gradient norms, and a `recovery` record on the first step after a lost stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from node.config import NodeConfig
+from node.pipeline.client import HopFailed
+from node.pipeline.corpus import micro_batch
+from node.pipeline.driver import PipelineRouter, StageLost, route_hops, route_order
+from node.state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over a packed [B, T] batch."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+
+
+def full_masks(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length = input_ids.shape
+    return torch.arange(length).expand(batch, length).contiguous(), torch.ones((batch, length), dtype=torch.long)
+
+
+class LMDriver:
+    def __init__(self, config: NodeConfig, router: PipelineRouter, corpus: torch.Tensor, validation: torch.Tensor, store: StateStore) -> None:
+        self.config = config
+        self.pipeline = config.pipeline
+        self.router = router
+        self.corpus = corpus
+        self.validation = validation
+        self.store = store
+        rows = store.read_metrics()
+        self.step = rows[-1]["step"] if rows else 0  # the driver keeps no weights: its only state is where it is
+        self.lost_since: dict[int, tuple[float, str]] = {}  # stage -> (monotonic time it was found lost, cause)
+
+    async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
+        input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
+        positions, mask = full_masks(input_ids)
+        hops = route_hops(self.pipeline.num_stages, route_order(self.pipeline.num_stages, index, self.pipeline.checkfree_plus))
+        for attempt in range(self.pipeline.attempts_per_micro_batch):
+            route = await self.router.pick_route(hops)
+            prefix = f"s{step}-m{index}-a{attempt}-{time.time_ns() % 10**9}"
+            try:
+                logits = await self.router.forward(route, hops, prefix, input_ids, positions, mask, train=True)
+            except HopFailed as failure:
+                self.router.fail(failure)
+                report["retries"] += 1
+                continue
+            for server in route.values():
+                touched[server.node_id] = server
+            logits = logits.detach().float().requires_grad_(True)
+            loss = lm_loss(logits, input_ids)
+            (loss / self.pipeline.micro_batches).backward()
+            try:
+                await self.router.backward(route, hops, prefix, logits.grad.to(torch.float32))
+            except HopFailed as failure:
+                # Servers after the failed hop already accumulated this micro-batch; the ones before it cannot.
+                self.router.fail(failure)
+                report["backward_failures"] += 1
+            report["servers"] = {stage: s.node_id for stage, s in route.items()}
+            return float(loss)
+        raise StageLost(-1, f"{self.pipeline.attempts_per_micro_batch} routes failed for one micro-batch")
+
+    async def train_step(self) -> dict[str, Any]:
+        step = self.step + 1
+        started = time.perf_counter()
+        while True:
+            touched: dict = {}
+            report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
+            try:
+                losses = [await self._micro_batch(step, index, touched, report) for index in range(self.pipeline.micro_batches)]
+                break
+            except StageLost as lost:
+                await self._abandon(touched, step, lost)
+        norms = await self.router.step(touched, scale=1.0, step_id=f"step-{step}")
+        row: dict[str, Any] = {"step": step, "time": time.time(), "loss": sum(losses) / len(losses), "retries": report["retries"],
+                               "backward_failures": report["backward_failures"], "hop_failures": dict(self.router.hop_failures),
+                               "servers": report["servers"], "grad_norms": norms}
+        self.router.hop_failures.clear()
+        recovered = self._recovered()
+        if recovered:
+            row["recovery"] = recovered
+        every = self.pipeline.eval_every
+        if every and (step % every == 0 or step == 1):
+            row["val_loss"] = await self.validation_loss()
+        row["step_s"] = time.perf_counter() - started
+        self.store.append_metrics(row)
+        self.step = step
+        return row
+
+    async def _abandon(self, touched: dict, step: int, lost: StageLost) -> None:
+        """Drop the step's gradients everywhere, then wait until every stage is served again."""
+        await self.router.step(touched, scale=0.0, step_id=f"abandon-{step}-{time.time_ns() % 10**9}")
+        await self.router.refresh(force=True)
+        for stage in self.router.missing_stages() or [lost.stage]:
+            if stage >= 0 and stage not in self.lost_since:
+                self.lost_since[stage] = (time.monotonic(), lost.cause)
+                log.warning("stage %d lost (%s): waiting for a server to rebuild it", stage, lost.cause)
+        await self.router.wait_until_served()
+
+    def _recovered(self) -> list[dict] | None:
+        if not self.lost_since:
+            return None
+        now = time.monotonic()
+        events = []
+        for stage, (since, cause) in sorted(self.lost_since.items()):
+            servers = self.router.map.live(stage)
+            events.append({"stage": stage, "cause": cause, "recovery_s": now - since, "servers": [s.node_id for s in servers],
+                           "server_recoveries": sum(s.recoveries for s in servers)})
+            log.info("stage %d back after %.1fs (first step after the loss)", stage, now - since)
+        self.lost_since.clear()
+        return events
+
+    async def validation_loss(self) -> float:
+        """Mean loss over the validation corpus, in normal stage order, without graphs."""
+        hops = route_hops(self.pipeline.num_stages, list(range(self.pipeline.num_stages)))
+        total, count = 0.0, 0
+        size = self.pipeline.micro_batch_size
+        for start in range(0, self.validation.shape[0], size):
+            input_ids = self.validation[start : start + size]
+            positions, mask = full_masks(input_ids)
+            for attempt in range(self.pipeline.attempts_per_micro_batch):
+                try:
+                    route = await self.router.pick_route(hops)
+                    logits = await self.router.forward(route, hops, f"val-{time.time_ns() % 10**9}", input_ids, positions, mask, train=False)
+                except HopFailed as failure:
+                    self.router.fail(failure)
+                    continue
+                except StageLost:
+                    return math.nan  # measured again at the next evaluation
+                total += float(lm_loss(logits, input_ids)) * input_ids.shape[0]
+                count += input_ids.shape[0]
+                break
+        return total / count if count else math.nan
+
+    async def run(self, steps: int | None, stop: asyncio.Event, on_step: Callable[[dict], None] | None = None) -> None:
+        target = None if steps is None else self.step + steps
+        while not stop.is_set() and (target is None or self.step < target):
+            row = await self.train_step()
+            if on_step:
+                on_step(row)

@@ -1,0 +1,134 @@
+"""Who serves which stage: signed stage announcements in the DHT, read into a `StageMap`.
+
+Key: `<swarm prefix>/stages/<model fingerprint>`, subkey = the announcer's node id, value =
+a signed `protocol.StageAnnouncement` envelope that expires `announce_ttl_s` after it was
+stored. A server re-announces every `announce_interval_s`; one that stops (killed, hung)
+drops out of every reader's map within the TTL. Drivers route over the map, joining
+servers pick their stage from it (`auto`: least live capacity), spares watch it for a
+stage with no server left, and recoveries find their sources in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from node.config import NodeConfig
+from node.transport.dht import decode_verified, key_prefix, read_key, store_value
+from protocol import MessageKind, NodeIdentity, ProtocolRejection, StageAnnouncement, encode_message
+
+log = logging.getLogger(__name__)
+
+MAX_ANNOUNCEMENTS = 512  # read per key: bounds what a flood of subkeys can cost a reader
+
+
+def stages_key(swarm_id: str, model_fingerprint: str) -> str:
+    return f"{key_prefix(swarm_id)}/stages/{model_fingerprint}"
+
+
+@dataclass
+class StageMap:
+    """Live announcements of one model's pipeline, by stage."""
+
+    num_stages: int
+    servers: dict[int, list[StageAnnouncement]] = field(default_factory=dict)  # serving, by stage
+    loading: dict[int, list[StageAnnouncement]] = field(default_factory=dict)  # copying or recovering weights
+    spares: list[StageAnnouncement] = field(default_factory=list)
+    refused: int = 0  # announcements refused while reading (bad signature, wrong model, ...)
+
+    @classmethod
+    def from_announcements(cls, num_stages: int, announcements: list[StageAnnouncement]) -> "StageMap":
+        stage_map = cls(num_stages)
+        for item in announcements:
+            if item.state == "spare":
+                stage_map.spares.append(item)
+            elif item.state == "loading":
+                stage_map.loading.setdefault(item.stage, []).append(item)
+            else:
+                stage_map.servers.setdefault(item.stage, []).append(item)
+        return stage_map
+
+    def live(self, stage: int, avoid: set[str] = frozenset()) -> list[StageAnnouncement]:
+        return [s for s in self.servers.get(stage, []) if s.node_id not in avoid]
+
+    def pick(self, stage: int, rng: random.Random, avoid: set[str] = frozenset()) -> StageAnnouncement | None:
+        """A random live server of `stage` (SWARM/NoLoCo routing), or None."""
+        candidates = self.live(stage, avoid)
+        return rng.choice(candidates) if candidates else None
+
+    def empty_stages(self) -> list[int]:
+        return [i for i in range(self.num_stages) if not self.servers.get(i)]
+
+    def trained(self) -> bool:
+        """Has this pipeline taken any step? (Then a missing stage must be recovered, not re-initialised.)"""
+        return any(s.step > 0 for group in (*self.servers.values(), *self.loading.values()) for s in group)
+
+    def least_served(self) -> int:
+        """Petals' choice for a joining server: the stage with the fewest live servers, then the least throughput."""
+        def capacity(i: int) -> tuple[int, float, int]:
+            servers = self.servers.get(i, []) + self.loading.get(i, [])
+            return (len(servers), sum(s.samples_per_s for s in servers), i)
+        return min(range(self.num_stages), key=capacity)
+
+    def rows(self) -> list[dict]:
+        """One row per stage for `peers` and the dashboard."""
+        return [
+            {
+                "stage": i,
+                "servers": [s.node_id for s in self.servers.get(i, [])],
+                "loading": [s.node_id for s in self.loading.get(i, [])],
+                "layers": f"{s.layer_start}-{s.layer_end - 1}" if (s := next(iter(self.servers.get(i, []) + self.loading.get(i, [])), None)) else "",
+                "samples_per_s": round(sum(s.samples_per_s for s in self.servers.get(i, [])), 2),
+                "step": max((s.step for s in self.servers.get(i, [])), default=0),
+                "grad_norm": max((s.grad_norm for s in self.servers.get(i, [])), default=0.0),
+                "recoveries": sum(s.recoveries for s in self.servers.get(i, []) + self.loading.get(i, [])),
+            }
+            for i in range(self.num_stages)
+        ]
+
+
+async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
+    """The live, verified announcements of `model_fingerprint`'s pipeline."""
+    now = time.time()
+    announcements, refused = [], 0
+    key = stages_key(config.swarm.swarm_id, model_fingerprint)
+    for subkey, raw in await read_key(dht, key, config.swarm.dht_timeout_s, limit=MAX_ANNOUNCEMENTS):
+        try:
+            envelope = decode_verified(raw, subkey, config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, now)
+        except ProtocolRejection as exc:
+            refused += 1
+            log.debug("refused a stage announcement stored as %s: %s", str(subkey)[:12], exc)
+            continue
+        item: StageAnnouncement = envelope.message
+        if now - envelope.timestamp > config.pipeline.announce_ttl_s:
+            continue
+        if item.model_fingerprint != model_fingerprint or item.num_stages != config.pipeline.num_stages:
+            refused += 1
+            continue
+        announcements.append(item)
+    stage_map = StageMap.from_announcements(config.pipeline.num_stages, announcements)
+    stage_map.refused = refused
+    return stage_map
+
+
+class Announcer:
+    """Signs and stores this node's stage announcements (sequence numbers increase across restarts)."""
+
+    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity, model_fingerprint: str) -> None:
+        self.dht = dht
+        self.config = config
+        self.identity = identity
+        self.key = stages_key(config.swarm.swarm_id, model_fingerprint)
+        self._seq = 0
+
+    async def publish(self, announcement: StageAnnouncement) -> bool:
+        from hivemind.utils import get_dht_time
+
+        self._seq = max(self._seq + 1, int(time.time() * 1e6))
+        data = encode_message(announcement, identity=self.identity, swarm_id=self.config.swarm.swarm_id, seq=self._seq, timestamp=time.time())
+        ok = await store_value(self.dht, self.key, data, get_dht_time() + self.config.pipeline.announce_ttl_s, self.identity.node_id, self.config.swarm.dht_timeout_s)
+        if not ok:
+            log.warning("the DHT did not take our stage announcement")
+        return ok

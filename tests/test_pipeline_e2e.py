@@ -1,0 +1,173 @@
+"""A model split into 4 stages served by real `swarm-node serve` processes on 127.0.0.1, trained by
+a real `swarm-node drive`; stage servers are killed with SIGKILL and their state dirs deleted, and
+the stage comes back from its neighbours (CheckFree, CheckFree+) or from a live replica."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from node.config import dump_config, load_config
+from tests.conftest import REPO
+from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
+
+PIPELINE_OVERRIDES = [
+    "model.default.hidden_size=32",
+    "model.default.num_layers=4",
+    "model.default.num_heads=2",
+    "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=128",
+    "model.default.warmup_steps=0",
+    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "swarm.swarm_id=test-pipeline",
+    "swarm.bootstrap_backoff_s=0.5",
+    "pipeline.num_stages=4",
+    "pipeline.micro_batch_size=4",
+    "pipeline.micro_batches=2",
+    "pipeline.sequence_length=32",
+    "pipeline.corpus_sequences=64",
+    "pipeline.validation_sequences=8",
+    "pipeline.eval_every=0",
+    "pipeline.announce_interval_s=0.5",
+    "pipeline.announce_ttl_s=4",
+    "pipeline.avoid_s=6",
+    "pipeline.replica_sync_every=1",
+    "torch_threads=1",
+]
+START_S = 180  # a process imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
+
+
+@pytest.fixture
+def pipeline_yaml(model_cache, tmp_path):
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "pipeline.yaml", PIPELINE_OVERRIDES)
+    ensure_default_model(config, progress=False)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
+@pytest.fixture
+def procs():
+    started: list[SwarmProcess] = []
+    yield started
+    for proc in started:
+        proc.close()
+
+
+def recoveries(state_dir) -> list[dict]:
+    path = state_dir / "recoveries.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class Pipeline:
+    def __init__(self, config_path, tmp_path, env, procs):
+        self.config_path, self.tmp_path, self.env, self.procs = config_path, tmp_path, env, procs
+        self.bootstrap: list[str] = []
+        self.count = 0
+
+    def serve(self, stage: str) -> SwarmProcess:
+        self.count += 1
+        proc = SwarmProcess(self.config_path, self.tmp_path / f"server-{self.count}", self.env, self.bootstrap, command="serve", extra=["--stage", stage])
+        self.procs.append(proc)
+        if not self.bootstrap:
+            self.bootstrap = proc.addresses()
+        return proc
+
+    def drive(self) -> SwarmProcess:
+        proc = SwarmProcess(self.config_path, self.tmp_path / "driver", self.env, self.bootstrap, command="drive")
+        self.procs.append(proc)
+        return proc
+
+    def serving(self, proc: SwarmProcess) -> dict:
+        """The server's latest acquisition of weights, once it serves."""
+        return wait_for(lambda: proc.assert_running() or (recoveries(proc.state_dir) or [None])[-1], START_S, f"{proc.state_dir.name} to serve")
+
+    def steps(self, driver: SwarmProcess, more: int) -> list[dict]:
+        """Wait for `more` steps after the current ones; all rows."""
+        target = len(read_rows(driver.state_dir)) + more
+        return wait_for(lambda: driver.assert_running() or (rows if len(rows := read_rows(driver.state_dir)) >= target else None), START_S, f"driver step {target}", interval=0.5)
+
+    def recovered(self, driver: SwarmProcess, stage: int) -> dict:
+        """The driver's record of `stage` coming back, once it has one."""
+        def record():
+            driver.assert_running()
+            events = [e for row in read_rows(driver.state_dir) for e in row.get("recovery", []) if e["stage"] == stage]
+            return events[-1] if events else None
+
+        return wait_for(record, START_S, f"the driver to record stage {stage}'s recovery", interval=0.5)
+
+    def kill(self, proc: SwarmProcess) -> None:
+        proc.kill()
+        shutil.rmtree(proc.state_dir)  # no file the dead server wrote can be read by the recovery
+
+
+def assert_trains(rows: list[dict]) -> None:
+    assert rows and all(math.isfinite(row["loss"]) for row in rows)
+
+
+def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
+    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
+    servers = [pipe.serve(str(i)) for i in range(4)]
+    for server in servers:
+        assert pipe.serving(server)["method"] == "initial"
+    spare = pipe.serve("spare")
+    driver = pipe.drive()
+    rows = pipe.steps(driver, 3)
+    first_loss = rows[0]["loss"]
+
+    # Intermediate stage, only server: the spare rebuilds it by CheckFree from stages 1 and 3.
+    pipe.kill(servers[2])
+    event = pipe.serving(spare)
+    assert event["method"] == "checkfree" and event["stage"] == 2
+    assert sorted(s["stage"] for s in event["sources"]) == [1, 3]
+    assert math.isclose(sum(s["weight"] for s in event["sources"]), 1.0, rel_tol=1e-6)
+    assert event["lr_scale"] == pytest.approx(1.1) and event["step"] >= 3
+    pipe.recovered(driver, 2)
+    rows = pipe.steps(driver, 2)
+    assert_trains(rows)
+
+    # First stage: CheckFree+ copies stage 1's layers and its copy of the embedding.
+    pipe.kill(servers[0])
+    replacement = pipe.serve("auto")  # the least-served stage is the dead one
+    event = pipe.serving(replacement)
+    assert (event["method"], event["stage"]) == ("checkfree_plus", 0)
+    assert [s["stage"] for s in event["sources"]] == [1]
+    assert pipe.recovered(driver, 0)["recovery_s"] > 0
+    rows = pipe.steps(driver, 2)
+    assert_trains(rows)
+    assert rows[-1]["loss"] < first_loss  # it kept learning through two losses
+
+
+def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
+    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
+    servers = [pipe.serve(str(i)) for i in range(4)]
+    for server in servers:
+        pipe.serving(server)
+    second_of_1 = pipe.serve("1")  # a second replica of stage 1 copies the first
+    driver = pipe.drive()
+    pipe.steps(driver, 2)
+    assert pipe.serving(second_of_1)["method"] in ("replica_copy", "initial")  # before the first step there is nothing to copy but the start
+
+    # Last stage: CheckFree+ from stage 2's layers and its copy of the head.
+    pipe.kill(servers[3])
+    replacement = pipe.serve("3")
+    event = pipe.serving(replacement)
+    assert (event["method"], event["stage"]) == ("checkfree_plus", 3)
+    assert [s["stage"] for s in event["sources"]] == [2]
+    assert_trains(pipe.steps(driver, 2))
+
+    # One of two replicas dies: the other carries stage 1 on without any recovery, and a restarted server copies it.
+    pipe.kill(servers[1])
+    rows = pipe.steps(driver, 3)
+    assert_trains(rows)
+    assert not any(e["stage"] == 1 for row in rows for e in row.get("recovery", []))
+    restarted = pipe.serve("1")
+    event = pipe.serving(restarted)
+    assert (event["method"], event["stage"]) == ("replica_copy", 1)
+    assert event["sources"][0]["step"] >= 5
+    assert_trains(pipe.steps(driver, 2))

@@ -1,0 +1,129 @@
+"""A real stage server on 127.0.0.1 (in process) against a hostile caller: every bad call is refused,
+counted by reason, and the server goes on serving good calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+
+from node.config import load_config
+from node.pipeline.client import HopFailed, call_stage
+from node.pipeline.server import StageServer, expected_fingerprints
+from node.pipeline.tensors import to_wire
+from node.transport.framing import frame_bytes
+from protocol import NodeIdentity
+from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, StageCall
+from tests.conftest import REPO
+from tests.test_averaging_pairing import swarm
+
+OVERRIDES = [
+    "model.default.hidden_size=32", "model.default.num_layers=3", "model.default.num_heads=2", "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=64", "model.default.warmup_steps=0", "swarm.swarm_id=test-pipeline",
+    "pipeline.num_stages=3", "pipeline.stage=1", "pipeline.announce_interval_s=0.3", "pipeline.max_batch_size=8",
+]
+
+
+@pytest.fixture
+def config(model_cache, tmp_path):
+    return load_config(REPO / "configs" / "pipeline.yaml", OVERRIDES, state_dir=str(tmp_path / "server"))
+
+
+def hidden_call(fingerprint: str, hidden: torch.Tensor, *, stage: int = 1, call_id: str = "c1", parts=("layers",), train: bool = True, positions=None, mask=None) -> StageCall:
+    batch, length = hidden.shape[:2]
+    positions = torch.arange(length).expand(batch, length).contiguous() if positions is None else positions
+    mask = torch.ones((batch, length), dtype=torch.long) if mask is None else mask
+    return StageCall(v=PIPELINE_VERSION, op="forward", stage=stage, stage_fingerprint=fingerprint, call_id=call_id, parts=list(parts), train=train,
+                     tensors={"hidden": to_wire(hidden), "position_ids": to_wire(positions), "attention_mask": to_wire(mask)}, scale=1.0)
+
+
+async def raw_call(p2p, peer_id, handler: str, data: bytes) -> tuple[int, dict]:
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
+    try:
+        writer.write(data)
+        await writer.drain()
+        header = await reader.readexactly(9)
+        kind, length = header[0], int.from_bytes(header[1:], "big")
+        return kind, msgpack.unpackb(await reader.readexactly(length), raw=False)
+    finally:
+        writer.close()
+
+
+def test_bad_calls_are_refused_counted_and_survived(config):
+    from node.model import model_fingerprint, resolve_initial_policy
+
+    model, tokenizer = resolve_initial_policy(config)
+    fingerprint = model_fingerprint(model, tokenizer)
+    stage_fps = expected_fingerprints(config, model.config, fingerprint)
+
+    async def scenario():
+        async with swarm(2) as (server_node, caller_node):
+            server = StageServer(config, NodeIdentity.generate(), server_node, model, fingerprint, config.resolved_state_dir())
+            running = asyncio.create_task(server.run())
+            try:
+                for _ in range(200):
+                    if server.state == "serving":
+                        break
+                    await asyncio.sleep(0.1)
+                assert server.state == "serving" and server.index == 1
+                announcement = server.announcement()
+                assert announcement.stage_fingerprint == stage_fps[1]
+
+                async def call(stage_call: StageCall):
+                    return await call_stage(caller_node.p2p, server.handler, announcement, stage_call, server.limits, 30)
+
+                good = torch.randn(2, 5, 32)
+                result = await call(hidden_call(stage_fps[1], good))
+                assert result.tensors["output"].shape == [2, 5, 32]
+
+                async def refused(stage_call: StageCall) -> str:
+                    with pytest.raises(HopFailed) as failure:
+                        await call(stage_call)
+                    assert failure.value.refused
+                    return failure.value.reason.removeprefix("refused:")
+
+                nan = good.clone()
+                nan[0, 0, 0] = float("nan")
+                assert await refused(hidden_call(stage_fps[1], nan, call_id="nan")) == "bad_tensor"
+                assert await refused(hidden_call(stage_fps[1], torch.randn(2, 5, 31), call_id="narrow")) == "bad_tensor"
+                assert await refused(hidden_call(stage_fps[1], good, mask=torch.ones((2, 4), dtype=torch.long), call_id="mask")) == "bad_tensor"
+                assert await refused(hidden_call(stage_fps[1], torch.randn(9, 5, 32), call_id="big-batch")) == "bad_tensor"
+                assert await refused(hidden_call(stage_fps[0], good, stage=0)) == "wrong_stage"
+                assert await refused(hidden_call("0" * 16, good)) == "wrong_stage"
+                assert await refused(hidden_call(stage_fps[1], good, parts=("embed", "layers"))) == "missing_part"
+                backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fps[1], call_id="never", parts=["layers"], train=False,
+                                     tensors={"grad": to_wire(good)}, scale=1.0)
+                assert await refused(backward) == "unknown_call"
+
+                peer = server_node.peer_id
+                kind, body = await raw_call(caller_node.p2p, peer, server.handler, frame_bytes(PipelineFrame.CALL, b"\xc1\xc1 not msgpack"))
+                assert kind == PipelineFrame.REFUSE and body["reason"] == "not_msgpack"
+                oversize = (PipelineFrame.CALL).to_bytes(1, "big") + (server.limits.frame_limit() + 1).to_bytes(8, "big")
+                kind, body = await raw_call(caller_node.p2p, peer, server.handler, oversize)
+                assert kind == PipelineFrame.REFUSE and body["reason"] == "too_large"
+                kind, body = await raw_call(caller_node.p2p, peer, server.handler, frame_bytes(99, b""))
+                assert kind == PipelineFrame.REFUSE and body["reason"] == "bad_structure"
+
+                counts = server.refusals.by_reason()
+                assert counts == {"bad_tensor": 4, "wrong_stage": 2, "missing_part": 1, "unknown_call": 1, "not_msgpack": 1, "too_large": 1, "bad_structure": 1}
+                caller = caller_node.peer_id.to_base58()
+                assert sum(server.refusals.by_peer()[caller].values()) == 11
+
+                # Still serving: a full forward/backward/step works after all of it.
+                result = await call(hidden_call(stage_fps[1], good, call_id="after"))
+                grad = torch.ones(2, 5, 32)
+                backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fps[1], call_id="after", parts=["layers"], train=False,
+                                     tensors={"grad": to_wire(grad)}, scale=1.0)
+                result = await call(backward)
+                assert result.tensors["grad"].shape == [2, 5, 32]
+                step = StageCall(v=PIPELINE_VERSION, op="step", stage=1, stage_fingerprint=stage_fps[1], call_id="step-1", parts=[], train=False, tensors={}, scale=1.0)
+                result = await call(step)
+                assert result.step == 1 and result.grad_norm > 0
+                assert not running.done()
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(scenario())
