@@ -67,19 +67,22 @@ def recoveries(state_dir) -> list[dict]:
 class Pipeline:
     def __init__(self, config_path, tmp_path, env, procs):
         self.config_path, self.tmp_path, self.env, self.procs = config_path, tmp_path, env, procs
-        self.bootstrap: list[str] = []
         self.count = 0
+
+    def live_peers(self) -> list[str]:
+        """Addresses of two running processes: a newcomer must not bootstrap from a killed one."""
+        running = [p for p in self.procs if p.process.poll() is None and (p.state_dir / "addresses.txt").exists()]
+        return [a for p in running[:2] for a in p.addresses()]
 
     def serve(self, stage: str) -> SwarmProcess:
         self.count += 1
-        proc = SwarmProcess(self.config_path, self.tmp_path / f"server-{self.count}", self.env, self.bootstrap, command="serve", extra=["--stage", stage])
+        proc = SwarmProcess(self.config_path, self.tmp_path / f"server-{self.count}", self.env, self.live_peers(), command="serve", extra=["--stage", stage])
         self.procs.append(proc)
-        if not self.bootstrap:
-            self.bootstrap = proc.addresses()
+        proc.addresses()  # joined: later processes may bootstrap from it
         return proc
 
     def drive(self) -> SwarmProcess:
-        proc = SwarmProcess(self.config_path, self.tmp_path / "driver", self.env, self.bootstrap, command="drive")
+        proc = SwarmProcess(self.config_path, self.tmp_path / "driver", self.env, self.live_peers(), command="drive")
         self.procs.append(proc)
         return proc
 

@@ -76,7 +76,7 @@ class LMDriver:
                 self.router.fail(failure)
                 report["backward_failures"] += 1
             report["servers"] = {stage: s.node_id for stage, s in route.items()}
-            return float(loss)
+            return loss.item()
         raise StageLost(-1, f"{self.pipeline.attempts_per_micro_batch} routes failed for one micro-batch")
 
     async def train_step(self) -> dict[str, Any]:

@@ -496,10 +496,10 @@ class StageServer:
             x = expect(tensors, "input_ids", torch.int64, (None, None))
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.hf_config.vocab_size):
                 raise TensorRefused(f"input_ids outside [0, {self.hf_config.vocab_size})")
-        elif first_part == "layers":
+        elif first_part in ("layers", "head"):
             x = expect(tensors, "hidden", hidden_dtype, (None, None, self.hf_config.hidden_size))
         else:
-            raise TensorRefused("a call must start with the embed or layers part")
+            raise TensorRefused("a call needs at least one part")
         batch, length = x.shape[0], x.shape[1]
         if not 0 < batch <= self.pipeline.max_batch_size or not 0 < length or cached_len + length > self.max_len:
             raise TensorRefused(f"batch {batch} x {cached_len}+{length} tokens is outside this server's limits ({self.pipeline.max_batch_size} x {self.max_len})")
@@ -530,7 +530,7 @@ class StageServer:
             raise _CallRefused(PipelineRefusal.BUSY, f"{len(self._pending)} forwards await their backward")
         started = time.perf_counter()
         inputs = None
-        if call.parts[0] == "layers":
+        if call.parts[0] != "embed":
             inputs = x.requires_grad_(True)
         self.stage.train()
         output = self._run_parts(call.parts, x, positions, mask)
