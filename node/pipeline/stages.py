@@ -78,7 +78,9 @@ def checkfree_plus_extra_parts(num_stages: int) -> dict[int, tuple[StagePart, ..
         return {}
     if num_stages == 2:
         return {0: (StagePart.HEAD,), 1: (StagePart.EMBED,)}
-    return {1: (StagePart.EMBED,), num_stages - 2: (StagePart.HEAD,)}
+    extra: dict[int, tuple[StagePart, ...]] = {1: (StagePart.EMBED,)}
+    extra[num_stages - 2] = extra.get(num_stages - 2, ()) + (StagePart.HEAD,)  # S = 3: stage 1 neighbours both ends
+    return extra
 
 
 class StageCache:
