@@ -218,6 +218,9 @@ class GRPOTrainer:
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update refused")
             self.optimizer.step()
             stats.grad_norm = grad_norm.item()
+            stage_norms = getattr(self.optimizer, "last_grad_norms", None)  # a pipeline's stages clip and report their own norms
+            if stage_norms:
+                stats.grad_norm = math.sqrt(sum(n * n for n in stage_norms.values()))
         self.model.eval()
         epoch_tokens = total_tokens * self.config.epochs_per_round
         stats.loss = loss_sum / epoch_tokens

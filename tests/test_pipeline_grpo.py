@@ -1,0 +1,59 @@
+"""The node's RL loop with its policy split across stage servers: rollouts generated through per-session
+KV caches on the stages, the GRPO update through the pipeline, the rest of the loop unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from node.config import dump_config, load_config
+from tests.conftest import REPO, cli
+from tests.swarm_helpers import read_rows, wait_for
+from tests.test_pipeline_e2e import START_S, Pipeline
+
+GRPO_OVERRIDES = [
+    "model.default.hidden_size=32", "model.default.num_layers=2", "model.default.num_heads=2", "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=128", "model.default.warmup_steps=60", "model.default.warmup_batch_size=8",
+    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.swarm_id=test-pipeline-grpo", "swarm.local_questions=2", "swarm.external_questions=0",
+    "swarm.gossip=dht", "swarm.bootstrap_backoff_s=0.5", "rollout.completions_per_question=4", "rollout.max_new_tokens=6",
+    "tasks.format_reward=0.1", "tasks.heldout_size=8", "eval_every=2", "pipeline.num_stages=2", "pipeline.announce_interval_s=0.5",
+    "pipeline.announce_ttl_s=4", "torch_threads=1",
+]
+
+
+def stage_json(server) -> dict | None:
+    path = server.state_dir / "stage.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_grpo_rounds_run_through_the_pipeline(model_cache, tmp_path, cli_env):
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "pipeline.yaml", GRPO_OVERRIDES)
+    ensure_default_model(config, progress=False)
+    path = tmp_path / "grpo.yaml"
+    path.write_text(dump_config(config))
+    procs = []
+    try:
+        pipe = Pipeline(path, tmp_path, cli_env, procs)
+        servers = [pipe.serve(str(i)) for i in range(2)]
+        for server in servers:
+            pipe.serving(server)
+        driver_dir = tmp_path / "grpo-driver"
+        result = subprocess.run(cli("join", "--config", str(path), "--state-dir", str(driver_dir), "--rounds", "6", "--initial-peers", *pipe.live_peers(),
+                                    "--set", "pipeline.objective=grpo"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=START_S * 2)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        rows = read_rows(driver_dir)
+        assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert rows[-1]["policy_version"] > 0  # some rounds had a reward spread and updated the split policy
+        assert any(set(r.get("stage_grad_norms", {})) == {"0", "1"} and r["grad_norm"] > 0 for r in rows)
+        assert "heldout_accuracy" in rows[1]  # greedy evaluation through the pipeline too
+        assert not (driver_dir / "checkpoints").exists()  # no policy weights on the driver: the stages hold them
+        for server in servers:
+            stage = wait_for(lambda: (state := stage_json(server)) and state["step"] == rows[-1]["policy_version"] and state, 30, "the stage to report its last step")
+            assert {"infer", "forward", "backward", "step"} <= set(stage["calls"])
+        stats = subprocess.run(cli("stats", "--state-dir", str(driver_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60)
+        assert stats.returncode == 0 and json.loads(stats.stdout)["rounds"] == 6
+    finally:
+        for proc in procs:
+            proc.close()
