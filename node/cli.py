@@ -129,19 +129,39 @@ def _peers_table(rows: list[dict[str, Any]], swarm_id: str) -> Table:
     return table
 
 
-async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Console) -> int:
+def _stage_tables(stage_maps) -> list[Table]:
+    """The stage map of each pipeline in the swarm: stage -> servers, throughput, steps, recoveries."""
+    tables = []
+    for fingerprint, stage_map in stage_maps.items():
+        table = Table(title=f"pipeline of model {fingerprint}: {stage_map.num_stages} stages, {len(stage_map.spares)} spare(s)")
+        for column in ("stage", "layers", "servers", "loading", "samples/s", "step", "grad norm", "recoveries"):
+            table.add_column(column, justify="left" if column in ("servers", "loading") else "right")
+        for row in stage_map.rows():
+            table.add_row(str(row["stage"]), row["layers"], " ".join(n[:8] for n in row["servers"]) or "[red]none[/]", " ".join(n[:8] for n in row["loading"]),
+                          f"{row['samples_per_s']:.1f}", str(row["step"]), f"{row['grad_norm']:.3f}", str(row["recoveries"]))
+        tables.append(table)
+    return tables
+
+
+async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Console, stages: bool = False) -> int:
+    from node.pipeline.stagemap import read_stage_maps
     from node.transport.dht import create_dht_node, read_peer_stats, shutdown_dht
 
     dht = await create_dht_node(config, client_mode=True)
     try:
         while True:
-            rows = _peer_rows(await read_peer_stats(dht, config))
-            if as_json:
-                print(json.dumps(rows), flush=True)
+            stage_maps = await read_stage_maps(dht, config)
+            if as_json and stages:
+                print(json.dumps({fingerprint: stage_map.rows() for fingerprint, stage_map in stage_maps.items()}), flush=True)
+            elif as_json:
+                print(json.dumps(_peer_rows(await read_peer_stats(dht, config))), flush=True)
             else:
+                rows = _peer_rows(await read_peer_stats(dht, config))
                 if watch:
                     console.clear()
                 console.print(_peers_table(rows, config.swarm.swarm_id))
+                for table in _stage_tables(stage_maps):
+                    console.print(table)
             if not watch:
                 return 0
             await asyncio.sleep(2.0)
@@ -159,7 +179,7 @@ def cmd_peers(args: argparse.Namespace, console: Console) -> int:
     config = load_config(None, overrides)
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
     try:
-        return asyncio.run(_peers(config, args.json, args.watch, console))
+        return asyncio.run(_peers(config, args.json, args.watch, console, stages=args.stages))
     except KeyboardInterrupt:
         return 0
     except SwarmJoinError as exc:
@@ -203,15 +223,43 @@ def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _pipeline_stats(state_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A pipeline driver's rows (they count steps, not rounds) or a stage server's stage.json; None for a node."""
+    from node.pipeline.lm import summarize_steps
+
+    if rows and "round" not in rows[0]:
+        return summarize_steps(rows)
+    stage_file = state_dir / "stage.json"
+    if not rows and stage_file.exists():
+        recoveries = state_dir / "recoveries.jsonl"
+        events = [json.loads(line) for line in recoveries.read_text().splitlines()] if recoveries.exists() else []
+        return {"stage_server": json.loads(stage_file.read_text()), "weights_acquired": events}
+    return None
+
+
 def cmd_stats(args: argparse.Namespace, console: Console) -> int:
     from node.state import StateStore
 
     state_dir = Path(args.state_dir or NodeConfig().state_dir).expanduser()
     store = StateStore(state_dir)
-    if not store.metrics_path.exists():
+    rows = store.read_metrics() if store.metrics_path.exists() else []
+    pipeline = _pipeline_stats(state_dir, rows)
+    if pipeline is not None:
+        summary = {"state_dir": str(state_dir), **pipeline}
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            table = Table(title=f"pipeline statistics: {state_dir}", show_header=False)
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for key, value in summary.items():
+                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+            console.print(table)
+        return 0
+    if not rows:
         console.print(f"swarm-node: error: no metrics in {state_dir} (has a node trained there?)", highlight=False)
         return 1
-    summary = {"state_dir": str(state_dir), **summarize_metrics(store.read_metrics())}
+    summary = {"state_dir": str(state_dir), **summarize_metrics(rows)}
     swarm_file = state_dir / "swarm.json"
     if swarm_file.exists():
         summary["swarm"] = json.loads(swarm_file.read_text())
@@ -266,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--swarm-id", help="swarm name (default: swarm-node-public)")
     peers.add_argument("--json", action="store_true", help="print a JSON list, one object per peer")
     peers.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
+    peers.add_argument("--stages", action="store_true", help="with --json: print the pipelines' stage maps (stage -> servers, throughput, recoveries) instead")
     peers.set_defaults(handler=cmd_peers)
 
     identity = sub.add_parser("identity", help="print this node's id (creating its key on first use)", description="Print the node id derived from the Ed25519 key in the state directory.")

@@ -279,8 +279,8 @@ class PipelineConfig(_Section):
     """Longest wait for one call to a stage server; past it the hop fails and another replica is tried."""
     attempts_per_micro_batch: int = Field(4, ge=1)
     """Routes tried for one micro-batch before the driver waits for the failing stage to come back."""
-    avoid_s: float = Field(30.0, gt=0)
-    """How long a server whose call failed is left out of routes."""
+    avoid_s: float = Field(10.0, gt=0)
+    """How long a server whose calls failed (twice in a row, or by timeout) is left out of routes."""
     announce_interval_s: float = Field(2.0, gt=0)
     """How often a stage server (or spare) publishes its signed stage announcement."""
     announce_ttl_s: float = Field(8.0, gt=0)

@@ -153,7 +153,7 @@ class StateStore:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("round"), int):
+            if isinstance(row, dict) and isinstance(row.get("round", row.get("step")), int):  # a node's rounds, or a pipeline driver's steps
                 rows.append(row)
         return rows
 

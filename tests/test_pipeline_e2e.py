@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 
 import pytest
 
 from node.config import dump_config, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, cli
 from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
 
 PIPELINE_OVERRIDES = [
@@ -99,7 +100,7 @@ class Pipeline:
         """The driver's record of `stage` coming back, once it has one."""
         def record():
             driver.assert_running()
-            events = [e for row in read_rows(driver.state_dir) for e in row.get("recovery", []) if e["stage"] == stage]
+            events = [e for row in read_rows(driver.state_dir) for e in row.get("recovery", []) if e["stage"] == stage and e["replaced"]]
             return events[-1] if events else None
 
         return wait_for(record, START_S, f"the driver to record stage {stage}'s recovery", interval=0.5)
@@ -156,6 +157,16 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     pipe.steps(driver, 2)
     assert pipe.serving(second_of_1)["method"] in ("replica_copy", "initial")  # before the first step there is nothing to copy but the start
 
+    def stage_map():
+        result = subprocess.run(cli("peers", "--initial-peers", *pipe.live_peers()[:1], "--swarm-id", "test-pipeline", "--json", "--stages"),
+                                capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
+        assert result.returncode == 0, result.stderr
+        maps = json.loads(result.stdout.strip().splitlines()[-1])
+        return maps if len(maps) == 1 and [len(row["servers"]) for row in next(iter(maps.values()))] == [1, 2, 1, 1] else None
+
+    rows = next(iter(wait_for(stage_map, START_S, "peers to show 1, 2, 1, 1 servers per stage", interval=1).values()))
+    assert [row["layers"] for row in rows] == ["0-0", "1-1", "2-2", "3-3"] and all(row["step"] >= 1 for row in rows)
+
     # Last stage: CheckFree+ from stage 2's layers and its copy of the head.
     pipe.kill(servers[3])
     replacement = pipe.serve("3")
@@ -163,12 +174,14 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     assert (event["method"], event["stage"]) == ("checkfree_plus", 3)
     assert [s["stage"] for s in event["sources"]] == [2]
     assert_trains(pipe.steps(driver, 2))
+    summary = json.loads(subprocess.run(cli("stats", "--state-dir", str(driver.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60).stdout)
+    assert summary["stages_recovered"] >= 1 and summary["steps"] >= 9
 
     # One of two replicas dies: the other carries stage 1 on without any recovery, and a restarted server copies it.
     pipe.kill(servers[1])
     rows = pipe.steps(driver, 3)
     assert_trains(rows)
-    assert not any(e["stage"] == 1 for row in rows for e in row.get("recovery", []))
+    assert not any(e["stage"] == 1 and e["replaced"] for row in rows for e in row.get("recovery", []))  # nobody had to rebuild it
     restarted = pipe.serve("1")
     event = pipe.serving(restarted)
     assert (event["method"], event["stage"]) == ("replica_copy", 1)

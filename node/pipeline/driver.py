@@ -38,6 +38,8 @@ from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
 
 log = logging.getLogger(__name__)
 
+STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
+
 
 def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
     """The order in which the stages' LAYERS run for this micro-batch."""
@@ -101,6 +103,7 @@ class PipelineRouter:
         self.map = StageMap(self.pipeline.num_stages)
         self._map_read_at = -1e9
         self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
+        self.strikes: dict[str, int] = {}  # node id -> hops failed in a row
         self.hop_failures: Counter[str] = Counter()
         self.wrong_fingerprint = 0
 
@@ -122,9 +125,20 @@ class PipelineRouter:
         return set(self.avoid)
 
     def fail(self, failure: HopFailed) -> None:
+        """Count a failed hop; leave its server out of routes after STRIKES failures in a row (one may be a reset stream)."""
+        node_id = failure.server.node_id
         self.hop_failures[failure.reason] += 1
-        self.avoid[failure.server.node_id] = time.monotonic() + self.pipeline.avoid_s
+        self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
+        if self.strikes[node_id] >= STRIKES or failure.reason == "timeout":
+            self.avoid[node_id] = time.monotonic() + self.pipeline.avoid_s
+            self.strikes.pop(node_id, None)
+        while len(self.strikes) > 4096:
+            self.strikes.pop(next(iter(self.strikes)))
         log.info("hop failed: %s", failure)
+
+    def succeeded(self, servers) -> None:
+        for server in servers:
+            self.strikes.pop(server.node_id, None)
 
     async def pick_route(self, hops: list[tuple[int, list[str]]]) -> dict[int, StageAnnouncement]:
         stage_map = await self.refresh()
@@ -155,6 +169,7 @@ class PipelineRouter:
             if "output" not in result.tensors:
                 raise HopFailed(route[stage], "malformed", "a forward result without output")
             x = from_wire(result.tensors["output"])
+        self.succeeded(route.values())
         return x
 
     async def backward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, grad: torch.Tensor) -> None:

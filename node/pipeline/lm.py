@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -49,7 +50,7 @@ class LMDriver:
         self.store = store
         rows = store.read_metrics()
         self.step = rows[-1]["step"] if rows else 0  # the driver keeps no weights: its only state is where it is
-        self.lost_since: dict[int, tuple[float, str]] = {}  # stage -> (monotonic time it was found lost, cause)
+        self.lost_since: dict[int, tuple[float, str, set[str]]] = {}  # stage -> (monotonic time it was found lost, cause, its servers then)
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
@@ -112,20 +113,23 @@ class LMDriver:
         await self.router.refresh(force=True)
         for stage in self.router.missing_stages() or [lost.stage]:
             if stage >= 0 and stage not in self.lost_since:
-                self.lost_since[stage] = (time.monotonic(), lost.cause)
+                before = {s.node_id for s in self.router.map.servers.get(stage, [])}
+                self.lost_since[stage] = (time.monotonic(), lost.cause, before)
                 log.warning("stage %d lost (%s): waiting for a server to rebuild it", stage, lost.cause)
         await self.router.wait_until_served()
 
     def _recovered(self) -> list[dict] | None:
+        """Records of the stages lost since the last step: who serves them now, and how long the driver waited."""
         if not self.lost_since:
             return None
         now = time.monotonic()
         events = []
-        for stage, (since, cause) in sorted(self.lost_since.items()):
+        for stage, (since, cause, before) in sorted(self.lost_since.items()):
             servers = self.router.map.live(stage)
-            events.append({"stage": stage, "cause": cause, "recovery_s": now - since, "servers": [s.node_id for s in servers],
+            replaced = bool({s.node_id for s in servers} - before)
+            events.append({"stage": stage, "cause": cause, "recovery_s": now - since, "replaced": replaced, "servers": [s.node_id for s in servers],
                            "server_recoveries": sum(s.recoveries for s in servers)})
-            log.info("stage %d back after %.1fs (first step after the loss)", stage, now - since)
+            log.info("stage %d back after %.1fs (first step after; %s)", stage, now - since, "a new server" if replaced else "the same servers answered again")
         self.lost_since.clear()
         return events
 
@@ -157,3 +161,24 @@ class LMDriver:
             row = await self.train_step()
             if on_step:
                 on_step(row)
+
+
+def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """`swarm-node stats` for a pipeline driver: loss, validation loss, retries and the recoveries it waited for."""
+    tenth = max(1, len(rows) // 10)
+    validation = [r["val_loss"] for r in rows if "val_loss" in r and math.isfinite(r["val_loss"])]
+    recoveries = [event for r in rows for event in r.get("recovery", [])]
+    return {
+        "steps": rows[-1]["step"],
+        "loss_first_10pct": sum(r["loss"] for r in rows[:tenth]) / tenth,
+        "loss_last_10pct": sum(r["loss"] for r in rows[-tenth:]) / tenth,
+        "val_loss_first": validation[0] if validation else None,
+        "val_loss_last": validation[-1] if validation else None,
+        "step_s_mean": sum(r["step_s"] for r in rows) / len(rows),
+        "retries": sum(r["retries"] for r in rows),
+        "backward_failures": sum(r["backward_failures"] for r in rows),
+        "stages_recovered": sum(1 for e in recoveries if e["replaced"]),
+        "stalls": sum(1 for e in recoveries if not e["replaced"]),
+        "recovery_s_mean": statistics.fmean(e["recovery_s"] for e in recoveries if e["replaced"]) if any(e["replaced"] for e in recoveries) else None,
+    }
+

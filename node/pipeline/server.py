@@ -446,7 +446,8 @@ class StageServer:
             raise _CallRefused(PipelineRefusal.WRONG_STAGE, f"this server serves stage {self.index} ({self.fingerprint or 'none yet'})")
         if self.state != "serving" and call.op != "weights":
             raise _CallRefused(PipelineRefusal.NOT_READY, f"state {self.state}")
-        held = {p.value for p in self.stage.parts}
+        # Calls run the parts this stage owns; its CheckFree+ copies of a neighbour's part are only read (by `weights`).
+        held = {p.value for p in self.stage.parts} if call.op == "weights" else {p.value for p in self.plan.parts(self.index)}
         missing = [p for p in call.parts if p not in held]
         if missing:
             raise _CallRefused(PipelineRefusal.MISSING_PART, f"this server holds {sorted(held)}, not {missing}")

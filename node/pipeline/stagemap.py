@@ -1,6 +1,6 @@
 """Who serves which stage: signed stage announcements in the DHT, read into a `StageMap`.
 
-Key: `<swarm prefix>/stages/<model fingerprint>`, subkey = the announcer's node id, value =
+Key: `<swarm prefix>/stages` (every model's pipeline: readers keep their model's), subkey = the announcer's node id, value =
 a signed `protocol.StageAnnouncement` envelope that expires `announce_ttl_s` after it was
 stored. A server re-announces every `announce_interval_s`; one that stops (killed, hung)
 drops out of every reader's map within the TTL. Drivers route over the map, joining
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 MAX_ANNOUNCEMENTS = 512  # read per key: bounds what a flood of subkeys can cost a reader
 
 
-def stages_key(swarm_id: str, model_fingerprint: str) -> str:
-    return f"{key_prefix(swarm_id)}/stages/{model_fingerprint}"
+def stages_key(swarm_id: str) -> str:
+    return f"{key_prefix(swarm_id)}/stages"
 
 
 @dataclass
@@ -89,28 +89,38 @@ class StageMap:
         ]
 
 
-async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
-    """The live, verified announcements of `model_fingerprint`'s pipeline."""
+async def read_announcements(dht, config: NodeConfig) -> tuple[list[StageAnnouncement], int]:
+    """Every live, verified stage announcement of the swarm, and how many were refused."""
     now = time.time()
     announcements, refused = [], 0
-    key = stages_key(config.swarm.swarm_id, model_fingerprint)
-    for subkey, raw in await read_key(dht, key, config.swarm.dht_timeout_s, limit=MAX_ANNOUNCEMENTS):
+    for subkey, raw in await read_key(dht, stages_key(config.swarm.swarm_id), config.swarm.dht_timeout_s, limit=MAX_ANNOUNCEMENTS):
         try:
             envelope = decode_verified(raw, subkey, config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, now)
         except ProtocolRejection as exc:
             refused += 1
             log.debug("refused a stage announcement stored as %s: %s", str(subkey)[:12], exc)
             continue
-        item: StageAnnouncement = envelope.message
-        if now - envelope.timestamp > config.pipeline.announce_ttl_s:
-            continue
-        if item.model_fingerprint != model_fingerprint or item.num_stages != config.pipeline.num_stages:
-            refused += 1
-            continue
-        announcements.append(item)
-    stage_map = StageMap.from_announcements(config.pipeline.num_stages, announcements)
-    stage_map.refused = refused
+        if now - envelope.timestamp <= config.pipeline.announce_ttl_s:
+            announcements.append(envelope.message)
+    return announcements, refused
+
+
+async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
+    """The live, verified announcements of `model_fingerprint`'s pipeline."""
+    announcements, refused = await read_announcements(dht, config)
+    ours = [a for a in announcements if a.model_fingerprint == model_fingerprint and a.num_stages == config.pipeline.num_stages]
+    stage_map = StageMap.from_announcements(config.pipeline.num_stages, ours)
+    stage_map.refused = refused + sum(1 for a in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != config.pipeline.num_stages)
     return stage_map
+
+
+async def read_stage_maps(dht, config: NodeConfig) -> dict[str, StageMap]:
+    """Every pipeline of the swarm, by model fingerprint (what `swarm-node peers` shows)."""
+    announcements, _ = await read_announcements(dht, config)
+    models: dict[tuple[str, int], list[StageAnnouncement]] = {}
+    for item in announcements:
+        models.setdefault((item.model_fingerprint, item.num_stages), []).append(item)
+    return {fingerprint: StageMap.from_announcements(stages, items) for (fingerprint, stages), items in sorted(models.items())}
 
 
 class Announcer:
@@ -120,7 +130,7 @@ class Announcer:
         self.dht = dht
         self.config = config
         self.identity = identity
-        self.key = stages_key(config.swarm.swarm_id, model_fingerprint)
+        self.key = stages_key(config.swarm.swarm_id)
         self._seq = 0
 
     async def publish(self, announcement: StageAnnouncement) -> bool:
