@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from hivemind.dht.node import DHTNode  # noqa: E402
 
 from node.averaging.pairing import PairAverager  # noqa: E402
+from node.transport.records import RecordWriter  # noqa: E402
+from protocol import NodeIdentity  # noqa: E402
 
 
 async def sync_rounds(size: int, group_size: int | None, floats: int, rounds: int, mode: str) -> tuple[list[float], list[int], int]:
@@ -38,7 +40,7 @@ async def sync_rounds(size: int, group_size: int | None, floats: int, rounds: in
         for i in range(size):
             peers = [str(a) for a in await nodes[0].get_visible_maddrs()] if nodes else None
             nodes.append(await DHTNode.create(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-            averager = PairAverager(nodes[-1], "bench/avg", group_size=group_size, mode=mode, max_relative_distance=10.0)
+            averager = PairAverager(nodes[-1], "bench/avg", group_size=group_size, mode=mode, max_relative_distance=10.0, writer=RecordWriter(NodeIdentity.generate(), "bench"))
             await averager.start()
             averagers.append(averager)
         torch.manual_seed(0)

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import random
 import shutil

@@ -290,6 +290,7 @@ class Node:
                 group_size=2 if averaging.method == "noloco" else None,
                 mode=averaging.transfer_dtype,
                 max_relative_distance=averaging.max_relative_distance,
+                writer=self.transport.writer,
             )
             await averager.start()
             self.averaging = OuterStepService(self.config, self.model, averager)

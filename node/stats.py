@@ -33,6 +33,38 @@ class PeerCounters:
 
 
 MAX_TRACKED_PEERS = 1024  # throwaway identities must not grow memory without bound
+LOG_EVERY_S = 60.0  # one log line per (peer, reason) this often: a flood of bad values must not flood the log
+
+
+class RecordRefusals:
+    """Refused DHT records by reason and claimed owner, bounded; one log line per (owner, reason) a minute."""
+
+    def __init__(self, max_owners: int = MAX_TRACKED_PEERS) -> None:
+        self.by_reason: Counter[str] = Counter()
+        self.by_owner: OrderedDict[str, Counter[str]] = OrderedDict()
+        self.max_owners = max_owners
+        self._logged: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def record(self, owner: str, reason: str, detail: str) -> None:
+        self.by_reason[reason] += 1
+        counts = self.by_owner.pop(owner, None) or Counter()
+        counts[reason] += 1
+        self.by_owner[owner] = counts
+        while len(self.by_owner) > self.max_owners:
+            self.by_owner.popitem(last=False)
+        now = time.monotonic()
+        key = (owner, reason)
+        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[key] = now
+            self._logged.move_to_end(key)
+            while len(self._logged) > self.max_owners:
+                self._logged.popitem(last=False)
+            log.info("refused a DHT record claimed by %s: %s: %s", owner[:12], reason, detail)
+
+    def snapshot(self) -> dict:
+        return {"by_reason": dict(self.by_reason), "by_owner": {owner: dict(c) for owner, c in self.by_owner.items()}}
+
+
 
 
 class SwarmStats:
@@ -46,6 +78,9 @@ class SwarmStats:
         self.bytes_received = 0
         self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
         self.round_rejected: Counter = Counter()  # since the last metrics row
+        self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
+        self.records = RecordRefusals()  # DHT records refused by the validator (node/transport/records.py), by claimed owner
+        self._heartbeat_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def peer(self, peer_id: str) -> PeerCounters:
         counters = self.peers.pop(peer_id, None) or PeerCounters()
@@ -58,6 +93,18 @@ class SwarmStats:
     def reject(self, peer_id: str, reason: Refusal) -> None:
         self.refusals.record(peer_id, reason)
         self.round_rejected[reason.value] += 1
+
+    def reject_heartbeat(self, peer_id: str, rejection) -> None:
+        """A peer's heartbeat that failed the protocol's checks: counted, logged at most once a minute per peer and reason."""
+        self.heartbeat_refusals.record(peer_id, rejection)
+        key = (peer_id, rejection.reason.value)
+        now = time.monotonic()
+        if now - self._heartbeat_logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._heartbeat_logged[key] = now
+            self._heartbeat_logged.move_to_end(key)
+            while len(self._heartbeat_logged) > MAX_TRACKED_PEERS:
+                self._heartbeat_logged.popitem(last=False)
+            log.info("refused a heartbeat stored as %s: %s", peer_id[:12], rejection)
 
     def rejected_by(self, peer_id: str) -> dict[str, int]:
         return self.refusals.by_peer().get(peer_id, {})
@@ -79,6 +126,8 @@ class SwarmStats:
             "questions_used": sum(c.questions_used for c in self.peers.values()),
             "claimed_rewards_disagree": sum(c.claimed_rewards_disagree for c in self.peers.values()),
             "rejected": self.refusals.by_reason(),
+            "heartbeats_rejected": self.heartbeat_refusals.by_reason(),
+            "dht_records_rejected": dict(self.records.by_reason),
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -86,7 +135,7 @@ class SwarmStats:
         peers = {peer: {**asdict(c), "rejected": rejected.get(peer, {})} for peer, c in self.peers.items()}
         for peer, counts in rejected.items():  # peers that only ever sent refused values
             peers.setdefault(peer, {**asdict(PeerCounters()), "rejected": counts})
-        return {"totals": self.totals(), "peers": peers}
+        return {"totals": self.totals(), "peers": peers, "heartbeat_refusals": self.heartbeat_refusals.by_peer(), "dht_record_refusals": self.records.snapshot()["by_owner"]}
 
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(self.snapshot(), indent=1))
@@ -113,6 +162,14 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     for peer, counts in stats.refusals.by_peer().items():
         for reason, count in counts.items():
             lines.append(f'swarm_node_peer_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}')
+    lines.append("# TYPE swarm_node_heartbeat_rejected_total counter")
+    for peer, counts in stats.heartbeat_refusals.by_peer().items():
+        for reason, count in counts.items():
+            lines.append(f'swarm_node_heartbeat_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}')
+    lines.append("# TYPE swarm_node_dht_record_rejected_total counter")
+    for owner, counts in stats.records.by_owner.items():
+        for reason, count in counts.items():
+            lines.append(f'swarm_node_dht_record_rejected_total{{owner="{_escape(owner)}",reason="{_escape(reason)}"}} {count}')
     return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,7 @@ class MessageKind(enum.StrEnum):
     ROLLOUT_BATCH = "rollout_batch"
     PEER_STATS = "peer_stats"
     STAGE_ANNOUNCEMENT = "stage_announcement"  # minor 1: a pipeline stage server (or spare) says what it serves
+    AVERAGING_READY = "averaging_ready"  # minor 1: a node is (still) free to average in a round, or done
     # Reserved for later minor versions (append here, never reuse a code):
     # "averaging_*"  NoLoCo outer-step gossip (announce, pseudo-gradient chunks, done);
     # (pipeline calls themselves travel on p2p streams: protocol/pipeline.py)
@@ -266,9 +267,38 @@ class StageAnnouncement:
         return self.node_id
 
 
-Message = RolloutBatch | PeerStats | StageAnnouncement
-MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement]] = {
+AVERAGING_STATES = ("free", "done")
+
+
+@dataclass(frozen=True)
+class AveragingReady:
+    """A node's averaging rendezvous entry for one round (node/averaging/pairing.py), stored under the
+    round's key with the node id as subkey: signed, so nobody can announce, or withdraw, someone else."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.AVERAGING_READY
+
+    p2p_peer_id: str  # base58 libp2p peer id that accepts the exchange stream (authenticated by libp2p)
+    round: int  # the averaging round (>= 0)
+    state: str  # "free": looking for a partner; "done": averaged this round
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"p2p_peer_id": self.p2p_peer_id, "round": self.round, "state": self.state}
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        if check_str(f["state"], "state", 16) not in AVERAGING_STATES:
+            reject(Refusal.BAD_VALUE, f"state {f['state']!r} is not one of {AVERAGING_STATES}")
+        return cls(p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128), round=check_int(f["round"], "round"), state=f["state"])
+
+    def claimed_node_id(self) -> str | None:
+        return None
+
+
+Message = RolloutBatch | PeerStats | StageAnnouncement | AveragingReady
+MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement] | type[AveragingReady]] = {
     MessageKind.ROLLOUT_BATCH: RolloutBatch,
     MessageKind.PEER_STATS: PeerStats,
     MessageKind.STAGE_ANNOUNCEMENT: StageAnnouncement,
+    MessageKind.AVERAGING_READY: AveragingReady,
 }

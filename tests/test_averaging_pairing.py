@@ -48,12 +48,20 @@ async def swarm(count: int, identities: list[str] | None = None):
         await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))
 
 
+def test_writer():
+    """A fresh node identity signing averaging announcements for the test swarm."""
+    from node.transport.records import RecordWriter
+    from protocol import NodeIdentity
+
+    return RecordWriter(NodeIdentity.generate(), "test-swarm")
+
+
 @asynccontextmanager
 async def averagers(nodes, prefixes=None, cls=PairAverager, **kwargs):
     started = []
     try:
         for node, prefix in zip(nodes, prefixes or [PREFIX] * len(nodes)):
-            averager = cls(node, prefix, **{**FAST, **kwargs})
+            averager = cls(node, prefix, **{**FAST, "writer": test_writer(), **kwargs})
             await averager.start()
             started.append(averager)
         yield started
@@ -186,7 +194,7 @@ def test_different_fingerprints_are_never_paired():
 def test_average_requires_start_and_rounds_do_not_overlap():
     async def scenario():
         async with swarm(1) as nodes:
-            idle = PairAverager(nodes[0], PREFIX)
+            idle = PairAverager(nodes[0], PREFIX, writer=test_writer())
             with pytest.raises(RuntimeError, match="start"):
                 await idle.average(weights(0), 0, timeout=1)
             async with averagers(nodes) as (alone,):

@@ -22,8 +22,9 @@ fp16 0.12 s, int8 0.12 s, int4 0.10 s (the 0.2 s poll and the DHT dominate below
 
 Rendezvous, per round r (no barrier, no leader). Peers must agree on r: it is the caller's
 job to derive it from something shared (an outer-step counter, floor(time / period)).
-    <prefix>/ready/<r>   subkey = p2p peer id (base58), value = msgpack {"v": 1, "state": "free" | "done"}
-expiring at the announcer's deadline. A node announces "free", then polls the key. Pairs
+    <prefix>/ready/<r>   subkey = node id, value = a signed protocol.AveragingReady
+                         {p2p peer id, round, "free" | "done"}
+expiring at the announcer's deadline (node/transport/records.py: only the owner can write its subkey). A node announces "free", then polls the key. Pairs
 mode: the free peers are ordered by sha256("<r>:<peer id>") and paired consecutively
 ((0, 1), (2, 3), ...), so peers with the same view agree on a fresh random partner every
 round without talking; the lower id of a pair opens the stream. Views can differ (a peer
@@ -44,8 +45,8 @@ control frames by 64 KiB):
     each validates what it received (validation.py) -> COMMIT | REFUSE {"reason", "detail"}
     each commits the partner's weights iff its own check passed and it read the partner's COMMIT.
 The stream's peer id is authenticated by libp2p, so a weights message cannot claim to be
-from someone else. The ready announcements are not signed: a forged "free" entry only
-costs callers a refused call.
+from someone else. The ready announcements are signed by their node; a node that names
+someone else's p2p peer id in its own announcement only costs callers a refused call.
 
 What to average: theta, for both rules. NoLoCo needs mean_G(theta) (outer.noloco_step);
 DiLoCo's replicas share phi, so mean(phi - theta) = phi - mean(theta) and the node gets
@@ -78,7 +79,8 @@ from protocol.refusals import SentencedEnum
 
 from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
-from node.transport.dht import read_key, store_value
+from node.transport.records import RecordWriter, read_records
+from protocol import AveragingReady, MessageKind
 from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, read_frame, write_frame
 from node.transport.protobuf_shim import import_hivemind_isolated
 
@@ -225,12 +227,14 @@ class PairAverager:
         settle_s: float = 2.0,
         gather_s: float = 2.0,
         dht_timeout: float = 5.0,
+        writer: RecordWriter,
     ) -> None:
         if group_size not in (2, None):
             raise ValueError("group_size must be 2 (NoLoCo pairs) or None (all live peers)")
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.dht = dht
+        self.writer = writer  # signs our announcements: only we can say we are free or done
         self.prefix = prefix
         self.group_size = group_size
         self.mode = mode
@@ -411,22 +415,20 @@ class PairAverager:
     # rendezvous ----------------------------------------------------------------------
 
     async def _announce(self, round_id: int, state: str, expiration: float) -> None:
-        value = msgpack.packb({"v": EXCHANGE_VERSION, "state": state})
-        if not await store_value(self.dht, self.ready_key(round_id), value, expiration, self.peer_id, self.dht_timeout):
+        message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state)
+        if not await self.writer.store(self.dht, self.ready_key(round_id), message, max(1.0, expiration - get_dht_time()), self.dht_timeout):
             log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
 
     async def _read_view(self, round_id: int) -> dict[str, str]:
-        """Announced peers of the round and their state ("free" or "done"); malformed entries are skipped."""
+        """Announced peers of the round (by p2p peer id) and their state ("free" or "done"); refused entries are counted."""
+        def refused(_owner: str, rejection) -> None:
+            self.failures[f"announcement_refused:{rejection.reason.value}"] += 1
+
         view = {}
-        for subkey, raw in await read_key(self.dht, self.ready_key(round_id), self.dht_timeout, limit=MAX_READY_ENTRIES):
-            if not isinstance(subkey, str) or not 0 < len(subkey) <= 64 or not isinstance(raw, bytes) or len(raw) > 256:
-                continue
-            try:
-                message = msgpack.unpackb(raw, raw=False)
-            except ValueError:  # msgpack's unpack errors (ExtraData, FormatError, StackError) are ValueErrors
-                continue
-            if isinstance(message, dict) and message.get("v") == EXCHANGE_VERSION and message.get("state") in ("free", "done"):
-                view[subkey] = message["state"]
+        for envelope in await read_records(self.dht, self.ready_key(round_id), self.writer.swarm_id, MessageKind.AVERAGING_READY, self.dht_timeout, MAX_READY_ENTRIES, refused):
+            ready: AveragingReady = envelope.message
+            if ready.round == round_id and 0 < len(ready.p2p_peer_id) <= 64:
+                view[ready.p2p_peer_id] = ready.state
         return view
 
     # the exchange --------------------------------------------------------------------

@@ -15,7 +15,6 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
 from typing import Any, Callable
 
 import torch

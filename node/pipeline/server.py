@@ -133,7 +133,7 @@ class StageServer:
         self.handler = handler_name(config.swarm.swarm_id, model_fingerprint)
         self.max_len = self.pipeline.max_sequence_length or self.hf_config.max_position_embeddings
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
-        self.announcer = Announcer(dht, config, identity, model_fingerprint)
+        self.announcer = Announcer(dht, config, identity)
         self.index: int = -1
         self.state = "spare"
         self.stage: PipelineStage | None = None
@@ -378,10 +378,12 @@ class StageServer:
         from node.averaging.fingerprint import averaging_prefix
         from node.averaging.pairing import PairAverager
         from node.averaging.service import OuterStepService
+        from node.transport.records import RecordWriter
 
         averaging = self.config.averaging
         averager = PairAverager(self.dht, averaging_prefix(self.config.swarm.swarm_id, self.fingerprint), group_size=2 if averaging.method == "noloco" else None,
-                                mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance)
+                                mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance,
+                                writer=RecordWriter(self.identity, self.config.swarm.swarm_id))
         await averager.start()
         self.averaging = OuterStepService(self.config, self.stage, averager)
         self.averaging.last_trigger_version = self.step

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from node.config import NodeConfig
-from node.transport.dht import decode_verified, key_prefix, read_key, store_value
-from protocol import MessageKind, NodeIdentity, ProtocolRejection, StageAnnouncement, encode_message
+from node.transport.dht import key_prefix
+from protocol import MessageKind, NodeIdentity, StageAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +91,13 @@ class StageMap:
 
 async def read_announcements(dht, config: NodeConfig) -> tuple[list[StageAnnouncement], int]:
     """Every live, verified stage announcement of the swarm, and how many were refused."""
+    from node.transport.records import read_records
+
+    refused = []
     now = time.time()
-    announcements, refused = [], 0
-    for subkey, raw in await read_key(dht, stages_key(config.swarm.swarm_id), config.swarm.dht_timeout_s, limit=MAX_ANNOUNCEMENTS):
-        try:
-            envelope = decode_verified(raw, subkey, config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, now)
-        except ProtocolRejection as exc:
-            refused += 1
-            log.debug("refused a stage announcement stored as %s: %s", str(subkey)[:12], exc)
-            continue
-        if now - envelope.timestamp <= config.pipeline.announce_ttl_s:
-            announcements.append(envelope.message)
-    return announcements, refused
+    envelopes = await read_records(dht, stages_key(config.swarm.swarm_id), config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, config.swarm.dht_timeout_s,
+                                   MAX_ANNOUNCEMENTS, lambda owner, rejection: refused.append(owner))
+    return [e.message for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(refused)
 
 
 async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
@@ -124,21 +119,18 @@ async def read_stage_maps(dht, config: NodeConfig) -> dict[str, StageMap]:
 
 
 class Announcer:
-    """Signs and stores this node's stage announcements (sequence numbers increase across restarts)."""
+    """Signs and stores this node's stage announcements under its own subkey."""
 
-    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity, model_fingerprint: str) -> None:
+    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity) -> None:
+        from node.transport.records import RecordWriter
+
         self.dht = dht
         self.config = config
-        self.identity = identity
         self.key = stages_key(config.swarm.swarm_id)
-        self._seq = 0
+        self.writer = RecordWriter(identity, config.swarm.swarm_id)
 
     async def publish(self, announcement: StageAnnouncement) -> bool:
-        from hivemind.utils import get_dht_time
-
-        self._seq = max(self._seq + 1, int(time.time() * 1e6))
-        data = encode_message(announcement, identity=self.identity, swarm_id=self.config.swarm.swarm_id, seq=self._seq, timestamp=time.time())
-        ok = await store_value(self.dht, self.key, data, get_dht_time() + self.config.pipeline.announce_ttl_s, self.identity.node_id, self.config.swarm.dht_timeout_s)
+        ok = await self.writer.store(self.dht, self.key, announcement, self.config.pipeline.announce_ttl_s, self.config.swarm.dht_timeout_s)
         if not ok:
             log.warning("the DHT did not take our stage announcement")
         return ok

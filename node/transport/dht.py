@@ -40,7 +40,6 @@ from protocol import (
     RolloutCompletion,
     RolloutQuestion,
     decode_message,
-    encode_message,
 )
 from protocol.version import PROTOCOL_MAJOR
 
@@ -60,12 +59,17 @@ def key_prefix(swarm_id: str) -> str:
     return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
 
 
-async def create_dht_node(config: NodeConfig, client_mode: bool | None = None):
-    """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff."""
+async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None):
+    """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
+
+    Its records are validated (node/transport/records.py); refused ones are counted in `refusals`
+    (a stats.RecordRefusals) when given."""
     from node.transport.protobuf_shim import import_hivemind_isolated
 
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
     from hivemind.dht.node import DHTNode
+
+    from node.transport.records import SwarmRecordValidator
 
     swarm = config.swarm
     delay, last_error = swarm.bootstrap_backoff_s, None
@@ -77,6 +81,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None):
                 host_maddrs=swarm.host_maddrs,
                 announce_maddrs=swarm.announce_maddrs or None,
                 startup_timeout=swarm.p2pd_startup_timeout_s,
+                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
             )
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
             last_error = exc
@@ -168,7 +173,9 @@ class DHTTransport(Transport):
         self.addresses: list[str] = []
         self.gossip = None
         self.gossip_addresses: list[str] = []
-        self._seq = 0
+        from node.transport.records import RecordWriter  # imports hivemind: only swarm nodes pay for it
+
+        self.writer = RecordWriter(identity, config.swarm.swarm_id)
         self._seen = _SeenEnvelopes()
         self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._heartbeat_task: asyncio.Task | None = None
@@ -180,7 +187,7 @@ class DHTTransport(Transport):
         return f"{self.prefix}/rollouts"
 
     async def start(self) -> None:
-        self.dht = await create_dht_node(self.config)
+        self.dht = await create_dht_node(self.config, refusals=self.stats.records)
         self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
         from node.state import atomic_write_text
 
@@ -204,7 +211,7 @@ class DHTTransport(Transport):
         """Dial the gossip addresses peers announce in their heartbeats (new ones only)."""
         if self.gossip is None:
             return
-        addresses = [a for stats, _ in await read_peer_stats(self.dht, self.config) if stats.node_id != self.identity.node_id for a in stats.gossip_addresses]
+        addresses = [a for stats, _ in await read_peer_stats(self.dht, self.config, self.stats) if stats.node_id != self.identity.node_id for a in stats.gossip_addresses]
         if addresses:
             await self.gossip.connect(addresses)
 
@@ -229,19 +236,11 @@ class DHTTransport(Transport):
 
     # publishing ----------------------------------------------------------------------
 
-    def _next_seq(self) -> int:
-        # Microseconds since the epoch: increases across restarts too, so peers' replay
-        # checks keep accepting a node that was killed and came back.
-        self._seq = max(self._seq + 1, int(time.time() * 1e6))
-        return self._seq
-
     def _encode(self, message) -> bytes:
-        return encode_message(message, identity=self.identity, swarm_id=self.config.swarm.swarm_id, seq=self._next_seq(), timestamp=time.time())
+        return self.writer.encode(message)
 
     async def _store(self, key: str, value: bytes, ttl: float) -> None:
-        from hivemind.utils import get_dht_time
-
-        ok = await store_value(self.dht, key, value, get_dht_time() + ttl, self.identity.node_id, self.config.swarm.dht_timeout_s)
+        ok = await self.writer.store(self.dht, key, None, ttl, self.config.swarm.dht_timeout_s, data=value)
         if not ok:
             log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(value), self.config.swarm.dht_timeout_s)
 
@@ -348,7 +347,7 @@ class DHTTransport(Transport):
         log.info("refused a value stored as %s: %s", peer[:12], rejection)
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
-        return await read_peer_stats(self.dht, self.config)
+        return await read_peer_stats(self.dht, self.config, self.stats)
 
 
 async def store_value(dht, key: str, value: bytes, expiration_time: float, subkey: str, timeout: float) -> bool:
@@ -366,21 +365,22 @@ async def read_key(dht, key: str, timeout: float, limit: int = MAX_VALUES_PER_KE
     except asyncio.TimeoutError:
         log.warning("the DHT did not answer for %s within %.0fs", key, timeout)
         return []
+    except Exception as exc:  # noqa: BLE001 - a value hivemind cannot decode must cost one read, never the node
+        log.warning("reading %s from the DHT failed: %s: %s", key, type(exc).__name__, exc)
+        return []
     if found is None or not isinstance(found.value, dict):
         return []
     return [(subkey, entry.value) for subkey, entry in found.value.items()][:limit]
 
 
-async def read_peer_stats(dht, config: NodeConfig) -> list[tuple[PeerStats, float]]:
-    """Live peers' verified heartbeats with their signing time (refused ones are logged)."""
+async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = None) -> list[tuple[PeerStats, float]]:
+    """Live peers' verified heartbeats with their signing time; refused ones are counted in `stats` when given."""
+    from node.transport.records import read_records
+
+    def refused(peer: str, rejection: ProtocolRejection) -> None:
+        if stats is not None:
+            stats.reject_heartbeat(peer, rejection)
+
     now = time.time()
-    peers = []
-    for subkey, raw in await read_key(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.dht_timeout_s):
-        try:
-            envelope = decode_verified(raw, subkey, config.swarm.swarm_id, MessageKind.PEER_STATS, now)
-        except ProtocolRejection as exc:
-            log.info("refused a heartbeat stored as %s: %s", str(subkey)[:12], exc)
-            continue
-        if now - envelope.timestamp <= config.swarm.heartbeat_ttl_s:
-            peers.append((envelope.message, envelope.timestamp))
-    return peers
+    envelopes = await read_records(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, MAX_VALUES_PER_KEY, refused)
+    return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.swarm.heartbeat_ttl_s]
