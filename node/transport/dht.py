@@ -144,6 +144,30 @@ def listen_ip(host_maddrs: list[str]) -> str:
     return "0.0.0.0"
 
 
+def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[str]) -> list[str]:
+    """The gossip host's addresses as peers on other machines can dial them.
+
+    Listening on 0.0.0.0 (the default) makes the host report /ip4/0.0.0.0/..., which only
+    works when both ends share a machine; a peer elsewhere must be given the IPs it reaches
+    this node's DHT at (its announced or interface addresses, as p2pd reports them),
+    routable ones first and loopback last."""
+    ips = []
+    for maddr in dht_addresses:
+        parts = maddr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ("0.0.0.0", "::") and (parts[1], parts[2]) not in ips:
+            ips.append((parts[1], parts[2]))
+    ips.sort(key=lambda ip: ip[1].startswith("127.") or ip[1] == "::1")  # stable: keeps p2pd's order otherwise
+    routable = []
+    for maddr in gossip_addresses:
+        parts = maddr.split("/")
+        if len(parts) > 4 and parts[2] in ("0.0.0.0", "::") and ips:
+            rest = "/".join(parts[3:])
+            routable += [f"/{family}/{ip}/{rest}" for family, ip in ips if family == parts[1]]
+        else:
+            routable.append(maddr)
+    return list(dict.fromkeys(routable))
+
+
 def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float):
     """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
 
@@ -204,7 +228,7 @@ class DHTTransport(Transport):
         from node.transport.gossip_libp2p import LibP2PGossip
 
         self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
-        self.gossip_addresses = await self.gossip.start()
+        self.gossip_addresses = routable_gossip_addresses(await self.gossip.start(), self.addresses)
         await self.gossip.subscribe(self.rollouts_topic)
 
     async def _connect_gossip_peers(self) -> None:
