@@ -27,6 +27,7 @@ class Fault(enum.Enum):
     FAR_AWAY = "far_away"
     OVERSIZED = "oversized"
     STALL = "stall"  # sends half its weights, then nothing
+    NO_DONE = "no_done"  # breaks the stream right after the COMMIT frames: it never confirms, and never averages
 
 
 class FaultyAverager(PairAverager):
@@ -45,6 +46,12 @@ class FaultyAverager(PairAverager):
         if self.fault is Fault.OVERSIZED:
             return {**theta, "w": torch.zeros(4096, theta["w"].shape[1])}  # beyond the size bound of our model
         return theta
+
+    async def _send_done(self, writer):
+        if self.fault is not Fault.NO_DONE:
+            return await super()._send_done(writer)
+        writer.close()
+        raise ConnectionResetError("the stream broke after the COMMIT frames")
 
     async def _send_weights(self, writer, payload):
         if self.fault is not Fault.STALL:
@@ -117,3 +124,16 @@ def test_hostile_partners_are_refused_and_counted(role, tmp_path):
                     assert_untouched(theta, before)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_stream_broken_after_the_commits_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
+    async def scenario():
+        async with swarm(2, honest_first(role, tmp_path)) as nodes:
+            async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=Fault.NO_DONE) as (broken,):
+                result, other = await asyncio.gather(honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6))
+                assert result is not None and other is None  # the one-sided outcome the DONE frame exists to expose
+                assert honest.failures["outcome_unconfirmed"] == 1
+
+    asyncio.run(scenario())
+

@@ -43,7 +43,8 @@ control frames by 64 KiB):
     caller -> HELLO {"v", "prefix", "round"} ; acceptor -> ACCEPT | REFUSE {"reason", "detail"}
     both, concurrently: WEIGHTS (codec.EncodedWeights bytes)
     each validates what it received (validation.py) -> COMMIT | REFUSE {"reason", "detail"}
-    each commits the partner's weights iff its own check passed and it read the partner's COMMIT.
+    each commits the partner's weights iff its own check passed and it read the partner's COMMIT,
+    then sends DONE and waits briefly for the partner's DONE.
 The stream's peer id is authenticated by libp2p, so a weights message cannot claim to be
 from someone else. The ready announcements are signed by their node; a node that names
 someone else's p2p peer id in its own announcement only costs callers a refused call.
@@ -58,7 +59,9 @@ peer-id order so that all members of a group compute bit-identical means when th
 exchanged fp32 weights. A node's own theta enters exactly; with fp16/int8/int4 on the
 wire each side sees the other's quantized weights, so the two means differ by the
 quantization error. Limits: a stream that breaks between the two COMMIT frames can leave
-one side averaged and the other not; in all mode, peers whose views differ (churn) can end
+one side averaged and the other not (no protocol over a breakable stream can exclude it);
+the DONE frame detects it: a node that averaged without its partner's DONE counts
+`outcome_unconfirmed` (test_averaging_faults.py); in all mode, peers whose views differ (churn) can end
 with different groups and so different means.
 """
 
@@ -93,9 +96,10 @@ log = logging.getLogger(__name__)
 
 Named = dict[str, torch.Tensor]
 
-EXCHANGE_VERSION = 1
+EXCHANGE_VERSION = 2  # 2: the DONE frame
 CONTROL_MAX_BYTES = 64 * 1024
 MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
+DONE_WAIT_S = 2.0  # how long a node that committed waits for its partner's DONE
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
 
 
@@ -105,6 +109,7 @@ class Frame(enum.IntEnum):
     REFUSE = 3  # either way: msgpack {"reason": str, "detail": str}; the stream ends
     WEIGHTS = 4  # both ways: EncodedWeights.to_bytes()
     COMMIT = 5  # both ways: empty; "your weights passed my checks"
+    DONE = 6  # both ways: empty; "I read your COMMIT, so I average with you" (version 2)
 
 
 class CallRefusal(SentencedEnum):
@@ -296,6 +301,9 @@ class PairAverager:
 
     async def _send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
         return await write_frame(writer, Frame.WEIGHTS, payload)
+
+    async def _send_done(self, writer: asyncio.StreamWriter) -> int:
+        return await write_frame(writer, Frame.DONE)
 
     # one round -----------------------------------------------------------------------
 
@@ -553,6 +561,19 @@ class PairAverager:
             self.failures["partner_refused_our_weights"] += 1
             rnd.given_up.add(peer)
             return None
+        # We average from here on. The partner does iff it reads our COMMIT; its DONE says it did.
+        # Without DONE we cannot know (no protocol can, over a stream that may break at any frame):
+        # count it, so that a pair that may disagree is seen, not silent.
+        rnd.bytes_sent += await self._send_done(writer)
+        try:
+            kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining(), 0.1)))
+            rnd.bytes_received += FRAME_HEADER.size + len(body)
+            confirmed = kind is Frame.DONE
+        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+            confirmed = False
+        if not confirmed:
+            self.failures["outcome_unconfirmed"] += 1
+            log.warning("round %d: averaged with %s, which did not confirm that it averaged too", rnd.round_id, peer[:12])
         return weights
 
     async def _read_partner_verdict(self, rnd: _Round, reader: asyncio.StreamReader) -> None:
