@@ -81,7 +81,7 @@ def main() -> None:
             rounds = sum(1 for _ in open(scratch / name / "metrics.jsonl"))
             result[name] = {"rss_5min_mib": round(at5 / 2**20, 1), "rss_end_mib": round(end / 2**20, 1), "ratio": round(end / at5, 4), "rounds": rounds}
             print(f"node {name}: RSS at 5 min {at5 / 2**20:.0f} MiB, at {args.minutes:.0f} min {end / 2**20:.0f} MiB (x{end / at5:.3f}), {rounds} rounds")
-        print(json.dumps({"minutes": args.minutes, "nodes": result, "max_ratio": max(r["ratio"] for r in result.values())}))
+        print(json.dumps({"benchmark": "node_memory", "minutes": args.minutes, "nodes": result, "max_ratio": max(r["ratio"] for r in result.values())}))
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -192,49 +192,58 @@ async def run(args, scratch: Path, seed: int, strategy: str, rate: float, target
     await bench.start()
     schedule = failure_schedule(seed, rate, args.max_steps, args.steps_per_hour) if strategy != "none" else {}
     curve, recoveries, spikes, normal_step_s = [], [], [], []
-    executed, fired, failed_at, last_loss = 0, set(), None, None
     started = time.perf_counter()
+    timed_out = False
     try:
-        if strategy == "checkpoint":
-            bench.save_checkpoint()
-        while executed < args.max_steps * 3:
-            step = bench.driver.step + 1
-            if step in schedule and step not in fired:  # each scheduled failure happens once, even when a rollback replays its step
-                fired.add(step)
-                failed_at = time.perf_counter()
-                for stage in schedule[step]:
-                    await bench.kill(stage)
-                    await bench.start_server(stage)
-                    await bench.wait_serving(stage)
-                if strategy == "checkpoint":
-                    bench.load_checkpoint()
-            row = await bench.driver.train_step()
-            executed += 1
-            if failed_at is not None:
-                # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
-                recoveries.append(time.perf_counter() - failed_at - (statistics.median(normal_step_s) if normal_step_s else 0.0))
-                if last_loss is not None:
-                    spikes.append(row["loss"] - last_loss)
-                failed_at = None
-            else:
-                normal_step_s.append(row["step_s"])
-            last_loss = row["loss"]
-            if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
-                bench.save_checkpoint()
-            if bench.driver.step % args.eval_every == 0:
-                val = await bench.driver.validation_loss()
-                curve.append({"step": bench.driver.step, "executed": executed, "wall_s": time.perf_counter() - started, "val_loss": val})
-                if target is not None and val <= target:
-                    break
-            if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
-                break
+        async with asyncio.timeout(args.run_timeout_s):
+            await train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started)
+    except (TimeoutError, RuntimeError) as exc:  # too slow, or a stage server that never came up: a missed target, said so
+        timed_out = True
+        print(f"seed {seed} rate {rate:.2f} {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
     finally:
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     reached = next((point for point in curve if target is not None and point["val_loss"] <= target), None)
     return {"seed": seed, "strategy": strategy, "rate": rate, "curve": curve, "failures": sum(len(v) for k, v in schedule.items() if k <= bench.driver.step),
             "steps_to_target": reached["executed"] if reached else None, "wall_s_to_target": reached["wall_s"] if reached else None,
-            "recovery_s": recoveries, "loss_spike": spikes, "checkpoint_io_s": bench.io_s}
+            "recovery_s": recoveries, "loss_spike": spikes, "checkpoint_io_s": bench.io_s, "timed_out": timed_out}
+
+
+async def train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started) -> None:
+    executed, fired, failed_at, last_loss = 0, set(), None, None
+    if strategy == "checkpoint":
+        bench.save_checkpoint()
+    while executed < args.max_steps * 3:
+        step = bench.driver.step + 1
+        if step in schedule and step not in fired:  # each scheduled failure happens once, even when a rollback replays its step
+            fired.add(step)
+            failed_at = time.perf_counter()
+            for stage in schedule[step]:
+                await bench.kill(stage)
+                await bench.start_server(stage)
+                await bench.wait_serving(stage)
+            if strategy == "checkpoint":
+                bench.load_checkpoint()
+        row = await bench.driver.train_step()
+        executed += 1
+        if failed_at is not None:
+            # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
+            recoveries.append(time.perf_counter() - failed_at - (statistics.median(normal_step_s) if normal_step_s else 0.0))
+            if last_loss is not None:
+                spikes.append(row["loss"] - last_loss)
+            failed_at = None
+        else:
+            normal_step_s.append(row["step_s"])
+        last_loss = row["loss"]
+        if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
+            bench.save_checkpoint()
+        if bench.driver.step % args.eval_every == 0:
+            val = await bench.driver.validation_loss()
+            curve.append({"step": bench.driver.step, "executed": executed, "wall_s": time.perf_counter() - started, "val_loss": val})
+            if target is not None and val <= target:
+                break
+        if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
+            break
 
 
 def mean(values):
@@ -255,6 +264,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--run-timeout-s", type=float, default=600.0, help="a run still short of the target after this long counts as missed")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
@@ -296,7 +306,7 @@ def main() -> None:
     spike = {s: mean(x for r in results if r["strategy"] == s for x in r["loss_spike"]) for s in args.strategies}
     print(f"checkpoint / checkfree wall-clock to target at 10%: {ratio}")
     print(f"recovery seconds (failure -> first step after): {recovery}; loss spike: {spike}; runs that missed the target: {sorted(unreached)}")
-    print(json.dumps({"steps_to_target": steps, "wall_s_to_target": wall, "checkfree_vs_checkpoint_wall_ratio": ratio, "recovery_s": recovery,
+    print(json.dumps({"benchmark": "stage_recovery", "steps_to_target": steps, "wall_s_to_target": wall, "checkfree_vs_checkpoint_wall_ratio": ratio, "recovery_s": recovery,
                       "loss_spike": spike, "seeds": args.seeds, "max_steps": args.max_steps, "steps_per_hour": args.steps_per_hour,
                       "checkpoint_every": args.checkpoint_every, "missed_target": sorted(unreached)}))
 

@@ -27,6 +27,12 @@ NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")  # see identity.node_id_from_publi
 SPEC_FIELDS = frozenset(f.name for f in fields(TaskSpec))
 
 
+def check_node_id(value: Any, name: str, limits: Limits) -> str:
+    if not NODE_ID_PATTERN.fullmatch(check_str(value, name, limits.max_name_chars)):
+        reject(Refusal.BAD_VALUE, f"{name} must be 40 lowercase hex characters")
+    return value
+
+
 class MessageKind(enum.StrEnum):
     """The envelope's `kind`: which message class its payload decodes to.
 
@@ -179,8 +185,7 @@ class PeerStats:
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
-        if not NODE_ID_PATTERN.fullmatch(check_str(f["node_id"], "node_id", limits.max_name_chars)):
-            reject(Refusal.BAD_VALUE, "node_id must be 40 lowercase hex characters")
+        check_node_id(f["node_id"], "node_id", limits)
         values: dict[str, Any] = {"node_id": f["node_id"]}
         values |= {name: check_str(f[name], name, limits.max_name_chars) for name in cls._NAMES}
         values |= {name: check_int(f[name], name) for name in cls._COUNTS}
@@ -237,8 +242,7 @@ class StageAnnouncement:
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
-        if not NODE_ID_PATTERN.fullmatch(check_str(f["node_id"], "node_id", limits.max_name_chars)):
-            reject(Refusal.BAD_VALUE, "node_id must be 40 lowercase hex characters")
+        check_node_id(f["node_id"], "node_id", limits)
         num_stages = check_int(f["num_stages"], "num_stages", lo=1, hi=MAX_STAGES)
         stage = check_int(f["stage"], "stage", lo=-1, hi=num_stages - 1)
         start, end = check_int(f["layer_start"], "layer_start"), check_int(f["layer_end"], "layer_end")
@@ -252,8 +256,7 @@ class StageAnnouncement:
             reject(Refusal.BAD_VALUE, f"state {f['state']!r} is not one of {STAGE_STATES}")
         replicas = check_list(f["replicas"], "replicas", MAX_REPLICAS_LISTED)
         for replica in replicas:
-            if not NODE_ID_PATTERN.fullmatch(check_str(replica, "replica", limits.max_name_chars)):
-                reject(Refusal.BAD_VALUE, "a replica must be a node id")
+            check_node_id(replica, "replica", limits)
         return cls(node_id=f["node_id"], p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128),
                    model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
                    num_stages=num_stages, stage=stage,

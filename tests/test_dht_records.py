@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import msgpack
-import pytest
 
 from node.transport.records import MAX_RECORD_TTL_S, SwarmRecordValidator
 from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, encode_message

@@ -45,8 +45,6 @@ def mutations(seeds: list[bytes], rng: random.Random):
 
 
 def envelope_seeds() -> list[bytes]:
-    import torch  # noqa: F401 - the codec seeds below need it imported anyway
-
     identity = NodeIdentity.generate()
     return [heartbeat(identity, time.time())]
 
@@ -75,23 +73,17 @@ def run_decoders(count: int, seed: int = 0) -> dict[str, Counter]:
         except ProtocolRejection as exc:
             return exc.reason.value
 
-    def pipeline_call(data: bytes) -> str:
-        try:
-            StageCall.from_wire(unpack(data, DEFAULT_PIPELINE_LIMITS), DEFAULT_PIPELINE_LIMITS)
-            return "accepted"
-        except ProtocolRejection as exc:
-            return exc.reason.value
-        except ValueError:  # msgpack's unpack errors
-            return "not_msgpack"
+    def pipeline(message_type):
+        def decode(data: bytes) -> str:
+            try:
+                message_type.from_wire(unpack(data, DEFAULT_PIPELINE_LIMITS), DEFAULT_PIPELINE_LIMITS)
+                return "accepted"
+            except ProtocolRejection as exc:
+                return exc.reason.value
+            except ValueError:  # msgpack's unpack errors
+                return "not_msgpack"
 
-    def pipeline_result(data: bytes) -> str:
-        try:
-            StageResult.from_wire(unpack(data, DEFAULT_PIPELINE_LIMITS), DEFAULT_PIPELINE_LIMITS)
-            return "accepted"
-        except ProtocolRejection as exc:
-            return exc.reason.value
-        except ValueError:
-            return "not_msgpack"
+        return decode
 
     def weights(data: bytes) -> str:
         try:
@@ -118,8 +110,8 @@ def run_decoders(count: int, seed: int = 0) -> dict[str, Counter]:
     weight_seed = [encode_weights({"w": torch.randn(4, 3), "b": torch.randn(3)}, mode).to_bytes() for mode in ("fp32", "fp16", "int8", "int4")]
     decoders = {
         "envelope": (envelope, envelope_seeds()),
-        "pipeline_call": (pipeline_call, call_seeds()),
-        "pipeline_result": (pipeline_result, call_seeds()),
+        "pipeline_call": (pipeline(StageCall), call_seeds()),
+        "pipeline_result": (pipeline(StageResult), call_seeds()),
         "weights_codec": (weights, weight_seed),
         "frame": (frame, [bytes([1]) + (10).to_bytes(8, "big") + b"0123456789", bytes([2, 0, 0, 0, 0, 0, 0, 0, 0])]),
     }

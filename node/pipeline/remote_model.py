@@ -159,9 +159,7 @@ class RemoteCausalLM(torch.nn.Module):
                 await self._end(old)
             session = RemoteSession(f"g{next(self._calls)}-{time.time_ns() % 10**9}", {}, input_ids[:, :0], attention_mask[:, :0], position_ids[:, :0])
             self._sessions = [session]
-            new_ids, new_positions = input_ids, position_ids
-        else:
-            new_ids, new_positions = input_ids, position_ids
+        new_ids, new_positions = input_ids, position_ids
         session.input_ids = torch.cat([session.input_ids, new_ids], dim=1)
         session.position_ids = torch.cat([session.position_ids, new_positions], dim=1)
         session.attention_mask = attention_mask.long()

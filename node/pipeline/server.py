@@ -289,10 +289,7 @@ class StageServer:
             weights = decode_weights(encoded, dtype=None)
         except CodecError as exc:
             raise HopFailed(source, "malformed", str(exc)) from None
-        local = {}
-        for part in parts:
-            mine = self.stage.part_state_dict(StagePart(part)) if StagePart(part) in self.stage.parts else PipelineStage.from_config(self.hf_config, self.plan, source.stage, extra_parts_for(self.config, source.stage)).part_state_dict(StagePart(part))
-            local |= {f"{part}/{name}": t for name, t in mine.items()}
+        local = part_tensors(self.stage, parts)  # we only ever fetch parts we hold: their names and shapes are ours
         try:
             validate_partner_weights(local, weights, math.inf)  # names, shapes, dtypes, finite
         except WeightsRefused as exc:
@@ -485,9 +482,8 @@ class StageServer:
 
     def _expire(self) -> None:
         deadline = time.monotonic() - self.pipeline.pending_ttl_s
-        for store in (self._pending,):
-            while store and next(iter(store.values())).created < deadline:
-                store.popitem(last=False)
+        while self._pending and next(iter(self._pending.values())).created < deadline:
+            self._pending.popitem(last=False)
         while self._sessions and next(iter(self._sessions.values()))[1] < deadline:
             self._sessions.popitem(last=False)
 
