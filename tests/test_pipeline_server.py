@@ -127,3 +127,52 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 await asyncio.gather(running, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_replicas_of_a_stage_average_with_noloco(config):
+    """A second server of stage 1 copies the first, then the two keep close by NoLoCo pairs keyed by the stage fingerprint."""
+    from node.config import load_config
+    from node.model import model_fingerprint, resolve_initial_policy
+
+    config = load_config(REPO / "configs" / "pipeline.yaml", [*OVERRIDES, "averaging.method=noloco", "averaging.every_steps=1", "averaging.window_s=1",
+                                                              "averaging.timeout_s=5", "averaging.max_relative_distance=10"], state_dir=config.state_dir)
+    model, tokenizer = resolve_initial_policy(config)
+    fingerprint = model_fingerprint(model, tokenizer)
+    stage_fp = expected_fingerprints(config, model.config, fingerprint)[1]
+
+    async def scenario():
+        async with swarm(3) as (node_a, node_b, caller):
+            servers, tasks = [], []
+            try:
+                for node in (node_a, node_b):
+                    server = StageServer(config, NodeIdentity.generate(), node, model, fingerprint, config.resolved_state_dir())
+                    servers.append(server)
+                    tasks.append(asyncio.create_task(server.run()))
+                    for _ in range(300):
+                        if server.state == "serving" and server.averaging is not None:  # averaging starts once the weights are in
+                            break
+                        await asyncio.sleep(0.1)
+                assert all(s.state == "serving" and s.averaging is not None for s in servers)
+                for step in range(60):  # bounded: stop as soon as both replicas averaged once
+                    for k, server in enumerate(servers):
+                        call_id = f"s{step}-{k}"
+                        announcement = server.announcement()
+                        hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(step * 2 + k))
+                        await call_stage(caller.p2p, server.handler, announcement, hidden_call(stage_fp, hidden, call_id=call_id), server.limits, 30)
+                        backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fp, call_id=call_id, parts=["layers"],
+                                             train=False, tensors={"grad": to_wire(torch.ones(2, 5, 32))}, scale=1.0)
+                        await call_stage(caller.p2p, server.handler, announcement, backward, server.limits, 30)
+                        step_call = StageCall(v=PIPELINE_VERSION, op="step", stage=1, stage_fingerprint=stage_fp, call_id=f"step-{step}", parts=[],
+                                              train=False, tensors={}, scale=1.0)
+                        await call_stage(caller.p2p, server.handler, announcement, step_call, server.limits, 30)
+                    if all(s.averaging.stats.succeeded >= 1 for s in servers):
+                        break
+                    await asyncio.sleep(0.3)
+                assert all(s.averaging.stats.succeeded >= 1 for s in servers), [s.averaging.counters() for s in servers]
+                assert [s.counters()["averaging"]["succeeded"] for s in servers] == [s.averaging.stats.succeeded for s in servers]  # shown in stage.json
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
