@@ -27,7 +27,7 @@ class Fault(enum.Enum):
     FAR_AWAY = "far_away"
     OVERSIZED = "oversized"
     STALL = "stall"  # sends half its weights, then nothing
-    NO_DONE = "no_done"  # breaks the stream right after the COMMIT frames: it never confirms, and never averages
+    NO_DONE = "no_done"  # never sends DONE after the COMMIT frames, as if the stream broke right there
 
 
 class FaultyAverager(PairAverager):
@@ -50,8 +50,7 @@ class FaultyAverager(PairAverager):
     async def _send_done(self, writer):
         if self.fault is not Fault.NO_DONE:
             return await super()._send_done(writer)
-        writer.close()
-        raise ConnectionResetError("the stream broke after the COMMIT frames")
+        return 0  # its DONE is lost (closing the stream here instead would race with its own COMMIT in flight)
 
     async def _send_weights(self, writer, payload):
         if self.fault is not Fault.STALL:
@@ -127,13 +126,14 @@ def test_hostile_partners_are_refused_and_counted(role, tmp_path):
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_a_stream_broken_after_the_commits_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
+def test_a_lost_done_frame_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
     async def scenario():
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
             async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=Fault.NO_DONE) as (broken,):
-                result, other = await asyncio.gather(honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6))
-                assert result is not None and other is None  # the one-sided outcome the DONE frame exists to expose
+                result, _ = await asyncio.gather(honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6))
+                assert result is not None  # it averaged, and cannot know whether its partner did: counted, not silent
                 assert honest.failures["outcome_unconfirmed"] == 1
+                assert broken.failures["outcome_unconfirmed"] == 0  # the honest side's DONE did arrive
 
     asyncio.run(scenario())
 

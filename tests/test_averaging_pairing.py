@@ -48,7 +48,7 @@ async def swarm(count: int, identities: list[str] | None = None):
         await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))
 
 
-def test_writer():
+def make_writer():
     """A fresh node identity signing averaging announcements for the test swarm."""
     from node.transport.records import RecordWriter
     from protocol import NodeIdentity
@@ -61,7 +61,7 @@ async def averagers(nodes, prefixes=None, cls=PairAverager, **kwargs):
     started = []
     try:
         for node, prefix in zip(nodes, prefixes or [PREFIX] * len(nodes)):
-            averager = cls(node, prefix, **{**FAST, "writer": test_writer(), **kwargs})
+            averager = cls(node, prefix, **{**FAST, "writer": make_writer(), **kwargs})
             await averager.start()
             started.append(averager)
         yield started
@@ -194,7 +194,7 @@ def test_different_fingerprints_are_never_paired():
 def test_average_requires_start_and_rounds_do_not_overlap():
     async def scenario():
         async with swarm(1) as nodes:
-            idle = PairAverager(nodes[0], PREFIX, writer=test_writer())
+            idle = PairAverager(nodes[0], PREFIX, writer=make_writer())
             with pytest.raises(RuntimeError, match="start"):
                 await idle.average(weights(0), 0, timeout=1)
             async with averagers(nodes) as (alone,):

@@ -122,8 +122,9 @@ class _SeenEnvelopes:
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
 
-    def newest(self, sender: str) -> int:
-        return max(self._by_sender.get(sender, {-1: None}))
+    def oldest(self, sender: str) -> int:
+        """The oldest seq still remembered for `sender` (-1: none): below it, "seen" can no longer be told."""
+        return min(self._by_sender.get(sender, {-1: None}))
 
     def add(self, sender: str, seq: int) -> None:
         seqs = self._by_sender.pop(sender, None) or OrderedDict()
@@ -343,7 +344,9 @@ class DHTTransport(Transport):
             counters = self.stats.peer(peer)
             counters.batches_received += 1
             self.stats.bytes_received += size
-            if envelope.seq < self._seen.newest(peer):
+            if envelope.seq < self._seen.oldest(peer):
+                # Older than all we remember of this sender: it may be one we used and forgot. A batch newer
+                # than that but unseen is not a replay: gossip and DHT deliver out of order under load.
                 self.stats.reject(peer, Refusal.REPLAY)
                 self._seen.add(peer, envelope.seq)
                 continue
