@@ -61,7 +61,7 @@ def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env
     for peer in listed:
         assert {"node_id", "round", "reward_mean", "last_seen"} <= set(peer)
         assert peer["round"] > 0 and peer["rollouts_published"] > 0
-    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60).stdout)["node_id"] for n in nodes}
+    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180).stdout)["node_id"] for n in nodes}
     assert {peer["node_id"] for peer in listed} == ids
 
     for node in nodes:
@@ -85,6 +85,8 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
     wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b to use a's rollouts")
     wait_for(lambda: uses_peers(first.state_dir), 180, "a to use b's rollouts")
 
+    # A row is written before its round's checkpoint: kill only once a checkpoint exists, or the node rightly starts fresh.
+    wait_for(lambda: (second.state_dir / "checkpoints" / "LATEST").exists(), 180, "b's first checkpoint")
     second.kill()
     rounds_at_kill = read_rows(second.state_dir)[-1]["round"]
     first_rounds = read_rows(first.state_dir)[-1]["round"]
