@@ -214,6 +214,10 @@ class SwarmConfig(_Section):
     """Serve Prometheus counters on http://127.0.0.1:PORT/metrics (None: off)."""
     metrics_host: str = "127.0.0.1"
     """Interface of the metrics endpoint."""
+    dashboard_port: int | None = Field(None, ge=0, le=65535)
+    """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port, written to <state-dir>/dashboard.txt)."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface of the dashboard; it shows peers' ids and addresses, so only open it beyond this machine on purpose."""
 
 
 class AveragingConfig(_Section):

@@ -72,6 +72,7 @@ class Node:
         # arbitrary config could make a generator burn CPU or memory (max_digits=10**6...).
         self._mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self._metrics_server: MetricsServer | None = None
+        self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
         self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
@@ -274,7 +275,7 @@ class Node:
         return groups, summary, timings
 
     async def start_services(self) -> None:
-        """Join the swarm (if any), then the services that need it: averaging, /metrics."""
+        """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
         await self.transport.start()
         if self.uses_pipeline:
             await self._attach_pipeline()
@@ -300,8 +301,14 @@ class Node:
         if self.config.swarm.metrics_port is not None:
             self._metrics_server = MetricsServer(self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus)
             await self._metrics_server.start()
+        if self.config.swarm.dashboard_port is not None:
+            from node.dashboard.server import start_node_dashboard
+
+            self._dashboard = await start_node_dashboard(self)
 
     async def stop_services(self) -> None:
+        if self._dashboard is not None:
+            await self._dashboard.stop()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         if self.averaging is not None:
