@@ -88,13 +88,14 @@ function lineChart(target, series, options = {}) {
   const sx = (x) => left + ((x - x0) / (x1 - x0)) * (W - left - right);
   const sy = (y) => H - bottom - ((y - y0) / (y1 - y0)) * (H - top - bottom);
   const xFormat = options.xFormat ?? ((x) => String(Math.round(x)));
-  const yFormat = options.yFormat ?? ((y) => y.toFixed(2));
+  const digits = Math.min(4, Math.max(0, 1 - Math.floor(Math.log10((y1 - y0) / 4))));
+  const yFormat = options.yFormat ?? ((y) => y.toFixed(digits));
   for (let i = 0; i <= 4; i++) {
     const y = y0 + (i / 4) * (y1 - y0);
     target.append(svg("line", { x1: left, x2: W - right, y1: sy(y), y2: sy(y), class: "grid" }));
     target.append(svg("text", { x: left - 6, y: sy(y) + 4, "text-anchor": "end" }, yFormat(y)));
     const x = x0 + (i / 4) * (x1 - x0);
-    target.append(svg("text", { x: sx(x), y: H - bottom + 16, "text-anchor": "middle" }, xFormat(x)));
+    target.append(svg("text", { x: sx(x), y: H - bottom + 16, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle" }, xFormat(x)));
   }
   target.append(svg("line", { x1: left, x2: left, y1: top, y2: H - bottom, class: "axis" }));
   target.append(svg("line", { x1: left, x2: W - right, y1: H - bottom, y2: H - bottom, class: "axis" }));
@@ -118,7 +119,9 @@ function renderNodeInfo(swarm) {
   const node = swarm.node || {};
   const where = node.isolated ? "isolated" : `swarm ${node.swarm_id}`;
   const id = node.node_id ? ` ${node.node_id.slice(0, 12)}` : "";
-  document.getElementById("node-info").textContent = node.name ? `${node.name}${id} · ${where} · model ${node.model}` : `viewer of swarm ${node.swarm_id}`;
+  document.getElementById("node-info").textContent = node.viewer
+    ? `viewer of swarm ${node.swarm_id}${node.state_dir ? ` · metrics of ${node.state_dir}` : " (no node of its own)"}`
+    : `${node.name}${id} · ${where} · model ${node.model}`;
   document.getElementById("node-round").textContent = node.round !== undefined ? `round ${node.round}, policy version ${node.policy_version}` : "";
 }
 
@@ -142,12 +145,24 @@ function renderPeers(peers, now) {
   document.getElementById("peers-section").dataset.peerCount = String(peers.length);
 }
 
+// The mean of the last `window` points at each point: the trend a noisy per-round value hides.
+function movingAverage(points, window) {
+  return points.map(([x], i) => {
+    const recent = points.slice(Math.max(0, i - window + 1), i + 1);
+    return [x, recent.reduce((sum, p) => sum + p[1], 0) / recent.length];
+  });
+}
+
 function renderNodeCurves(rows) {
+  const reward = rows.map((r) => [r.round, r.reward_mean]);
+  const accuracy = rows.map((r) => [r.round, r.accuracy]);
   lineChart(document.getElementById("chart-node-reward"), [
-    { name: "reward_mean", colour: PALETTE[0], points: rows.map((r) => [r.round, r.reward_mean]) },
+    { name: "reward_mean", colour: "#a9c1f0", points: reward },
+    { name: "last 20 rounds", colour: PALETTE[0], points: movingAverage(reward, 20) },
   ]);
   lineChart(document.getElementById("chart-node-accuracy"), [
-    { name: "accuracy", colour: PALETTE[0], points: rows.map((r) => [r.round, r.accuracy]) },
+    { name: "accuracy", colour: "#a9c1f0", points: accuracy },
+    { name: "last 20 rounds", colour: PALETTE[0], points: movingAverage(accuracy, 20) },
     { name: "heldout_accuracy", colour: PALETTE[1], points: rows.filter((r) => r.heldout_accuracy !== undefined).map((r) => [r.round, r.heldout_accuracy]) },
   ], { yMin: 0, yMax: 1, yFormat: (y) => `${Math.round(100 * y)}%` });
 }
