@@ -11,7 +11,7 @@ import signal
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -107,25 +107,45 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 # peers and identity ------------------------------------------------------------------------
 
 
-def _peer_rows(peers) -> list[dict[str, Any]]:
-    from dataclasses import asdict
+# (header, cell, priority): the table keeps the columns that fit the terminal, dropping the
+# highest priority number first; `--json` always has every field.
+PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
+    ("node", lambda r, now: r["node_id"][:12], -1),
+    ("name", lambda r, now: r["display_name"][:16], 1),
+    ("round", lambda r, now: str(r["round"]), 0),
+    ("policy", lambda r, now: str(r["policy_version"]), 3),
+    ("reward", lambda r, now: f"{r['reward_mean']:.3f}", 0),
+    ("accuracy", lambda r, now: f"{r['accuracy']:.1%}", 0),
+    ("published", lambda r, now: str(r["rollouts_published"]), 5),
+    ("received", lambda r, now: str(r["rollouts_received"]), 4),
+    ("accepted", lambda r, now: str(r["rollouts_accepted"]), 2),
+    ("rejected", lambda r, now: str(r["rollouts_rejected"]), 2),
+    ("averaged", lambda r, now: f"{r['outer_steps']}/{r['outer_steps'] + r['outer_steps_skipped']}", 3),
+    ("tokens/s", lambda r, now: f"{r['tokens_per_s']:.0f}", 4),
+    ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
+    ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
+)
 
-    return sorted((asdict(stats) for stats, _ in peers), key=lambda row: row["node_id"])
 
-
-def _peers_table(rows: list[dict[str, Any]], swarm_id: str) -> Table:
+def _peers_table(rows: list[dict[str, Any]], swarm_id: str, width: int = 200) -> Table:
+    """The peers as a table no wider than `width`: columns that do not fit are left out (and named in the caption)."""
     import time
 
-    table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)")
-    for column in ("node", "name", "round", "policy", "reward", "accuracy", "published", "received", "accepted", "rejected", "averaged", "tokens/s", "up", "seen"):
-        table.add_column(column, justify="left" if column in ("node", "name") else "right")
     now = time.time()
-    for row in rows:
-        table.add_row(
-            row["node_id"][:12], row["display_name"], str(row["round"]), str(row["policy_version"]), f"{row['reward_mean']:.3f}", f"{row['accuracy']:.1%}",
-            str(row["rollouts_published"]), str(row["rollouts_received"]), str(row["rollouts_accepted"]), str(row["rollouts_rejected"]),
-            f"{row['outer_steps']}/{row['outer_steps'] + row['outer_steps_skipped']}", f"{row['tokens_per_s']:.0f}", f"{row['uptime_s'] / 60:.1f}m", f"{max(0.0, now - row['last_seen']):.0f}s ago",
-        )
+    cells = {header: [cell(row, now) for row in rows] for header, cell, _ in PEER_COLUMNS}
+    column_width = {header: max([len(header), *map(len, cells[header])]) for header in cells}
+    shown = [header for header, _, _ in PEER_COLUMNS]
+    table_width = lambda headers: sum(column_width[h] + 3 for h in headers) + 1  # noqa: E731 - padding 1+1 and a border per column
+    for header, _, _ in sorted(PEER_COLUMNS, key=lambda column: -column[2]):
+        if table_width(shown) <= width or len(shown) == 1:
+            break
+        shown.remove(header)
+    hidden = [header for header, _, _ in PEER_COLUMNS if header not in shown]
+    table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)", caption=f"not shown for width: {', '.join(hidden)} (see --json)" if hidden else None)
+    for header in shown:
+        table.add_column(header, justify="left" if header in ("node", "name") else "right", no_wrap=True, min_width=len(header))
+    for i in range(len(rows)):
+        table.add_row(*(cells[header][i] for header in shown))
     return table
 
 
@@ -144,8 +164,9 @@ def _stage_tables(stage_maps) -> list[Table]:
 
 
 async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Console, stages: bool = False) -> int:
+    from node.dashboard.sources import read_peer_rows
     from node.pipeline.stagemap import read_stage_maps
-    from node.transport.dht import create_dht_node, read_peer_stats, shutdown_dht
+    from node.transport.dht import create_dht_node, shutdown_dht
 
     dht = await create_dht_node(config, client_mode=True)
     try:
@@ -154,12 +175,12 @@ async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Consol
             if as_json and stages:
                 print(json.dumps({fingerprint: stage_map.rows() for fingerprint, stage_map in stage_maps.items()}), flush=True)
             elif as_json:
-                print(json.dumps(_peer_rows(await read_peer_stats(dht, config))), flush=True)
+                print(json.dumps(await read_peer_rows(dht, config)), flush=True)
             else:
-                rows = _peer_rows(await read_peer_stats(dht, config))
+                rows = await read_peer_rows(dht, config)
                 if watch:
                     console.clear()
-                console.print(_peers_table(rows, config.swarm.swarm_id))
+                console.print(_peers_table(rows, config.swarm.swarm_id, console.width))
                 for table in _stage_tables(stage_maps):
                     console.print(table)
             if not watch:
@@ -330,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     from node.pipeline.commands import add_pipeline_commands
 
     add_pipeline_commands(sub)
+    from node.dashboard.commands import add_dashboard_commands
+
+    add_dashboard_commands(sub)
     return parser
 
 
