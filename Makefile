@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-slow bench clean
+.PHONY: install browser run test test-slow bench clean
 
-install: $(STAMP)
+install: $(STAMP) browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The dashboard's browser test renders the page in headless Chromium: Debian's package, installed
+# where missing (no browser download from elsewhere). Without it the test fails and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  echo "installing chromium (apt-get) for the dashboard's browser test"; \
+	  $$SUDO apt-get update -qq >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	} || echo "warning: could not install chromium; tests/test_dashboard.py's browser test fails until it is installed"
 
 run: install
 	$(BIN)/swarm-node train --config configs/isolated.yaml
