@@ -229,7 +229,12 @@ class DHTTransport(Transport):
         from node.transport.gossip_libp2p import LibP2PGossip
 
         self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
-        self.gossip_addresses = routable_gossip_addresses(await self.gossip.start(), self.addresses)
+        listening = await self.gossip.start()
+        self.gossip_addresses = routable_gossip_addresses(listening, self.addresses)
+        log.info("gossip listens at %s; advertised to peers as %s", listening, self.gossip_addresses)
+        if any(a.split("/")[2:3] in (["0.0.0.0"], ["::"]) for a in self.gossip_addresses):
+            log.warning("gossip advertises a wildcard address (%s): peers on other machines cannot dial it; "
+                        "set swarm.announce_maddrs or listen on a routable IP", self.gossip_addresses)
         await self.gossip.subscribe(self.rollouts_topic)
 
     async def _connect_gossip_peers(self) -> None:
