@@ -71,3 +71,93 @@ def test_pipeline_driver_and_server_memories_stay_bounded():
     for i in range(FLOOD):
         server_refusals.record(fake(i), PipelineRefusal.BAD_TENSOR)
     assert len(server_refusals.by_peer()) == 256 and server_refusals.by_reason() == {"bad_tensor": FLOOD}
+
+
+def test_refused_value_memory_stays_bounded(tmp_path):
+    from node.config import load_config
+    from node.transport.dht import MAX_REFUSED_REMEMBERED, DHTTransport
+    from protocol import NodeIdentity
+
+    stats = SwarmStats()
+    transport = DHTTransport(load_config(None, ["swarm.transport=dht"]), NodeIdentity.generate(), stats, tmp_path, "f", heartbeat=None)
+    for i in range(FLOOD):
+        transport._refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
+        transport._refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))  # re-read: not counted again
+    assert len(transport._refused) == MAX_REFUSED_REMEMBERED
+    assert stats.refusals.by_reason() == {"bad_signature": FLOOD} and len(stats.refusals.by_peer()) == MAX_TRACKED_PEERS
+
+
+def test_replay_guard_stays_bounded():
+    from protocol import MessageKind
+    from protocol.envelope import Envelope, ReplayGuard
+
+    guard = ReplayGuard(max_senders=256)
+    for i in range(FLOOD):
+        guard.check_and_record(Envelope(version=(1, 0), kind=MessageKind.PEER_STATS, swarm_id="s", sender=i.to_bytes(32, "big"),
+                                        sender_id=fake(i), seq=1, timestamp=0.0, message=None))
+    assert len(guard._highest) == 256
+
+
+def test_gossip_receive_buffer_stays_bounded():
+    from node.transport.gossip_libp2p import LibP2PGossip
+
+    gossip = LibP2PGossip(max_buffered=128)  # never started: the buffer is what the trio thread fills
+    for i in range(FLOOD):
+        gossip._buffer("topic", fake(i).encode())
+    assert len(gossip._inbox["topic"]) == 128 and gossip.dropped("topic") == FLOOD - 128
+    assert gossip.drain("topic")[-1] == fake(FLOOD - 1).encode()  # the newest are kept
+    assert len(gossip._dropped_since_drain) == 0 and list(gossip._inbox) == ["topic"]
+
+
+def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
+    """Heartbeats of throwaway ids each advertising a gossip address: every dial fails (nothing listens),
+    and what the host remembers of them stays at py-libp2p's peerstore cap."""
+    import asyncio
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    from node.transport.gossip_libp2p import LibP2PGossip
+
+    count, batch = 1200, 100
+    addresses = [f"/ip4/127.0.0.1/tcp/1/p2p/{ID.from_pubkey(create_new_key_pair().public_key).to_base58()}" for _ in range(count)]
+
+    async def flood() -> tuple[int, int]:
+        gossip = LibP2PGossip()
+        await gossip.start()
+        try:
+            for start in range(0, count, batch):
+                assert await gossip.connect(addresses[start:start + batch]) == 0
+            peerstore = gossip._host.get_peerstore()
+            assert gossip.running
+            return len(peerstore.peer_ids()), peerstore.max_peers
+        finally:
+            await gossip.stop()
+
+    remembered, cap = asyncio.run(flood())
+    assert remembered <= cap + 1 < count  # + 1: the host itself
+
+
+def test_averaging_round_memories_stay_bounded():
+    import msgpack
+
+    from node.averaging.pairing import _KNOWN_REFUSALS, MAX_GROUP_PARTNERS, MAX_ROUND_PEERS, CallRefusal, _parse_refusal, _Round
+
+    rnd = _Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))  # all mode
+    for i in range(FLOOD):
+        rnd.given_up.add(fake(i))
+        rnd.failed_calls.bump(fake(i))
+        if rnd.refusal_for(fake(i)) is None:  # what an acceptor checks before it takes a caller in
+            rnd.engaged.add(fake(i))
+    assert len(rnd.given_up) == MAX_ROUND_PEERS and len(rnd.failed_calls) == MAX_ROUND_PEERS
+    assert fake(FLOOD - 1) in rnd.given_up and fake(0) not in rnd.given_up  # the oldest are forgotten first
+    assert len(rnd.engaged) == 0  # every id was already given up: refused before any weights
+    fresh = _Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))
+    for i in range(FLOOD):
+        if fresh.refusal_for(fake(i)) is None:
+            fresh.engaged.add(fake(i))
+    assert len(fresh.engaged) == MAX_GROUP_PARTNERS and fresh.refusal_for(fake(FLOOD + 1)) is CallRefusal.BUSY
+    # Partners' refusal reasons become counter keys: only our own vocabulary gets through.
+    reasons = {_parse_refusal(msgpack.packb({"reason": f"made up {i}"})) for i in range(FLOOD)}
+    reasons |= {_parse_refusal(msgpack.packb({"reason": reason})) for reason in _KNOWN_REFUSALS}
+    assert reasons == _KNOWN_REFUSALS | {"unknown"}

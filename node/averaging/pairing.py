@@ -35,7 +35,9 @@ whose exchanges broke twice, or whose weights were refused, is given up for the 
 one out skips (returns None) at its timeout, or earlier once every other announced peer
 is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
 window a node calls every announced peer with a higher id and accepts calls from any
-peer; it finishes when no announced peer it has not exchanged with is still free.
+peer (at most MAX_GROUP_PARTNERS per round: no view holds more); it finishes when no
+announced peer it has not exchanged with is still free. Per-round memories of peers (given
+up, failed calls) keep the newest MAX_ROUND_PEERS ids, so throwaway ids cannot grow them.
 
 One exchange, on a stream opened to `<prefix>/exchange/v1` (frames of
 `node/transport/framing.py`; weights frames are bounded by our own model's fp32 size,
@@ -101,6 +103,8 @@ CONTROL_MAX_BYTES = 64 * 1024
 MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
 DONE_WAIT_S = 2.0  # how long a node that committed waits for its partner's DONE
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
+MAX_GROUP_PARTNERS = MAX_READY_ENTRIES - 1  # all mode: partners committed (or in flight) per round; no view holds more
+MAX_ROUND_PEERS = 4 * MAX_READY_ENTRIES  # peers a round remembers as given up / failed (throwaway ids rotate through views)
 
 
 class Frame(enum.IntEnum):
@@ -145,17 +149,43 @@ class AveragingResult:
         return 1 + len(self.partner_ids)
 
 
+class _RecentPeers:
+    """Peer ids a round remembers, with a count each, at most `cap` of them: past the cap the oldest is
+    forgotten (at worst it is tried once more this round), so a flood of throwaway ids cannot grow it."""
+
+    def __init__(self, cap: int = MAX_ROUND_PEERS) -> None:
+        self.cap = cap
+        self._counts: dict[str, int] = {}
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._counts
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def add(self, peer: str) -> None:
+        self.bump(peer, 0)
+
+    def bump(self, peer: str, by: int = 1) -> int:
+        """Add `by` to peer's count (remembering it as the newest); its new count."""
+        count = self._counts.pop(peer, 0) + by
+        self._counts[peer] = count
+        while len(self._counts) > self.cap:
+            del self._counts[next(iter(self._counts))]
+        return count
+
+
 @dataclass
 class _Round:
     round_id: int
     theta: Named  # our snapshot, original dtypes: what partners' weights are checked against
     payload: bytes  # our encoded weights
-    capacity: int | None  # partners to commit: 1 for pairs, None for all
+    capacity: int  # partners to commit: 1 for pairs, MAX_GROUP_PARTNERS for all
     deadline: float  # loop time
     received: dict[str, Named] = field(default_factory=dict)  # committed partners' weights
     engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
-    given_up: set[str] = field(default_factory=set)  # peers not to try again this round
-    failed_calls: Counter[str] = field(default_factory=Counter)  # broken exchanges we opened, per peer
+    given_up: _RecentPeers = field(default_factory=_RecentPeers)  # peers not to try again this round
+    failed_calls: _RecentPeers = field(default_factory=_RecentPeers)  # broken exchanges we opened, per peer
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
@@ -169,12 +199,12 @@ class _Round:
             return CallRefusal.GIVEN_UP
         if peer in self.received or peer in self.engaged:
             return CallRefusal.DUPLICATE
-        if self.capacity is not None and len(self.received) + len(self.engaged) >= self.capacity:
+        if len(self.received) + len(self.engaged) >= self.capacity:
             return CallRefusal.BUSY
         return None
 
     def commit(self, peer: str, weights: Named) -> bool:
-        if self.closed or peer in self.received or (self.capacity is not None and len(self.received) >= self.capacity):
+        if self.closed or peer in self.received or len(self.received) >= self.capacity:
             return False
         self.received[peer] = weights
         self.changed.set()
@@ -205,12 +235,19 @@ def _refusal_body(reason: str, detail: str = "") -> bytes:
     return msgpack.packb({"reason": reason, "detail": detail[:500]})
 
 
+_KNOWN_REFUSALS = frozenset(r.value for r in CallRefusal) | frozenset(r.value for r in WeightsRefusal)
+
+
 def _parse_refusal(body: bytes) -> str:
+    """The reason of a partner's REFUSE, from our own vocabulary only ("unknown" otherwise): it
+    becomes a counter key, and free-form strings from every peer would grow the counters forever."""
     try:
         reason = msgpack.unpackb(body, raw=False)["reason"]
     except (ValueError, TypeError, KeyError):  # msgpack's unpack errors are ValueErrors; a malformed refusal is still a refusal
         return "unparsable"
-    return reason[:32] if isinstance(reason, str) else "unparsable"
+    if not isinstance(reason, str):
+        return "unparsable"
+    return reason if reason in _KNOWN_REFUSALS else "unknown"
 
 
 class PairAverager:
@@ -337,7 +374,7 @@ class PairAverager:
         payload = await asyncio.to_thread(lambda: encode_weights(self._outgoing(theta), self.mode).to_bytes())
         numel = sum(t.numel() for t in theta.values())
         self._max_payload = 4 * numel + 1024 * len(theta) + CONTROL_MAX_BYTES
-        rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else None, deadline=deadline)
+        rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS, deadline=deadline)
         self._round = rnd
         try:
             await asyncio.wait_for(self._run(rnd, wall_deadline), timeout=rnd.remaining())
@@ -463,8 +500,7 @@ class PairAverager:
         except (ExchangeError, FramingError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
             log.info("round %d: exchange with %s failed: %s: %s", rnd.round_id, peer[:12], type(exc).__name__, exc)
             self.failures["exchange_failed"] += 1
-            rnd.failed_calls[peer] += 1
-            if rnd.failed_calls[peer] >= MAX_FAILED_CALLS:
+            if rnd.failed_calls.bump(peer) >= MAX_FAILED_CALLS:
                 rnd.given_up.add(peer)  # gone or broken: its "free" announcement stays until it expires
             return False
         finally:
