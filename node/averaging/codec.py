@@ -95,7 +95,7 @@ class EncodedWeights:
         if message["v"] != CODEC_VERSION:
             raise CodecError(f"unknown codec version {message['v']!r}")
         mode = message["mode"]
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise CodecError(f"unknown mode {mode!r}")
         entries = message["tensors"]
         if not isinstance(entries, list) or len(entries) > max_tensors:
@@ -119,7 +119,7 @@ def _parse_entry(entry: object, mode: str) -> EncodedTensor:
     name, dtype, shape, data, scale = (entry[k] for k in ("name", "dtype", "shape", "data", "scale"))
     if not isinstance(name, str) or not name:
         raise CodecError("tensor name must be a non-empty string")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a map or list here is unhashable: TypeError, not a refusal
         raise CodecError(f"{name}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**31 for d in shape):
         raise CodecError(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative ints")
