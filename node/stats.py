@@ -8,6 +8,7 @@ directory keeps them for `swarm-node stats`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -36,16 +37,41 @@ MAX_TRACKED_PEERS = 1024  # throwaway identities must not grow memory without bo
 LOG_EVERY_S = 60.0  # one log line per (peer, reason) this often: a flood of bad values must not flood the log
 
 
+class RefusedOnce:
+    """Digests of the values already refused, the newest `cap` of them: a bad value that stays in the DHT
+    (or is retried) is counted once, however often it is read or stored again."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        self.cap = cap
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+
+    def first_time(self, *parts: bytes) -> bool:
+        digest = hashlib.sha256(b"\x00".join(parts)).digest()[:16]
+        if digest in self._digests:
+            self._digests.move_to_end(digest)
+            return False
+        self._digests[digest] = None
+        while len(self._digests) > self.cap:
+            self._digests.popitem(last=False)
+        return True
+
+
 class RecordRefusals:
-    """Refused DHT records by reason and claimed owner, bounded; one log line per (owner, reason) a minute."""
+    """Refused DHT records by reason and claimed owner, bounded; one log line per (owner, reason) a minute.
+
+    A record is counted once however often it is refused (hivemind retries a refused store, and
+    a peer holding a bad record returns it to every lookup): the validator passes its bytes as `record`."""
 
     def __init__(self, max_owners: int = MAX_TRACKED_PEERS) -> None:
         self.by_reason: Counter[str] = Counter()
         self.by_owner: OrderedDict[str, Counter[str]] = OrderedDict()
         self.max_owners = max_owners
+        self.once = RefusedOnce()
         self._logged: OrderedDict[tuple[str, str], float] = OrderedDict()
 
-    def record(self, owner: str, reason: str, detail: str) -> None:
+    def record(self, owner: str, reason: str, detail: str, record: tuple[bytes, ...] = ()) -> None:
+        if record and not self.once.first_time(*record):
+            return
         self.by_reason[reason] += 1
         counts = self.by_owner.pop(owner, None) or Counter()
         counts[reason] += 1
@@ -65,8 +91,6 @@ class RecordRefusals:
         return {"by_reason": dict(self.by_reason), "by_owner": {owner: dict(c) for owner, c in self.by_owner.items()}}
 
 
-
-
 class SwarmStats:
     def __init__(self) -> None:
         self.started = time.time()
@@ -79,6 +103,7 @@ class SwarmStats:
         self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
+        self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
         self.records = RecordRefusals()  # DHT records refused by the validator (node/transport/records.py), by claimed owner
         self._heartbeat_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
 

@@ -282,7 +282,7 @@ class AveragingReady:
 
     p2p_peer_id: str  # base58 libp2p peer id that accepts the exchange stream (authenticated by libp2p)
     round: int  # the averaging round (>= 0)
-    state: str  # "free": looking for a partner; "done": averaged this round
+    state: str  # "free": looking for a partner; "done": no longer looking this round (averaged, or out of time)
 
     def to_wire(self) -> dict[str, Any]:
         return {"p2p_peer_id": self.p2p_peer_id, "round": self.round, "state": self.state}

@@ -1,42 +1,50 @@
-"""DHT records one level below the envelope: the validator's rules, and a real node under a record-level attack."""
+"""DHT records one level below the envelope: the validator's rules, reads that one bad value cannot
+poison, and real nodes under a record-level attack by a client-mode DHT peer."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import time
 
 import msgpack
 
-from node.transport.records import MAX_RECORD_TTL_S, SwarmRecordValidator
-from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, encode_message
+from node.stats import RecordRefusals
+from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
+from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, decode_message, encode_message
 from tests.conftest import REPO, cli
 from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
 from tests.test_swarm import nodes, swarm_yaml  # noqa: F401 - fixtures
 
 SWARM = "test-swarm"
+log = logging.getLogger(__name__)
+
+
+def stats_message(identity: NodeIdentity, now: float) -> PeerStats:
+    return PeerStats(node_id=identity.node_id, display_name="x", software_version="0", protocol_version="1.1", model_name="m", model_parameters=1,
+                     round=1, policy_version=1, reward_mean=0.0, accuracy=0.0, rollouts_published=0, rollouts_received=0, rollouts_accepted=0,
+                     rollouts_rejected=0, tokens_per_s=0.0, uptime_s=0.0, last_seen=now, addresses=[], gossip_addresses=[], outer_steps=0, outer_steps_skipped=0)
 
 
 def heartbeat(identity: NodeIdentity, now: float, **fields) -> bytes:
-    stats = PeerStats(node_id=identity.node_id, display_name="x", software_version="0", protocol_version="1.1", model_name="m", model_parameters=1,
-                      round=1, policy_version=1, reward_mean=0.0, accuracy=0.0, rollouts_published=0, rollouts_received=0, rollouts_accepted=0,
-                      rollouts_rejected=0, tokens_per_s=0.0, uptime_s=0.0, last_seen=now, addresses=[], gossip_addresses=[], outer_steps=0, outer_steps_skipped=0)
-    return encode_message(stats, identity=identity, swarm_id=fields.get("swarm", SWARM), seq=1, timestamp=now)
+    return encode_message(stats_message(identity, now), identity=identity, swarm_id=fields.get("swarm", SWARM), seq=1, timestamp=now)
 
 
-def record(subkey, value: bytes, expiration: float, raw_value: bool = False):
+def record(subkey, value: bytes, expiration: float, raw_value: bool = False, raw_subkey: bool = False):
     from hivemind.dht.validation import DHTRecord
 
-    return DHTRecord(key=b"k" * 20, subkey=msgpack.packb(subkey), value=value if raw_value else msgpack.packb(value), expiration_time=expiration)
+    return DHTRecord(key=b"k" * 20, subkey=subkey if raw_subkey else msgpack.packb(subkey), value=value if raw_value else msgpack.packb(value), expiration_time=expiration)
 
 
-def test_validator_rules():
+def test_validator_rules(monkeypatch):
     validator = SwarmRecordValidator(SWARM)
     me, other = NodeIdentity.generate(), NodeIdentity.generate()
     now = time.time()
     good = heartbeat(me, now)
-    assert validator.check(record(me.node_id, good, now + 30)) == (None, me.node_id, "")
+    lifetime = RECORD_TTL_S[MessageKind.PEER_STATS]
+    assert validator.check(record(me.node_id, good, now + lifetime)) == (None, me.node_id, "")  # exactly its lifetime
     cases = {
         "no_subkey": record(None, good, now + 30),
         "bad_subkey": record("not-a-node-id", good, now + 30),
@@ -45,15 +53,112 @@ def test_validator_rules():
         "sender_mismatch": record(other.node_id, good, now + 30),  # my genuine value under someone else's subkey
         "bad_signature": record(me.node_id, good[:-3] + bytes(3), now + 30),
         "wrong_swarm": record(me.node_id, heartbeat(me, now, swarm="other"), now + 30),
-        "expiration_too_late": record(me.node_id, good, now + MAX_RECORD_TTL_S[MessageKind.PEER_STATS] + 3600),  # a replay made to outlive newer values
+        "stale": record(me.node_id, heartbeat(me, now + 3600), now + 3600 + 30),  # signed in the future
+        "expiration_too_late": record(me.node_id, good, now + lifetime + 0.01),  # a replay made to outlive newer values
         "too_large": record(me.node_id, b"\x00" * 2_000_000, now + 30),
     }
     for reason, bad in cases.items():
         assert validator.check(bad)[0] == reason, reason
         assert validator.validate(bad) is False
+    assert validator.check(record(b"\xc1", good, now + 30, raw_subkey=True))[0] == "bad_subkey"
     assert validator.refusals.by_reason == {reason: 1 for reason in cases}
+    assert validator.refusals.by_owner[other.node_id] == {"sender_mismatch": 1}
     ready = encode_message(AveragingReady(p2p_peer_id="12D3Koo", round=3, state="free"), identity=me, swarm_id=SWARM, seq=2, timestamp=now)
     assert validator.validate(record(me.node_id, ready, now + 60))
+    monkeypatch.delitem(RECORD_TTL_S, MessageKind.AVERAGING_READY)  # a kind this node does not store in the DHT
+    assert validator.check(record(me.node_id, ready, now + 60))[0] == "unknown_kind"
+
+
+def test_every_message_kind_has_a_record_lifetime():
+    assert set(RECORD_TTL_S) == set(MessageKind)  # a new kind stored in the DHT needs one (see records.py)
+
+
+def test_a_stored_record_stays_valid_as_it_ages():
+    """hivemind drops a peer's whole dictionary when one subkey fails: validity must not decay with age."""
+    me = NodeIdentity.generate()
+    now = time.time()
+    value = record(me.node_id, heartbeat(me, now), now + RECORD_TTL_S[MessageKind.PEER_STATS])
+    for later in (0, 299, 10_000):
+        assert SwarmRecordValidator(SWARM, clock=lambda: now + later).validate(value)
+
+
+def test_a_replay_loses_to_the_owners_newer_record():
+    """Writers store for exactly the kind's lifetime after signing, so no admissible replay outlives a newer record."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    me = NodeIdentity.generate()
+    writer = RecordWriter(me, SWARM)
+    old = writer.sign(stats_message(me, time.time()))
+    time.sleep(0.01)
+    new = writer.sign(stats_message(me, time.time()))
+    for signed in (old, new):
+        assert signed.expiration == decode_message(signed.data, swarm_id=SWARM).timestamp + RECORD_TTL_S[MessageKind.PEER_STATS]
+    validator = SwarmRecordValidator(SWARM)
+    replay_at_most = record(me.node_id, old.data, old.expiration)
+    assert validator.validate(replay_at_most) and not validator.validate(record(me.node_id, old.data, new.expiration))
+    key = DHTID.generate(source="peers")
+    for order in ((new, old), (old, new)):  # the replay stored after the newer record, and before it
+        storage = DHTLocalStorage()
+        for signed in order:
+            storage.store_subkey(key, me.node_id, msgpack.packb(signed.data), signed.expiration)
+        assert storage.get(key).value.get(me.node_id).value == msgpack.packb(new.data)
+
+
+def test_refusals_are_counted_once_and_logged_once_a_minute(caplog):
+    refusals = RecordRefusals()
+    validator = SwarmRecordValidator(SWARM, refusals=refusals)
+    me = NodeIdentity.generate()
+    now = time.time()
+    bad = [record(me.node_id, b"\xc1" + bytes([i]), now + 30, raw_value=True) for i in range(5)]
+    with caplog.at_level(logging.INFO, logger="node.stats"):
+        for _ in range(3):  # hivemind retries refused stores; a peer returns the same bad record to every lookup
+            for item in bad:
+                assert not validator.validate(item)
+    assert refusals.by_reason == {"not_msgpack": 5} and refusals.by_owner[me.node_id] == {"not_msgpack": 5}
+    assert len([r for r in caplog.records if "refused a DHT record" in r.getMessage()]) == 1
+
+
+def test_a_node_that_skips_validation_cannot_poison_a_read():
+    """Second line: a DHT node without the validator (here, hostile) holds an undecodable value and a plain value
+    beside a genuine record; an honest reader still reads the genuine record, counts the bad ones, and no
+    hivemind task dies with an unretrieved exception."""
+    asyncio.run(_poisoned_holder_scenario())
+
+
+async def _poisoned_holder_scenario():
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+
+    from node.transport.dht import key_prefix, shutdown_dht
+
+    loop_errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
+    honest_refusals, reader_refusals = RecordRefusals(), RecordRefusals()
+    maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    honest = await DHTNode.create(host_maddrs=maddrs, record_validator=SwarmRecordValidator(SWARM, refusals=honest_refusals))
+    address = [str(a) for a in await honest.get_visible_maddrs()]
+    holder = await DHTNode.create(initial_peers=address, host_maddrs=maddrs)  # no validator: stores anything
+    reader = await DHTNode.create(initial_peers=[str(a) for a in await holder.get_visible_maddrs()], host_maddrs=maddrs, client_mode=True,
+                                  record_validator=SwarmRecordValidator(SWARM, refusals=reader_refusals))
+    try:
+        key = f"{key_prefix(SWARM)}/peers"
+        me = NodeIdentity.generate()
+        assert await RecordWriter(me, SWARM).store(honest, key, stats_message(me, time.time()), timeout=30)
+        key_id = DHTID.generate(source=key)
+        far = time.time() + 3600
+        holder.protocol.storage.store_subkey(key_id, "f" * 40, b"\xc1\xc1 not msgpack", far)  # straight into its storage
+        holder.protocol.storage.store_subkey(key_id, "e" * 40, msgpack.packb(b"junk"), far)
+        started = time.monotonic()
+        envelopes = await read_records(reader, key, SWARM, MessageKind.PEER_STATS, timeout=60, limit=256)
+        log.info("read of a key a non-validating holder poisoned: %.2fs", time.monotonic() - started)
+        assert [e.sender_id for e in envelopes] == [me.node_id]  # read (not timed out), and only the genuine record
+        assert set(reader_refusals.by_reason) & {"not_msgpack", "bad_structure"}
+        await asyncio.sleep(0.5)  # let any failed hivemind task be collected
+        assert not loop_errors, loop_errors
+    finally:
+        for node in (reader, holder, honest):
+            await shutdown_dht(node)
 
 
 def peers_json(env, address: str) -> list[dict]:

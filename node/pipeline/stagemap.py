@@ -1,9 +1,10 @@
 """Who serves which stage: signed stage announcements in the DHT, read into a `StageMap`.
 
 Key: `<swarm prefix>/stages` (every model's pipeline: readers keep their model's), subkey = the announcer's node id, value =
-a signed `protocol.StageAnnouncement` envelope that expires `announce_ttl_s` after it was
-stored. A server re-announces every `announce_interval_s`; one that stops (killed, hung)
-drops out of every reader's map within the TTL. Drivers route over the map, joining
+a signed `protocol.StageAnnouncement` envelope; readers keep those signed less than `announce_ttl_s`
+ago (the DHT drops them later, records.RECORD_TTL_S). A server re-announces every
+`announce_interval_s`; one that stops (killed, hung) drops out of every reader's map within
+`announce_ttl_s`. Drivers route over the map, joining
 servers pick their stage from it (`auto`: least live capacity), spares watch it for a
 stage with no server left, and recoveries find their sources in it.
 """
@@ -130,7 +131,7 @@ class Announcer:
         self.writer = RecordWriter(identity, config.swarm.swarm_id)
 
     async def publish(self, announcement: StageAnnouncement) -> bool:
-        ok = await self.writer.store(self.dht, self.key, announcement, self.config.pipeline.announce_ttl_s, self.config.swarm.dht_timeout_s)
+        ok = await self.writer.store(self.dht, self.key, announcement, self.config.swarm.dht_timeout_s)
         if not ok:
             log.warning("the DHT did not take our stage announcement")
         return ok

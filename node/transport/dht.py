@@ -12,7 +12,11 @@ where <window> = floor(unix time / window_s). Each round a node publishes its ba
 the current window and reads the last `collect_windows` windows, so nodes of different
 speeds overlap and a late joiner finds what was published in the recent past.
 Every value is an envelope signed by its sender; a value whose signer is not the node id
-it is stored under is refused, and so is anything that fails the protocol's checks.
+it is stored under is refused, and so is anything that fails the protocol's checks: first
+by the DHT's record validator (node/transport/records.py), so that no value can poison a
+key's other subkeys or replace them, then by the reader. Records expire a fixed lifetime
+per kind after they were signed (records.RECORD_TTL_S); readers judge freshness by the
+signed timestamp (heartbeat_ttl_s, max_batch_age_s).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from node.stats import SwarmStats
 from node.trainer import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from protocol import (
+    DEFAULT_LIMITS,
+    Limits,
     MessageKind,
     NodeIdentity,
     PeerStats,
@@ -169,14 +175,18 @@ def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[s
     return list(dict.fromkeys(routable))
 
 
-def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float):
+def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float, limits: Limits = DEFAULT_LIMITS):
     """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
 
-    Raises ProtocolRejection.
+    A value signed in the future (past the clock skew allowed) is refused as stale; how old a
+    value may be is the caller's to decide (a heartbeat, a batch and an announcement differ),
+    so a record the DHT still holds is never refused for its age alone. Raises ProtocolRejection.
     """
     if not isinstance(raw, bytes):
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
-    envelope = decode_message(raw, swarm_id=swarm_id, now=now)
+    envelope = decode_message(raw, swarm_id=swarm_id, limits=dataclasses.replace(limits, max_clock_skew_s=float("inf")))
+    if envelope.timestamp > now + limits.max_clock_skew_s:
+        raise ProtocolRejection(Refusal.STALE, f"signed {envelope.timestamp - now:.0f}s in the future, limit {limits.max_clock_skew_s:.0f}s")
     if subkey is not None and envelope.sender_id != subkey:
         raise ProtocolRejection(Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…")
     if envelope.kind != kind:
@@ -266,17 +276,15 @@ class DHTTransport(Transport):
 
     # publishing ----------------------------------------------------------------------
 
-    def _encode(self, message) -> bytes:
-        return self.writer.encode(message)
-
-    async def _store(self, key: str, value: bytes, ttl: float) -> None:
-        ok = await self.writer.store(self.dht, key, None, ttl, self.config.swarm.dht_timeout_s, data=value)
+    async def _store(self, key: str, record) -> None:
+        """Store a SignedRecord under our subkey (it expires records.RECORD_TTL_S after signing: readers judge freshness by its timestamp)."""
+        ok = await self.writer.store(self.dht, key, record, self.config.swarm.dht_timeout_s)
         if not ok:
-            log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(value), self.config.swarm.dht_timeout_s)
+            log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(record.data), self.config.swarm.dht_timeout_s)
 
     async def publish_heartbeat(self) -> None:
         stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses)
-        await self._store(f"{self.prefix}/peers", self._encode(stats), self.config.swarm.heartbeat_ttl_s)
+        await self._store(f"{self.prefix}/peers", self.writer.sign(stats))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -303,7 +311,7 @@ class DHTTransport(Transport):
         keep = len(groups)
         while True:
             try:
-                data = self._encode(self._batch(round_, policy_version, groups[:keep]))
+                record = self.writer.sign(self._batch(round_, policy_version, groups[:keep]))
                 break
             except ProtocolRejection as exc:
                 if exc.reason is not Refusal.TOO_LARGE or keep <= 1:
@@ -312,11 +320,11 @@ class DHTTransport(Transport):
         if keep < len(groups):
             log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
         if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
-            await self.gossip.publish(self.rollouts_topic, data)
-        await self._store(f"{self.prefix}/rollouts/{window}", data, self.config.swarm.max_batch_age_s)
+            await self.gossip.publish(self.rollouts_topic, record.data)
+        await self._store(f"{self.prefix}/rollouts/{window}", record)
         self.stats.batches_published += 1
         self.stats.questions_published += keep
-        self.stats.bytes_published += len(data)
+        self.stats.bytes_published += len(record.data)
 
     # receiving -----------------------------------------------------------------------
 
@@ -414,5 +422,6 @@ async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = No
             stats.reject_heartbeat(peer, rejection)
 
     now = time.time()
-    envelopes = await read_records(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, MAX_VALUES_PER_KEY, refused)
+    envelopes = await read_records(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, MAX_VALUES_PER_KEY,
+                                   refused, once=stats.heartbeats_refused_once if stats is not None else None)
     return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.swarm.heartbeat_ttl_s]

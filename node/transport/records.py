@@ -13,21 +13,42 @@ DHT carries nothing but our records.
 A record is valid iff:
 1. it has a subkey (a plain, subkey-less value is refused), and the subkey is a node id;
 2. its value is a msgpack `bin` holding one of our signed envelopes (protocol/), of this
-   swarm, within the receiver's size limits, with a valid signature;
+   swarm, within the receiver's size limits, with a valid signature, of a kind stored in
+   the DHT, signed no later than the receiver's clock allows (`max_clock_skew_s`);
 3. the envelope's signer is the subkey: a peer can write only its own subkeys;
-4. its expiration is at most `MAX_RECORD_TTL_S[kind]` (+ a little clock slack) after the
-   envelope's signed timestamp: a replayed old envelope cannot be stored to live longer
-   than its owner meant it to, so the owner's newer record (later timestamp, later
-   expiration) always wins hivemind's "latest expiration wins" rule.
-Refusals are counted by reason and by claimed owner (`RecordRefusals`, bounded) and shown
-in `swarm.json`, `stats` and `/metrics`; logging is rate-limited.
+4. it expires no later than `RECORD_TTL_S[kind]` after the envelope's signed timestamp.
+
+Why rule 4 and exact lifetimes: the expiration is not signed, and hivemind keeps, per
+subkey, the value that expires last. Every writer therefore stores a record to expire
+exactly `RECORD_TTL_S[kind]` after the timestamp it signed (`RecordWriter`), so an owner's
+newer record always expires after any replay of its older ones, whatever expiration the
+replayer asks for: the newer one replaces it everywhere it is stored, and a replay stored
+after it is refused by hivemind's storage. Readers decide what is live from the signed
+timestamp and their own config (heartbeat_ttl_s, max_batch_age_s, announce_ttl_s), not
+from the DHT's expiration. A replay under another key (e.g. a genuine heartbeat stored
+under a rollouts key) is refused by the reader's kind check.
+
+Rule 2 never depends on how old a record is, only on whether it was signed in the future:
+a record valid when stored stays valid until it expires. This matters because hivemind
+drops a whole dictionary returned by a peer when one of its subkeys fails validation; a
+rule that turned stored records invalid with age would make honest records poison their
+neighbours' reads.
+
+Refusals are counted by reason and by claimed owner, each distinct record once
+(`RecordRefusals`, bounded) and shown in `swarm.json`, `stats` and `/metrics`; logging is
+rate-limited.
+
+For new record kinds (e.g. pipeline stage announcements): give the kind a lifetime in
+RECORD_TTL_S, store with `RecordWriter(identity, swarm_id).store(dht, key, message, timeout)`
+and read with `read_records(dht, key, swarm_id, kind, timeout, limit, on_refusal)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import msgpack
 
@@ -37,29 +58,32 @@ import_hivemind_isolated()
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 
-from protocol import DEFAULT_LIMITS, Limits, MessageKind, ProtocolRejection, Refusal, decode_message, encode_message  # noqa: E402
+from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolRejection, Refusal, decode_message, encode_message  # noqa: E402
 from protocol.messages import NODE_ID_PATTERN  # noqa: E402
 
-from node.stats import RecordRefusals  # noqa: E402
+from node.stats import RecordRefusals, RefusedOnce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# Longest a record of each kind may live past its signed timestamp. Senders store for less
-# (heartbeat_ttl_s, max_batch_age_s, announce_ttl_s, the averaging timeout); these bounds are
-# the receivers' policy, generous enough for any sane config.
-MAX_RECORD_TTL_S: dict[MessageKind, float] = {
-    MessageKind.PEER_STATS: 600.0,
-    MessageKind.ROLLOUT_BATCH: 1800.0,
-    MessageKind.STAGE_ANNOUNCEMENT: 600.0,
-    MessageKind.AVERAGING_READY: 1800.0,
+# How long a record of each kind lives in the DHT after its signed timestamp: exactly this for
+# every writer (see rule 4), at most this for every receiver. Longer than any sane sender's
+# config (heartbeat_ttl_s, max_batch_age_s, announce_ttl_s, the averaging timeout) so that a
+# live node's record never expires between two of its writes. A protocol constant: every node
+# must agree on it (a node with a shorter one would refuse the others' records).
+RECORD_TTL_S: dict[MessageKind, float] = {
+    MessageKind.PEER_STATS: 300.0,
+    MessageKind.ROLLOUT_BATCH: 300.0,
+    MessageKind.STAGE_ANNOUNCEMENT: 120.0,
+    MessageKind.AVERAGING_READY: 120.0,
 }
-EXPIRATION_SLACK_S = 30.0  # clocks of honest peers differ by a little
 
 
 class SwarmRecordValidator(RecordValidatorBase):
     def __init__(self, swarm_id: str, limits: Limits = DEFAULT_LIMITS, refusals: RecordRefusals | None = None, clock: Callable[[], float] = time.time) -> None:
         self.swarm_id = swarm_id
         self.limits = limits
+        # decode without the "too old" half of the clock check (rule 2 must not change with age); the future half is ours
+        self._ageless = dataclasses.replace(limits, max_clock_skew_s=float("inf"))
         self.refusals = refusals if refusals is not None else RecordRefusals()
         self.clock = clock
 
@@ -67,7 +91,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         reason, owner, detail = self.check(record)
         if reason is None:
             return True
-        self.refusals.record(owner, reason, detail)
+        self.refusals.record(owner, reason, detail, record=(record.key, record.subkey, record.value, repr(record.expiration_time).encode()))
         return False
 
     def check(self, record: DHTRecord) -> tuple[str | None, str, str]:
@@ -89,45 +113,65 @@ class SwarmRecordValidator(RecordValidatorBase):
         if not isinstance(value, bytes):
             return Refusal.BAD_STRUCTURE.value, subkey, f"the value is {type(value).__name__}, not a signed envelope"
         try:
-            envelope = decode_message(value, swarm_id=self.swarm_id, limits=self.limits, now=self.clock())
+            envelope = decode_message(value, swarm_id=self.swarm_id, limits=self._ageless)
         except ProtocolRejection as exc:
             return exc.reason.value, subkey, exc.detail
         if envelope.sender_id != subkey:
             return Refusal.SENDER_MISMATCH.value, subkey, f"signed by {envelope.sender_id[:12]}"
-        longest = MAX_RECORD_TTL_S.get(envelope.kind)
-        if longest is None:
+        if envelope.timestamp > self.clock() + self.limits.max_clock_skew_s:
+            return Refusal.STALE.value, subkey, f"signed {envelope.timestamp - self.clock():.0f}s in the future"
+        lifetime = RECORD_TTL_S.get(envelope.kind)
+        if lifetime is None:
             return Refusal.UNKNOWN_KIND.value, subkey, f"{envelope.kind.value} is not stored in the DHT"
-        if record.expiration_time > envelope.timestamp + longest + EXPIRATION_SLACK_S:
-            return "expiration_too_late", subkey, f"expires {record.expiration_time - envelope.timestamp:.0f}s after it was signed, limit {longest:.0f}s"
+        if record.expiration_time > envelope.timestamp + lifetime:  # the writer computed this very sum: no tolerance needed
+            return "expiration_too_late", subkey, f"expires {record.expiration_time - envelope.timestamp:.0f}s after it was signed, limit {lifetime:.0f}s"
         return None, subkey, ""
 
 
+class SignedRecord(NamedTuple):
+    """An encoded envelope and the DHT expiration it must be stored with (rule 4)."""
+
+    data: bytes
+    expiration: float
+
+
 class RecordWriter:
-    """Signs this node's records and stores them under its own subkey (node id), with a sequence number
-    that increases across restarts (microseconds since the epoch), so peers' replay checks accept a node that came back."""
+    """Signs this node's records and stores them under its own subkey (node id), to expire exactly
+    RECORD_TTL_S[kind] after they were signed (rule 4), with a sequence number that increases across
+    restarts (microseconds since the epoch), so peers' replay checks accept a node that came back.
+
+    One line to publish a signed record under any key: `await writer.store(dht, key, message, timeout)`."""
 
     def __init__(self, identity, swarm_id: str) -> None:
         self.identity = identity
         self.swarm_id = swarm_id
         self._seq = 0
 
-    def encode(self, message) -> bytes:
+    def sign(self, message: Message) -> SignedRecord:
+        """Encode and sign `message` (raises ProtocolRejection for what peers would refuse), with its expiration."""
+        lifetime = RECORD_TTL_S[type(message).KIND]
         self._seq = max(self._seq + 1, int(time.time() * 1e6))
-        return encode_message(message, identity=self.identity, swarm_id=self.swarm_id, seq=self._seq, timestamp=time.time())
+        timestamp = time.time()
+        return SignedRecord(encode_message(message, identity=self.identity, swarm_id=self.swarm_id, seq=self._seq, timestamp=timestamp), timestamp + lifetime)
 
-    async def store(self, dht, key: str, message, ttl: float, timeout: float, data: bytes | None = None) -> bool:
-        """Store `message` (or its already-encoded `data`) under `key`; False when the DHT did not take it in time."""
+    async def store(self, dht, key: str, message: Message | SignedRecord, timeout: float) -> bool:
+        """Store `message` (signed here, or already signed by `sign`) under `key` and our subkey;
+        False when the DHT did not take it within `timeout`."""
         from node.transport.dht import store_value
-        from hivemind.utils import get_dht_time
 
-        return await store_value(dht, key, data if data is not None else self.encode(message), get_dht_time() + ttl, self.identity.node_id, timeout)
+        record = message if isinstance(message, SignedRecord) else self.sign(message)
+        return await store_value(dht, key, record.data, record.expiration, self.identity.node_id, timeout)
 
 
-async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int, on_refusal: Callable[[str, ProtocolRejection], None] | None = None) -> list:
+async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int,
+                       on_refusal: Callable[[str, ProtocolRejection], None] | None = None, once: RefusedOnce | None = None) -> list:
     """Verified envelopes of `kind` stored under `key` (each signed by the node id it is stored under).
 
-    The DHT's validator already refused what is malformed; this second check also holds
-    when a value comes from a DHT node that runs without it (a test's plain DHTNode)."""
+    One line to read what `RecordWriter.store` wrote under any key. The DHT's validator already
+    refused what is malformed; this second check also holds when a value comes from a DHT node
+    that runs without it (a test's plain DHTNode), and refuses a genuine record stored under a
+    key of another kind. `on_refusal(owner, rejection)` is called for each refused value, only
+    the first time that value is read when `once` is given."""
     from node.transport.dht import decode_verified, read_key
 
     now = time.time()
@@ -136,6 +180,6 @@ async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout:
         try:
             envelopes.append(decode_verified(raw, subkey, swarm_id, kind, now))
         except ProtocolRejection as exc:
-            if on_refusal is not None:
+            if on_refusal is not None and (once is None or once.first_time(key.encode(), str(subkey).encode(), raw if isinstance(raw, bytes) else repr(raw).encode())):
                 on_refusal(str(subkey)[:64], exc)
     return envelopes
