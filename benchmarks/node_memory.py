@@ -49,8 +49,13 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=30.0)
     args = parser.parse_args()
+    # SIGTERM ends the sampling early but still reports what was measured so far.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     scratch = Path(tempfile.mkdtemp(prefix="node-memory-"))
-    common = ["--set", "torch_threads=1", "--set", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "--set", "swarm.swarm_id=memory-bench", "--set", "checkpoint_every=10"]
+    # `join`'s preset already means the DHT transport with 4 external questions; said here too so
+    # that the benchmark measures that configuration whatever the preset becomes.
+    common = ["--set", "torch_threads=1", "--set", "swarm.transport=dht", "--set", "swarm.external_questions=4",
+              "--set", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "--set", "swarm.swarm_id=memory-bench", "--set", "checkpoint_every=10"]
     exe = [sys.executable, "-m", "node.cli"]
     procs = []
     try:
@@ -66,22 +71,30 @@ def main() -> None:
         procs.append(second)
         started = time.monotonic()
         samples: dict[str, list[tuple[float, int]]] = {"a": [], "b": []}
-        while time.monotonic() - started < args.minutes * 60:
-            time.sleep(args.sample_s)
-            elapsed = time.monotonic() - started
-            for name, proc in zip("ab", procs):
-                if proc.poll() is not None:
-                    raise SystemExit(f"node {name} exited with {proc.returncode}; see {scratch / (name + '.out')}")
-                samples[name].append((elapsed, rss_bytes(proc.pid)))
-            print(f"{elapsed / 60:5.1f} min: " + ", ".join(f"{n} {samples[n][-1][1] / 2**20:.0f} MiB" for n in "ab"), flush=True)
+        stopped_early = None
+        try:
+            while time.monotonic() - started < args.minutes * 60:
+                time.sleep(args.sample_s)
+                elapsed = time.monotonic() - started
+                for name, proc in zip("ab", procs):
+                    if proc.poll() is not None:
+                        raise SystemExit(f"node {name} exited with {proc.returncode}; see {scratch / (name + '.out')}")
+                    samples[name].append((elapsed, rss_bytes(proc.pid)))
+                print(f"{elapsed / 60:5.1f} min: " + ", ".join(f"{n} {samples[n][-1][1] / 2**20:.0f} MiB" for n in "ab"), flush=True)
+        except KeyboardInterrupt:
+            stopped_early = round((time.monotonic() - started) / 60, 2)
+            print(f"stopped early after {stopped_early} min; reporting the samples taken so far", flush=True)
+        if not samples["a"]:
+            raise SystemExit("no sample was taken")
         result = {}
         for name in "ab":
             at5 = next(rss for t, rss in samples[name] if t >= 300) if any(t >= 300 for t, _ in samples[name]) else samples[name][0][1]
             end = samples[name][-1][1]
             rounds = sum(1 for _ in open(scratch / name / "metrics.jsonl"))
             result[name] = {"rss_5min_mib": round(at5 / 2**20, 1), "rss_end_mib": round(end / 2**20, 1), "ratio": round(end / at5, 4), "rounds": rounds}
-            print(f"node {name}: RSS at 5 min {at5 / 2**20:.0f} MiB, at {args.minutes:.0f} min {end / 2**20:.0f} MiB (x{end / at5:.3f}), {rounds} rounds")
-        print(json.dumps({"benchmark": "node_memory", "minutes": args.minutes, "nodes": result, "max_ratio": max(r["ratio"] for r in result.values())}))
+            print(f"node {name}: RSS at 5 min {at5 / 2**20:.0f} MiB, at {samples[name][-1][0] / 60:.0f} min {end / 2**20:.0f} MiB (x{end / at5:.3f}), {rounds} rounds")
+        minutes = stopped_early if stopped_early is not None else args.minutes
+        print(json.dumps({"benchmark": "node_memory", "minutes": minutes, "nodes": result, "max_ratio": max(r["ratio"] for r in result.values())}))
     finally:
         for proc in procs:
             if proc.poll() is None:
