@@ -121,10 +121,19 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
     ("accepted", lambda r, now: str(r["rollouts_accepted"]), 2),
     ("rejected", lambda r, now: str(r["rollouts_rejected"]), 2),
     ("averaged", lambda r, now: f"{r['outer_steps']}/{r['outer_steps'] + r['outer_steps_skipped']}", 3),
+    ("weakest", lambda r, now: _weakest_specialty(r.get("accuracy_by_dataset") or {}), 5),
     ("tokens/s", lambda r, now: f"{r['tokens_per_s']:.0f}", 4),
     ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
     ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
 )
+
+
+def _weakest_specialty(by_dataset: dict[str, float]) -> str:
+    """The specialty of the node's task mix it answers worst (a peer that solves it is worth sampling), or '-'."""
+    if len(by_dataset) < 2:
+        return "-"
+    label = min(by_dataset, key=by_dataset.get)
+    return f"{label[:14]} {by_dataset[label]:.0%}"
 
 
 def _peers_table(rows: list[dict[str, Any]], swarm_id: str, width: int = 200) -> Table:
@@ -241,7 +250,24 @@ def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s_mean": statistics.fmean(r["step_s"] for r in rows),
         "external_questions_total": sum(r.get("external_questions", 0) for r in rows),
         "wall_s": rows[-1]["time"] - rows[0]["time"] + rows[0]["step_s"],
+        "by_dataset": _by_dataset(rows, tenth),
     }
+
+
+def _by_dataset(rows: list[dict[str, Any]], tenth: int) -> dict[str, dict[str, float | None]]:
+    """Per specialty of the task mix: reward of the node's own completions early and late, held-out accuracy first and last."""
+    labels = sorted({label for r in rows for label in r.get("reward_by_dataset", {})} | {label for r in rows for label in r.get("heldout_by_dataset", {})})
+
+    def mean_reward(part: list[dict[str, Any]], label: str) -> float | None:
+        values = [r["reward_by_dataset"][label] for r in part if label in r.get("reward_by_dataset", {})]
+        return statistics.fmean(values) if values else None
+
+    summary = {}
+    for label in labels:
+        heldout = [r["heldout_by_dataset"][label] for r in rows if label in r.get("heldout_by_dataset", {})]
+        summary[label] = {"reward_first_10pct": mean_reward(rows[:tenth], label), "reward_last_10pct": mean_reward(rows[-tenth:], label),
+                          "heldout_first": heldout[0] if heldout else None, "heldout_last": heldout[-1] if heldout else None}
+    return summary
 
 
 def _pipeline_stats(state_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -291,11 +317,20 @@ def cmd_stats(args: argparse.Namespace, console: Console) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        if key != "swarm":
+        if key not in ("swarm", "by_dataset"):
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     for key, value in summary.get("swarm", {}).get("totals", {}).items():
         table.add_row(f"swarm.{key}", str(value))
     console.print(table)
+    if summary["by_dataset"]:
+        specialties = Table(title="by specialty (reward of own completions; greedy held-out accuracy)")
+        columns = ("reward_first_10pct", "reward_last_10pct", "heldout_first", "heldout_last")
+        specialties.add_column("dataset")
+        for column in columns:
+            specialties.add_column(column.replace("_", " "), justify="right")
+        for label, values in summary["by_dataset"].items():
+            specialties.add_row(label, *("-" if values[c] is None else f"{values[c]:.3f}" for c in columns))
+        console.print(specialties)
     peers = summary.get("swarm", {}).get("peers", {})
     if peers:
         per_peer = Table(title="rollouts received per peer")

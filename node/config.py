@@ -80,6 +80,13 @@ class DatasetConfig(_Section):
     """Relative probability of drawing a question from this dataset."""
     config: dict[str, Any] = {}
     """Keyword arguments for reasoning_gym.create_dataset (besides seed and size)."""
+    label: str | None = Field(None, min_length=1, max_length=64)
+    """Name of this specialty in metrics, stats and heartbeats (default: the dataset name); needed
+    to tell apart two entries of one dataset with different configs."""
+
+    @property
+    def display_label(self) -> str:
+        return self.label or self.name
 
 
 class TasksConfig(_Section):
@@ -106,6 +113,12 @@ class TasksConfig(_Section):
     def _non_empty(cls, value: list[DatasetConfig]) -> list[DatasetConfig]:
         if not value:
             raise ValueError("the task mix needs at least one dataset")
+        if len(value) > 32:
+            raise ValueError(f"the task mix has {len(value)} datasets; at most 32 (a heartbeat reports on each)")
+        labels = [d.display_label for d in value]
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        if repeated:
+            raise ValueError(f"datasets {repeated} appear more than once: give each entry a distinct 'label'")
         return value
 
     @field_validator("prompt_template")

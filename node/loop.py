@@ -30,6 +30,7 @@ from node.tasks import Question, TaskError, TaskSource, grade, materialize
 from node.trainer import GRPOTrainer, RolloutGroup
 from node.transport import ExternalGroup, Transport
 from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal, TaskSpec
+from protocol.messages import MAX_DATASETS_REPORTED
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Node:
         self.model_parameters = 0
         self.reward_ema: float | None = None
         self.accuracy_ema: float | None = None
+        self.accuracy_by_dataset_ema: dict[str, float] = {}  # per specialty of the task mix (heartbeat, stats)
         self.last_tokens_per_s = 0.0
         self.announced_addresses: list[str] = []
         self._heldout: list[Question] | None = None
@@ -171,6 +173,7 @@ class Node:
             policy_version=self.policy_version,
             reward_mean=self.reward_ema or 0.0,
             accuracy=self.accuracy_ema or 0.0,
+            accuracy_by_dataset={label: min(1.0, max(0.0, value)) for label, value in list(self.accuracy_by_dataset_ema.items())[:MAX_DATASETS_REPORTED]},
             rollouts_published=totals["batches_published"],
             rollouts_received=totals["batches_received"],
             rollouts_accepted=totals["batches_accepted"],
@@ -257,9 +260,14 @@ class Node:
         timings.generation_s = time.perf_counter() - start
         start = time.perf_counter()
         groups, correct, total, tokens = [], 0, 0, 0
+        by_label: dict[str, list[float]] = {}  # label -> [reward sum, correct, completions]
         for question, group_completions in zip(questions, completions):
             group, group_correct = self.score_group(question, group_completions, source="local")
             groups.append(group)
+            tally = by_label.setdefault(self.tasks.label(question.spec), [0.0, 0, 0])
+            tally[0] += sum(group.rewards)
+            tally[1] += group_correct
+            tally[2] += len(group_completions)
             correct += group_correct
             total += len(group_completions)
             tokens += sum(len(c.completion_ids) for c in group_completions)
@@ -271,6 +279,8 @@ class Node:
             "tokens": tokens,
             "tokens_per_s": tokens / max(timings.generation_s, 1e-9),
             "completion_len_mean": tokens / total,
+            "reward_by_dataset": {label: reward / n for label, (reward, _, n) in sorted(by_label.items())},
+            "accuracy_by_dataset": {label: right / n for label, (_, right, n) in sorted(by_label.items())},
         }
         return groups, summary, timings
 
@@ -355,7 +365,7 @@ class Node:
         }
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
-            row["heldout_accuracy"] = await asyncio.to_thread(self.evaluate_heldout)
+            row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluate_heldout_by_dataset)
         row["step_s"] = time.perf_counter() - round_start
         self.store.append_metrics(row)
         self.round = round_
@@ -370,6 +380,8 @@ class Node:
         ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
         self.reward_ema = ema(self.reward_ema, row["reward_mean"])
         self.accuracy_ema = ema(self.accuracy_ema, row["accuracy"])
+        for label, accuracy in row.get("accuracy_by_dataset", {}).items():  # a specialty absent this round keeps its average
+            self.accuracy_by_dataset_ema[label] = ema(self.accuracy_by_dataset_ema.get(label), accuracy)
         self.last_tokens_per_s = row["tokens_per_s"]
 
     def prometheus(self) -> str:
@@ -388,9 +400,19 @@ class Node:
 
     def evaluate_heldout(self, questions: list[Question] | None = None) -> float:
         """Greedy accuracy on the fixed held-out set."""
+        return self.evaluate_heldout_by_dataset(questions)[0]
+
+    def evaluate_heldout_by_dataset(self, questions: list[Question] | None = None) -> tuple[float, dict[str, float]]:
+        """Greedy accuracy on the fixed held-out set: overall, and per specialty of the task mix."""
         questions = questions or self.heldout_questions()
         completions = self.backend.generate([self.tasks.prompt(q) for q in questions], n=1, seed=0, greedy=True)
-        return sum(grade(q, c[0].text, True).correct for q, c in zip(questions, completions)) / len(questions)
+        right = [grade(q, c[0].text, True).correct for q, c in zip(questions, completions)]
+        by_label: dict[str, list[int]] = {}
+        for question, ok in zip(questions, right):
+            tally = by_label.setdefault(self.tasks.label(question.spec), [0, 0])
+            tally[0] += ok
+            tally[1] += 1
+        return sum(right) / len(right), {label: ok / n for label, (ok, n) in sorted(by_label.items())}
 
     def save(self) -> None:
         if self.uses_pipeline:  # no weights here: the stage servers hold them and recover from each other

@@ -103,7 +103,7 @@ def default_model_key(config: NodeConfig) -> str:
     recipe = {
         "build": DEFAULT_MODEL_BUILD,
         "shape": config.model.default.model_dump(mode="json"),
-        "tasks": [d.model_dump(mode="json") for d in config.tasks.datasets],
+        "tasks": [d.model_dump(mode="json", exclude={"label"}) for d in config.tasks.datasets],  # a label names, it does not train
         "prompt": config.tasks.prompt_template,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]

@@ -98,6 +98,7 @@ class TaskSource:
         self.config = config
         self.seed = seed
         self._weights = [d.weight for d in config.datasets]
+        self._labels = {(d.name, TaskSpec(d.name, d.config, 0, 0).config_key): d.display_label for d in config.datasets}
         # Validate every dataset of the mix at start, not at the first unlucky draw.
         for dataset in config.datasets:
             materialize(TaskSpec(dataset.name, dataset.config, seed, 0))
@@ -107,6 +108,10 @@ class TaskSource:
         picker = random.Random(f"{self.seed}:{draw}")
         dataset = picker.choices(self.config.datasets, weights=self._weights)[0]
         return TaskSpec(dataset.name, dataset.config, self.seed, draw)
+
+    def label(self, spec: TaskSpec) -> str:
+        """The specialty a question belongs to (its mix entry's label; a peer's dataset outside our mix: its name)."""
+        return self._labels.get((spec.dataset, spec.config_key), spec.dataset)
 
     def batch(self, first_draw: int, count: int) -> list[Question]:
         return [materialize(self.spec(first_draw + i)) for i in range(count)]

@@ -17,11 +17,12 @@ from typing import Any, ClassVar, Self
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.refusals import Refusal
 from protocol.specs import SpecError, TaskSpec
-from protocol.validation import check_fields, check_float, check_int, check_list, check_str, reject
+from protocol.validation import check_fields, check_float, check_int, check_list, check_str, reject, since_minor
 from protocol.version import PROTOCOL_MINOR
 
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
 MAX_FINGERPRINT_CHARS = 64  # e.g. a sha256 hex digest of the model's architecture and weights
+MAX_DATASETS_REPORTED = 32  # datasets of a task mix a heartbeat reports on
 FINISH_REASONS = ("stop", "length")
 NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")  # see identity.node_id_from_public_key
 SPEC_FIELDS = frozenset(f.name for f in fields(TaskSpec))
@@ -169,6 +170,8 @@ class PeerStats:
     gossip_addresses: list[str]  # libp2p gossipsub multiaddrs (empty: the node gossips over the DHT only)
     outer_steps: int  # weight-averaging rounds that succeeded (NoLoCo / DiLoCo)
     outer_steps_skipped: int  # weight-averaging rounds skipped (no partner in time, or weights refused)
+    # minor 2: moving average of answers judged correct per dataset of the node's task mix (label -> [0, 1])
+    accuracy_by_dataset: dict[str, float] = since_minor(2, dict)
 
     _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
                                           "rollouts_received", "rollouts_accepted", "rollouts_rejected",
@@ -180,6 +183,7 @@ class PeerStats:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
         wire["addresses"] = list(self.addresses)
         wire["gossip_addresses"] = list(self.gossip_addresses)
+        wire["accuracy_by_dataset"] = dict(self.accuracy_by_dataset)
         return wire
 
     @classmethod
@@ -196,6 +200,14 @@ class PeerStats:
         values["addresses"] = [check_str(a, "address", limits.max_name_chars) for a in addresses]
         gossip = check_list(f["gossip_addresses"], "gossip_addresses", limits.max_addresses)
         values["gossip_addresses"] = [check_str(a, "gossip_address", limits.max_name_chars) for a in gossip]
+        if "accuracy_by_dataset" in f:  # absent from a minor 0/1 sender
+            by_dataset = f["accuracy_by_dataset"]
+            if type(by_dataset) is not dict:
+                reject(Refusal.BAD_STRUCTURE, f"accuracy_by_dataset must be a map, got {type(by_dataset).__name__}")
+            if len(by_dataset) > MAX_DATASETS_REPORTED:
+                reject(Refusal.TOO_MANY_ITEMS, f"accuracy_by_dataset has {len(by_dataset)} items, limit {MAX_DATASETS_REPORTED}")
+            values["accuracy_by_dataset"] = {check_str(k, "dataset label", limits.max_name_chars): check_float(v, "dataset accuracy", lo=0.0, hi=1.0)
+                                             for k, v in by_dataset.items()}
         return cls(**values)
 
     def claimed_node_id(self) -> str | None:

@@ -63,13 +63,21 @@ def check_list(value: Any, name: str, max_items: int, min_items: int = 0) -> lis
     return value
 
 
+def since_minor(minor: int, default_factory: Any) -> Any:
+    """A message field appended in protocol minor `minor`: a sender of an older minor omits it
+    (the receiver uses the default), a sender of this minor or later must send it."""
+    return dataclasses.field(default_factory=default_factory, metadata={"since_minor": minor})
+
+
 def check_fields(obj: Any, cls: type, minor: int) -> dict[str, Any]:
-    """`obj` must be a map with exactly the fields of dataclass `cls`; extra fields are
-    allowed (and ignored) only from a sender of a higher minor version, which appends them."""
+    """`obj` must be a map with exactly the fields of dataclass `cls` that the sender's minor
+    version has; extra fields are allowed (and ignored) only from a sender of a higher minor
+    version, which appends them."""
     if type(obj) is not dict:
         reject(Refusal.BAD_STRUCTURE, f"{cls.__name__} must be a map, got {type(obj).__name__}")
     names = [f.name for f in dataclasses.fields(cls)]
-    missing = [name for name in names if name not in obj]
+    required = [f.name for f in dataclasses.fields(cls) if f.metadata.get("since_minor", 0) <= minor]
+    missing = [name for name in required if name not in obj]
     if missing:
         reject(Refusal.BAD_STRUCTURE, f"{cls.__name__} lacks {', '.join(missing)}")
     if len(obj) > len(names) and minor <= PROTOCOL_MINOR:

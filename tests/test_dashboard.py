@@ -26,7 +26,8 @@ from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, wait_for
 
 PEER_ROW = dict(node_id="12D3KooWAbcdefghijklmnop", display_name="a-rather-long-node-name", round=123, policy_version=120, reward_mean=0.1234,
                 accuracy=0.4567, rollouts_published=1234, rollouts_received=5678, rollouts_accepted=5000, rollouts_rejected=12, outer_steps=3,
-                outer_steps_skipped=1, tokens_per_s=1234.5, uptime_s=3600.0, last_seen=0.0)
+                outer_steps_skipped=1, tokens_per_s=1234.5, uptime_s=3600.0, last_seen=0.0,
+                accuracy_by_dataset={"basic_arithmetic": 0.5, "fraction_simplification": 0.25})
 
 
 @pytest.fixture

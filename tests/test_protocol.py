@@ -42,7 +42,8 @@ def make_stats(identity: NodeIdentity = IDENTITY, **overrides) -> PeerStats:
                       reward_mean=0.5, accuracy=0.25, rollouts_published=10, rollouts_received=20,
                       rollouts_accepted=15, rollouts_rejected=5, tokens_per_s=123.5, uptime_s=60.0,
                       last_seen=1_700_000_000.0, addresses=["/ip4/127.0.0.1/tcp/4001"],
-                      gossip_addresses=["/ip4/127.0.0.1/tcp/4002"], outer_steps=4, outer_steps_skipped=1)
+                      gossip_addresses=["/ip4/127.0.0.1/tcp/4002"], outer_steps=4, outer_steps_skipped=1,
+                      accuracy_by_dataset={"basic_arithmetic": 0.5, "chain_sum": 0.125})
     return replace(stats, **overrides)
 
 
@@ -111,7 +112,7 @@ GOLDEN_STATS_1_0 = (
     "819328cbb77d7809012746e79d81261735167197f7aa5ec104"
 )
 
-GOLDEN_BATCH = (
+GOLDEN_BATCH_1_1 = (  # as a 1.1 sender encoded it
     "92c5017297920101ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -123,7 +124,7 @@ GOLDEN_BATCH = (
     "d4eb1f79176a83077d6220bbaa4dfa884d2dc05390f6fc80babc9bcd43776722bbe78748a230e889d6f6924955d0ebb9"
     "8f7819971c0c1400"
 )
-GOLDEN_STATS = (
+GOLDEN_STATS_1_1 = (  # a 1.1 heartbeat has no accuracy_by_dataset: the receiver reads {}
     "92c5021397920101aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0015a76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -138,19 +139,62 @@ GOLDEN_STATS = (
     "6b697070656401c4401b6621d8d9911cf3e132bc4d9bd5fa23b2e9f7c29dbedcdcc415fa9a5a7475f68816096c33310c"
     "1178daf531bfb8afe44975c21aaeede65b415c90b7b2060208"
 )
+GOLDEN_BATCH = (  # this minor's encoding (2)
+    "92c5017297920102ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c44064dea7dab4d54c8b"
+    "2708ea5c5d53c579c14a257055df1a76dccfe96c9d945d5767c5a8a8601a576572f8cc33536a193845ff2ec9115a865e"
+    "27e293f1c34e3202"
+)
+GOLDEN_STATS = (  # this minor's encoding (2)
+    "92c5025597920102aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0016a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000c440122fec5556dbf7ef6c11ae54f29f1723764943c6b8"
+    "d95f4d5c8c3d43deb2a83c528a6698bc02fec7f2f2ffc4b0fbe275cd4fd815b4e2b15bbd30cf0c385a7100"
+)
 
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 def test_golden_rollout_batch():
     assert encode(make_batch()).hex() == GOLDEN_BATCH
     assert decode(bytes.fromhex(GOLDEN_BATCH)).message == make_batch()
-    assert decode(bytes.fromhex(GOLDEN_BATCH_1_0)).message == make_batch()
+    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1):
+        assert decode(bytes.fromhex(older)).message == make_batch()
 
 
 def test_golden_peer_stats():
     assert encode(make_stats(), seq=2).hex() == GOLDEN_STATS
     assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
-    assert decode(bytes.fromhex(GOLDEN_STATS_1_0)).message == make_stats()
+    for older in (GOLDEN_STATS_1_0, GOLDEN_STATS_1_1):
+        assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={})
+
+
+def test_a_field_of_a_later_minor_is_required_from_its_senders_and_checked():
+    wire = make_stats().to_wire()
+    del wire["accuracy_by_dataset"]
+    assert PeerStats.from_wire(wire, minor=1).accuracy_by_dataset == {}  # an older sender omits it
+    with pytest.raises(ProtocolRejection, match="lacks accuracy_by_dataset"):
+        PeerStats.from_wire(wire, minor=2)
+    for bad, reason in (({"x": 1.5}, Refusal.BAD_VALUE), ({"x": 1}, Refusal.BAD_STRUCTURE), ([0.5], Refusal.BAD_STRUCTURE),
+                        ({f"d{i}": 0.5 for i in range(33)}, Refusal.TOO_MANY_ITEMS), ({"x" * 300: 0.5}, Refusal.STRING_TOO_LONG)):
+        with pytest.raises(ProtocolRejection) as caught:
+            PeerStats.from_wire({**wire, "accuracy_by_dataset": bad}, minor=2)
+        assert caught.value.reason is reason, bad
 
 
 # --- round trips ----------------------------------------------------------------------------------

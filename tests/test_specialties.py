@@ -1,0 +1,70 @@
+"""A task mix of several specialties: each one named, and reported on its own in metrics,
+`stats`, the heartbeat and the held-out evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from node.cli import summarize_metrics
+from node.config import ConfigError, TasksConfig
+from node.loop import Node
+from node.tasks import TaskSource
+from protocol import NodeIdentity, PeerStats, TaskSpec, decode_message, encode_message
+
+ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"}
+MIX = [
+    {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
+    {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
+    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+]
+
+
+def test_labels_name_each_entry_and_must_be_distinct():
+    tasks = TasksConfig(datasets=MIX)
+    source = TaskSource(tasks, seed=3)
+    labels = {source.label(source.spec(draw)) for draw in range(60)}
+    assert labels == {"add", "subtract", "chain_sum"}  # the label, or the dataset's name when none is given
+    assert source.label(TaskSpec("gcd", {}, 1, 0)) == "gcd"  # a peer's question from outside our mix
+    with pytest.raises(ValueError, match="distinct 'label'"):
+        TasksConfig(datasets=[MIX[0], {**MIX[1], "label": "add"}])
+    with pytest.raises(ValueError, match="distinct 'label'"):
+        TasksConfig(datasets=[{"name": "basic_arithmetic"}, {"name": "basic_arithmetic", "config": ARITHMETIC}])
+
+
+def test_a_bad_mix_is_refused_with_a_clear_error(tiny_config):
+    with pytest.raises(ConfigError, match="distinct 'label'"):
+        tiny_config(f"tasks.datasets={json.dumps([MIX[0], MIX[0]])}")
+
+
+def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_config):
+    config = tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.local_questions=6", "eval_every=2", "tasks.heldout_size=12")
+    node = Node(config)
+    node.load()
+
+    async def rounds():
+        return [await node.run_round() for _ in range(2)]
+
+    rows = asyncio.run(rounds())
+    labels = {"add", "subtract", "chain_sum"}
+    for row in rows:
+        assert set(row["reward_by_dataset"]) <= labels and row["reward_by_dataset"]
+        assert set(row["accuracy_by_dataset"]) == set(row["reward_by_dataset"])
+        assert all(0.0 <= v <= 1.0 for v in row["accuracy_by_dataset"].values())
+    first, by_dataset = rows[0]["heldout_accuracy"], rows[0]["heldout_by_dataset"]
+    assert set(by_dataset) == {TaskSource(config.tasks, 0).label(q.spec) for q in node.heldout_questions()}
+    sizes = {label: sum(TaskSource(config.tasks, 0).label(q.spec) == label for q in node.heldout_questions()) for label in by_dataset}
+    assert first == pytest.approx(sum(by_dataset[label] * sizes[label] for label in by_dataset) / 12)  # the parts add up to the whole
+    assert "heldout_by_dataset" in rows[1]  # eval_every=2: round 2 evaluates too
+
+    summary = summarize_metrics(node.store.read_metrics())
+    assert set(summary["by_dataset"]) == set(by_dataset) | {label for r in rows for label in r["reward_by_dataset"]}
+
+    node.identity = NodeIdentity.generate()  # an isolated node has none; a swarm node's heartbeat is this same call
+    heartbeat = node.peer_stats()
+    assert heartbeat.accuracy_by_dataset and set(heartbeat.accuracy_by_dataset) <= labels
+    wire = encode_message(heartbeat, identity=node.identity, swarm_id="s", seq=1, timestamp=heartbeat.last_seen)
+    received = decode_message(wire, swarm_id="s", now=heartbeat.last_seen).message
+    assert isinstance(received, PeerStats) and received.accuracy_by_dataset == heartbeat.accuracy_by_dataset
