@@ -6,6 +6,9 @@ Held-out accuracy is greedy exact-match on the fixed held-out set (200 questions
 seed that training never draws). Prints a line per evaluation and ends with one JSON line.
 
     .venv/bin/python benchmarks/isolated_learning.py --seeds 0 1 2 --minutes 10
+    .venv/bin/python benchmarks/isolated_learning.py --rounds 300 --config configs/mix.yaml   # a fixed number of rounds
+
+With a task mix of several specialties it also reports held-out accuracy per specialty.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 
 
-async def train_for(node: Node, seconds: float, eval_every_s: float) -> tuple[list[dict], list[tuple[float, float]]]:
+async def train_for(node: Node, seconds: float, eval_every_s: float, rounds: int | None = None) -> tuple[list[dict], list[tuple[float, float]]]:
+    """Train for `seconds` of wall time, or exactly `rounds` rounds when given (a loaded machine then changes times, not results)."""
     rows, curve = [], []
     start = time.monotonic()
     next_eval = eval_every_s
-    while time.monotonic() - start < seconds:
+    while (len(rows) < rounds) if rounds is not None else (time.monotonic() - start < seconds):
         rows.append(await node.run_round())
         elapsed = time.monotonic() - start
         if elapsed >= next_eval:
@@ -43,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=None, help="train exactly this many rounds instead of --minutes")
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides, as for swarm-node train")
     parser.add_argument("--eval-every-s", type=float, default=60.0)
@@ -53,15 +58,21 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     before, after, first_reward, last_reward, rounds, curves = [], [], [], [], [], []
+    by_dataset_before, by_dataset_after = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             config = load_config(args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=f"{scratch}/seed{seed}")
             node = Node(config)
             node.load(fresh=True)
-            before.append(node.evaluate_heldout())
-            print(f"seed {seed}: heldout before {before[-1]:.3f}", flush=True)
-            rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s))
-            after.append(node.evaluate_heldout())
+            overall, by_dataset = node.evaluate_heldout_by_dataset()
+            before.append(overall)
+            by_dataset_before.append(by_dataset)
+            print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset)}", flush=True)
+            rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s, args.rounds))
+            overall, by_dataset = node.evaluate_heldout_by_dataset()
+            after.append(overall)
+            by_dataset_after.append(by_dataset)
+            print(f"seed {seed}: heldout after {_fmt(by_dataset)}", flush=True)
             tenth = max(1, len(rows) // 10)
             first_reward.append(statistics.fmean(r["reward_mean"] for r in rows[:tenth]))
             last_reward.append(statistics.fmean(r["reward_mean"] for r in rows[-tenth:]))
@@ -73,7 +84,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "isolated_learning",
         "seeds": args.seeds,
-        "minutes": args.minutes,
+        "minutes": args.minutes if args.rounds is None else None,
         "rounds": rounds,
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
@@ -81,7 +92,13 @@ def main() -> None:
         "reward_mean_first_10pct": first_reward,
         "reward_mean_last_10pct": last_reward,
         "heldout_curves": curves,
+        "heldout_by_dataset_before": by_dataset_before,
+        "heldout_by_dataset_after": by_dataset_after,
     }))
+
+
+def _fmt(by_dataset: dict[str, float]) -> str:
+    return "(" + ", ".join(f"{label} {value:.2f}" for label, value in by_dataset.items()) + ")" if len(by_dataset) > 1 else ""
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ Cumulative reward = sum over rounds of the mean reward of a node's own completio
 averaged over the 4 nodes (the paper's figure of merit). Ends with one JSON line.
 
     .venv/bin/python benchmarks/swarm_vs_isolated.py --rounds 200
+    .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --seeds 0 1 2 --mixes 8/0 4/4
+
+Each seed repeats every mix with other question streams and sampling (node i of seed s has
+seed 100 * s + i); ratios are taken per seed, then their mean and spread reported. At the
+end of each mix every node is evaluated greedily on the held-out set, per specialty of the
+task mix (the mean over nodes is reported).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
 
-async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str]) -> list[list[float]]:
+async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0) -> tuple[list[list[float]], dict[str, float]]:
+    """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes)."""
     common = [
         *overrides,
         "swarm.transport=dht",
@@ -48,7 +55,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
     try:
         for i in range(nodes):
             peers = [f'swarm.initial_peers={json.dumps(swarm[0].transport.addresses)}'] if swarm else []
-            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*common, *peers, f"seed={i}", f"name=bench-{i}"], state_dir=f"{scratch}/{local}-{external}/{i}"))
+            node = Node(load_config(config_path, [*common, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{local}-{external}/{i}"))
             node.load(fresh=True)
             await node.transport.start()
             swarm.append(node)
@@ -61,18 +68,28 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
             if (round_ + 1) % 25 == 0:
                 mean_last = statistics.fmean(r for per_node in rewards for r in per_node[-25:])
                 used = sum(n.stats.totals()["questions_used"] for n in swarm)
-                print(f"  {local}/{external} round {round_ + 1}: reward(last 25) {mean_last:.3f}, external questions used {used}, {time.monotonic() - started:.0f}s", flush=True)
-        return rewards
+                print(f"  seed {seed} {local}/{external} round {round_ + 1}: reward(last 25) {mean_last:.3f}, external questions used {used}, {time.monotonic() - started:.0f}s", flush=True)
+        heldout = await asyncio.gather(*(asyncio.to_thread(node.evaluate_heldout_by_dataset) for node in swarm))
+        labels = sorted({label for _, by_dataset in heldout for label in by_dataset})
+        by_specialty = {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels}
+        by_specialty["all"] = statistics.fmean(overall for overall, _ in heldout)
+        return rewards, by_specialty
     finally:
         for node in swarm:
             await node.transport.stop()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--config", default=str(REPO / "configs" / "swarm.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides for every node")
     args = parser.parse_args()
 
@@ -80,26 +97,39 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    cumulative, final = {}, {}
+    cumulative: dict[str, list[float]] = {name: [] for name in args.mixes}
+    final: dict[str, list[float]] = {name: [] for name in args.mixes}
+    heldout: dict[str, list[dict[str, float]]] = {name: [] for name in args.mixes}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.mixes:
-            local, external = MIXES[name]
-            rewards = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set))
-            cumulative[name] = statistics.fmean(sum(per_node) for per_node in rewards)
-            final[name] = statistics.fmean(statistics.fmean(per_node[-max(1, args.rounds // 10):]) for per_node in rewards)
-            print(f"mix {name}: cumulative reward {cumulative[name]:.2f} (mean over {args.nodes} nodes), last-10% reward {final[name]:.3f}", flush=True)
-    ratios = {name: value / cumulative["8/0"] for name, value in cumulative.items()} if "8/0" in cumulative else {}
+        for seed in args.seeds:
+            for name in args.mixes:
+                local, external = MIXES[name]
+                rewards, by_specialty = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed))
+                cumulative[name].append(statistics.fmean(sum(per_node) for per_node in rewards))
+                final[name].append(statistics.fmean(statistics.fmean(per_node[-max(1, args.rounds // 10):]) for per_node in rewards))
+                heldout[name].append(by_specialty)
+                print(f"seed {seed} mix {name}: cumulative reward {cumulative[name][-1]:.2f} (mean over {args.nodes} nodes), last-10% reward {final[name][-1]:.3f}, "
+                      f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}", flush=True)
+    per_seed = {name: [c / base for c, base in zip(values, cumulative["8/0"])] for name, values in cumulative.items()} if "8/0" in cumulative else {}
+    ratios = {name: statistics.fmean(values) for name, values in per_seed.items()}
     if ratios:
-        print("ratio to 8/0: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (paper: 6/2 1.52x, 4/4 1.94x, 2/6 1.68x)")
+        print("ratio to 8/0, mean over seeds [per seed]: " + ", ".join(f"{k} {v:.2f}x {[round(r, 2) for r in per_seed[k]]}" for k, v in ratios.items())
+              + " (paper: 6/2 1.52x, 4/4 1.94x, 2/6 1.68x)")
+    heldout_by_specialty = {name: {label: statistics.fmean(run.get(label, 0.0) for run in runs) for label in sorted({k for run in runs for k in run})} for name, runs in heldout.items()}
     print(json.dumps({
         "benchmark": "swarm_vs_isolated",
+        "config": Path(args.config).name,
         "nodes": args.nodes,
         "rounds": args.rounds,
-        "cumulative_reward": cumulative,
-        "final_reward_last_10pct": final,
+        "seeds": args.seeds,
+        "cumulative_reward": {name: statistics.fmean(values) for name, values in cumulative.items()},
+        "cumulative_reward_spread": {name: spread(values) for name, values in cumulative.items()},
+        "final_reward_last_10pct": {name: statistics.fmean(values) for name, values in final.items()},
         "ratio_to_8_0": ratios,
         "ratio_4_4_vs_8_0": ratios.get("4/4"),
+        "ratio_4_4_vs_8_0_per_seed": per_seed.get("4/4"),
+        "heldout_by_specialty": heldout_by_specialty,
         "minutes": (time.monotonic() - started) / 60,
     }))
 
