@@ -186,6 +186,11 @@ class SwarmConfig(_Section):
     """I: questions the node draws and answers itself each round."""
     external_questions: int = Field(0, ge=0)
     """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
+    external_selection: Literal["uniform", "weakness"] = "uniform"
+    """How the J are drawn from the peers' groups with a learning signal (re-scored here):
+    'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
+    that question's specialty are wrong (1 - its accuracy moving average, floor 0.05), so the
+    node takes peers' correct answers where it rarely finds them itself."""
     swarm_id: str = Field("swarm-node-public", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Name of the swarm: keys are namespaced by it, and messages of other swarms are refused."""
     initial_peers: list[str] = []

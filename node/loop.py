@@ -47,6 +47,15 @@ PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its ro
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 
 
+WEAKNESS_FLOOR = 0.05  # a specialty the node has mastered is still drawn now and then
+
+
+def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:
+    """`count` distinct items, each draw proportional to the weights of those left (Efraimidis-Spirakis keys)."""
+    keyed = sorted(((rng.random() ** (1.0 / w), i) for i, w in enumerate(weights)), reverse=True)
+    return [items[i] for _, i in keyed[:count]]
+
+
 class Node:
     def __init__(self, config: NodeConfig, transport: Transport | None = None):
         self.config = config
@@ -244,13 +253,24 @@ class Node:
         return groups
 
     def _sample_external(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
-        """SAPO: J questions drawn uniformly from the peers' groups that carry a learning signal."""
+        """SAPO: J questions drawn from the peers' groups that carry a learning signal, uniformly or
+        by this node's weakness in their specialty (swarm.external_selection)."""
         if self.config.trainer.drop_uniform_groups:
             groups = [g for g in groups if max(g.rewards) - min(g.rewards) > 1e-9]
-        chosen = random.Random(self._generation_seed(round_)).sample(groups, min(self.config.swarm.external_questions, len(groups)))
+        count = min(self.config.swarm.external_questions, len(groups))
+        rng = random.Random(self._generation_seed(round_))
+        if self.config.swarm.external_selection == "weakness":
+            chosen = weighted_sample(groups, [self.external_weight(g) for g in groups], count, rng)
+        else:
+            chosen = rng.sample(groups, count)
         for group in chosen:
             self.stats.peer(group.source).questions_used += 1
         return chosen
+
+    def external_weight(self, group: RolloutGroup) -> float:
+        """'weakness' selection: how often our own answers in this group's specialty are wrong (unknown: as if always)."""
+        accuracy = self.accuracy_by_dataset_ema.get(self.tasks.label(group.spec))
+        return max(WEAKNESS_FLOOR, 1.0 - accuracy) if accuracy is not None else 1.0
 
     def _generate_and_score(self, questions: list[Question], round_: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
         timings = RoundTimings()
