@@ -15,6 +15,9 @@ from node.transport.protobuf_shim import import_hivemind_isolated
 import_hivemind_isolated()
 
 REPO = Path(__file__).resolve().parents[1]
+# How long a CLI subprocess may take before a test calls it hung. A hang guard, never a speed check:
+# on a machine shared with other work, importing torch alone has taken minutes.
+CLI_TIMEOUT_S = 900
 
 TINY_OVERRIDES = [
     "model.default.hidden_size=32",

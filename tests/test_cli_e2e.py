@@ -9,7 +9,7 @@ import time
 import pytest
 
 from node.config import dump_config
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 
 REQUIRED_KEYS = {"round", "reward_mean", "accuracy", "tokens_per_s", "step_s", "policy_version"}
 
@@ -21,7 +21,7 @@ def tiny_yaml(tiny_config, tmp_path):
     return path
 
 
-def run_cli(env, *args, timeout=300):
+def run_cli(env, *args, timeout=CLI_TIMEOUT_S):
     return subprocess.run(cli(*args), capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
@@ -100,7 +100,7 @@ def test_ctrl_c_saves_and_exits_cleanly(tiny_yaml, tmp_path, cli_env):
     process = _start_and_wait(cli_env, tiny_yaml, state, rows_needed=2)
     os.kill(process.pid, signal.SIGINT)
     try:
-        assert process.wait(timeout=120) == 0, process.stderr.read().decode()
+        assert process.wait(timeout=CLI_TIMEOUT_S) == 0, process.stderr.read().decode()
     finally:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
@@ -110,5 +110,5 @@ def test_ctrl_c_saves_and_exits_cleanly(tiny_yaml, tmp_path, cli_env):
 
 def test_help_everywhere(cli_env):
     for args in (["--help"], ["train", "--help"], ["stats", "--help"]):
-        result = run_cli(cli_env, *args, timeout=60)
+        result = run_cli(cli_env, *args)
         assert result.returncode == 0 and "usage: swarm-node" in result.stdout

@@ -3,7 +3,7 @@ import subprocess
 import pytest
 
 from node.config import ConfigError, NodeConfig, dump_config, load_config
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -63,7 +63,7 @@ def test_malformed_override_and_missing_file():
     ],
 )
 def test_cli_bad_config_exits_2_with_one_line(args, tmp_path, cli_env):
-    result = subprocess.run(cli(*args, "--state-dir", str(tmp_path / "s")), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
+    result = subprocess.run(cli(*args, "--state-dir", str(tmp_path / "s")), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("swarm-node: error:"), result.stderr

@@ -21,7 +21,7 @@ from rich.console import Console
 from node.config import dump_config, load_config
 from node.dashboard.server import MAX_REQUEST_BYTES, DashboardServer
 from node.dashboard.sources import DashboardSources, MetricsTail, PeerHistory
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, wait_for
 
 PEER_ROW = dict(node_id="12D3KooWAbcdefghijklmnop", display_name="a-rather-long-node-name", round=123, policy_version=120, reward_mean=0.1234,
@@ -202,7 +202,7 @@ def test_browser_renders_peers_and_curves_of_a_live_swarm(swarm_yaml, tmp_path, 
         wait_for(ready, 300, "two peers, three metrics rows and some heartbeat history on the dashboard", interval=1)
 
         # /api/peers is what `swarm-node peers --json` prints (the same function): same peers, same fields.
-        listed = subprocess.run(cli("peers", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180)
+        listed = subprocess.run(cli("peers", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
         assert listed.returncode == 0, listed.stderr
         from_cli, from_api = json.loads(listed.stdout.strip().splitlines()[-1]), get_json(url + "api/peers")
         assert [r["node_id"] for r in from_cli] == [r["node_id"] for r in from_api] and [set(r) for r in from_cli] == [set(r) for r in from_api]
@@ -229,7 +229,7 @@ def test_browser_renders_peers_and_curves_of_a_live_swarm(swarm_yaml, tmp_path, 
         wait_for(lambda: len(get_json(viewer_url + "api/peers")) == 2, 120, "the viewer to list both peers", interval=1)
         assert get_json(viewer_url + "api/metrics") and get_json(viewer_url + "api/swarm")["node"]["viewer"] is True
         os.killpg(viewer.pid, signal.SIGINT)
-        assert viewer.wait(timeout=60) == 0, (tmp_path / "viewer.out").read_text()[-2000:]
+        assert viewer.wait(timeout=CLI_TIMEOUT_S) == 0, (tmp_path / "viewer.out").read_text()[-2000:]
     finally:
         if viewer is not None and viewer.poll() is None:
             os.killpg(viewer.pid, signal.SIGKILL)

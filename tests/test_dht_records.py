@@ -14,7 +14,7 @@ import msgpack
 from node.stats import RecordRefusals
 from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
 from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, decode_message, encode_message
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
 from tests.test_swarm import nodes, swarm_yaml  # noqa: F401 - fixtures
 
@@ -162,7 +162,7 @@ async def _poisoned_holder_scenario():
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", SWARM, "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", SWARM, "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

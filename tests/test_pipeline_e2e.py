@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from node.config import dump_config, load_config
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
 
 PIPELINE_OVERRIDES = [
@@ -159,7 +159,7 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
 
     def stage_map():
         result = subprocess.run(cli("peers", "--initial-peers", *pipe.live_peers()[:1], "--swarm-id", "test-pipeline", "--json", "--stages"),
-                                capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
+                                capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
         assert result.returncode == 0, result.stderr
         maps = json.loads(result.stdout.strip().splitlines()[-1])
         return maps if len(maps) == 1 and [len(row["servers"]) for row in next(iter(maps.values()))] == [1, 2, 1, 1] else None
@@ -174,7 +174,7 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     assert (event["method"], event["stage"]) == ("checkfree_plus", 3)
     assert [s["stage"] for s in event["sources"]] == [2]
     assert_trains(pipe.steps(driver, 2))
-    summary = json.loads(subprocess.run(cli("stats", "--state-dir", str(driver.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60).stdout)
+    summary = json.loads(subprocess.run(cli("stats", "--state-dir", str(driver.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S).stdout)
     assert summary["stages_recovered"] >= 1 and summary["steps"] >= 9
 
     # One of two replicas dies: the other carries stage 1 on without any recovery, and a restarted server copies it.

@@ -7,7 +7,7 @@ import json
 import subprocess
 
 from node.config import dump_config, load_config
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import read_rows, wait_for
 from tests.test_pipeline_e2e import START_S, Pipeline
 
@@ -52,7 +52,7 @@ def test_grpo_rounds_run_through_the_pipeline(model_cache, tmp_path, cli_env):
         for server in servers:
             stage = wait_for(lambda: (state := stage_json(server)) and state["step"] == rows[-1]["policy_version"] and state, 30, "the stage to report its last step")
             assert {"infer", "forward", "backward", "step"} <= set(stage["calls"])
-        stats = subprocess.run(cli("stats", "--state-dir", str(driver_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60)
+        stats = subprocess.run(cli("stats", "--state-dir", str(driver_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
         assert stats.returncode == 0 and json.loads(stats.stdout)["rounds"] == 6
     finally:
         for proc in procs:

@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import read_rows, wait_for
 from tests.test_dashboard import get_json, swarm_yaml  # noqa: F401 - a fixture
 
@@ -40,7 +40,7 @@ def test_simulate_starts_a_joined_swarm_with_a_dashboard_and_ctrl_c_stops_every_
         wait_for(lambda: all(read_rows(root / f"node-{i}") for i in range(3)), 300, "a round of every node")
 
         os.kill(process.pid, signal.SIGINT)  # what Ctrl-C in its terminal does; the nodes live in their own process groups
-        assert process.wait(timeout=300) == 0, out.read_text()[-3000:]
+        assert process.wait(timeout=CLI_TIMEOUT_S) == 0, out.read_text()[-3000:]
         assert not any(alive(pid) for pid in pids)
         for i in range(3):
             state = root / f"node-{i}"

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from node.config import dump_config, load_config
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, read_rows, wait_for
 
 
@@ -36,7 +36,7 @@ def uses_peers(state_dir) -> bool:
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -61,7 +61,7 @@ def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env
     for peer in listed:
         assert {"node_id", "round", "reward_mean", "last_seen"} <= set(peer)
         assert peer["round"] > 0 and peer["rollouts_published"] > 0
-    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180).stdout)["node_id"] for n in nodes}
+    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S).stdout)["node_id"] for n in nodes}
     assert {peer["node_id"] for peer in listed} == ids
 
     for node in nodes:
@@ -72,7 +72,7 @@ def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env
         assert used, f"{node.state_dir.name} used no peer questions"
         assert swarm["totals"]["rejected"] == {}  # honest peers: nothing refused
         assert swarm["totals"]["gossip_messages_received"] > 0  # pushed over libp2p gossipsub, not only polled
-        stats = subprocess.run(cli("stats", "--state-dir", str(node.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=60)
+        stats = subprocess.run(cli("stats", "--state-dir", str(node.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
         assert json.loads(stats.stdout)["swarm"]["totals"]["batches_accepted"] > 0
 
 
@@ -107,7 +107,7 @@ def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
     result = subprocess.run(
         cli("join", "--config", str(swarm_yaml), "--state-dir", str(tmp_path / "x"), "--initial-peers", dead, "--set", "swarm.bootstrap_attempts=2", "--set", "swarm.p2pd_startup_timeout_s=10"),
-        capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180,
+        capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S,
     )
     assert result.returncode == 1
     assert "could not join" in result.stderr and "after 2 attempts" in result.stderr

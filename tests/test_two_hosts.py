@@ -15,7 +15,7 @@ import pytest
 
 from node.config import dump_config, load_config
 from node.transport.dht import routable_gossip_addresses
-from tests.conftest import REPO, cli
+from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SWARM_OVERRIDES, read_rows, wait_for
 
 
@@ -107,7 +107,7 @@ def test_gossip_and_rollouts_cross_two_hosts(model_cache, tmp_path, cli_env, two
             wait_for(lambda: any(r.get("external_questions", 0) > 0 for r in read_rows(tmp_path / name)), 240, f"node {name} to train on the other's rollouts", interval=1)
         # What each node advertises, as a third party on host b reads it from the DHT: dialable addresses only.
         peers = subprocess.run(["ip", "netns", "exec", two_hosts[1], *cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json")],
-                               capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=180)
+                               capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
         assert peers.returncode == 0, peers.stderr[-2000:]
         rows = json.loads(peers.stdout.splitlines()[0])
         advertised = {row["node_id"]: row["gossip_addresses"] for row in rows}
