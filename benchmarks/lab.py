@@ -1,0 +1,470 @@
+"""Swarm lab: N real `swarm-node` processes, each in its own network namespace, on shaped links.
+
+    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --loss 0.01
+    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --slow-fraction 0.5 --slow-mbit 20 --minutes 10
+    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --churn-every 30 --partition-at 120 --partition-for 60
+
+Topology: a hub namespace holds a bridge; node i lives in namespace `<tag>-n<i>` with one
+interface `eth0` at 198.18.<1 + i // 250>.<1 + i % 250>/16, joined to the bridge by a veth
+pair. The root namespace is joined too (198.18.0.254), so `swarm-node peers` and the
+dashboard work from the host. Per node, both directions of its link are shaped: upload by a
+`tc tbf` on its eth0, download by a `tc tbf` on its bridge port; random loss by iptables'
+`statistic` match on its INPUT and OUTPUT (so `--loss p` drops a packet with probability p
+in each direction). Delay is NOT emulated: this kernel has no `netem`, and a user-space
+delay relay was not built; RTT stays that of a veth (tens of microseconds).
+
+Faults: `--churn-every S` kills a random non-bootstrap node with SIGKILL every S seconds and
+restarts it (same state directory: it resumes) `--churn-down` seconds later; `--partition-at
+T --partition-for S` moves the bridge ports of the upper half of the nodes to a second
+bridge for S seconds (two halves that cannot reach each other), then moves them back.
+
+Everything the lab creates is torn down on exit, on Ctrl-C, on SIGTERM and on an exception;
+a lab killed with SIGKILL leaves a registry file under /tmp/swarm-lab that the next lab (or
+`--cleanup`) uses to remove what it left. Without root the lab says so in one line and runs
+the nodes on 127.0.0.1 with no shaping.
+
+Importable: `with Lab(3) as lab: lab.shape(0, Link(mbit=20)); lab.run(0, [...])`. The CLI
+ends with one JSON line (per node: rounds, peer questions used, gossip messages, restarts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REGISTRY_DIR = Path("/tmp/swarm-lab")
+HOST_IP = "198.18.0.254"
+PREFIX_LEN = 16
+MAX_NODES = 1000
+
+
+def node_ip(index: int) -> str:
+    return f"198.18.{1 + index // 250}.{1 + index % 250}"
+
+
+def lab_unavailable() -> str | None:
+    """Why this machine cannot build the lab (None: it can)."""
+    if os.geteuid() != 0:
+        return "the swarm lab needs root (network namespaces, tc, iptables)"
+    for tool in ("ip", "tc", "iptables"):
+        if shutil.which(tool) is None:
+            return f"the swarm lab needs `{tool}` (Debian: iproute2, iptables)"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns` does not work here"
+    return None
+
+
+@dataclass(frozen=True)
+class Link:
+    """How one node's link is shaped. Rates in Mbit/s (None: unshaped); loss per packet and direction."""
+
+    mbit: float | None = None
+    up_mbit: float | None = None  # overrides `mbit` for what the node sends
+    down_mbit: float | None = None  # overrides `mbit` for what the node receives
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        for rate in (self.mbit, self.up_mbit, self.down_mbit):
+            if rate is not None and not 0.01 <= rate <= 100_000:
+                raise ValueError(f"a link rate must be in [0.01, 100000] Mbit/s, got {rate}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+
+    @property
+    def up(self) -> float | None:
+        return self.up_mbit if self.up_mbit is not None else self.mbit
+
+    @property
+    def down(self) -> float | None:
+        return self.down_mbit if self.down_mbit is not None else self.mbit
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.up is None and self.down is None else f"{self.up or '-'}/{self.down or '-'} Mbit/s up/down"
+        return rate + (f", {self.loss:.1%} loss each way" if self.loss else "")
+
+
+def _tbf(rate_mbit: float) -> list[str]:
+    # burst: at least one MTU and ~4 ms of traffic at the rate, so low rates stay exact and high ones reachable
+    burst = max(15_000, int(rate_mbit * 1e6 / 8 * 0.004))
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "400ms"]
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+@dataclass
+class _Process:
+    index: int
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen
+    restarts: int = 0
+
+
+@dataclass
+class Lab:
+    """N network namespaces on one bridge (see the module docstring). Use as a context manager."""
+
+    nodes: int
+    tag: str = field(default_factory=lambda: f"sl{uuid.uuid4().hex[:5]}")
+    loopback: bool = False  # no namespaces (not root): every node on 127.0.0.1, shaping ignored
+    host_link: bool = True  # join the root namespace to the bridge (HOST_IP), so the host can watch; tests leave it out
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"a lab has 1 to {MAX_NODES} nodes, not {self.nodes}")
+        if len(self.tag) > 7 or not self.tag.isalnum():
+            raise ValueError("a lab tag is at most 7 letters or digits (interface names are limited to 15 characters)")
+        self.processes: dict[int, _Process] = {}
+        self.links: dict[int, Link] = {}
+        self.partitioned: set[int] = set()
+        self._up = False
+
+    # names ------------------------------------------------------------------------------
+
+    def ns(self, index: int) -> str:
+        return f"{self.tag}-n{index}"
+
+    @property
+    def hub(self) -> str:
+        return f"{self.tag}-hub"
+
+    def ip(self, index: int) -> str:
+        return "127.0.0.1" if self.loopback else node_ip(index)
+
+    def _port(self, index: int) -> str:
+        return f"{self.tag}p{index}"
+
+    @property
+    def _registry(self) -> Path:
+        return REGISTRY_DIR / f"{self.tag}.json"
+
+    # life cycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Lab":
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> None:
+        if self.loopback:
+            self._up = True
+            return
+        why = lab_unavailable()
+        if why:
+            raise RuntimeError(why)
+        cleanup_stale()
+        self._up = True
+        self._save_registry()  # before creating anything: a crash from here on is cleaned up next time
+        try:
+            _run("ip", "netns", "add", self.hub)
+            for bridge in ("br0", "br1"):  # br1 holds the cut-off half during a partition
+                _run("ip", "-n", self.hub, "link", "add", bridge, "type", "bridge")
+                _run("ip", "-n", self.hub, "link", "set", bridge, "up")
+            if self.host_link:
+                _run("ip", "link", "add", f"{self.tag}h", "type", "veth", "peer", "name", f"{self.tag}hp")
+                _run("ip", "link", "set", f"{self.tag}hp", "netns", self.hub)
+                _run("ip", "-n", self.hub, "link", "set", f"{self.tag}hp", "master", "br0", "up")
+                _run("ip", "addr", "add", f"{HOST_IP}/{PREFIX_LEN}", "dev", f"{self.tag}h")
+                _run("ip", "link", "set", f"{self.tag}h", "up")
+            for index in range(self.nodes):
+                ns, port = self.ns(index), self._port(index)
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", f"{self.tag}v{index}", "type", "veth", "peer", "name", port)
+                _run("ip", "link", "set", f"{self.tag}v{index}", "netns", ns)
+                _run("ip", "link", "set", port, "netns", self.hub)
+                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+                _run("ip", "-n", ns, "link", "set", f"{self.tag}v{index}", "name", "eth0")
+                _run("ip", "-n", ns, "addr", "add", f"{node_ip(index)}/{PREFIX_LEN}", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        """Stop every process this lab started (their process groups), then remove its namespaces and links."""
+        for proc in self.processes.values():
+            _signal_group(proc.popen, signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for proc in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.processes.values():
+            _signal_group(proc.popen, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=10)
+        if self._up and not self.loopback:
+            _remove(self.tag, self.nodes)
+            self._registry.unlink(missing_ok=True)
+        self._up = False
+
+    def _save_registry(self) -> None:
+        REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+        record = {"owner_pid": os.getpid(), "tag": self.tag, "nodes": self.nodes, "process_groups": [p.popen.pid for p in self.processes.values()]}
+        tmp = self._registry.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self._registry)
+
+    # shaping and faults -------------------------------------------------------------------
+
+    def shape(self, index: int, link: Link) -> None:
+        """Shape node `index`'s link (replacing any earlier shaping)."""
+        self.links[index] = link
+        if self.loopback:
+            return
+        ns = self.ns(index)
+        _run("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
+        _run("tc", "-n", self.hub, "qdisc", "del", "dev", self._port(index), "root", check=False)
+        if link.up is not None:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf(link.up))
+        if link.down is not None:
+            _run("tc", "-n", self.hub, "qdisc", "add", "dev", self._port(index), "root", *_tbf(link.down))
+        for chain in ("INPUT", "OUTPUT"):
+            _run("ip", "netns", "exec", ns, "iptables", "-F", chain)
+            if link.loss:
+                _run("ip", "netns", "exec", ns, "iptables", "-A", chain, "-m", "statistic", "--mode", "random",
+                     "--probability", f"{link.loss:.6f}", "-j", "DROP")
+
+    def partition(self, cut_off: set[int]) -> None:
+        """Cut the nodes in `cut_off` from the others (and from the host); they still reach each other."""
+        if self.loopback:
+            raise RuntimeError("partitions need the namespaced lab (root)")
+        for index in sorted(cut_off):
+            _run("ip", "-n", self.hub, "link", "set", self._port(index), "master", "br1")
+        self.partitioned |= set(cut_off)
+
+    def heal(self) -> None:
+        for index in sorted(self.partitioned):
+            _run("ip", "-n", self.hub, "link", "set", self._port(index), "master", "br0")
+        self.partitioned.clear()
+
+    # processes ----------------------------------------------------------------------------
+
+    def run(self, index: int, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `argv` in node `index`'s namespace, in a process group of its own, output to `log`."""
+        prefix = [] if self.loopback else ["ip", "netns", "exec", self.ns(index)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(prefix + argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        restarts = self.processes[index].restarts + 1 if index in self.processes else 0
+        self.processes[index] = _Process(index, argv, log, popen, restarts)
+        if not self.loopback:
+            self._save_registry()
+        return popen
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.processes[index]
+        _signal_group(proc.popen, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=30)
+
+    def restart(self, index: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start node `index`'s last command again; a restart resumes its state, so without `--fresh`."""
+        proc = self.processes[index]
+        return self.run(index, [a for a in proc.argv if a != "--fresh"], proc.log, env)
+
+    def alive(self, index: int) -> bool:
+        return index in self.processes and self.processes[index].popen.poll() is None
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    if popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, sig)
+
+
+def _remove(tag: str, nodes: int) -> None:
+    """Delete a lab's namespaces (which deletes their veth ends, and so the pairs) and its host link."""
+    for index in range(nodes):
+        _run("ip", "netns", "del", f"{tag}-n{index}", check=False)
+    _run("ip", "netns", "del", f"{tag}-hub", check=False)
+    _run("ip", "link", "del", f"{tag}h", check=False)
+
+
+def cleanup_stale() -> list[str]:
+    """Remove what labs whose owner process is gone left behind (process groups, namespaces, links); their tags."""
+    removed = []
+    if not REGISTRY_DIR.exists():
+        return removed
+    for path in sorted(REGISTRY_DIR.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        owner = record.get("owner_pid")
+        if owner and owner != os.getpid() and Path(f"/proc/{owner}").exists():
+            continue  # a live lab
+        for pgid in record.get("process_groups", []):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        _remove(record["tag"], record["nodes"])
+        path.unlink(missing_ok=True)
+        removed.append(record["tag"])
+    return removed
+
+
+# a swarm in the lab -----------------------------------------------------------------------------
+
+
+def node_argv(lab: Lab, index: int, state_dir: Path, bootstrap: str | None, sets: list[str], fresh: bool) -> list[str]:
+    argv = [sys.executable, "-m", "node.cli", "join", "--state-dir", str(state_dir), "--set", f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
+            "--set", f"name=lab-{index}"]
+    for item in sets:
+        argv += ["--set", item]
+    if bootstrap:
+        argv += ["--initial-peers", bootstrap]
+    if fresh:
+        argv.append("--fresh")
+    return argv
+
+
+def wait_for_address(state_dir: Path, ip: str, timeout_s: float, proc: subprocess.Popen) -> str:
+    """The multiaddr on `ip` a started node wrote to addresses.txt (it is listening then)."""
+    deadline = time.monotonic() + timeout_s
+    path = state_dir / "addresses.txt"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the node exited with {proc.returncode} before listening; see {state_dir}")
+        if path.exists():
+            for line in path.read_text().split():
+                if f"/ip4/{ip}/" in line:
+                    return line
+        time.sleep(0.5)
+    raise RuntimeError(f"no address on {ip} in {path} after {timeout_s:.0f}s")
+
+
+def start_swarm(lab: Lab, root: Path, sets: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 1800) -> str:
+    """Node 0 first, then every other node joining it at its lab address; node 0's address."""
+    state0 = root / "n0"
+    lab.run(0, node_argv(lab, 0, state0, None, sets, fresh=True), root / "n0.out", env)
+    bootstrap = wait_for_address(state0, lab.ip(0), start_timeout_s, lab.processes[0].popen)
+    for index in range(1, lab.nodes):
+        lab.run(index, node_argv(lab, index, root / f"n{index}", bootstrap, sets, fresh=True), root / f"n{index}.out", env)
+    return bootstrap
+
+
+def node_summary(state_dir: Path) -> dict:
+    rows = []
+    metrics = state_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    swarm = json.loads((state_dir / "swarm.json").read_text()) if (state_dir / "swarm.json").exists() else {}
+    totals = swarm.get("totals", {})
+    return {"rounds": rows[-1]["round"] if rows else 0, "external_questions": sum(r.get("external_questions", 0) for r in rows),
+            "gossip_messages_received": totals.get("gossip_messages_received", 0), "batches_accepted": totals.get("batches_accepted", 0)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--mbit", type=float, default=None, help="every node's link rate, both directions (default: unshaped)")
+    parser.add_argument("--up-mbit", type=float, default=None, help="upload rate (overrides --mbit)")
+    parser.add_argument("--down-mbit", type=float, default=None, help="download rate (overrides --mbit)")
+    parser.add_argument("--loss", type=float, default=0.0, help="packet loss per direction, e.g. 0.01")
+    parser.add_argument("--slow-fraction", type=float, default=0.0, help="this fraction of the nodes (the last ones) gets --slow-mbit")
+    parser.add_argument("--slow-mbit", type=float, default=20.0)
+    parser.add_argument("--minutes", type=float, default=0.0, help="run this long, then stop and report (0: until Ctrl-C)")
+    parser.add_argument("--churn-every", type=float, default=0.0, help="kill -9 a random non-bootstrap node every this many seconds")
+    parser.add_argument("--churn-down", type=float, default=5.0, help="seconds a churned node stays dead before its restart")
+    parser.add_argument("--partition-at", type=float, default=None, help="seconds after the start to cut the upper half of the nodes off")
+    parser.add_argument("--partition-for", type=float, default=60.0)
+    parser.add_argument("--state-root", type=Path, default=None, help="where node state goes (default: a new temporary directory)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the churn schedule")
+    parser.add_argument("--cleanup", action="store_true", help="only remove what killed labs left behind, then exit")
+    args = parser.parse_args()
+
+    if args.cleanup:
+        removed = cleanup_stale() if lab_unavailable() is None else []
+        print(f"removed {len(removed)} stale lab(s): {', '.join(removed) or '-'}")
+        return 0
+    why = lab_unavailable()
+    if why:
+        print(f"lab: {why}; running the nodes on 127.0.0.1 without shaping or faults")
+    lab = Lab(args.nodes, loopback=why is not None)
+    root = args.state_root or Path(tempfile.mkdtemp(prefix="swarm-lab-"))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rng = random.Random(args.seed)
+    events: list[dict] = []
+    started = time.monotonic()
+    try:
+        lab.up()
+        slow_from = args.nodes - round(args.nodes * args.slow_fraction)
+        for index in range(args.nodes):
+            fast = Link(mbit=args.mbit, up_mbit=args.up_mbit, down_mbit=args.down_mbit, loss=args.loss)
+            link = fast if index < slow_from else Link(mbit=args.slow_mbit, loss=args.loss)
+            lab.shape(index, link)
+            print(f"node {index}: {lab.ip(index)} in {'127.0.0.1' if lab.loopback else lab.ns(index)}, {link.describe()}", flush=True)
+        bootstrap = start_swarm(lab, root, args.set)
+        swarm_id = next((s.split("=", 1)[1] for s in args.set if s.startswith("swarm.swarm_id=")), None)
+        print(f"swarm started; watch it from this host with:\n  .venv/bin/swarm-node peers --initial-peers {bootstrap}" + (f" --swarm-id {swarm_id}" if swarm_id else ""), flush=True)
+        next_churn = args.churn_every or None
+        restart_at: dict[int, float] = {}
+        partition_end = None
+        while not args.minutes or time.monotonic() - started < args.minutes * 60:
+            now = time.monotonic() - started
+            if next_churn is not None and now >= next_churn and args.nodes > 1:
+                victim = rng.randrange(1, args.nodes)
+                if lab.alive(victim):
+                    lab.kill(victim)
+                    restart_at[victim] = now + args.churn_down
+                    events.append({"t": round(now, 1), "event": "kill -9", "node": victim})
+                    print(f"{now:6.0f}s: killed node {victim} (kill -9)", flush=True)
+                next_churn += args.churn_every
+            for victim, when in list(restart_at.items()):
+                if now >= when:
+                    lab.restart(victim)
+                    del restart_at[victim]
+                    events.append({"t": round(now, 1), "event": "restart", "node": victim})
+                    print(f"{now:6.0f}s: restarted node {victim} (resumes its state)", flush=True)
+            if args.partition_at is not None and partition_end is None and now >= args.partition_at and not lab.loopback:
+                cut = set(range(args.nodes // 2, args.nodes))
+                lab.partition(cut)
+                partition_end = now + args.partition_for
+                events.append({"t": round(now, 1), "event": "partition", "nodes": sorted(cut)})
+                print(f"{now:6.0f}s: partitioned nodes {sorted(cut)} from the others for {args.partition_for:.0f}s", flush=True)
+            if partition_end is not None and lab.partitioned and now >= partition_end:
+                lab.heal()
+                events.append({"t": round(now, 1), "event": "heal"})
+                print(f"{now:6.0f}s: healed the partition", flush=True)
+            for index in range(args.nodes):
+                if index not in restart_at and not lab.alive(index):
+                    print(f"{now:6.0f}s: node {index} exited on its own ({lab.processes[index].popen.returncode}); see {lab.processes[index].log}", flush=True)
+                    restart_at[index] = float("inf")  # reported once, not restarted
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("stopping the lab", flush=True)
+    finally:
+        lab.down()
+    nodes = {index: {**node_summary(root / f"n{index}"), "restarts": lab.processes[index].restarts if index in lab.processes else 0,
+                     "link": lab.links.get(index, Link()).describe()} for index in range(args.nodes)}
+    for index, summary in nodes.items():
+        print(f"node {index}: {summary}")
+    print(json.dumps({"benchmark": "lab", "lab": not lab.loopback, "nodes": args.nodes, "mbit": args.mbit, "loss": args.loss, "rtt_ms": None,
+                      "minutes": round((time.monotonic() - started) / 60, 2), "events": events, "per_node": nodes, "state_root": str(root)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The swarm lab (benchmarks/lab.py): namespaces on a bridge, shaped links, partitions, cleanup after a
+crash, and a short swarm in it with loss and a node killed with -9 (the long fault runs are `slow`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.swarm_helpers import read_rows, wait_for
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from lab import Lab, Link, cleanup_stale, lab_unavailable, node_summary, start_swarm  # noqa: E402
+
+needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
+
+SINK = textwrap.dedent("""
+    import socket, sys
+    server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+    while True:
+        conn, _ = server.accept()
+        total = 0
+        while chunk := conn.recv(65536):
+            total += len(chunk)
+        conn.sendall(str(total).encode())
+        conn.close()
+""")
+SEND = textwrap.dedent("""
+    import socket, sys, time
+    started = time.monotonic()
+    conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
+    conn.sendall(bytes(int(sys.argv[3])))
+    conn.shutdown(socket.SHUT_WR)
+    received = int(conn.recv(64))
+    print(received, time.monotonic() - started)
+""")
+
+
+def send(lab: Lab, source: int, target: int, nbytes: int, connect_timeout: float = 5.0) -> tuple[int, float] | None:
+    """Bytes the sink on `target` counted and the seconds it took, or None when no connection could be made."""
+    result = subprocess.run(["ip", "netns", "exec", lab.ns(source), sys.executable, "-c", SEND, lab.ip(target), "9000", str(nbytes), str(connect_timeout)],
+                            capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    if result.returncode != 0:
+        return None
+    received, seconds = result.stdout.split()
+    return int(received), float(seconds)
+
+
+def test_link_profiles_are_checked():
+    assert Link(mbit=50).up == 50 and Link(mbit=50, up_mbit=5).up == 5 and Link(mbit=50, up_mbit=5).down == 50
+    for bad in (dict(mbit=0), dict(loss=1.0), dict(loss=-0.1), dict(up_mbit=1e9)):
+        with pytest.raises(ValueError):
+            Link(**bad)
+    with pytest.raises(ValueError):
+        Lab(0)
+    with pytest.raises(ValueError):
+        Lab(2, tag="much-too-long")
+
+
+@needs_lab
+def test_shaped_links_partitions_and_teardown(tmp_path):
+    with Lab(3, host_link=False) as lab:
+        for index in range(3):
+            lab.run(index, [sys.executable, "-c", SINK, lab.ip(index), "9000"], tmp_path / f"sink{index}.log")
+        first = wait_for(lambda: send(lab, 0, 1, 1000), 60, "the sink on node 1 to listen")
+        assert first[0] == 1000
+        # 2 MB through node 0's upload at 8 Mbit/s cannot take less than ~2 s (a lower bound: load only adds to it)
+        lab.shape(0, Link(up_mbit=8, down_mbit=100))
+        received, seconds = send(lab, 0, 1, 2_000_000)
+        assert received == 2_000_000 and seconds >= 1.6, seconds
+        lab.shape(0, Link())  # unshaped again, and node 1's download at 8 Mbit/s is the bottleneck instead
+        lab.shape(1, Link(down_mbit=8))
+        received, seconds = send(lab, 0, 1, 2_000_000)
+        assert received == 2_000_000 and seconds >= 1.6, seconds
+        lab.shape(1, Link())
+        lab.partition({2})
+        assert send(lab, 0, 2, 1000, connect_timeout=3) is None  # cut off
+        assert send(lab, 0, 1, 1000)[0] == 1000  # the rest still talk
+        lab.heal()
+        assert wait_for(lambda: send(lab, 0, 2, 1000), 60, "node 2 to be reachable after the heal")[0] == 1000
+        namespaces = [lab.ns(i) for i in range(3)] + [lab.hub]
+        pids = [p.popen.pid for p in lab.processes.values()]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in namespaces), listed
+    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text() for pid in pids)
+
+
+@needs_lab
+def test_a_lab_killed_with_sigkill_is_removed_by_the_next_one(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO / 'benchmarks')!r})
+        from lab import Lab
+        lab = Lab(2, host_link=False)
+        lab.up()
+        lab.run(1, ["sleep", "1000"], __import__("pathlib").Path({str(tmp_path / 'sleep.log')!r}))
+        print(lab.tag, lab.processes[1].popen.pid, flush=True)
+        time.sleep(1000)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        tag, sleeper = owner.stdout.readline().split()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=CLI_TIMEOUT_S)
+        assert f"{tag}-n1" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # left behind
+        assert tag in cleanup_stale()
+        assert f"{tag}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        wait_for(lambda: not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text(), 30, "the orphaned process to be killed")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+@needs_lab
+def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_path, cli_env):
+    """Short version of the lab's fault runs: 3 nodes, 20 Mbit/s links with 2 % loss each way; every node
+    trains on its peers' rollouts; node 2 killed with -9 and restarted resumes its own state."""
+    from node.config import load_config
+    from node.model import ensure_default_model
+
+    sets = [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.swarm_id=lab-test", "swarm.window_s=2", "swarm.heartbeat_interval_s=1", "swarm.external_questions=2",
+            "checkpoint_every=1", "torch_threads=1"]
+    ensure_default_model(load_config(REPO / "configs" / "swarm.yaml", sets))  # built once, before three nodes race to build it
+    with Lab(3, host_link=False) as lab:
+        for index in range(3):
+            lab.shape(index, Link(mbit=20, loss=0.02))
+        bootstrap = start_swarm(lab, tmp_path, sets, env=cli_env, start_timeout_s=CLI_TIMEOUT_S)
+        for index in range(3):
+            wait_for(lambda: node_summary(tmp_path / f"n{index}")["external_questions"] > 0, 300, f"node {index} to train on its peers' rollouts", interval=1)
+        before = wait_for(lambda: read_rows(tmp_path / "n2") and (tmp_path / "n2" / "checkpoints" / "LATEST").exists() and read_rows(tmp_path / "n2")[-1]["round"],
+                          300, "node 2 to checkpoint", interval=1)
+        lab.kill(2)
+        lab.restart(2, env=cli_env)
+        wait_for(lambda: read_rows(tmp_path / "n2")[-1]["round"] > before + 1, 300, "node 2 to resume and train on", interval=1)
+        rounds = [r["round"] for r in read_rows(tmp_path / "n2")]
+        assert rounds == sorted(set(rounds)) and rounds[0] == 1  # resumed: no round counted twice, none restarted from 1
+
+        def listed() -> set[str]:
+            result = subprocess.run(["ip", "netns", "exec", lab.ns(0), *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "lab-test", "--json")],
+                                    capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+            return {row["display_name"] for row in json.loads(result.stdout)} if result.returncode == 0 else set()
+
+        wait_for(lambda: listed() == {"lab-0", "lab-1", "lab-2"}, 120, "peers to list all three nodes", interval=2)
+        assert all(lab.alive(i) for i in range(3))  # the lab's exit stops them and removes the namespaces
