@@ -16,7 +16,7 @@ from tests.conftest import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
 from tests.swarm_helpers import read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab, Link, cleanup_stale, lab_unavailable, node_summary, start_swarm  # noqa: E402
+from lab import Lab, Link, cleanup_stale, lab_unavailable, node_argv, node_summary, start_swarm  # noqa: E402
 
 needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
@@ -148,3 +148,15 @@ def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_pa
 
         wait_for(lambda: listed() == {"lab-0", "lab-1", "lab-2"}, 120, "peers to list all three nodes", interval=2)
         assert all(lab.alive(i) for i in range(3))  # the lab's exit stops them and removes the namespaces
+
+
+@needs_lab
+def test_a_dead_bootstrap_peer_in_the_lab_gives_the_clear_error_after_its_retries(model_cache, tmp_path, cli_env):
+    with Lab(2, host_link=False) as lab:  # node 1's address: nobody listens there
+        dead = "/ip4/198.18.1.2/tcp/31337/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
+        argv = node_argv(lab, 0, tmp_path / "n0", dead, [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.bootstrap_attempts=2", "swarm.p2pd_startup_timeout_s=10"], fresh=True)
+        process = lab.run(0, argv, tmp_path / "n0.out", cli_env)
+        assert process.wait(timeout=CLI_TIMEOUT_S) == 1
+        out = (tmp_path / "n0.out").read_text()
+        assert "could not join" in out and "after 2 attempts" in out, out[-2000:]
+        assert "Traceback" not in out
