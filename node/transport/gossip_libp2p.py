@@ -44,6 +44,7 @@ import concurrent.futures
 import ipaddress
 import itertools
 import logging
+import random
 import socket
 import threading
 import time
@@ -78,6 +79,10 @@ GOSSIPSUB_PROTOCOLS = [PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID]  # what go
 START_TIMEOUT_S = 15.0  # host up is ~15 ms on this machine; generous for slow ones
 DIAL_TIMEOUT_S = 5.0  # per peer; a loopback connect takes ~250 ms
 CALL_TIMEOUT_S = 10.0  # trio-side deadline of subscribe / publish
+# Heartbeats are untrusted: a flood of fake peers each advertising an address must not turn one
+# heartbeat into a thousand dials. Unreached peers are offered again next beat, so a random
+# sample per call still reaches every real one.
+MAX_DIALS_PER_CONNECT = 64
 CALL_SLACK_S = 5.0  # the asyncio side gives up this much later, in case the trio thread died mid-call
 SHUTDOWN_GRACE_S = 3.0  # graceful close of services and connections, then cancelled
 STOP_JOIN_TIMEOUT_S = SHUTDOWN_GRACE_S + 3.0
@@ -154,7 +159,9 @@ class LibP2PGossip(Gossip):
         return addrs
 
     async def connect(self, addresses: list[str]) -> int:
-        return await self._call(self._connect_in_trio, list(addresses), timeout=DIAL_TIMEOUT_S + 1.0)
+        # The batch itself stops at DIAL_TIMEOUT_S (see _connect_in_trio); this deadline only
+        # guards against a wedged trio thread, so it leaves room for a loaded machine.
+        return await self._call(self._connect_in_trio, list(addresses), timeout=DIAL_TIMEOUT_S + CALL_TIMEOUT_S)
 
     async def publish(self, topic: str, data: bytes) -> None:
         if len(data) > self.max_message_bytes:
@@ -365,6 +372,8 @@ class LibP2PGossip(Gossip):
                 addrs_by_peer.setdefault(info.peer_id, []).extend(info.addrs)
         connected = host.get_network().connections
         to_dial = [peer for peer in addrs_by_peer if peer not in connected]
+        if len(to_dial) > MAX_DIALS_PER_CONNECT:
+            to_dial = random.sample(to_dial, MAX_DIALS_PER_CONNECT)
         succeeded = 0
 
         async def dial(peer: ID) -> None:
@@ -377,9 +386,10 @@ class LibP2PGossip(Gossip):
                 return
             succeeded += 1
 
-        async with trio.open_nursery() as dials:
-            for peer in to_dial:
-                dials.start_soon(dial, peer)
+        with trio.move_on_after(DIAL_TIMEOUT_S):  # dials still pending then are given up: they are offered again next beat
+            async with trio.open_nursery() as dials:
+                for peer in to_dial:
+                    dials.start_soon(dial, peer)
         return succeeded
 
     async def _subscribe_in_trio(self, topic: str) -> None:
