@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import random
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -55,6 +56,8 @@ MAX_VALUES_PER_KEY = 256  # peers read per key and round: bounds the work a floo
 SEEN_PER_SENDER = 64
 MAX_SENDERS_REMEMBERED = 1024
 MAX_REFUSED_REMEMBERED = 4096
+MAX_DHT_PEERS_REMEMBERED = 256  # DHT addresses from peers' signed heartbeats, kept to find them again after a partition
+REJOIN_PEERS_PER_PASS = 16  # lost peers re-contacted per rejoin pass: bounds the work whatever the heartbeats claim
 
 
 class SwarmJoinError(RuntimeError):
@@ -214,6 +217,9 @@ class DHTTransport(Transport):
         self._seen = _SeenEnvelopes()
         self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._heartbeat_task: asyncio.Task | None = None
+        self._dht_peers_seen: OrderedDict[str, list[str]] = OrderedDict()  # PeerID -> maddrs, least recently seen first
+        self._last_rejoin = time.monotonic()
+        self.dht_peers_rejoined = 0
 
     # lifecycle -----------------------------------------------------------------------
 
@@ -248,12 +254,53 @@ class DHTTransport(Transport):
         await self.gossip.subscribe(self.rollouts_topic)
 
     async def _connect_gossip_peers(self) -> None:
-        """Dial the gossip addresses peers announce in their heartbeats (new ones only)."""
-        if self.gossip is None:
-            return
-        addresses = [a for stats, _ in await read_peer_stats(self.dht, self.config, self.stats) if stats.node_id != self.identity.node_id for a in stats.gossip_addresses]
-        if addresses:
+        """Dial the gossip addresses peers announce in their heartbeats (new ones only), and remember their DHT addresses."""
+        peers = [stats for stats, _ in await read_peer_stats(self.dht, self.config, self.stats) if stats.node_id != self.identity.node_id]
+        self._remember_dht_peers(peers)
+        addresses = [a for stats in peers for a in stats.gossip_addresses]
+        if addresses and self.gossip is not None:
             await self.gossip.connect(addresses)
+
+    def _remember_dht_peers(self, peers: list[PeerStats]) -> None:
+        for stats in peers:
+            for peer_id, maddrs in dht_addresses_by_peer(stats.addresses).items():
+                self._dht_peers_seen.pop(peer_id, None)
+                self._dht_peers_seen[peer_id] = maddrs
+        while len(self._dht_peers_seen) > MAX_DHT_PEERS_REMEMBERED:
+            self._dht_peers_seen.popitem(last=False)
+
+    async def rejoin_lost_peers(self) -> int:
+        """Ping the bootstrap peers and peers seen in heartbeats that fell out of the DHT routing table.
+
+        hivemind only looks up peers its routing table leads to: after a partition each side has
+        dropped the other, and when the link heals nothing would bring them back together. Returns
+        how many came back (their neighbourhood is then looked up again)."""
+        from hivemind.p2p import PeerID
+        from multiaddr import Multiaddr
+
+        candidates = dht_addresses_by_peer(self.config.swarm.initial_peers)
+        candidates.update(self._dht_peers_seen)
+        candidates.pop(self.dht.peer_id.to_base58(), None)
+        lost = [(PeerID.from_base58(p), maddrs) for p, maddrs in candidates.items() if PeerID.from_base58(p) not in self.dht.protocol.routing_table]
+        if len(lost) > REJOIN_PEERS_PER_PASS:
+            lost = random.sample(lost, REJOIN_PEERS_PER_PASS)
+        timeout = self.config.swarm.dht_timeout_s
+
+        async def reach(peer_id, maddrs: list[str]) -> bool:
+            try:
+                await asyncio.wait_for(self.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout)
+            except Exception as exc:  # unreachable (still cut off, or gone): normal, the ping below says so
+                log.debug("DHT peer %s not reachable at %s: %r", peer_id, maddrs, exc)
+                return False
+            return await asyncio.wait_for(self.dht.protocol.call_ping(peer_id), timeout) is not None
+
+        results = await asyncio.gather(*(reach(peer_id, maddrs) for peer_id, maddrs in lost), return_exceptions=True)
+        back = sum(result is True for result in results)
+        if back:
+            self.dht_peers_rejoined += back
+            log.info("%d DHT peer(s) that had dropped out of the routing table answered again; looking up the neighbourhood", back)
+            await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), timeout)
+        return back
 
     async def stop(self) -> None:
         if self._heartbeat_task is not None:
@@ -294,6 +341,12 @@ class DHTTransport(Transport):
                 await self._connect_gossip_peers()
             except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
                 log.warning("heartbeat not published: %s", exc)
+            if time.monotonic() - self._last_rejoin >= self.config.swarm.rejoin_interval_s:
+                self._last_rejoin = time.monotonic()
+                try:
+                    await self.rejoin_lost_peers()
+                except Exception as exc:  # retried next pass
+                    log.warning("rejoining lost DHT peers failed: %r", exc)
 
     def _batch(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> RolloutBatch:
         questions = [
@@ -411,6 +464,20 @@ async def read_key(dht, key: str, timeout: float, limit: int = MAX_VALUES_PER_KE
     if found is None or not isinstance(found.value, dict):
         return []
     return [(subkey, entry.value) for subkey, entry in found.value.items()][:limit]
+
+
+def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:
+    """Group multiaddrs ending in /p2p/<PeerID> by PeerID; anything else (untrusted input) is skipped."""
+    from multiaddr import Multiaddr
+
+    grouped: dict[str, list[str]] = {}
+    for text in addresses:
+        try:
+            peer_id = Multiaddr(text)["p2p"]
+        except Exception:  # malformed or without /p2p/: nothing to dial
+            continue
+        grouped.setdefault(peer_id, []).append(text)
+    return grouped
 
 
 async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = None) -> list[tuple[PeerStats, float]]:
