@@ -8,6 +8,17 @@ every round) or all live peers (full mesh). Reported per N: median seconds per s
 Ends with one JSON line.
 
     .venv/bin/python benchmarks/averaging_sync.py --sizes 2 4 8 --rounds 5
+    sudo .venv/bin/python benchmarks/averaging_sync.py --lab --mbit 20 --sizes 2 4 8 16 --rounds 3
+
+--lab runs one process per peer, each in its own network namespace of benchmarks/lab.py with
+its link shaped to --mbit both ways (and --loss), and adds hivemind's DecentralizedAverager
+(butterfly all-reduce, the engine's reference) on the same tensors and links. Rounds start
+together (the parent releases each round once every peer finished the previous one); a
+peer's sync time is from its call to its result, rendezvous or matchmaking included (hivemind
+starts its all-reduce as soon as the group is full, at the latest --matchmaking-s after the
+call). Bytes per peer are what its eth0 sent during the round (from
+/proc/net/dev in its namespace: protocol, DHT and retries included). Delay is not emulated
+(no netem in this kernel): the links have a veth's RTT.
 """
 
 from __future__ import annotations
@@ -15,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,13 +74,195 @@ async def sync_rounds(size: int, group_size: int | None, floats: int, rounds: in
             await node.shutdown()
 
 
+# one peer per process, in the lab -------------------------------------------------------------
+
+WAIT_S = 600  # hang guard for any one wait of a worker or the parent (a loaded machine is slow, never stuck)
+
+
+def wait_file(path: Path, timeout_s: float = WAIT_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def eth0_tx_bytes() -> int:
+    """Bytes this network namespace's eth0 has sent (the lab gives each peer one)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "eth0":
+            return int(counters.split()[8])
+    raise RuntimeError("no eth0 in this network namespace")
+
+
+def sleep_until(wall_time: float) -> None:
+    time.sleep(max(0.0, wall_time - time.time()))
+
+
+async def worker_ours(args, scratch: Path, tensor) -> None:
+    peers = json.loads(wait_file(scratch / "addrs-0.json")) if args.index else None
+    node = await DHTNode.create(initial_peers=peers, host_maddrs=[f"/ip4/{args.ip}/tcp/0"])
+    averager = PairAverager(node, "bench/avg", group_size=2 if args.method == "noloco" else None, mode=args.mode, max_relative_distance=10.0,
+                            writer=RecordWriter(NodeIdentity.generate(), "bench"))
+    await averager.start()
+    try:
+        if args.index == 0:
+            write_atomic(scratch / "addrs-0.json", json.dumps([str(a) for a in await node.get_visible_maddrs()]))
+        write_atomic(scratch / f"ready-{args.index}", "")
+        for round_id in range(args.rounds):
+            start = float(await asyncio.to_thread(wait_file, scratch / f"go-{round_id}"))
+            await asyncio.sleep(max(0.0, start - time.time()))
+            sent_before = eth0_tx_bytes()
+            result = await averager.average({"w": tensor}, round_id=round_id, timeout=WAIT_S / 4)
+            row = {"round": round_id, "seconds": result.seconds if result else None, "group": result.group_size if result else 1,
+                   "wire_bytes": eth0_tx_bytes() - sent_before, "payload_bytes": result.bytes_sent if result else None}
+            with open(scratch / f"result-{args.index}.jsonl", "a") as out:
+                out.write(json.dumps(row) + "\n")
+            write_atomic(scratch / f"done-{round_id}-{args.index}", "")
+    finally:
+        await averager.stop()
+        await node.shutdown()
+
+
+def worker_hivemind(args, scratch: Path, tensor) -> None:
+    from hivemind import DHT
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    # hivemind has no 4-bit codec: int4 and int8 both use its 8-bit uniform quantization
+    compression = {"fp32": NoCompression(), "fp16": Float16Compression()}.get(args.mode, Uniform8BitQuantization())
+    peers = json.loads(wait_file(scratch / "addrs-0.json")) if args.index else None
+    dht = DHT(initial_peers=peers, host_maddrs=[f"/ip4/{args.ip}/tcp/0"], start=True)
+    averager = DecentralizedAverager([tensor], dht, start=True, prefix="benchavg", target_group_size=args.size, min_group_size=args.size,
+                                     min_matchmaking_time=args.matchmaking_s, request_timeout=10.0, compression=compression)
+    try:
+        if args.index == 0:
+            write_atomic(scratch / "addrs-0.json", json.dumps([str(a) for a in dht.get_visible_maddrs()]))
+        write_atomic(scratch / f"ready-{args.index}", "")
+        for round_id in range(args.rounds):
+            start = float(wait_file(scratch / f"go-{round_id}"))
+            sleep_until(start)
+            sent_before = eth0_tx_bytes()
+            scheduled = start + args.matchmaking_s
+            group = averager.step(scheduled_time=scheduled, timeout=WAIT_S / 4, allow_retries=False)
+            finished = time.time()
+            row = {"round": round_id, "seconds": finished - start if group else None, "group": len(group) if group else 1,
+                   "wire_bytes": eth0_tx_bytes() - sent_before, "payload_bytes": None}
+            with open(scratch / f"result-{args.index}.jsonl", "a") as out:
+                out.write(json.dumps(row) + "\n")
+            write_atomic(scratch / f"done-{round_id}-{args.index}", "")
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def worker(args) -> None:
+    scratch = Path(args.scratch)
+    torch.manual_seed(args.index)
+    tensor = torch.randn(args.floats)
+    torch.set_num_threads(1)
+    if args.method == "hivemind":
+        worker_hivemind(args, scratch, tensor)
+    else:
+        asyncio.run(worker_ours(args, scratch, tensor))
+
+
+def lab_sizes(args) -> dict:
+    from benchmarks.lab import Lab, Link, lab_unavailable
+
+    why = lab_unavailable()
+    if why:
+        raise SystemExit(f"--lab: {why}")
+    results: dict = {"sync_s": {}, "wire_bytes_per_peer": {}, "payload_bytes_per_peer": {}, "complete": {}}
+    for size in args.sizes:
+        for method in args.methods:
+            scratch = Path(tempfile.mkdtemp(prefix=f"avgsync-{method}-{size}-"))
+            with Lab(size, host_link=False) as lab:
+                for index in range(size):
+                    lab.shape(index, Link(mbit=args.mbit, loss=args.loss))
+                for index in range(size):
+                    lab.run(index, [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--index", str(index), "--size", str(size),
+                                    "--ip", lab.ip(index), "--scratch", str(scratch), "--rounds", str(args.rounds), "--floats", str(args.floats),
+                                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s)],
+                            scratch / f"worker-{index}.log", env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+                    if index == 0:
+                        wait_file(scratch / "addrs-0.json")
+                for index in range(size):
+                    wait_file(scratch / f"ready-{index}")
+                time.sleep(2.0)  # let the DHT settle: every peer has announced itself
+                for round_id in range(args.rounds):
+                    write_atomic(scratch / f"go-{round_id}", repr(time.time() + 1.0))
+                    for index in range(size):
+                        deadline = time.monotonic() + WAIT_S
+                        while not (scratch / f"done-{round_id}-{index}").exists():
+                            if not lab.alive(index) or time.monotonic() > deadline:
+                                raise RuntimeError(f"{method} N={size}: peer {index} stopped or hung in round {round_id}; see {scratch}/worker-{index}.log")
+                            time.sleep(0.05)
+            rows = [json.loads(line) for index in range(size) for line in (scratch / f"result-{index}.jsonl").read_text().splitlines()]
+            done = [r for r in rows if r["seconds"] is not None]
+            key = str(size)
+            results["sync_s"].setdefault(method, {})[key] = statistics.median(r["seconds"] for r in done) if done else None
+            results["wire_bytes_per_peer"].setdefault(method, {})[key] = int(statistics.median(r["wire_bytes"] for r in done)) if done else None
+            payload = [r["payload_bytes"] for r in done if r["payload_bytes"] is not None]
+            results["payload_bytes_per_peer"].setdefault(method, {})[key] = int(statistics.median(payload)) if payload else None
+            results["complete"].setdefault(method, {})[key] = f"{len(done)}/{len(rows)}"
+            sync = results["sync_s"][method][key]
+            print(f"lab N={size} {method:9s} @ {args.mbit} Mbit: median sync {sync if sync is None else round(sync, 3)} s, wire bytes sent per peer "
+                  f"{results['wire_bytes_per_peer'][method][key]}, {len(done)}/{len(rows)} peer-rounds averaged (logs {scratch})", flush=True)
+    return results
+
+
+def main_lab(args) -> None:
+    started = time.monotonic()
+    results = lab_sizes(args)
+    largest, smallest = str(max(args.sizes)), str(min(args.sizes))
+
+    def ratio(method: str) -> float | None:
+        times = results["sync_s"].get(method, {})
+        return times[largest] / times[smallest] if times.get(largest) and times.get(smallest) else None
+
+    for method in args.methods:
+        print(f"{method}: sync time ratio N={largest} / N={smallest}: {ratio(method)}" + (" (target <= 1.2)" if method == "noloco" else ""))
+    print(json.dumps({
+        "benchmark": "averaging_sync", "lab": True, "mbit": args.mbit, "rtt_ms": None, "loss": args.loss, "floats": args.floats, "mode": args.mode, "rounds": args.rounds,
+        "noloco_sync_s": results["sync_s"].get("noloco"), "allreduce_sync_s": results["sync_s"].get("allreduce"),
+        "hivemind_allreduce_sync_s": results["sync_s"].get("hivemind"),
+        "wire_bytes_per_peer": results["wire_bytes_per_peer"], "payload_bytes_per_peer": results["payload_bytes_per_peer"], "complete": results["complete"],
+        "noloco_time_ratio": ratio("noloco"), "allreduce_time_ratio": ratio("allreduce"), "hivemind_allreduce_time_ratio": ratio("hivemind"),
+        "minutes": (time.monotonic() - started) / 60,
+    }))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--floats", type=int, default=2_900_000, help="parameters averaged (default: the default model's size)")
     parser.add_argument("--mode", default="fp16", choices=["fp32", "fp16", "int8", "int4"])
+    parser.add_argument("--lab", action="store_true", help="one process per peer, each in its own shaped network namespace (root)")
+    parser.add_argument("--mbit", type=float, default=100.0, help="--lab: link rate of every peer, each way")
+    parser.add_argument("--loss", type=float, default=0.0, help="--lab: packet loss probability of every peer, each way")
+    parser.add_argument("--methods", nargs="+", default=["noloco", "allreduce", "hivemind"], choices=["noloco", "allreduce", "hivemind"], help="--lab: what to time")
+    parser.add_argument("--matchmaking-s", type=float, default=8.0, help="--lab: hivemind's matchmaking window before the scheduled all-reduce")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ip", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.lab:
+        return main_lab(args)
     noloco, allreduce, bytes_noloco, bytes_allreduce = {}, {}, {}, {}
     started = time.monotonic()
     for size in args.sizes:

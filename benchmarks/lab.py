@@ -3,6 +3,7 @@
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --loss 0.01
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --slow-fraction 0.5 --slow-mbit 20 --minutes 10
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --churn-every 30 --partition-at 120 --partition-for 60
+    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 20 --isolated 8 --minutes 8   # what the swarm costs in rounds/min
 
 Topology: a hub namespace holds a bridge; node i lives in namespace `<tag>-n<i>` with one
 interface `eth0` at 198.18.<1 + i // 250>.<1 + i % 250>/16, joined to the bridge by a veth
@@ -354,14 +355,33 @@ def wait_for_address(state_dir: Path, ip: str, timeout_s: float, proc: subproces
     raise RuntimeError(f"no address on {ip} in {path} after {timeout_s:.0f}s")
 
 
-def start_swarm(lab: Lab, root: Path, sets: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 1800) -> str:
-    """Node 0 first, then every other node joining it at its lab address; node 0's address."""
+def start_swarm(lab: Lab, root: Path, sets: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 1800, swarm_nodes: int | None = None) -> str:
+    """Node 0 first, then every other node (of the first swarm_nodes, default all) joining it at its lab address; node 0's address."""
     state0 = root / "n0"
     lab.run(0, node_argv(lab, 0, state0, None, sets, fresh=True), root / "n0.out", env)
     bootstrap = wait_for_address(state0, lab.ip(0), start_timeout_s, lab.processes[0].popen)
-    for index in range(1, lab.nodes):
+    for index in range(1, lab.nodes if swarm_nodes is None else swarm_nodes):
         lab.run(index, node_argv(lab, index, root / f"n{index}", bootstrap, sets, fresh=True), root / f"n{index}.out", env)
     return bootstrap
+
+
+def isolated_argv(lab: Lab, index: int, state_dir: Path, sets: list[str]) -> list[str]:
+    """The same node with no network at all (`train`): the baseline of what the swarm costs in throughput."""
+    argv = [sys.executable, "-m", "node.cli", "train", "--state-dir", str(state_dir), "--set", f"name=lab-{index}", "--fresh"]
+    for item in [*sets, "swarm.transport=none", "swarm.external_questions=0"]:
+        argv += ["--set", item]
+    return argv
+
+
+def rounds_per_minute(rows: list[dict], skip_s: float = 60.0) -> float | None:
+    """Training rounds per minute after the first skip_s seconds of training (start-up and warm caches left out)."""
+    timed = [r for r in rows if "round" in r and "time" in r]
+    if len(timed) < 2:
+        return None
+    steady = [r for r in timed if r["time"] >= timed[0]["time"] + skip_s] or timed
+    if len(steady) < 2 or steady[-1]["time"] <= steady[0]["time"]:
+        return None
+    return (steady[-1]["round"] - steady[0]["round"]) / ((steady[-1]["time"] - steady[0]["time"]) / 60)
 
 
 def node_summary(state_dir: Path) -> dict:
@@ -371,7 +391,7 @@ def node_summary(state_dir: Path) -> dict:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
     swarm = json.loads((state_dir / "swarm.json").read_text()) if (state_dir / "swarm.json").exists() else {}
     totals = swarm.get("totals", {})
-    return {"rounds": rows[-1]["round"] if rows else 0, "external_questions": sum(r.get("external_questions", 0) for r in rows),
+    return {"rounds": rows[-1]["round"] if rows else 0, "rounds_per_min": rounds_per_minute(rows), "external_questions": sum(r.get("external_questions", 0) for r in rows),
             "gossip_messages_received": totals.get("gossip_messages_received", 0), "batches_accepted": totals.get("batches_accepted", 0)}
 
 
@@ -392,6 +412,8 @@ def main() -> int:
     parser.add_argument("--state-root", type=Path, default=None, help="where node state goes (default: a new temporary directory)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node")
     parser.add_argument("--seed", type=int, default=0, help="seeds the churn schedule")
+    parser.add_argument("--isolated", type=int, default=0, metavar="K",
+                        help="also run K nodes with `train` (no network) beside the swarm, in namespaces of their own: the throughput baseline under the same machine load")
     parser.add_argument("--cleanup", action="store_true", help="only remove what killed labs left behind, then exit")
     args = parser.parse_args()
 
@@ -402,7 +424,7 @@ def main() -> int:
     why = lab_unavailable()
     if why:
         print(f"lab: {why}; running the nodes on 127.0.0.1 without shaping or faults")
-    lab = Lab(args.nodes, loopback=why is not None)
+    lab = Lab(args.nodes + args.isolated, loopback=why is not None)
     root = args.state_root or Path(tempfile.mkdtemp(prefix="swarm-lab-"))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rng = random.Random(args.seed)
@@ -411,20 +433,23 @@ def main() -> int:
     try:
         lab.up()
         slow_from = args.nodes - round(args.nodes * args.slow_fraction)
-        for index in range(args.nodes):
+        for index in range(args.nodes + args.isolated):
             fast = Link(mbit=args.mbit, up_mbit=args.up_mbit, down_mbit=args.down_mbit, loss=args.loss)
             link = fast if index < slow_from else Link(mbit=args.slow_mbit, loss=args.loss)
             lab.shape(index, link)
             print(f"node {index}: {lab.ip(index)} in {'127.0.0.1' if lab.loopback else lab.ns(index)}, {link.describe()}", flush=True)
-        bootstrap = start_swarm(lab, root, args.set)
+        for index in range(args.nodes, args.nodes + args.isolated):
+            lab.run(index, isolated_argv(lab, index, root / f"n{index}", args.set), root / f"n{index}.out")
+        bootstrap = start_swarm(lab, root, args.set, swarm_nodes=args.nodes)
         swarm_id = next((s.split("=", 1)[1] for s in args.set if s.startswith("swarm.swarm_id=")), None)
-        print(f"swarm started; watch it from this host with:\n  .venv/bin/swarm-node peers --initial-peers {bootstrap}" + (f" --swarm-id {swarm_id}" if swarm_id else ""), flush=True)
+        print(f"swarm started; watch it from this host with:\n  .venv/bin/swarm-node peers --initial-peers {bootstrap}" + (f" --swarm-id {swarm_id}" if swarm_id else "")
+              + (f"\n{args.isolated} isolated node(s) train beside it (nodes {args.nodes}-{args.nodes + args.isolated - 1}, no network)" if args.isolated else ""), flush=True)
         next_churn = args.churn_every or None
         restart_at: dict[int, float] = {}
         partition_end = None
         while not args.minutes or time.monotonic() - started < args.minutes * 60:
             now = time.monotonic() - started
-            if next_churn is not None and now >= next_churn and args.nodes > 1:
+            if next_churn is not None and now >= next_churn and args.nodes > 1:  # churn hits swarm nodes only
                 victim = rng.randrange(1, args.nodes)
                 if lab.alive(victim):
                     lab.kill(victim)
@@ -448,7 +473,7 @@ def main() -> int:
                 lab.heal()
                 events.append({"t": round(now, 1), "event": "heal"})
                 print(f"{now:6.0f}s: healed the partition", flush=True)
-            for index in range(args.nodes):
+            for index in range(args.nodes + args.isolated):
                 if index not in restart_at and not lab.alive(index):
                     print(f"{now:6.0f}s: node {index} exited on its own ({lab.processes[index].popen.returncode}); see {lab.processes[index].log}", flush=True)
                     restart_at[index] = float("inf")  # reported once, not restarted
@@ -458,10 +483,19 @@ def main() -> int:
     finally:
         lab.down()
     nodes = {index: {**node_summary(root / f"n{index}"), "restarts": lab.processes[index].restarts if index in lab.processes else 0,
-                     "link": lab.links.get(index, Link()).describe()} for index in range(args.nodes)}
+                     "link": lab.links.get(index, Link()).describe(), "isolated": index >= args.nodes} for index in range(args.nodes + args.isolated)}
     for index, summary in nodes.items():
         print(f"node {index}: {summary}")
-    print(json.dumps({"benchmark": "lab", "lab": not lab.loopback, "nodes": args.nodes, "mbit": args.mbit, "loss": args.loss, "rtt_ms": None,
+    def mean_rate(isolated: bool) -> float | None:
+        rates = [n["rounds_per_min"] for n in nodes.values() if n["isolated"] == isolated and n["rounds_per_min"] is not None]
+        return sum(rates) / len(rates) if rates else None
+
+    swarm_rate, isolated_rate = mean_rate(False), mean_rate(True)
+    if swarm_rate and isolated_rate:
+        print(f"rounds per minute: swarm nodes {swarm_rate:.1f}, isolated nodes {isolated_rate:.1f} (swarm/isolated {swarm_rate / isolated_rate:.3f})")
+    print(json.dumps({"benchmark": "lab", "lab": not lab.loopback, "nodes": args.nodes, "isolated_nodes": args.isolated, "mbit": args.mbit, "loss": args.loss, "rtt_ms": None,
+                      "rounds_per_min": {"swarm": swarm_rate, "isolated": isolated_rate},
+                      "swarm_vs_isolated_throughput": swarm_rate / isolated_rate if swarm_rate and isolated_rate else None,
                       "minutes": round((time.monotonic() - started) / 60, 2), "events": events, "per_node": nodes, "state_root": str(root)}))
     return 0
 
