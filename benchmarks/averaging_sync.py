@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import_hivemind_isolated()
 import torch  # noqa: E402
 from hivemind.dht.node import DHTNode  # noqa: E402
 
+from benchmarks.lab import WORKER_WAIT_S as WAIT_S, eth0_tx_bytes, wait_file, write_atomic  # noqa: E402
 from node.averaging.pairing import PairAverager  # noqa: E402
 from node.transport.records import RecordWriter  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
@@ -75,33 +75,6 @@ async def sync_rounds(size: int, group_size: int | None, floats: int, rounds: in
 
 
 # one peer per process, in the lab -------------------------------------------------------------
-
-WAIT_S = 600  # hang guard for any one wait of a worker or the parent (a loaded machine is slow, never stuck)
-
-
-def wait_file(path: Path, timeout_s: float = WAIT_S) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s")
-        time.sleep(0.05)
-    return path.read_text()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def eth0_tx_bytes() -> int:
-    """Bytes this network namespace's eth0 has sent (the lab gives each peer one)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "eth0":
-            return int(counters.split()[8])
-    raise RuntimeError("no eth0 in this network namespace")
-
 
 def sleep_until(wall_time: float) -> None:
     time.sleep(max(0.0, wall_time - time.time()))
@@ -176,7 +149,7 @@ def worker(args) -> None:
 
 
 def lab_sizes(args) -> dict:
-    from benchmarks.lab import Lab, Link, lab_unavailable
+    from benchmarks.lab import Lab, Link, lab_unavailable, start_workers, wait_worker_file
 
     why = lab_unavailable()
     if why:
@@ -188,24 +161,15 @@ def lab_sizes(args) -> dict:
             with Lab(size, host_link=False) as lab:
                 for index in range(size):
                     lab.shape(index, Link(mbit=args.mbit, loss=args.loss))
-                for index in range(size):
-                    lab.run(index, [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--index", str(index), "--size", str(size),
-                                    "--ip", lab.ip(index), "--scratch", str(scratch), "--rounds", str(args.rounds), "--floats", str(args.floats),
-                                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s)],
-                            scratch / f"worker-{index}.log", env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
-                    if index == 0:
-                        wait_file(scratch / "addrs-0.json")
-                for index in range(size):
-                    wait_file(scratch / f"ready-{index}")
+                start_workers(lab, lambda index: [
+                    sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--index", str(index), "--size", str(size),
+                    "--ip", lab.ip(index), "--scratch", str(scratch), "--rounds", str(args.rounds), "--floats", str(args.floats),
+                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s)], scratch)
                 time.sleep(2.0)  # let the DHT settle: every peer has announced itself
                 for round_id in range(args.rounds):
                     write_atomic(scratch / f"go-{round_id}", repr(time.time() + 1.0))
                     for index in range(size):
-                        deadline = time.monotonic() + WAIT_S
-                        while not (scratch / f"done-{round_id}-{index}").exists():
-                            if not lab.alive(index) or time.monotonic() > deadline:
-                                raise RuntimeError(f"{method} N={size}: peer {index} stopped or hung in round {round_id}; see {scratch}/worker-{index}.log")
-                            time.sleep(0.05)
+                        wait_worker_file(lab, index, scratch / f"done-{round_id}-{index}", f"finishing {method} round {round_id} (N={size})")
             rows = [json.loads(line) for index in range(size) for line in (scratch / f"result-{index}.jsonl").read_text().splitlines()]
             done = [r for r in rows if r["seconds"] is not None]
             key = str(size)
