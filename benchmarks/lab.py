@@ -417,22 +417,42 @@ def start_swarm(lab: Lab, root: Path, sets: list[str], env: dict[str, str] | Non
 
 
 def isolated_argv(lab: Lab, index: int, state_dir: Path, sets: list[str]) -> list[str]:
-    """The same node with no network at all (`train`): the baseline of what the swarm costs in throughput."""
-    argv = [sys.executable, "-m", "node.cli", "train", "--state-dir", str(state_dir), "--set", f"name=lab-{index}", "--fresh"]
-    for item in [*sets, "swarm.transport=none", "swarm.external_questions=0"]:
+    """The swarm's own config with no network at all (`train`), all 8 questions of a round local
+    (SAPO's 8/0): the baseline of what the swarm costs in throughput."""
+    argv = [sys.executable, "-m", "node.cli", "train", "--config", str(REPO / "configs" / "swarm.yaml"), "--state-dir", str(state_dir),
+            "--set", f"name=lab-{index}", "--fresh"]
+    for item in [*sets, "swarm.transport=none", "swarm.local_questions=8", "swarm.external_questions=0"]:
         argv += ["--set", item]
     return argv
 
 
-def rounds_per_minute(rows: list[dict], skip_s: float = 60.0) -> float | None:
-    """Training rounds per minute after the first skip_s seconds of training (start-up and warm caches left out)."""
+PHASES = ("generation_s", "scoring_s", "update_s")
+
+
+def steady_rows(rows: list[dict], skip_s: float = 60.0) -> list[dict]:
+    """Metrics rows after the first skip_s seconds of training (start-up and warm caches left out)."""
     timed = [r for r in rows if "round" in r and "time" in r]
-    if len(timed) < 2:
-        return None
-    steady = [r for r in timed if r["time"] >= timed[0]["time"] + skip_s] or timed
+    if not timed:
+        return []
+    return [r for r in timed if r["time"] >= timed[0]["time"] + skip_s] or timed
+
+
+def rounds_per_minute(rows: list[dict], skip_s: float = 60.0) -> float | None:
+    steady = steady_rows(rows, skip_s)
     if len(steady) < 2 or steady[-1]["time"] <= steady[0]["time"]:
         return None
     return (steady[-1]["round"] - steady[0]["round"]) / ((steady[-1]["time"] - steady[0]["time"]) / 60)
+
+
+def seconds_by_phase(rows: list[dict], skip_s: float = 60.0) -> dict[str, float] | None:
+    """Mean seconds per round in generation, scoring and update, and in everything else
+    (`other_s`: publishing, collecting and re-scoring peers' rollouts, evaluation, checkpoints)."""
+    steady = [r for r in steady_rows(rows, skip_s) if "step_s" in r and all(k in r for k in PHASES)]
+    if not steady:
+        return None
+    means = {k: sum(r[k] for r in steady) / len(steady) for k in (*PHASES, "step_s")}
+    means["other_s"] = means["step_s"] - sum(means[k] for k in PHASES)
+    return means
 
 
 def node_summary(state_dir: Path) -> dict:
@@ -442,7 +462,7 @@ def node_summary(state_dir: Path) -> dict:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
     swarm = json.loads((state_dir / "swarm.json").read_text()) if (state_dir / "swarm.json").exists() else {}
     totals = swarm.get("totals", {})
-    return {"rounds": rows[-1]["round"] if rows else 0, "rounds_per_min": rounds_per_minute(rows), "external_questions": sum(r.get("external_questions", 0) for r in rows),
+    return {"rounds": rows[-1]["round"] if rows else 0, "rounds_per_min": rounds_per_minute(rows), "seconds_by_phase": seconds_by_phase(rows), "external_questions": sum(r.get("external_questions", 0) for r in rows),
             "gossip_messages_received": totals.get("gossip_messages_received", 0), "batches_accepted": totals.get("batches_accepted", 0)}
 
 
@@ -541,11 +561,19 @@ def main() -> int:
         rates = [n["rounds_per_min"] for n in nodes.values() if n["isolated"] == isolated and n["rounds_per_min"] is not None]
         return sum(rates) / len(rates) if rates else None
 
+    def mean_phases(isolated: bool) -> dict[str, float] | None:
+        phases = [n["seconds_by_phase"] for n in nodes.values() if n["isolated"] == isolated and n["seconds_by_phase"]]
+        return {k: sum(p[k] for p in phases) / len(phases) for k in phases[0]} if phases else None
+
     swarm_rate, isolated_rate = mean_rate(False), mean_rate(True)
+    swarm_phases, isolated_phases = mean_phases(False), mean_phases(True)
     if swarm_rate and isolated_rate:
         print(f"rounds per minute: swarm nodes {swarm_rate:.1f}, isolated nodes {isolated_rate:.1f} (swarm/isolated {swarm_rate / isolated_rate:.3f})")
+    for label, phases in (("swarm", swarm_phases), ("isolated", isolated_phases)):
+        if phases:
+            print(f"seconds per round, {label} nodes: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in phases.items()))
     print(json.dumps({"benchmark": "lab", "lab": not lab.loopback, "nodes": args.nodes, "isolated_nodes": args.isolated, "mbit": args.mbit, "loss": args.loss, "rtt_ms": None,
-                      "rounds_per_min": {"swarm": swarm_rate, "isolated": isolated_rate},
+                      "rounds_per_min": {"swarm": swarm_rate, "isolated": isolated_rate}, "seconds_by_phase": {"swarm": swarm_phases, "isolated": isolated_phases},
                       "swarm_vs_isolated_throughput": swarm_rate / isolated_rate if swarm_rate and isolated_rate else None,
                       "minutes": round((time.monotonic() - started) / 60, 2), "events": events, "per_node": nodes, "state_root": str(root)}))
     return 0
