@@ -325,9 +325,6 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-# a swarm in the lab -----------------------------------------------------------------------------
-
-
 # worker benchmarks: one process per node, coordinated through files in a scratch directory ----
 
 WORKER_WAIT_S = 600  # hang guard for any one wait of a worker or its parent (a loaded machine is slow, never stuck)
@@ -377,6 +374,9 @@ def start_workers(lab: Lab, argv_of, scratch: Path) -> None:
             wait_worker_file(lab, 0, scratch / "addrs-0.json", "writing its addresses")
     for index in range(lab.nodes):
         wait_worker_file(lab, index, scratch / f"ready-{index}", "joining")
+
+
+# a swarm in the lab -----------------------------------------------------------------------------
 
 
 def node_argv(lab: Lab, index: int, state_dir: Path, bootstrap: str | None, sets: list[str], fresh: bool) -> list[str]:
