@@ -84,7 +84,7 @@ async def worker_ours(args, scratch: Path, tensor) -> None:
     peers = json.loads(wait_file(scratch / "addrs-0.json")) if args.index else None
     node = await DHTNode.create(initial_peers=peers, host_maddrs=[f"/ip4/{args.ip}/tcp/0"])
     averager = PairAverager(node, "bench/avg", group_size=2 if args.method == "noloco" else None, mode=args.mode, max_relative_distance=10.0,
-                            writer=RecordWriter(NodeIdentity.generate(), "bench"))
+                            settle_s=args.settle_s, writer=RecordWriter(NodeIdentity.generate(), "bench"))
     await averager.start()
     try:
         if args.index == 0:
@@ -96,7 +96,8 @@ async def worker_ours(args, scratch: Path, tensor) -> None:
             sent_before = eth0_tx_bytes()
             result = await averager.average({"w": tensor}, round_id=round_id, timeout=WAIT_S / 4)
             row = {"round": round_id, "seconds": result.seconds if result else None, "group": result.group_size if result else 1,
-                   "wire_bytes": eth0_tx_bytes() - sent_before, "payload_bytes": result.bytes_sent if result else None}
+                   "wire_bytes": eth0_tx_bytes() - sent_before, "payload_bytes": result.bytes_sent if result else None,
+                   "failures_so_far": dict(averager.failures)}
             with open(scratch / f"result-{args.index}.jsonl", "a") as out:
                 out.write(json.dumps(row) + "\n")
             write_atomic(scratch / f"done-{round_id}-{args.index}", "")
@@ -138,6 +139,10 @@ def worker_hivemind(args, scratch: Path, tensor) -> None:
 
 
 def worker(args) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("node").setLevel(logging.INFO)  # the exchange's own account of failed calls, in the worker's log
     scratch = Path(args.scratch)
     torch.manual_seed(args.index)
     tensor = torch.randn(args.floats)
@@ -164,7 +169,7 @@ def lab_sizes(args) -> dict:
                 start_workers(lab, lambda index: [
                     sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--index", str(index), "--size", str(size),
                     "--ip", lab.ip(index), "--scratch", str(scratch), "--rounds", str(args.rounds), "--floats", str(args.floats),
-                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s)], scratch)
+                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s), "--settle-s", str(args.settle_s)], scratch)
                 time.sleep(2.0)  # let the DHT settle: every peer has announced itself
                 for round_id in range(args.rounds):
                     write_atomic(scratch / f"go-{round_id}", repr(time.time() + 1.0))
@@ -216,6 +221,8 @@ def main() -> None:
     parser.add_argument("--loss", type=float, default=0.0, help="--lab: packet loss probability of every peer, each way")
     parser.add_argument("--methods", nargs="+", default=["noloco", "allreduce", "hivemind"], choices=["noloco", "allreduce", "hivemind"], help="--lab: what to time")
     parser.add_argument("--matchmaking-s", type=float, default=8.0, help="--lab: hivemind's matchmaking window before the scheduled all-reduce")
+    parser.add_argument("--settle-s", type=float, default=2.0,
+                        help="--lab: how long a NoLoCo peer that sees nobody left free waits before it gives up the round (the node's default: 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)

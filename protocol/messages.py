@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Self
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.refusals import Refusal
 from protocol.specs import SpecError, TaskSpec
-from protocol.validation import check_fields, check_float, check_int, check_list, check_str, reject, since_minor
+from protocol.validation import check_addresses, check_fields, check_float, check_int, check_list, check_str, reject, since_minor
 from protocol.version import PROTOCOL_MINOR
 
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
@@ -196,10 +196,8 @@ class PeerStats:
         values |= {name: check_float(f[name], name, lo=0.0) for name in cls._RATES}
         values["reward_mean"] = check_float(f["reward_mean"], "reward_mean")
         values["accuracy"] = check_float(f["accuracy"], "accuracy", lo=0.0, hi=1.0)
-        addresses = check_list(f["addresses"], "addresses", limits.max_addresses)
-        values["addresses"] = [check_str(a, "address", limits.max_name_chars) for a in addresses]
-        gossip = check_list(f["gossip_addresses"], "gossip_addresses", limits.max_addresses)
-        values["gossip_addresses"] = [check_str(a, "gossip_address", limits.max_name_chars) for a in gossip]
+        values["addresses"] = check_addresses(f["addresses"], "addresses", limits.max_addresses, limits.max_name_chars)
+        values["gossip_addresses"] = check_addresses(f["gossip_addresses"], "gossip_addresses", limits.max_addresses, limits.max_name_chars)
         if "accuracy_by_dataset" in f:  # absent from a minor 0/1 sender
             by_dataset = f["accuracy_by_dataset"]
             if type(by_dataset) is not dict:
@@ -244,11 +242,15 @@ class StageAnnouncement:
     samples_per_s: float  # recent throughput of forward+backward calls, in sequences per second
     recoveries: int  # stage recoveries this server performed (replica copy, CheckFree, CheckFree+, re-init)
     replicas: list[str]  # node ids of the other live servers of its stage it knows (at most 32)
+    # minor 3: multiaddrs of the p2p daemon serving the calls; a driver that is not connected to it yet
+    # dials these (its daemon knows no route to a peer id alone). Empty from a minor 1/2 sender.
+    p2p_maddrs: list[str] = since_minor(3, list)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
         wire["parts"] = list(self.parts)
         wire["replicas"] = list(self.replicas)
+        wire["p2p_maddrs"] = list(self.p2p_maddrs)
         return wire
 
     @classmethod
@@ -276,7 +278,8 @@ class StageAnnouncement:
                    layer_start=start, layer_end=end, parts=parts, state=f["state"], step=check_int(f["step"], "step"),
                    grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
                    samples_per_s=check_float(f["samples_per_s"], "samples_per_s", lo=0.0),
-                   recoveries=check_int(f["recoveries"], "recoveries"), replicas=replicas)
+                   recoveries=check_int(f["recoveries"], "recoveries"), replicas=replicas,
+                   p2p_maddrs=check_addresses(f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars))
 
     def claimed_node_id(self) -> str | None:
         return self.node_id
@@ -295,16 +298,20 @@ class AveragingReady:
     p2p_peer_id: str  # base58 libp2p peer id that accepts the exchange stream (authenticated by libp2p)
     round: int  # the averaging round (>= 0)
     state: str  # "free": looking for a partner; "done": no longer looking this round (averaged, or out of time)
+    # minor 3: multiaddrs of the p2p daemon that accepts the exchange: a partner on another host that
+    # is not connected to it yet dials these. Empty from a minor 1/2 sender.
+    p2p_maddrs: list[str] = since_minor(3, list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"p2p_peer_id": self.p2p_peer_id, "round": self.round, "state": self.state}
+        return {"p2p_peer_id": self.p2p_peer_id, "round": self.round, "state": self.state, "p2p_maddrs": list(self.p2p_maddrs)}
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
         if check_str(f["state"], "state", 16) not in AVERAGING_STATES:
             reject(Refusal.BAD_VALUE, f"state {f['state']!r} is not one of {AVERAGING_STATES}")
-        return cls(p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128), round=check_int(f["round"], "round"), state=f["state"])
+        return cls(p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128), round=check_int(f["round"], "round"), state=f["state"],
+                   p2p_maddrs=check_addresses(f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars))
 
     def claimed_node_id(self) -> str | None:
         return None

@@ -63,6 +63,12 @@ def check_list(value: Any, name: str, max_items: int, min_items: int = 0) -> lis
     return value
 
 
+def check_addresses(value: Any, name: str, max_items: int, max_chars: int) -> list[str]:
+    """A list of at most max_items multiaddr strings of at most max_chars each (dialing one that is
+    not what it claims only fails: libp2p authenticates the peer at the other end)."""
+    return [check_str(a, name, max_chars) for a in check_list(value, name, max_items)]
+
+
 def since_minor(minor: int, default_factory: Any) -> Any:
     """A message field appended in protocol minor `minor`: a sender of an older minor omits it
     (the receiver uses the default), a sender of this minor or later must send it."""

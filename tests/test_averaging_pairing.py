@@ -208,3 +208,55 @@ def test_average_requires_start_and_rounds_do_not_overlap():
                 assert alone.failures["own_weights_not_finite"] == 1 and alone.rounds_skipped == 2
 
     asyncio.run(scenario())
+
+
+def test_a_stream_reaches_an_unconnected_peer_through_its_announced_addresses():
+    """Two p2p daemons that never met: p2pd finds no route to a bare peer id ("routing: not found"),
+    which is what broke NoLoCo pairs and pipeline calls between hosts (peers on one host are soon
+    connected through DHT traffic, so loopback swarms never showed it). With the addresses a peer
+    announces, the stream opens."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2PDaemonError
+
+    from node.transport.framing import open_stream
+
+    handler = "swarm-node/test/echo"
+
+    async def echo(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(5))
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        caller = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        server = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # no initial peers: the two never met
+        try:
+            await server.p2p.add_binary_stream_handler(handler, echo)
+            server_id = server.peer_id.to_base58()
+            with pytest.raises(P2PDaemonError):
+                await open_stream(caller.p2p, server_id, [], handler, dial_timeout=10)
+            maddrs = [str(a) for a in await server.get_visible_maddrs()]
+            reader, writer = await open_stream(caller.p2p, server_id, ["not a multiaddr", *maddrs], handler, dial_timeout=10)
+            writer.write(b"hello")
+            await writer.drain()
+            assert await reader.readexactly(5) == b"hello"
+            writer.close()
+        finally:
+            await asyncio.gather(shutdown_dht(caller, timeout=10), shutdown_dht(server, timeout=10))
+
+    asyncio.run(scenario())
+
+
+def test_averaging_announcements_carry_the_daemon_addresses():
+    async def scenario():
+        async with swarm(2) as nodes, averagers(nodes) as (a, b):
+            theta_a, theta_b = weights(1), weights(2)
+            await asyncio.gather(a.average(theta_a, 3, timeout=15), b.average(theta_b, 3, timeout=15))
+            from node.averaging.pairing import _Round
+
+            view_round = _Round(round_id=3, theta={}, payload=b"", capacity=1, deadline=0.0)
+            view = await a._read_view(view_round)
+            assert set(view) == {a.peer_id, b.peer_id}
+            assert view_round.addresses[b.peer_id] == [str(m) for m in await nodes[1].get_visible_maddrs()]
+
+    asyncio.run(scenario())

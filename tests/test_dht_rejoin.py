@@ -21,7 +21,7 @@ from tests.test_dht_records import stats_message
 
 
 def transport(tmp_path, name: str, initial_peers: list[str]) -> DHTTransport:
-    config = load_config(None, ["swarm.gossip=dht", "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]"], )
+    config = load_config(None, ["swarm.gossip=dht", "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]"])
     config = config.model_copy(update={"swarm": config.swarm.model_copy(update={"initial_peers": initial_peers, "swarm_id": "rejoin-test"})})
     identity = NodeIdentity.generate()
     state = tmp_path / name

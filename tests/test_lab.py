@@ -141,12 +141,18 @@ def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_pa
         rounds = [r["round"] for r in read_rows(tmp_path / "n2")]
         assert rounds == sorted(set(rounds)) and rounds[0] == 1  # resumed: no round counted twice, none restarted from 1
 
+        last: list[str] = []
+
         def listed() -> set[str]:
             result = subprocess.run(["ip", "netns", "exec", lab.ns(0), *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "lab-test", "--json")],
                                     capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+            last[:] = [f"exit {result.returncode}", result.stdout[-2000:], result.stderr[-2000:]]
             return {row["display_name"] for row in json.loads(result.stdout)} if result.returncode == 0 else set()
 
-        wait_for(lambda: listed() == {"lab-0", "lab-1", "lab-2"}, 120, "peers to list all three nodes", interval=2)
+        try:
+            wait_for(lambda: listed() == {"lab-0", "lab-1", "lab-2"}, 120, "peers to list all three nodes", interval=2)
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}; last `peers` call: {last}; node logs under {tmp_path}") from None
         assert all(lab.alive(i) for i in range(3))  # the lab's exit stops them and removes the namespaces
 
 
@@ -160,3 +166,17 @@ def test_a_dead_bootstrap_peer_in_the_lab_gives_the_clear_error_after_its_retrie
         out = (tmp_path / "n0.out").read_text()
         assert "could not join" in out and "after 2 attempts" in out, out[-2000:]
         assert "Traceback" not in out
+
+
+@needs_lab
+def test_noloco_pairs_form_between_namespaces(tmp_path):
+    """Four averaging peers, each in its own namespace: every one must find a partner every round. A
+    random partner on another host is often not connected to us yet, and p2pd finds no route to a
+    bare peer id; before announcements carried their daemon's addresses, half the peers of every
+    round failed here ("routing: not found"), while every loopback test passed. A long settle time
+    keeps a slow machine from ending a round early: only a failed exchange can fail this test."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "averaging_sync.py"), "--lab", "--sizes", "4", "--rounds", "2", "--floats", "1000",
+                             "--methods", "noloco", "--mbit", "100", "--settle-s", "60"], capture_output=True, text=True, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["complete"]["noloco"]["4"] == "8/8", result.stdout[-3000:]

@@ -139,7 +139,7 @@ GOLDEN_STATS_1_1 = (  # a 1.1 heartbeat has no accuracy_by_dataset: the receiver
     "6b697070656401c4401b6621d8d9911cf3e132bc4d9bd5fa23b2e9f7c29dbedcdcc415fa9a5a7475f68816096c33310c"
     "1178daf531bfb8afe44975c21aaeede65b415c90b7b2060208"
 )
-GOLDEN_BATCH = (  # this minor's encoding (2)
+GOLDEN_BATCH_1_2 = (  # as a 1.2 sender encoded it (minor 3 changed no field of a batch or a heartbeat)
     "92c5017297920102ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -151,7 +151,7 @@ GOLDEN_BATCH = (  # this minor's encoding (2)
     "2708ea5c5d53c579c14a257055df1a76dccfe96c9d945d5767c5a8a8601a576572f8cc33536a193845ff2ec9115a865e"
     "27e293f1c34e3202"
 )
-GOLDEN_STATS = (  # this minor's encoding (2)
+GOLDEN_STATS_1_2 = (  # as a 1.2 sender encoded it
     "92c5025597920102aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0016a76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -168,12 +168,42 @@ GOLDEN_STATS = (  # this minor's encoding (2)
     "d95f4d5c8c3d43deb2a83c528a6698bc02fec7f2f2ffc4b0fbe275cd4fd815b4e2b15bbd30cf0c385a7100"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (3)
+    "92c5017297920103ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c440e7915f8c7cf8cec2"
+    "74e99b3187994d4305addbe4da676b38ea8629feb574b76568d65b74916c8b65a428e69a461a4b254e2a95059c194b71"
+    "4e1d9db4f232bd0d"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (3)
+    "92c5025597920103aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0016a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000c44059b966b66a5ff94c8b6341f61fbf91f04b04e9c7f6"
+    "e8d41db22693f166b0e118087806687ed9105dcebd7be01a04629defe9ef88aa6e3d12c1cb4aae5f654f08"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 def test_golden_rollout_batch():
     assert encode(make_batch()).hex() == GOLDEN_BATCH
     assert decode(bytes.fromhex(GOLDEN_BATCH)).message == make_batch()
-    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1):
+    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1, GOLDEN_BATCH_1_2):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
 
@@ -182,6 +212,7 @@ def test_golden_peer_stats():
     assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
     for older in (GOLDEN_STATS_1_0, GOLDEN_STATS_1_1):
         assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={})
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_2)).message == make_stats()
 
 
 def test_a_field_of_a_later_minor_is_required_from_its_senders_and_checked():
@@ -422,3 +453,24 @@ def test_load_raw_key_and_refuse_open_permissions(tmp_path):
 def test_import_does_not_pull_torch():
     code = "import protocol, sys; assert 'torch' not in sys.modules, 'protocol imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_announcements_carry_dialable_addresses_from_minor_3():
+    from protocol import AveragingReady
+    from protocol.messages import StageAnnouncement
+
+    ready = AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free", p2p_maddrs=["/ip4/198.18.1.2/tcp/4001/p2p/12D3KooWPeer"])
+    assert AveragingReady.from_wire(ready.to_wire()) == ready
+    older = {k: v for k, v in ready.to_wire().items() if k != "p2p_maddrs"}
+    assert AveragingReady.from_wire(older, minor=2).p2p_maddrs == []  # a 1.2 sender: nothing to dial, the call goes by peer id
+    with pytest.raises(ProtocolRejection, match="lacks p2p_maddrs"):
+        AveragingReady.from_wire(older, minor=3)
+    for bad, reason in ((["/ip4/1.2.3.4/tcp/1"] * 17, Refusal.TOO_MANY_ITEMS), (["x" * 300], Refusal.STRING_TOO_LONG), ("/ip4/1.2.3.4", Refusal.BAD_STRUCTURE)):
+        with pytest.raises(ProtocolRejection) as caught:
+            AveragingReady.from_wire({**ready.to_wire(), "p2p_maddrs": bad})
+        assert caught.value.reason is reason, bad
+    stage = StageAnnouncement(node_id=IDENTITY.node_id, p2p_peer_id="12D3KooWStage", model_fingerprint="m", num_stages=2, stage=1, stage_fingerprint="s",
+                              layer_start=2, layer_end=4, parts=["layers", "head"], state="serving", step=3, grad_norm=0.5, samples_per_s=1.0,
+                              recoveries=0, replicas=[], p2p_maddrs=["/ip4/198.18.1.3/tcp/4001"])
+    assert StageAnnouncement.from_wire(stage.to_wire()) == stage
+    assert StageAnnouncement.from_wire({k: v for k, v in stage.to_wire().items() if k != "p2p_maddrs"}, minor=2).p2p_maddrs == []

@@ -86,13 +86,13 @@ from protocol.refusals import SentencedEnum
 from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
 from node.transport.records import RecordWriter, read_records
-from protocol import AveragingReady, MessageKind
-from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, read_frame, write_frame
+from protocol import DEFAULT_LIMITS, AveragingReady, MessageKind
+from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, open_stream, read_frame, write_frame
 from node.transport.protobuf_shim import import_hivemind_isolated
 
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
 
-from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID  # noqa: E402
+from hivemind.p2p import P2PDaemonError, P2PHandlerError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class _Round:
     deadline: float  # loop time
     received: dict[str, Named] = field(default_factory=dict)  # committed partners' weights
     engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
+    addresses: dict[str, list[str]] = field(default_factory=dict)  # p2p multiaddrs peers announced (at most MAX_READY_ENTRIES)
     given_up: _RecentPeers = field(default_factory=_RecentPeers)  # peers not to try again this round
     failed_calls: _RecentPeers = field(default_factory=_RecentPeers)  # broken exchanges we opened, per peer
     closed: bool = False
@@ -295,6 +296,7 @@ class PairAverager:
         self._round: _Round | None = None  # the round open to incoming exchanges
         self._averaging = False  # an average() call is running (set before its first await)
         self._max_payload = 0
+        self._maddrs: list[str] = []  # where our daemon can be dialed: announced with "free"
         self._tasks: set[asyncio.Task] = set()  # stream handlers and late announcements in flight
         self._started = False
 
@@ -308,6 +310,7 @@ class PairAverager:
     # lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][:DEFAULT_LIMITS.max_addresses]
         await self.dht.p2p.add_binary_stream_handler(self.handler_name, self._handle)
         self._started = True
 
@@ -419,7 +422,7 @@ class PairAverager:
         loop = asyncio.get_running_loop()
         settle_at = loop.time() + self.settle_s
         while not rnd.received and not rnd.closed:
-            view = await self._read_view(rnd.round_id)
+            view = await self._read_view(rnd)
             free = [p for p, state in view.items() if state == "free" and p not in rnd.given_up]
             free.append(self.peer_id)
             partner = pair_partner(free, self.peer_id, rnd.round_id)
@@ -437,7 +440,7 @@ class PairAverager:
         calls: dict[str, asyncio.Task] = {}
         try:
             while not rnd.closed:
-                view = await self._read_view(rnd.round_id)
+                view = await self._read_view(rnd)
                 gathering = loop.time() < gather_end
                 for peer, state in view.items():
                     if peer == self.peer_id or peer in rnd.given_up or state != "free" or self.peer_id > peer:
@@ -467,12 +470,14 @@ class PairAverager:
     async def _announce(self, round_id: int, state: str) -> None:
         """Sign and store our state for the round; it expires records.RECORD_TTL_S after signing, so our
         "done" (signed later) always outlives, and replaces, any replay of our "free"."""
-        message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state)
+        message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state, p2p_maddrs=self._maddrs)
         if not await self.writer.store(self.dht, self.ready_key(round_id), message, self.dht_timeout):
             log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
 
-    async def _read_view(self, round_id: int) -> dict[str, str]:
-        """Announced peers of the round (by p2p peer id) and their state ("free" or "done"); refused entries are counted."""
+    async def _read_view(self, rnd: _Round) -> dict[str, str]:
+        """Announced peers of the round (by p2p peer id) and their state ("free" or "done"); refused entries are
+        counted, and the addresses peers announced are kept in `rnd.addresses` for dialing them."""
+        round_id = rnd.round_id
         def refused(_owner: str, rejection) -> None:
             self.failures[f"announcement_refused:{rejection.reason.value}"] += 1
 
@@ -481,6 +486,8 @@ class PairAverager:
             ready: AveragingReady = envelope.message
             if ready.round == round_id and 0 < len(ready.p2p_peer_id) <= 64:
                 view[ready.p2p_peer_id] = ready.state
+                if ready.p2p_maddrs and (ready.p2p_peer_id in rnd.addresses or len(rnd.addresses) < MAX_READY_ENTRIES):
+                    rnd.addresses[ready.p2p_peer_id] = ready.p2p_maddrs
         return view
 
     # the exchange --------------------------------------------------------------------
@@ -490,7 +497,7 @@ class PairAverager:
         rnd.engaged.add(peer)  # before any await: a concurrent incoming call now sees us busy
         writer = None
         try:
-            _, reader, writer = await self.dht.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler_name)
+            reader, writer = await open_stream(self.dht.p2p, peer, rnd.addresses.get(peer, []), self.handler_name, self.dht_timeout)
             hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": self.prefix, "round": rnd.round_id})
             rnd.bytes_sent += await write_frame(writer, Frame.HELLO, hello)
             kind, body = await _read_frame(reader, self._max_payload)

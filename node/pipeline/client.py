@@ -14,7 +14,7 @@ import asyncio
 import msgpack
 
 from node.transport.dht import key_prefix
-from node.transport.framing import FramingError, read_frame, write_frame
+from node.transport.framing import FramingError, open_stream, read_frame, write_frame
 from protocol import ProtocolRejection, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, parse_refusal
 
@@ -49,12 +49,12 @@ def unpack(body: bytes, limits: PipelineLimits) -> object:
 
 async def call_stage(p2p, handler: str, server: StageAnnouncement, call: StageCall, limits: PipelineLimits, timeout: float) -> StageResult:
     """Send `call` to `server` and return its result; HopFailed for every failure."""
-    from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
+    from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
     writer = None
     try:
         async with asyncio.timeout(timeout):
-            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(server.p2p_peer_id), handler)
+            reader, writer = await open_stream(p2p, server.p2p_peer_id, server.p2p_maddrs, handler, timeout)
             await write_frame(writer, PipelineFrame.CALL, msgpack.packb(call.to_wire(), use_bin_type=True))
             kind, body = await read_frame(reader, PipelineFrame, lambda k: limits.frame_limit() if k is PipelineFrame.RESULT else CONTROL_MAX_BYTES)
     except TimeoutError:

@@ -56,7 +56,7 @@ from node.pipeline.stages import PipelineStage, StagePart, StagePlan, checkfree_
 from node.pipeline.tensors import TensorRefused, expect, to_wire
 from node.state import atomic_write_text
 from node.transport.framing import FramingError, OversizedFrame, read_frame, write_frame
-from protocol import NodeIdentity, ProtocolRejection, RefusalCounter, StageAnnouncement
+from protocol import DEFAULT_LIMITS, NodeIdentity, ProtocolRejection, RefusalCounter, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
 from protocol.refusals import PipelineRefusal, Refusal
 
@@ -134,6 +134,7 @@ class StageServer:
         self.max_len = self.pipeline.max_sequence_length or self.hf_config.max_position_embeddings
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
         self.announcer = Announcer(dht, config, identity)
+        self.p2p_maddrs: list[str] = []  # where drivers and other servers dial us (set when run() starts)
         self.index: int = -1
         self.state = "spare"
         self.stage: PipelineStage | None = None
@@ -310,6 +311,7 @@ class StageServer:
     # lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        self.p2p_maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][:DEFAULT_LIMITS.max_addresses]
         await self.dht.p2p.add_binary_stream_handler(self.handler, self._handle)
         announcing = self._spawn(self._announce_loop(), "stage-announce")
         try:
@@ -351,7 +353,7 @@ class StageServer:
             num_stages=self.plan.num_stages, stage=self.index, stage_fingerprint=self.fingerprint if self.index >= 0 else "",
             layer_start=layers.start, layer_end=layers.stop, parts=[p.value for p in self.stage.parts] if self.stage else [],
             state=self.state, step=self.step, grad_norm=float(self.grad_norm), samples_per_s=float(self.samples_per_s),
-            recoveries=self.recoveries, replicas=self.replicas[:32],
+            recoveries=self.recoveries, replicas=self.replicas[:32], p2p_maddrs=self.p2p_maddrs,
         )
 
     async def announce(self) -> None:

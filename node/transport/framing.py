@@ -71,3 +71,33 @@ async def read_frame(reader: asyncio.StreamReader, kinds: type[K], limit: Callab
     if length > allowed:
         raise OversizedFrame(kind, length, allowed)
     return kind, await reader.readexactly(length)
+
+
+async def open_stream(p2p, peer_id: str, maddrs: list[str], handler: str, dial_timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a stream to `handler` of the peer `peer_id`, dialing `maddrs` (from its signed
+    announcement) when our daemon has no connection to it yet.
+
+    p2pd opens a stream only to a peer it is connected to or can route to, and it routes by
+    its own peerstore, not by our DHT: on one host every peer is soon connected through DHT
+    traffic, but across hosts a random partner or stage server often is not ("routing: not
+    found"). Dialing first costs nothing when a connection exists, so it is done only after
+    a first attempt failed. Raises what the stream call raises (P2PDaemonError, ...)."""
+    from hivemind.p2p import P2PDaemonError, PeerID
+    from multiaddr import Multiaddr
+
+    peer = PeerID.from_base58(peer_id)
+    try:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+        return reader, writer
+    except P2PDaemonError:
+        addresses = []
+        for text in maddrs:
+            try:
+                addresses.append(Multiaddr(text))
+            except Exception:  # an unparsable address from the announcement: skip it
+                continue
+        if not addresses:
+            raise
+    await asyncio.wait_for(p2p._client.connect(peer, addresses), dial_timeout)
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+    return reader, writer
