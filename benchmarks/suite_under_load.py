@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. a subset of tests)")
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill of this script still stops its hogs (the finally below)
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hog)]
     runs = []
     try:
