@@ -30,6 +30,9 @@ def _setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
     file_handler = logging.FileHandler(state_dir / "node.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     screen = RichHandler(console=console, show_path=False, level=logging.INFO if verbose else logging.WARNING)
+    # gossipsub warns about remote peers' mesh behaviour (e.g. "GRAFT flood detected" while meshes
+    # form on a busy machine): protocol chatter for the log file, not the user's console
+    screen.addFilter(lambda record: verbose or record.levelno >= logging.ERROR or not record.name.startswith("libp2p.pubsub"))
     root.handlers[:] = [file_handler, screen]
     import transformers
 

@@ -420,3 +420,32 @@ def test_shim_refuses_when_hivemind_was_imported_without_it():
         """
     )
     assert result.returncode == 0 and "REFUSED" in result.stdout, result.stdout[-4000:]
+
+
+def test_gossipsub_chatter_goes_to_the_log_file_not_the_console(tmp_path):
+    import io
+    import logging
+
+    from rich.console import Console
+
+    import node.transport.gossip_libp2p  # noqa: F401  (imports py-libp2p, which turns its loggers' propagation off)
+    from node.cli import _setup_logging
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    screen = io.StringIO()
+    try:
+        _setup_logging(tmp_path, verbose=False, console=Console(file=screen, width=200))
+        logging.getLogger("libp2p.pubsub.gossipsub").warning("GRAFT flood detected from peer X")
+        logging.getLogger("node.transport.dht").warning("heartbeat not published")
+        logging.getLogger("libp2p.pubsub.pubsub").error("a real gossip failure")
+        for handler in root.handlers:
+            handler.flush()
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    shown, logged = screen.getvalue(), (tmp_path / "node.log").read_text()
+    assert "heartbeat not published" in shown and "a real gossip failure" in shown
+    assert "GRAFT flood" not in shown and "GRAFT flood" in logged and "a real gossip failure" in logged

@@ -68,6 +68,10 @@ from libp2p.tools.anyio_service import background_trio_service
 from node.transport.gossip import Gossip
 
 log = logging.getLogger(__name__)
+# py-libp2p switches its logger's propagation off when imported (unless LIBP2P_DEBUG is set), so its
+# warnings bypassed the node's log file and reached stderr raw, through logging's last resort.
+# Hand them back to the node's handlers (node/cli.py keeps gossipsub's chatter off the console).
+logging.getLogger("libp2p").propagate = True
 
 T = TypeVar("T")
 
