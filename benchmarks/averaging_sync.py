@@ -18,7 +18,10 @@ peer's sync time is from its call to its result, rendezvous or matchmaking inclu
 starts its all-reduce as soon as the group is full, at the latest --matchmaking-s after the
 call). Bytes per peer are what its eth0 sent during the round (from
 /proc/net/dev in its namespace: protocol, DHT and retries included). Delay is not emulated
-(no netem in this kernel): the links have a veth's RTT.
+(no netem in this kernel): the links have a veth's RTT. hivemind's peers are first connected
+to every other peer (--no-hivemind-preconnect leaves that out): its averager calls peers by
+peer id alone, which the daemon cannot route to a peer it is not connected to, and every
+round at N > 2 then fails with "routing: not found". Ours dials the addresses peers announce.
 """
 
 from __future__ import annotations
@@ -106,6 +109,21 @@ async def worker_ours(args, scratch: Path, tensor) -> None:
         await node.shutdown()
 
 
+async def connect_to_every_peer(dht, scratch: Path, size: int, index: int) -> None:
+    """Connect this peer's daemon to every other one (their addrs-<j>.json). hivemind's averager calls
+    peers by peer id alone, which p2pd cannot route to a peer it is not connected to (the bug our own
+    exchange had before its announcements carried addresses): without this, every N > 2 round in
+    the lab fails with "routing: not found"."""
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    p2p = await dht.replicate_p2p()
+    for other in range(size):
+        if other != index:
+            maddrs = [Multiaddr(a) for a in json.loads(await asyncio.to_thread(wait_file, scratch / f"addrs-{other}.json"))]
+            await p2p._client.connect(PeerID.from_base58(maddrs[0]["p2p"]), maddrs)
+
+
 def worker_hivemind(args, scratch: Path, tensor) -> None:
     from hivemind import DHT
     from hivemind.averaging import DecentralizedAverager
@@ -116,17 +134,22 @@ def worker_hivemind(args, scratch: Path, tensor) -> None:
     peers = json.loads(wait_file(scratch / "addrs-0.json")) if args.index else None
     dht = DHT(initial_peers=peers, host_maddrs=[f"/ip4/{args.ip}/tcp/0"], start=True)
     averager = DecentralizedAverager([tensor], dht, start=True, prefix="benchavg", target_group_size=args.size, min_group_size=args.size,
-                                     min_matchmaking_time=args.matchmaking_s, request_timeout=10.0, compression=compression)
+                                     min_matchmaking_time=args.matchmaking_s, request_timeout=args.matchmaking_s / 2, compression=compression)
     try:
-        if args.index == 0:
-            write_atomic(scratch / "addrs-0.json", json.dumps([str(a) for a in dht.get_visible_maddrs()]))
+        write_atomic(scratch / f"addrs-{args.index}.json", json.dumps([str(a) for a in dht.get_visible_maddrs()]))
+        if args.preconnect:
+            asyncio.run(connect_to_every_peer(dht, scratch, args.size, args.index))
         write_atomic(scratch / f"ready-{args.index}", "")
         for round_id in range(args.rounds):
             start = float(wait_file(scratch / f"go-{round_id}"))
             sleep_until(start)
             sent_before = eth0_tx_bytes()
             scheduled = start + args.matchmaking_s
-            group = averager.step(scheduled_time=scheduled, timeout=WAIT_S / 4, allow_retries=False)
+            try:
+                group = averager.step(scheduled_time=scheduled, timeout=WAIT_S / 4, allow_retries=False)
+            except Exception as exc:  # hivemind raises when matchmaking finds no group: a failed round, not a dead worker
+                print(f"round {round_id}: hivemind step failed: {exc!r}", flush=True)
+                group = None
             finished = time.time()
             row = {"round": round_id, "seconds": finished - start if group else None, "group": len(group) if group else 1,
                    "wire_bytes": eth0_tx_bytes() - sent_before, "payload_bytes": None}
@@ -169,7 +192,8 @@ def lab_sizes(args) -> dict:
                 start_workers(lab, lambda index: [
                     sys.executable, str(Path(__file__).resolve()), "--worker", "--method", method, "--index", str(index), "--size", str(size),
                     "--ip", lab.ip(index), "--scratch", str(scratch), "--rounds", str(args.rounds), "--floats", str(args.floats),
-                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s), "--settle-s", str(args.settle_s)], scratch)
+                    "--mode", args.mode, "--matchmaking-s", str(args.matchmaking_s), "--settle-s", str(args.settle_s),
+                    *(["--preconnect"] if args.hivemind_preconnect else [])], scratch)
                 time.sleep(2.0)  # let the DHT settle: every peer has announced itself
                 for round_id in range(args.rounds):
                     write_atomic(scratch / f"go-{round_id}", repr(time.time() + 1.0))
@@ -223,7 +247,10 @@ def main() -> None:
     parser.add_argument("--matchmaking-s", type=float, default=8.0, help="--lab: hivemind's matchmaking window before the scheduled all-reduce")
     parser.add_argument("--settle-s", type=float, default=2.0,
                         help="--lab: how long a NoLoCo peer that sees nobody left free waits before it gives up the round (the node's default: 2)")
+    parser.add_argument("--no-hivemind-preconnect", dest="hivemind_preconnect", action="store_false",
+                        help="--lab: do not connect every hivemind peer to every other before the rounds (they then fail with 'routing: not found' at N > 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--preconnect", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
