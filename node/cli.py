@@ -30,9 +30,10 @@ def _setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
     file_handler = logging.FileHandler(state_dir / "node.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     screen = RichHandler(console=console, show_path=False, level=logging.INFO if verbose else logging.WARNING)
-    # gossipsub warns about remote peers' mesh behaviour (e.g. "GRAFT flood detected" while meshes
-    # form on a busy machine): protocol chatter for the log file, not the user's console
-    screen.addFilter(lambda record: verbose or record.levelno >= logging.ERROR or not record.name.startswith("libp2p.pubsub"))
+    # py-libp2p logs remote peers' comings and goings as warnings and errors (a failed dial to a peer
+    # that left, "GRAFT flood detected" while meshes form on a busy machine): for the log file, not
+    # the console; the node reports what matters to it (a dead gossip service) under its own name
+    screen.addFilter(lambda record: verbose or record.levelno >= logging.CRITICAL or not record.name.startswith("libp2p"))
     root.handlers[:] = [file_handler, screen]
     import transformers
 

@@ -100,6 +100,28 @@ EQUIVOCATION_CLEAR_INTERVAL_S = 60.0
 _instance_ids = itertools.count()
 
 
+def tolerate_expired_peers(peerstore) -> None:
+    """Keep py-libp2p's periodic peerstore cleanup from killing the host when peers have gone.
+
+    py-libp2p 0.8.1's `_cleanup_expired_records` calls `maybe_delete_peer_record` for each
+    expired peer, which asks `addrs()` of that peer, which raises `PeerStoreError("peer ID is
+    expired")` for exactly those peers whenever one left a signed peer record: the exception
+    ends the host's nursery, the gossip thread dies and the node stops ("the gossip service
+    died"; seen in the lab's churn run, 2 of 8 nodes within 5 minutes). An expired peer has no
+    addresses, so its record is what the cleanup meant to drop: drop it."""
+    from libp2p.peer.peerstore import PeerStoreError
+
+    delete_if_no_addresses = peerstore.maybe_delete_peer_record
+
+    def maybe_delete_peer_record(peer_id) -> None:
+        try:
+            delete_if_no_addresses(peer_id)
+        except PeerStoreError:
+            peerstore.peer_record_map.pop(peer_id, None)
+
+    peerstore.maybe_delete_peer_record = maybe_delete_peer_record
+
+
 class LibP2PGossip(Gossip):
     """Gossipsub on a py-libp2p host listening on listen_host:listen_port (0: any free port)."""
 
@@ -313,6 +335,7 @@ class LibP2PGossip(Gossip):
 
     async def _trio_main(self, started: concurrent.futures.Future[list[str]]) -> None:
         host = new_host(key_pair=create_new_key_pair(self._seed), listen_addrs=[self._listen_addr])
+        tolerate_expired_peers(host.get_peerstore())  # before host.run() starts its own cleanup task
         router = GossipSub(
             protocols=GOSSIPSUB_PROTOCOLS,
             degree=6,
