@@ -80,8 +80,8 @@ async def open_stream(p2p, peer_id: str, maddrs: list[str], handler: str, dial_t
     p2pd opens a stream only to a peer it is connected to or can route to, and it routes by
     its own peerstore, not by our DHT: on one host every peer is soon connected through DHT
     traffic, but across hosts a random partner or stage server often is not ("routing: not
-    found"). Dialing first costs nothing when a connection exists, so it is done only after
-    a first attempt failed. Raises what the stream call raises (P2PDaemonError, ...)."""
+    found"). A connected peer needs no dial, so we dial only after a first attempt found no
+    route. Raises what the stream call raises (P2PDaemonError, ...)."""
     from hivemind.p2p import P2PDaemonError, PeerID
     from multiaddr import Multiaddr
 
