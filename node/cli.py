@@ -206,7 +206,7 @@ async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Consol
 def cmd_peers(args: argparse.Namespace, console: Console) -> int:
     from node.transport.dht import SwarmJoinError
 
-    overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), "swarm.bootstrap_attempts=2"]
+    overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), f"swarm.bootstrap_attempts={args.join_attempts}"]
     overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
     if args.swarm_id:
         overrides.append(f"swarm.swarm_id={args.swarm_id}")
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     peers = sub.add_parser("peers", help="list the live peers of a swarm and their statistics", description="Join a swarm as a client-only DHT peer and print every live node's signed heartbeat.")
     peers.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of any running peer")
     peers.add_argument("--swarm-id", help="swarm name (default: swarm-node-public)")
+    # A starved machine's p2pd can miss its first dial to the bootstrap peer; the backoff between
+    # attempts (2, 4, 8 s) lets it through, and a dead address still fails in well under a minute.
+    peers.add_argument("--join-attempts", type=int, default=4, metavar="N", help="tries to reach --initial-peers, with doubling backoff (default: 4)")
     peers.add_argument("--json", action="store_true", help="print a JSON list, one object per peer")
     peers.add_argument("--watch", action="store_true", help="refresh every 2 s until Ctrl-C")
     peers.add_argument("--stages", action="store_true", help="with --json: print the pipelines' stage maps (stage -> servers, throughput, recoveries) instead")

@@ -113,6 +113,11 @@ def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     assert "could not join" in result.stderr and "after 2 attempts" in result.stderr
     assert "Traceback" not in result.stderr
 
+    listed = subprocess.run(cli("peers", "--initial-peers", dead, "--join-attempts", "2", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    assert listed.returncode == 1 and listed.stdout == ""  # an unreachable swarm is an error, never an empty list
+    assert "could not join" in listed.stderr and "after 2 attempts" in listed.stderr
+    assert "Traceback" not in listed.stderr
+
 
 @pytest.mark.parametrize("gossip", ["dht", "libp2p"])
 def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
