@@ -10,6 +10,8 @@ averaged over the 4 nodes (the paper's figure of merit). Ends with one JSON line
 
     .venv/bin/python benchmarks/swarm_vs_isolated.py --rounds 200
     .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --seeds 0 1 2 --mixes 8/0 4/4
+    .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --mixes 8/0 4/4 \
+        --node-set 2:model.default.warmup_steps=300 --node-set 3:model.default.warmup_steps=300   # heterogeneous
 
 Each seed repeats every mix with other question streams and sampling (node i of seed s has
 seed 100 * s + i); ratios are taken per seed, then their mean and spread reported. At the
@@ -37,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
 
-async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0) -> tuple[list[list[float]], dict[str, float]]:
+async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0,
+                  node_overrides: dict[int, list[str]] | None = None) -> tuple[list[list[float]], dict[str, float]]:
     """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes)."""
     common = [
         *overrides,
@@ -55,7 +58,8 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
     try:
         for i in range(nodes):
             peers = [f'swarm.initial_peers={json.dumps(swarm[0].transport.addresses)}'] if swarm else []
-            node = Node(load_config(config_path, [*common, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{local}-{external}/{i}"))
+            own = (node_overrides or {}).get(i, [])
+            node = Node(load_config(config_path, [*common, *own, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{local}-{external}/{i}"))
             node.load(fresh=True)
             await node.transport.start()
             swarm.append(node)
@@ -91,7 +95,15 @@ def main() -> None:
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--config", default=str(REPO / "configs" / "swarm.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides for every node")
+    parser.add_argument("--node-set", action="append", default=[], metavar="I:KEY=VALUE",
+                        help="a config override for node I only (a heterogeneous swarm), e.g. 2:model.default.warmup_steps=300")
     args = parser.parse_args()
+    node_overrides: dict[int, list[str]] = {}
+    for item in args.node_set:
+        index, sep, override = item.partition(":")
+        if not sep or not index.isdigit() or int(index) >= args.nodes or "=" not in override:
+            parser.error(f"--node-set {item!r}: expected I:KEY=VALUE with 0 <= I < {args.nodes}")
+        node_overrides.setdefault(int(index), []).append(override)
 
     import transformers
 
@@ -100,12 +112,14 @@ def main() -> None:
     cumulative: dict[str, list[float]] = {name: [] for name in args.mixes}
     final: dict[str, list[float]] = {name: [] for name in args.mixes}
     heldout: dict[str, list[dict[str, float]]] = {name: [] for name in args.mixes}
+    per_node: dict[str, list[list[float]]] = {name: [] for name in args.mixes}  # [seed][node] cumulative reward
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             for name in args.mixes:
                 local, external = MIXES[name]
-                rewards, by_specialty = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed))
+                rewards, by_specialty = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed, node_overrides))
+                per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
                 cumulative[name].append(statistics.fmean(sum(per_node) for per_node in rewards))
                 final[name].append(statistics.fmean(statistics.fmean(per_node[-max(1, args.rounds // 10):]) for per_node in rewards))
                 heldout[name].append(by_specialty)
@@ -116,6 +130,13 @@ def main() -> None:
     if ratios:
         print("ratio to 8/0, mean over seeds [per seed]: " + ", ".join(f"{k} {v:.2f}x {[round(r, 2) for r in per_seed[k]]}" for k, v in ratios.items())
               + " (paper: 6/2 1.52x, 4/4 1.94x, 2/6 1.68x)")
+    node_ratios = {}
+    if "8/0" in per_node:  # who gains and who loses: each node against itself training alone
+        node_ratios = {name: [statistics.fmean(seed_run[i] / base[i] for seed_run, base in zip(runs, per_node["8/0"])) for i in range(args.nodes)]
+                       for name, runs in per_node.items()}
+        for i in range(args.nodes):
+            described = " ".join(node_overrides.get(i, [])) or "as --set"
+            print(f"node {i} ({described}): " + ", ".join(f"{name} {ratio[i]:.2f}x" for name, ratio in node_ratios.items()), flush=True)
     heldout_by_specialty = {name: {label: statistics.fmean(run.get(label, 0.0) for run in runs) for label in sorted({k for run in runs for k in run})} for name, runs in heldout.items()}
     print(json.dumps({
         "benchmark": "swarm_vs_isolated",
@@ -130,6 +151,9 @@ def main() -> None:
         "ratio_4_4_vs_8_0": ratios.get("4/4"),
         "ratio_4_4_vs_8_0_per_seed": per_seed.get("4/4"),
         "heldout_by_specialty": heldout_by_specialty,
+        "node_overrides": {str(i): values for i, values in node_overrides.items()},
+        "cumulative_reward_per_node": {name: [statistics.fmean(run[i] for run in runs) for i in range(args.nodes)] for name, runs in per_node.items()},
+        "ratio_to_8_0_per_node": node_ratios,
         "minutes": (time.monotonic() - started) / 60,
     }))
 
