@@ -11,8 +11,12 @@ pair. The root namespace is joined too (198.18.0.254), so `swarm-node peers` and
 dashboard work from the host. Per node, both directions of its link are shaped: upload by a
 `tc tbf` on its eth0, download by a `tc tbf` on its bridge port; random loss by iptables'
 `statistic` match on its INPUT and OUTPUT (so `--loss p` drops a packet with probability p
-in each direction). Delay is NOT emulated: this kernel has no `netem`, and a user-space
-delay relay was not built; RTT stays that of a veth (tens of microseconds).
+in each direction). Delay is NOT emulated; RTT stays that of a veth (tens of microseconds).
+This kernel has no `netem`, and no `fq` or `etf` qdisc either, so the other kernel route (a tc
+BPF program stamping each packet with a later departure time, which `fq` honours) is closed
+too (tried 2026-11-23: "Specified qdisc kind is unknown"). A user-space relay would move
+every packet of every link through a process on the same 2 cores the nodes saturate, and
+measure the relay.
 
 Faults: `--churn-every S` kills a random non-bootstrap node with SIGKILL every S seconds and
 restarts it (same state directory: it resumes) `--churn-down` seconds later; `--partition-at
