@@ -143,6 +143,35 @@ def test_four_peers_form_pairs():
     asyncio.run(scenario())
 
 
+def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
+    """A peer ended its round but its "done" never reached the DHT (a store that timed out on a loaded
+    machine; seen in the lab: two of four peers idled to the deadline). Its stale "free" still pairs
+    it, in everyone's view, with a peer whose id is higher, who would wait forever for its call. That
+    peer calls it after call_patience_s, gets FINISHED, gives it up, and pairs with the third peer."""
+    async def scenario():
+        async with swarm(3) as nodes, averagers(nodes) as group:
+            stale = group[0]
+            real_announce = stale._announce
+
+            async def announce_free_only(round_id, state):
+                if state == "free":
+                    await real_announce(round_id, state)
+
+            stale._announce = announce_free_only
+            ids = [avg.peer_id for avg in group]
+            # a round in which the stale peer's partner has the higher id (the side that waits for a call)
+            round_id = next(r for r in range(1000) if (p := pair_partner(ids, stale.peer_id, r)) is not None and stale.peer_id < p)
+            assert await stale.average(weights(0), round_id, timeout=1.0) is None  # alone: it ends the round, still "free" in the DHT
+            waiting = next(avg for avg in group if avg.peer_id == pair_partner(ids, stale.peer_id, round_id))
+            third = next(avg for avg in group[1:] if avg is not waiting)
+            results = await asyncio.gather(waiting.average(weights(1), round_id, timeout=30), third.average(weights(2), round_id, timeout=30))
+            assert all(r is not None for r in results), [avg.failures for avg in group]
+            assert results[0].partner_ids == [third.peer_id] and results[1].partner_ids == [waiting.peer_id]
+            assert waiting.failures["call_refused:finished"] == 1 and waiting.rounds_to_deadline == 0
+
+    asyncio.run(scenario())
+
+
 def test_pair_order_is_agreed_and_changes_with_the_round():
     peers = [f"peer-{i}" for i in range(6)]
     partners = {round_id: {p: pair_partner(peers, p, round_id) for p in peers} for round_id in range(20)}

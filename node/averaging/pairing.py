@@ -28,7 +28,9 @@ expiring a fixed time after it was signed (node/transport/records.py: only the o
 its newer announcement always replaces its older ones). A node announces "free", then polls the key. Pairs
 mode: the free peers are ordered by sha256("<r>:<peer id>") and paired consecutively
 ((0, 1), (2, 3), ...), so peers with the same view agree on a fresh random partner every
-round without talking; the lower id of a pair opens the stream. Views can differ (a peer
+round without talking; the lower id of a pair opens the stream, and the higher one does after
+`call_patience_s` without a call (its partner may have ended the round while some DHT replica
+still shows its "free": such a partner answers FINISHED and is given up). Views can differ (a peer
 appears late), so an acceptor takes any caller while it is still free: each node holds
 at most one exchange at a time and commits at most one partner per round. A node whose
 partner is busy or not ready yet retries on the next poll, with a fresh view (a peer
@@ -120,9 +122,10 @@ class Frame(enum.IntEnum):
 class CallRefusal(SentencedEnum):
     """Why an acceptor turned a caller away before any weights moved."""
 
-    NOT_READY = ("not_ready", "The acceptor is not averaging this round (not started yet, or already finished).")
-    BUSY = ("busy", "The acceptor already has its partner (or an exchange in flight) for this round.")
-    DUPLICATE = ("duplicate", "The acceptor already exchanged with, or is exchanging with, this caller this round.")
+    NOT_READY = ("not_ready", "The acceptor has not started this round yet.")
+    FINISHED = ("finished", "The acceptor has ended this round already: the 'free' announcement the caller read is stale.")
+    BUSY = ("busy", "The acceptor already has its partner (or an exchange in flight, possibly with this caller) for this round.")
+    DUPLICATE = ("duplicate", "The acceptor already exchanged with this caller this round.")
     WRONG_GROUP = ("wrong_group", "The caller's averaging prefix (swarm, model fingerprint) is not the acceptor's.")
     BAD_HELLO = ("bad_hello", "The caller's first frame is not a well-formed HELLO.")
     GIVEN_UP = ("given_up", "The acceptor refused this caller's weights, or was refused by it, earlier this round.")
@@ -196,12 +199,13 @@ class _Round:
     def refusal_for(self, peer: str) -> CallRefusal | None:
         """Why a new exchange with `peer` cannot start now (None: it can)."""
         if self.closed:
-            return CallRefusal.NOT_READY
+            return CallRefusal.FINISHED
         if peer in self.given_up:
             return CallRefusal.GIVEN_UP
-        if peer in self.received or peer in self.engaged:
+        if peer in self.received:
             return CallRefusal.DUPLICATE
-        if len(self.received) + len(self.engaged) >= self.capacity:
+        if len(self.received) + len(self.engaged) >= self.capacity or peer in self.engaged:  # two peers calling each other: both retry
+            return CallRefusal.BUSY
             return CallRefusal.BUSY
         return None
 
@@ -268,6 +272,7 @@ class PairAverager:
         mode: str = "fp32",
         max_relative_distance: float = 0.5,  # of a partner's tensors from ours: see validation.py
         poll_interval: float = 0.2,
+        call_patience_s: float = 2.0,
         settle_s: float = 2.0,
         gather_s: float = 2.0,
         dht_timeout: float = 5.0,
@@ -284,6 +289,7 @@ class PairAverager:
         self.mode = mode
         self.max_relative_distance = max_relative_distance
         self.poll_interval = poll_interval
+        self.call_patience_s = call_patience_s
         self.settle_s = settle_s
         self.gather_s = gather_s
         self.dht_timeout = dht_timeout
@@ -294,6 +300,7 @@ class PairAverager:
         self.rounds_skipped = 0
         self.rounds_to_deadline = 0  # rounds that ran until their deadline (rather than ending when nobody was left)
         self._round: _Round | None = None  # the round open to incoming exchanges
+        self._latest_round_id: int | None = None  # rounds up to this one are over for us once it is closed
         self._averaging = False  # an average() call is running (set before its first await)
         self._max_payload = 0
         self._maddrs: list[str] = []  # where our daemon can be dialed: announced with "free"
@@ -381,6 +388,7 @@ class PairAverager:
         payload = await asyncio.to_thread(lambda: encode_weights(self._outgoing(theta), self.mode).to_bytes())
         numel = sum(t.numel() for t in theta.values())
         self._max_payload = 4 * numel + 1024 * len(theta) + CONTROL_MAX_BYTES
+        self._latest_round_id = round_id if self._latest_round_id is None else max(self._latest_round_id, round_id)
         rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS, deadline=deadline)
         self._round = rnd
         try:
@@ -421,14 +429,22 @@ class PairAverager:
     async def _run_pairs(self, rnd: _Round) -> None:
         loop = asyncio.get_running_loop()
         settle_at = loop.time() + self.settle_s
+        awaited, awaited_since = None, loop.time()  # the partner expected to call us, and since when
         while not rnd.received and not rnd.closed:
             view = await self._read_view(rnd)
             free = [p for p, state in view.items() if state == "free" and p not in rnd.given_up]
             free.append(self.peer_id)
             partner = pair_partner(free, self.peer_id, rnd.round_id)
-            if partner is not None and self.peer_id < partner and rnd.refusal_for(partner) is None:
+            if partner != awaited:
+                awaited, awaited_since = partner, loop.time()
+            # The lower id calls. The higher one calls too once its partner has kept silent for
+            # call_patience_s: the partner may have ended the round while a DHT replica still shows it
+            # "free" (its "done" did not reach every replica), and waiting for its call would idle us to
+            # the deadline; calling it gets FINISHED, and the partner is given up, so the next view pairs us anew.
+            if partner is not None and rnd.refusal_for(partner) is None and (self.peer_id < partner or loop.time() - awaited_since >= self.call_patience_s):
                 if await self._call(rnd, partner):
                     return
+                awaited_since = loop.time()
             others = [p for p in view if p != self.peer_id]
             if others and all(view[p] == "done" or p in rnd.given_up for p in others) and not rnd.engaged and loop.time() >= settle_at:
                 return  # everyone else has paired (or was refused) this round: nobody is left to pair with
@@ -569,7 +585,8 @@ class PairAverager:
         if hello.get("prefix") != self.prefix:
             return CallRefusal.WRONG_GROUP
         if rnd is None or hello["round"] != rnd.round_id:
-            return CallRefusal.NOT_READY
+            past = self._latest_round_id is not None and hello["round"] <= self._latest_round_id
+            return CallRefusal.FINISHED if past else CallRefusal.NOT_READY
         return rnd.refusal_for(peer)
 
     async def _swap(self, rnd: _Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Named | None:
