@@ -245,7 +245,7 @@ def _weights_codec():
 def _averaging_frames():
     """The weight exchange's first frame as an acceptor reads it, and its body as the exchange parses it:
     HELLO (the acceptor's checks), REFUSE (the reason), WEIGHTS (the codec)."""
-    acceptor = types.SimpleNamespace(prefix="swarm/v1/averaging/m")  # all that the HELLO check reads
+    acceptor = types.SimpleNamespace(prefix="swarm/v1/averaging/m", _latest_round_id=1)  # all that the HELLO check reads
     hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": acceptor.prefix, "round": 1})
 
     def decode(data: bytes) -> str:
