@@ -566,7 +566,8 @@ def main() -> int:
         return sum(rates) / len(rates) if rates else None
 
     def mean_phases(isolated: bool) -> dict[str, float] | None:
-        phases = [n["seconds_by_phase"] for n in nodes.values() if n["isolated"] == isolated and n["seconds_by_phase"]]
+        # the nodes mean_rate counts: one slow first round (held-out evaluation included) must not stand for a node's steady rounds
+        phases = [n["seconds_by_phase"] for n in nodes.values() if n["isolated"] == isolated and n["seconds_by_phase"] and n["rounds_per_min"] is not None]
         return {k: sum(p[k] for p in phases) / len(phases) for k in phases[0]} if phases else None
 
     swarm_rate, isolated_rate = mean_rate(False), mean_rate(True)
