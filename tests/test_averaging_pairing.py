@@ -150,7 +150,7 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
     peer calls it after call_patience_s, gets FINISHED, gives it up, and pairs with the third peer."""
     async def scenario():
         async with swarm(3) as nodes, averagers(nodes) as group:
-            stale = group[0]
+            stale = min(group, key=lambda avg: avg.peer_id)  # lowest id: its partner is the higher id, the side that waits for a call
             real_announce = stale._announce
 
             async def announce_free_only(round_id, state):
@@ -159,11 +159,10 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
 
             stale._announce = announce_free_only
             ids = [avg.peer_id for avg in group]
-            # a round in which the stale peer's partner has the higher id (the side that waits for a call)
-            round_id = next(r for r in range(1000) if (p := pair_partner(ids, stale.peer_id, r)) is not None and stale.peer_id < p)
+            round_id = next(r for r in range(1000) if pair_partner(ids, stale.peer_id, r) is not None)  # a round in which it is not the odd one out
             assert await stale.average(weights(0), round_id, timeout=1.0) is None  # alone: it ends the round, still "free" in the DHT
             waiting = next(avg for avg in group if avg.peer_id == pair_partner(ids, stale.peer_id, round_id))
-            third = next(avg for avg in group[1:] if avg is not waiting)
+            third = next(avg for avg in group if avg is not waiting and avg is not stale)
             results = await asyncio.gather(waiting.average(weights(1), round_id, timeout=30), third.average(weights(2), round_id, timeout=30))
             assert all(r is not None for r in results), [avg.failures for avg in group]
             assert results[0].partner_ids == [third.peer_id] and results[1].partner_ids == [waiting.peer_id]
