@@ -120,8 +120,8 @@ def main() -> None:
                 local, external = MIXES[name]
                 rewards, by_specialty = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed, node_overrides))
                 per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
-                cumulative[name].append(statistics.fmean(sum(per_node) for per_node in rewards))
-                final[name].append(statistics.fmean(statistics.fmean(per_node[-max(1, args.rounds // 10):]) for per_node in rewards))
+                cumulative[name].append(statistics.fmean(per_node[name][-1]))
+                final[name].append(statistics.fmean(statistics.fmean(own[-max(1, args.rounds // 10):]) for own in rewards))
                 heldout[name].append(by_specialty)
                 print(f"seed {seed} mix {name}: cumulative reward {cumulative[name][-1]:.2f} (mean over {args.nodes} nodes), last-10% reward {final[name][-1]:.3f}, "
                       f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}", flush=True)
