@@ -171,6 +171,31 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
     asyncio.run(scenario())
 
 
+def test_all_mode_calls_a_lower_id_whose_free_announcement_went_stale():
+    """All mode: the lowest id ended its round, but only its "free" reached the DHT. The two others wait
+    for calls from lower ids, so without a call of their own they would idle to the deadline (the
+    lab's DiLoCo rounds at N = 16). They call it after the gather window and call_patience_s, get
+    FINISHED, and average with each other."""
+    async def scenario():
+        async with swarm(3) as nodes, averagers(nodes, group_size=None) as group:
+            stale = min(group, key=lambda avg: avg.peer_id)
+            real_announce = stale._announce
+
+            async def announce_free_only(round_id, state):
+                if state == "free":
+                    await real_announce(round_id, state)
+
+            stale._announce = announce_free_only
+            assert await stale.average(weights(0), 3, timeout=1.0) is None
+            others = [avg for avg in group if avg is not stale]
+            results = await asyncio.gather(*(avg.average(weights(i + 1), 3, timeout=60) for i, avg in enumerate(others)))
+            assert all(r is not None and r.group_size == 2 for r in results), [avg.failures for avg in group]
+            for avg in others:
+                assert avg.failures["call_refused:finished"] == 1 and avg.rounds_to_deadline == 0, avg.failures
+
+    asyncio.run(scenario())
+
+
 def test_pair_order_is_agreed_and_changes_with_the_round():
     peers = [f"peer-{i}" for i in range(6)]
     partners = {round_id: {p: pair_partner(peers, p, round_id) for p in peers} for round_id in range(20)}

@@ -38,8 +38,9 @@ whose exchanges broke twice, or whose weights were refused, is given up for the 
 one out skips (returns None) at its timeout, or earlier once every other announced peer
 is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
 window a node calls every announced peer with a higher id and accepts calls from any
-peer (at most MAX_GROUP_PARTNERS per round: no view holds more); it finishes when no
-announced peer it has not exchanged with is still free. Per-round memories of peers (given
+peer (at most MAX_GROUP_PARTNERS per round: no view holds more); a lower id still shown free
+`call_patience_s` after the window is called too (the same stale "free" as in pairs mode); it
+finishes when no announced peer it has not exchanged with is still free. Per-round memories of peers (given
 up, failed calls) keep the newest MAX_ROUND_PEERS ids, so throwaway ids cannot grow them.
 
 One exchange, on a stream opened to `<prefix>/exchange/v1` (frames of
@@ -459,11 +460,19 @@ class PairAverager:
                 view = await self._read_view(rnd)
                 gathering = loop.time() < gather_end
                 for peer, state in view.items():
-                    if peer == self.peer_id or peer in rnd.given_up or state != "free" or self.peer_id > peer:
+                    if peer == self.peer_id or peer in rnd.given_up or state != "free":
                         continue
-                    if gathering or peer in calls:  # after the window: only retry peers already in the group
-                        if rnd.refusal_for(peer) is None and (peer not in calls or calls[peer].done()):
-                            calls[peer] = asyncio.create_task(self._call(rnd, peer))
+                    if peer < self.peer_id:
+                        # A lower id calls us. One still shown "free" after the window and call_patience_s may have
+                        # ended its round while a DHT replica kept its "free" (its "done" missed it): waiting for its
+                        # call would idle us to the deadline. Calling it either joins it to the group or gets FINISHED,
+                        # and it is given up (the pairs rule, _run_pairs, for the same stale announcement).
+                        if loop.time() < gather_end + self.call_patience_s:
+                            continue
+                    elif not (gathering or peer in calls):  # after the window: only retry higher ids already in the group
+                        continue
+                    if rnd.refusal_for(peer) is None and (peer not in calls or calls[peer].done()):
+                        calls[peer] = asyncio.create_task(self._call(rnd, peer))
                 pending = [p for p, state in view.items() if p != self.peer_id and p not in rnd.received and p not in rnd.given_up and (state == "free" or p in rnd.engaged)]
                 if not gathering and not pending and not rnd.engaged:
                     return
