@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 # warnings bypassed the node's log file and reached stderr raw, through logging's last resort.
 # Hand them back to the node's handlers (node/cli.py keeps gossipsub's chatter off the console).
 logging.getLogger("libp2p").propagate = True
+# Its auto-connector aims at 50+ connections, more than a swarm of a few nodes ever has, so it reports
+# "below target ... initiating N new dials" at INFO every 10 s for the node's whole life (node.log, benchmarks).
+logging.getLogger("libp2p.network.auto_connector").setLevel(logging.WARNING)
 
 T = TypeVar("T")
 
