@@ -40,8 +40,9 @@ MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
 
 async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0,
-                  node_overrides: dict[int, list[str]] | None = None) -> tuple[list[list[float]], dict[str, float]]:
-    """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes)."""
+                  node_overrides: dict[int, list[str]] | None = None) -> tuple[list[list[float]], dict[str, float], float]:
+    """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes;
+    rollout bytes a node published per round, mean over nodes)."""
     common = [
         *overrides,
         "swarm.transport=dht",
@@ -77,7 +78,8 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
         labels = sorted({label for _, by_dataset in heldout for label in by_dataset})
         by_specialty = {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels}
         by_specialty["all"] = statistics.fmean(overall for overall, _ in heldout)
-        return rewards, by_specialty
+        bytes_per_round = statistics.fmean(node.stats.totals()["bytes_published"] for node in swarm) / rounds
+        return rewards, by_specialty, bytes_per_round
     finally:
         for node in swarm:
             await node.transport.stop()
@@ -113,18 +115,20 @@ def main() -> None:
     final: dict[str, list[float]] = {name: [] for name in args.mixes}
     heldout: dict[str, list[dict[str, float]]] = {name: [] for name in args.mixes}
     per_node: dict[str, list[list[float]]] = {name: [] for name in args.mixes}  # [seed][node] cumulative reward
+    published: dict[str, list[float]] = {name: [] for name in args.mixes}  # [seed] rollout bytes per node per round
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             for name in args.mixes:
                 local, external = MIXES[name]
-                rewards, by_specialty = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed, node_overrides))
+                rewards, by_specialty, bytes_per_round = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed, node_overrides))
                 per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
                 cumulative[name].append(statistics.fmean(per_node[name][-1]))
                 final[name].append(statistics.fmean(statistics.fmean(own[-max(1, args.rounds // 10):]) for own in rewards))
                 heldout[name].append(by_specialty)
+                published[name].append(bytes_per_round)
                 print(f"seed {seed} mix {name}: cumulative reward {cumulative[name][-1]:.2f} (mean over {args.nodes} nodes), last-10% reward {final[name][-1]:.3f}, "
-                      f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}", flush=True)
+                      f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}, {bytes_per_round / 1000:.1f} kB published per node per round", flush=True)
     per_seed = {name: [c / base for c, base in zip(values, cumulative["8/0"])] for name, values in cumulative.items()} if "8/0" in cumulative else {}
     ratios = {name: statistics.fmean(values) for name, values in per_seed.items()}
     if ratios:
@@ -154,6 +158,7 @@ def main() -> None:
         "node_overrides": {str(i): values for i, values in node_overrides.items()},
         "cumulative_reward_per_node": {name: [statistics.fmean(run[i] for run in runs) for i in range(args.nodes)] for name, runs in per_node.items()},
         "ratio_to_8_0_per_node": node_ratios,
+        "bytes_published_per_node_round": {name: statistics.fmean(values) for name, values in published.items()},
         "minutes": (time.monotonic() - started) / 60,
     }))
 

@@ -191,6 +191,10 @@ class SwarmConfig(_Section):
     'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
     that question's specialty are wrong (1 - its accuracy moving average, floor 0.05), so the
     node takes peers' correct answers where it rarely finds them itself."""
+    publish: Literal["all", "with_signal"] = "all"
+    """Which of its own groups the node offers peers: 'all', or 'with_signal' only (rewards not all equal).
+    A receiver re-scores with the same grader and drops uniform groups (trainer.drop_uniform_groups), so
+    with one task mix 'with_signal' withholds nothing a peer would train on and sends fewer bytes."""
     swarm_id: str = Field("swarm-node-public", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Name of the swarm: keys are namespaced by it, and messages of other swarms are refused."""
     initial_peers: list[str] = []

@@ -27,7 +27,7 @@ from node.rollouts.base import Completion
 from node.state import StateStore, atomic_write_text, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
 from node.tasks import Question, TaskError, TaskSource, grade, materialize
-from node.trainer import GRPOTrainer, RolloutGroup
+from node.trainer import GRPOTrainer, RolloutGroup, is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal, TaskSpec
 from protocol.messages import MAX_DATASETS_REPORTED
@@ -256,7 +256,7 @@ class Node:
         """SAPO: J questions drawn from the peers' groups that carry a learning signal, uniformly or
         by this node's weakness in their specialty (swarm.external_selection)."""
         if self.config.trainer.drop_uniform_groups:
-            groups = [g for g in groups if max(g.rewards) - min(g.rewards) > 1e-9]
+            groups = [g for g in groups if not is_uniform(g.rewards)]
         count = min(self.config.swarm.external_questions, len(groups))
         rng = random.Random(self._generation_seed(round_))
         if self.config.swarm.external_selection == "weakness":
@@ -352,7 +352,9 @@ class Node:
         outer_step = self.averaging.apply_if_done() if self.averaging else None
         questions = self.tasks.batch(first_draw=self.round * swarm.local_questions, count=swarm.local_questions)
         local_groups, summary, timings = await asyncio.to_thread(self._generate_and_score, questions, round_)
-        await self.transport.publish(round_, self.policy_version, local_groups)
+        shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
+        if shared:
+            await self.transport.publish(round_, self.policy_version, shared)
         external_groups: list[RolloutGroup] = []
         if swarm.external_questions:
             received = await self.transport.collect(round_)

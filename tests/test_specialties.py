@@ -95,3 +95,32 @@ def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(tiny_con
     rng = random.Random(0)
     assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [1, 2, 3]  # distinct items, all of them when asked
     assert weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 0, rng) == []
+
+
+@pytest.mark.parametrize("publish", ["all", "with_signal"])
+def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(tiny_config, publish):
+    from node.transport.null import NullTransport
+
+    published = []
+
+    class Recording(NullTransport):
+        async def publish(self, round_, policy_version, groups):
+            published.append([group.spec for group in groups])
+
+    node = Node(tiny_config(f"swarm.publish={publish}"), transport=Recording())  # 2 local questions a round
+    node.load()
+    generate_and_score = node._generate_and_score
+
+    def one_signal_one_uniform(questions, round_):
+        groups, summary, timings = generate_and_score(questions, round_)
+        size = len(groups[0].rewards)
+        groups[0].rewards = [1.0] + [0.0] * (size - 1)  # a correct answer among wrong ones: a learning signal
+        groups[1].rewards = [0.0] * size  # all wrong: zero advantage, nothing to learn
+        local.append(groups)
+        return groups, summary, timings
+
+    local = []
+    node._generate_and_score = one_signal_one_uniform
+    asyncio.run(node.run_round())
+    expected = [g.spec for g in local[0]] if publish == "all" else [local[0][0].spec]
+    assert published == [expected]
