@@ -80,7 +80,7 @@ async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int =
     Pairing needs both partners' exchanges to meet inside one window: on a loaded machine that
     takes more rounds, so the loop runs until enough outer steps happened (bounded), not a fixed count."""
     overrides = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.external_questions=0", f"averaging.method={method}", "averaging.every_steps=3",
-                 "averaging.window_s=2", "averaging.timeout_s=5", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
+                 "averaging.window_s=10", "averaging.timeout_s=20", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
     nodes: list[Node] = []
     try:
         for i in range(4):

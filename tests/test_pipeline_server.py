@@ -40,15 +40,20 @@ def hidden_call(fingerprint: str, hidden: torch.Tensor, *, stage: int = 1, call_
 
 
 async def raw_call(p2p, peer_id, handler: str, data: bytes) -> tuple[int, dict]:
-    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
-    try:
-        writer.write(data)
-        await writer.drain()
-        header = await reader.readexactly(9)
-        kind, length = header[0], int.from_bytes(header[1:], "big")
-        return kind, msgpack.unpackb(await reader.readexactly(length), raw=False)
-    finally:
-        writer.close()
+    """One frame out, the server's answer back; a server that never answers fails here within 60 s
+    (a suite run beside a CPU hog once hung this test to the 600 s guard with no sign of which call)."""
+    async def exchange():
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
+        try:
+            writer.write(data)
+            await writer.drain()
+            header = await reader.readexactly(9)
+            kind, length = header[0], int.from_bytes(header[1:], "big")
+            return kind, msgpack.unpackb(await reader.readexactly(length), raw=False)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(exchange(), 60)
 
 
 def test_bad_calls_are_refused_counted_and_survived(config):
