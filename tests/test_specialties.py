@@ -110,6 +110,7 @@ def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(t
     node = Node(tiny_config(f"swarm.publish={publish}"), transport=Recording())  # 2 local questions a round
     node.load()
     generate_and_score = node._generate_and_score
+    local = []
 
     def one_signal_one_uniform(questions, round_):
         groups, summary, timings = generate_and_score(questions, round_)
@@ -119,7 +120,6 @@ def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(t
         local.append(groups)
         return groups, summary, timings
 
-    local = []
     node._generate_and_score = one_signal_one_uniform
     asyncio.run(node.run_round())
     expected = [g.spec for g in local[0]] if publish == "all" else [local[0][0].spec]

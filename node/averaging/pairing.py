@@ -39,7 +39,7 @@ one out skips (returns None) at its timeout, or earlier once every other announc
 is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
 window a node calls every announced peer with a higher id and accepts calls from any
 peer (at most MAX_GROUP_PARTNERS per round: no view holds more); a lower id still shown free
-`call_patience_s` after the window is called too (the same stale "free" as in pairs mode); it
+`call_patience_s` after the window is called too (it may be slow to call, or a stale "free"); it
 finishes when no announced peer it has not exchanged with is still free. Per-round memories of peers (given
 up, failed calls) keep the newest MAX_ROUND_PEERS ids, so throwaway ids cannot grow them.
 
@@ -463,10 +463,10 @@ class PairAverager:
                     if peer == self.peer_id or peer in rnd.given_up or state != "free":
                         continue
                     if peer < self.peer_id:
-                        # A lower id calls us. One still shown "free" after the window and call_patience_s may have
-                        # ended its round while a DHT replica kept its "free" (its "done" missed it): waiting for its
-                        # call would idle us to the deadline. Calling it either joins it to the group or gets FINISHED,
-                        # and it is given up (the pairs rule, _run_pairs, for the same stale announcement).
+                        # A lower id calls us. One still shown "free" after the window and call_patience_s has not
+                        # come round to us (busy with others: the lab's N = 16 groups waited to the deadline), or ended
+                        # its round while a DHT replica kept its "free". Calling it joins it to the group, or gets
+                        # FINISHED and it is given up (the pairs rule, _run_pairs, for the same stale announcement).
                         if loop.time() < gather_end + self.call_patience_s:
                             continue
                     elif not (gathering or peer in calls):  # after the window: only retry higher ids already in the group
