@@ -173,9 +173,9 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
 
 def test_all_mode_calls_a_lower_id_whose_free_announcement_went_stale():
     """All mode: the lowest id ended its round, but only its "free" reached the DHT. The two others wait
-    for calls from lower ids, so without a call of their own they would idle to the deadline (the
-    lab's DiLoCo rounds at N = 16). They call it after the gather window and call_patience_s, get
-    FINISHED, and average with each other."""
+    for calls from lower ids, so without a call of their own they would idle to the deadline (as the
+    lab's DiLoCo rounds at N = 16 did, there waiting on lower ids slow to call). They call it after the
+    gather window and call_patience_s, get FINISHED, and average with each other."""
     async def scenario():
         async with swarm(3) as nodes, averagers(nodes, group_size=None) as group:
             stale = min(group, key=lambda avg: avg.peer_id)
