@@ -7,6 +7,9 @@ The reward is the dataset's own scorer applied to the answer we extract.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import logging
 import random
 import re
@@ -41,15 +44,59 @@ class Question:
     entry: dict[str, Any]  # the dataset's own item, needed by its scorer
 
 
-@lru_cache(maxsize=64)
-def _dataset(name: str, config_key: str, seed: int):
-    import json
-
-    config = json.loads(config_key)
+def _create(name: str, config: dict, seed: int):
     try:
         return reasoning_gym.create_dataset(name, seed=seed, size=_VIRTUAL_SIZE, **config)
     except Exception as exc:  # reasoning-gym raises assorted types for unknown names/bad configs
         raise TaskError(f"cannot create dataset {name!r} with config {config}: {exc}") from None
+
+
+def _reseeded(dataset, seed: int):
+    """A view of `dataset` that draws its items from `seed`: it shares everything its constructor built."""
+    view = copy.copy(dataset)
+    view.seed = seed
+    if dataclasses.is_dataclass(dataset.config) and hasattr(dataset.config, "seed"):
+        view.config = dataclasses.replace(dataset.config, seed=seed)
+    return view
+
+
+_PROBE_SEED, _PROBE_INDICES = 7919, (0, 1, 2, 1_000_003)
+
+
+@lru_cache(maxsize=128)
+def _prototype(name: str, config_key: str) -> tuple[Any, bool]:
+    """One dataset per (name, config), and whether another seed's items come from a re-seeded view of it.
+
+    Some datasets build their world in the constructor (letter_counting and spell_backward read and
+    split a word list: ~0.1 s idle, seconds on a loaded machine, ~0.5 MiB each), and every peer
+    stream has its own seed, so building one dataset per seed made re-scoring a swarm's groups slow
+    and the cache thrash. Whether a view is faithful is checked here, once, against a dataset
+    built for a probe seed; a dataset whose constructor uses its seed is built per seed instead.
+    """
+    config = json.loads(config_key)
+    prototype = _create(name, config, seed=0)
+    built, viewed = _create(name, config, seed=_PROBE_SEED), _reseeded(prototype, _PROBE_SEED)
+    try:
+        faithful = all(built[i] == viewed[i] for i in _PROBE_INDICES)
+    except Exception:  # an item that cannot be drawn or compared: build per seed
+        faithful = False
+    if not faithful:
+        log.debug("dataset %s: items depend on more than its seed attribute; built once per seed", name)
+    return prototype, faithful
+
+
+@lru_cache(maxsize=1024)  # a view is a shallow copy (~1 KiB): room for every peer stream x specialty of a large swarm
+def _view(name: str, config_key: str, seed: int):
+    return _reseeded(_prototype(name, config_key)[0], seed)
+
+
+@lru_cache(maxsize=64)  # a dataset that cannot be viewed: a whole one per seed
+def _built(name: str, config_key: str, seed: int):
+    return _create(name, json.loads(config_key), seed)
+
+
+def _dataset(name: str, config_key: str, seed: int):
+    return _view(name, config_key, seed) if _prototype(name, config_key)[1] else _built(name, config_key, seed)
 
 
 def materialize(spec: TaskSpec) -> Question:

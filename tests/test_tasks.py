@@ -1,8 +1,11 @@
+import random
+
 import pytest
 
 from node.config import TasksConfig, DatasetConfig
 from node.tasks import TaskError, TaskSource, extract_answer, grade, materialize
 from protocol.specs import SpecError, TaskSpec
+from tests.conftest import REPO
 
 ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False}
 
@@ -93,3 +96,50 @@ def test_a_scorer_that_raises_grades_zero(monkeypatch):
 
     monkeypatch.setattr(dataset, "score_answer", explode)
     assert grade(question, "{{{", finished=True) == tasks.Grade(0.0, False)
+
+
+def test_a_seed_is_a_view_of_one_dataset_and_draws_what_a_fresh_dataset_draws():
+    """Every peer stream has its own seed: the word-list datasets are built once and viewed per
+    seed, and each view's questions and scoring equal those of a dataset built for that seed."""
+    import reasoning_gym
+    import yaml
+
+    from node.tasks import _dataset, _prototype
+
+    mix = yaml.safe_load((REPO / "configs" / "mix.yaml").read_text())["tasks"]["datasets"]
+    for entry in mix:
+        spec = TaskSpec(entry["name"], entry["config"], 0, 0)
+        assert _prototype(spec.dataset, spec.config_key)[1], f"{entry['name']} is rebuilt per seed"
+        for seed in (3, 123_457):
+            fresh = reasoning_gym.create_dataset(entry["name"], seed=seed, size=2**31 - 1, **entry["config"])
+            viewed = _dataset(spec.dataset, spec.config_key, seed)
+            for index in (0, 17, 40_001):
+                assert viewed[index] == fresh[index]
+                question = materialize(TaskSpec(entry["name"], entry["config"], seed, index))
+                assert grade(question, question.answer, True).correct
+    spec = TaskSpec("spell_backward", {"min_word_len": 3, "max_word_len": 4}, 0, 0)
+    assert _dataset(spec.dataset, spec.config_key, 5).words is _dataset(spec.dataset, spec.config_key, 6).words
+
+
+def test_a_dataset_whose_constructor_uses_its_seed_is_built_per_seed(monkeypatch):
+    import node.tasks as tasks
+
+    class PoolDataset:  # draws from a pool its constructor shuffles with the seed: a view would be wrong
+        def __init__(self, seed):
+            self.seed, self.config = seed, None
+            self.pool = list(range(1000))
+            random.Random(seed).shuffle(self.pool)
+
+        def __getitem__(self, index):
+            return {"question": str(self.pool[(self.seed + index) % 1000]), "answer": "0"}
+
+    monkeypatch.setattr(tasks.reasoning_gym, "create_dataset", lambda name, seed, size, **config: PoolDataset(seed))
+    tasks._prototype.cache_clear()
+    try:
+        assert tasks._prototype("pool", "{}")[1] is False
+        assert tasks._dataset("pool", "{}", 5)[3] == PoolDataset(5)[3]
+        assert tasks._dataset("pool", "{}", 6).pool == PoolDataset(6).pool
+    finally:
+        tasks._prototype.cache_clear()
+        tasks._built.cache_clear()
+        tasks._view.cache_clear()
