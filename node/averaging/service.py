@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.aio import cancel_and_wait
 from node.averaging.outer import OuterOptimizerState, apply_with_drift, diloco_step, float_parameters, noloco_step
 from node.averaging.validation import relative_distance
 from node.config import NodeConfig
@@ -95,6 +96,5 @@ class OuterStepService:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], "averaging service")
         await self.averager.stop()

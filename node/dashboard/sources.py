@@ -27,6 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+from node.aio import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 MAX_PEERS_KEPT = 256  # peers whose history is kept (throwaway identities must not grow memory)
@@ -164,8 +166,7 @@ class SwarmWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], "dashboard watcher")
             self._task = None
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import msgpack
 import torch
 
+from node.aio import cancel_and_wait
 from node.averaging.codec import CodecError, EncodedWeights, decode_weights, encode_weights
 from node.averaging.validation import WeightsRefused, validate_partner_weights
 from node.config import NodeConfig
@@ -329,9 +330,7 @@ class StageServer:
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, "stage server")
         if self.averaging is not None:
             await self.averaging.stop()
             self.averaging = None

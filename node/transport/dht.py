@@ -31,6 +31,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
+from node.aio import cancel_and_wait
 from node.config import NodeConfig
 from node.stats import SwarmStats
 from node.trainer import RolloutGroup
@@ -304,8 +305,7 @@ class DHTTransport(Transport):
 
     async def stop(self) -> None:
         if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            await cancel_and_wait([self._heartbeat_task], "heartbeat loop")
         if self.gossip is not None:
             await self.gossip.stop()
             self.gossip = None

@@ -1,0 +1,38 @@
+"""Ending the node's background tasks at shutdown.
+
+Python 3.11's `asyncio.wait_for` returns its result instead of raising when a cancellation
+arrives in the same loop iteration as the awaited future's result (fixed in 3.12). A service
+loop around such a call then runs on after `task.cancel()`, and a shutdown that waits for it
+never ends: beside a CPU hog, a node's heartbeat loop went on dialling the peers' gossip
+addresses after Ctrl-C until the test gave up on it (tests/test_swarm.py, 60 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
+RECANCEL_EVERY_S = 1.0  # a task in its own cleanup gets this long before it is cancelled again
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: float = 15.0) -> None:
+    """Cancel `tasks` and wait for them to end, cancelling again each RECANCEL_EVERY_S while
+    one still runs. After `grace_s` the stragglers are left running, with a warning."""
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning("%s: %d task(s) still running %.0f s after being cancelled; leaving them", what, len(pending), grace_s)
+            break
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_EVERY_S, left))
+    for task in tasks:  # an exception a task ended with is retrieved here, not reported as never retrieved
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.debug("%s: a task ended with %r", what, task.exception())

@@ -1,0 +1,71 @@
+"""Shutdown ends background loops even when a cancellation is swallowed."""
+
+import asyncio
+import logging
+
+from node.aio import cancel_and_wait
+
+
+def test_a_loop_that_swallows_a_cancellation_still_ends():
+    async def scenario():
+        swallowed = []
+
+        async def stubborn_loop():  # swallows its first cancellation, as 3.11's wait_for can
+            while True:
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed.append(True)
+
+        task = asyncio.create_task(stubborn_loop())
+        await asyncio.sleep(0.05)
+        await cancel_and_wait([task], "test")
+        assert swallowed and task.cancelled()
+
+    asyncio.run(scenario())
+
+
+def test_a_loop_around_wait_for_ends_when_its_result_and_the_cancel_arrive_together():
+    async def scenario():
+        futures: list[asyncio.Future] = []
+        turns = []
+
+        async def heartbeat_like_loop():
+            while True:
+                answer = asyncio.get_running_loop().create_future()
+                futures.append(answer)
+                await asyncio.wait_for(answer, 30)
+                turns.append(len(futures))
+
+        task = asyncio.create_task(heartbeat_like_loop())
+        await asyncio.sleep(0)
+        futures[-1].set_result(None)  # the answer lands in the loop iteration of the first cancellation
+        await cancel_and_wait([task], "test", grace_s=10)
+        assert task.done()
+
+    asyncio.run(scenario())
+
+
+def test_a_task_that_never_ends_is_left_with_a_warning(caplog):
+    async def scenario():
+        released = asyncio.Event()
+
+        async def immortal():  # ignores cancellation until released (asyncio.run would wait for it for ever)
+            while not released.is_set():
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    continue
+
+        task = asyncio.create_task(immortal())
+        await asyncio.sleep(0)
+        with caplog.at_level(logging.WARNING, logger="node.aio"):
+            await cancel_and_wait([task], "immortal test task", grace_s=0.3)
+        assert not task.done()
+        assert "immortal test task: 1 task(s) still running" in caplog.text
+        released.set()
+        await task
+
+    asyncio.run(scenario())
