@@ -8,7 +8,9 @@ seed that training never draws). Prints a line per evaluation and ends with one 
     .venv/bin/python benchmarks/isolated_learning.py --seeds 0 1 2 --minutes 10
     .venv/bin/python benchmarks/isolated_learning.py --rounds 300 --config configs/mix.yaml   # a fixed number of rounds
 
-With a task mix of several specialties it also reports held-out accuracy per specialty.
+With a task mix of several specialties it also reports held-out accuracy per specialty, and
+per specialty how many distinct answers the greedy policy gives against how many are right
+(one answer for every question: the policy learned the answers' prior, not the task).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
+from node.tasks import extract_answer  # noqa: E402
 
 
 async def train_for(node: Node, seconds: float, eval_every_s: float, rounds: int | None = None) -> tuple[list[dict], list[tuple[float, float]]]:
@@ -59,6 +62,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     before, after, first_reward, last_reward, rounds, curves = [], [], [], [], [], []
     by_dataset_before, by_dataset_after = [], []
+    distinct_before, distinct_after = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             config = load_config(args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=f"{scratch}/seed{seed}")
@@ -68,11 +72,15 @@ def main() -> None:
             before.append(overall)
             by_dataset_before.append(by_dataset)
             print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset)}", flush=True)
+            distinct_before.append(distinct_greedy_answers(node))
+            print(f"seed {seed}: distinct greedy answers / distinct right answers before: {_fmt_distinct(distinct_before[-1])}", flush=True)
             rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s, args.rounds))
             overall, by_dataset = node.evaluate_heldout_by_dataset()
             after.append(overall)
             by_dataset_after.append(by_dataset)
             print(f"seed {seed}: heldout after {_fmt(by_dataset)}", flush=True)
+            distinct_after.append(distinct_greedy_answers(node))
+            print(f"seed {seed}: distinct greedy answers / distinct right answers after: {_fmt_distinct(distinct_after[-1])}", flush=True)
             tenth = max(1, len(rows) // 10)
             first_reward.append(statistics.fmean(r["reward_mean"] for r in rows[:tenth]))
             last_reward.append(statistics.fmean(r["reward_mean"] for r in rows[-tenth:]))
@@ -94,7 +102,28 @@ def main() -> None:
         "heldout_curves": curves,
         "heldout_by_dataset_before": by_dataset_before,
         "heldout_by_dataset_after": by_dataset_after,
+        "distinct_greedy_answers_before": distinct_before,  # {specialty: [given, right]}
+        "distinct_greedy_answers_after": distinct_after,
     }))
+
+
+def distinct_greedy_answers(node: Node) -> dict[str, tuple[int, int]]:
+    """Per specialty: how many distinct answers the greedy policy gives on the held-out set, and
+    how many distinct answers are right. A policy that answers one constant per specialty has
+    learned the answers' prior, not the task, and RL then only shifts that prior."""
+    questions = node.heldout_questions()
+    completions = node.backend.generate([node.tasks.prompt(q) for q in questions], n=1, seed=0, greedy=True)
+    given: dict[str, set] = {}
+    true: dict[str, set] = {}
+    for question, sampled in zip(questions, completions):
+        label = node.tasks.label(question.spec)
+        given.setdefault(label, set()).add(extract_answer(sampled[0].text))
+        true.setdefault(label, set()).add(question.answer)
+    return {label: (len(given[label]), len(true[label])) for label in sorted(given)}
+
+
+def _fmt_distinct(distinct: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{label} {given}/{true}" for label, (given, true) in distinct.items())
 
 
 def _fmt(by_dataset: dict[str, float]) -> str:
