@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -41,7 +42,7 @@ def supervised_batch(tokenizer, prompts: list[str], answers: list[str]) -> dict[
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = None) -> None:
+def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = None, after_step: Callable[[int], None] | None = None) -> None:
     settings = config.model.default
     if settings.warmup_steps == 0:
         return
@@ -73,6 +74,9 @@ def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = Non
             optimizer.step()
             scheduler.step()
             bar.update(task_id, advance=1, loss=loss.item())
+            if after_step is not None:  # e.g. benchmarks/warm_start_probe.py evaluates the policy along the way
+                after_step(step + 1)
+                model.train()
             if not show_bar and (step + 1) % 50 == 0:
                 log.info("warm start step %d/%d loss %.3f", step + 1, settings.warmup_steps, loss.item())
     finally:

@@ -1,0 +1,97 @@
+"""What does the supervised warm start teach the default model? Held-out greedy accuracy and
+distinct answers per specialty along the warm start, without caching the model.
+
+RL needs a policy that computes answers, if badly: one that gives a single answer per kind of
+question has learned the answers' prior, and RL then only shifts that prior (RESULTS.md, the
+mix's warm start). This traces when, in steps, each specialty stops being a constant.
+
+    .venv/bin/python benchmarks/warm_start_probe.py --config configs/mix.yaml --steps 3000 --eval-every 500
+    .venv/bin/python benchmarks/warm_start_probe.py --config configs/mix.yaml --set model.default.hidden_size=384 ...
+
+The evaluations sit on one run's schedule (linear warm-up, cosine decay over --steps), so step
+1000 of a 3000-step probe is not a 1000-step warm start. Prints a line per evaluation and ends
+with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.config import load_config  # noqa: E402
+from node.model import build_char_tokenizer, build_default_model  # noqa: E402
+from node.rollouts.transformers_backend import TransformersBackend  # noqa: E402
+from node.tasks import TaskSource, extract_answer, grade  # noqa: E402
+from node.warmstart import warm_start  # noqa: E402
+
+
+def evaluate(backend: TransformersBackend, source: TaskSource, questions) -> dict:
+    """Greedy held-out accuracy, overall and per specialty, and distinct answers given / right."""
+    completions = backend.generate([source.prompt(q) for q in questions], n=1, seed=0, greedy=True)
+    by_label: dict[str, dict] = {}
+    right_total = 0
+    for question, sampled in zip(questions, completions):
+        entry = by_label.setdefault(source.label(question.spec), {"right": 0, "n": 0, "given": set(), "true": set()})
+        correct = grade(question, sampled[0].text, True).correct
+        entry["right"] += correct
+        entry["n"] += 1
+        entry["given"].add(extract_answer(sampled[0].text))
+        entry["true"].add(question.answer)
+        right_total += correct
+    return {
+        "heldout_accuracy": right_total / len(questions),
+        "by_specialty": {label: {"accuracy": e["right"] / e["n"], "distinct_given": len(e["given"]), "distinct_right": len(e["true"])} for label, e in sorted(by_label.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "mix.yaml"))
+    parser.add_argument("--set", action="append", default=[], help="config overrides, as for swarm-node train")
+    parser.add_argument("--steps", type=int, default=3000, help="warm-start steps (model.default.warmup_steps)")
+    parser.add_argument("--eval-every", type=int, default=500)
+    args = parser.parse_args()
+    if args.steps < 1 or args.eval_every < 1:
+        parser.error("--steps and --eval-every must be positive")
+
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as scratch:
+        config = load_config(args.config, [*args.set, f"model.default.warmup_steps={args.steps}"], state_dir=scratch)
+    torch.set_num_threads(config.torch_threads or torch.get_num_threads())
+    tokenizer = build_char_tokenizer()
+    model = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    source = TaskSource(config.tasks, seed=config.seed)
+    questions = source.heldout()
+    backend = TransformersBackend(config.rollout, model, tokenizer)
+    shape = config.model.default
+    print(f"default model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (hidden {shape.hidden_size}, layers {shape.num_layers}), "
+          f"{args.steps} warm-start steps of {shape.warmup_batch_size}, lr {shape.warmup_lr}", flush=True)
+    curve = []
+    started = time.monotonic()
+
+    def after_step(step: int) -> None:
+        if step % args.eval_every and step != args.steps:
+            return
+        model.eval()
+        with torch.no_grad():
+            point = {"step": step, "seconds": round(time.monotonic() - started), **evaluate(backend, source, questions)}
+        curve.append(point)
+        specialties = ", ".join(f"{label} {v['accuracy']:.2f} ({v['distinct_given']}/{v['distinct_right']})" for label, v in point["by_specialty"].items())
+        print(f"step {step:5d} ({point['seconds']:5d}s): held-out {point['heldout_accuracy']:.3f}; accuracy (distinct answers given/right): {specialties}", flush=True)
+
+    warm_start(model, tokenizer, config, progress=False, after_step=after_step)
+    print(json.dumps({"benchmark": "warm_start_probe", "config": Path(args.config).name, "overrides": args.set, "steps": args.steps,
+                      "parameters": sum(p.numel() for p in model.parameters()), "curve": curve}))
+
+
+if __name__ == "__main__":
+    main()
