@@ -3,8 +3,8 @@
 Python 3.11's `asyncio.wait_for` returns its result instead of raising when a cancellation
 arrives in the same loop iteration as the awaited future's result (fixed in 3.12). A service
 loop around such a call then runs on after `task.cancel()`, and a shutdown that waits for it
-never ends: beside a CPU hog, a node's heartbeat loop went on dialling the peers' gossip
-addresses after Ctrl-C until the test gave up on it (tests/test_swarm.py, 60 s).
+never ends: beside a CPU hog, a node's heartbeat loop kept running after Ctrl-C and the
+node's shutdown waited on it until the test killed the node (tests/test_swarm.py, 60 s).
 """
 
 from __future__ import annotations
