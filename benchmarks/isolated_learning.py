@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
-from node.tasks import extract_answer  # noqa: E402
+from node.tasks import SpecialtyScore  # noqa: E402
 
 
 async def train_for(node: Node, seconds: float, eval_every_s: float, rounds: int | None = None) -> tuple[list[dict], list[tuple[float, float]]]:
@@ -68,18 +68,18 @@ def main() -> None:
             config = load_config(args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=f"{scratch}/seed{seed}")
             node = Node(config)
             node.load(fresh=True)
-            overall, by_dataset = node.evaluate_heldout_by_dataset()
+            overall, scores = node.evaluate_heldout_report()
             before.append(overall)
-            by_dataset_before.append(by_dataset)
-            print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset)}", flush=True)
-            distinct_before.append(distinct_greedy_answers(node))
+            by_dataset_before.append({label: score.accuracy for label, score in scores.items()})
+            print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset_before[-1])}", flush=True)
+            distinct_before.append(_distinct(scores))
             print(f"seed {seed}: distinct greedy answers / distinct right answers before: {_fmt_distinct(distinct_before[-1])}", flush=True)
             rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s, args.rounds))
-            overall, by_dataset = node.evaluate_heldout_by_dataset()
+            overall, scores = node.evaluate_heldout_report()
             after.append(overall)
-            by_dataset_after.append(by_dataset)
-            print(f"seed {seed}: heldout after {_fmt(by_dataset)}", flush=True)
-            distinct_after.append(distinct_greedy_answers(node))
+            by_dataset_after.append({label: score.accuracy for label, score in scores.items()})
+            print(f"seed {seed}: heldout after {_fmt(by_dataset_after[-1])}", flush=True)
+            distinct_after.append(_distinct(scores))
             print(f"seed {seed}: distinct greedy answers / distinct right answers after: {_fmt_distinct(distinct_after[-1])}", flush=True)
             tenth = max(1, len(rows) // 10)
             first_reward.append(statistics.fmean(r["reward_mean"] for r in rows[:tenth]))
@@ -107,19 +107,9 @@ def main() -> None:
     }))
 
 
-def distinct_greedy_answers(node: Node) -> dict[str, tuple[int, int]]:
-    """Per specialty: how many distinct answers the greedy policy gives on the held-out set, and
-    how many distinct answers are right. A policy that answers one constant per specialty has
-    learned the answers' prior, not the task, and RL then only shifts that prior."""
-    questions = node.heldout_questions()
-    completions = node.backend.generate([node.tasks.prompt(q) for q in questions], n=1, seed=0, greedy=True)
-    given: dict[str, set] = {}
-    true: dict[str, set] = {}
-    for question, sampled in zip(questions, completions):
-        label = node.tasks.label(question.spec)
-        given.setdefault(label, set()).add(extract_answer(sampled[0].text))
-        true.setdefault(label, set()).add(question.answer)
-    return {label: (len(given[label]), len(true[label])) for label in sorted(given)}
+def _distinct(scores: dict[str, SpecialtyScore]) -> dict[str, tuple[int, int]]:
+    """Per specialty: distinct greedy answers given, and distinct right answers (see SpecialtyScore)."""
+    return {label: (score.distinct_given, score.distinct_right) for label, score in scores.items()}
 
 
 def _fmt_distinct(distinct: dict[str, tuple[int, int]]) -> str:

@@ -16,6 +16,7 @@ with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -27,27 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.config import load_config  # noqa: E402
 from node.model import build_char_tokenizer, build_default_model  # noqa: E402
 from node.rollouts.transformers_backend import TransformersBackend  # noqa: E402
-from node.tasks import TaskSource, extract_answer, grade  # noqa: E402
+from node.tasks import TaskSource  # noqa: E402
 from node.warmstart import warm_start  # noqa: E402
 
 
 def evaluate(backend: TransformersBackend, source: TaskSource, questions) -> dict:
     """Greedy held-out accuracy, overall and per specialty, and distinct answers given / right."""
     completions = backend.generate([source.prompt(q) for q in questions], n=1, seed=0, greedy=True)
-    by_label: dict[str, dict] = {}
-    right_total = 0
-    for question, sampled in zip(questions, completions):
-        entry = by_label.setdefault(source.label(question.spec), {"right": 0, "n": 0, "given": set(), "true": set()})
-        correct = grade(question, sampled[0].text, True).correct
-        entry["right"] += correct
-        entry["n"] += 1
-        entry["given"].add(extract_answer(sampled[0].text))
-        entry["true"].add(question.answer)
-        right_total += correct
-    return {
-        "heldout_accuracy": right_total / len(questions),
-        "by_specialty": {label: {"accuracy": e["right"] / e["n"], "distinct_given": len(e["given"]), "distinct_right": len(e["true"])} for label, e in sorted(by_label.items())},
-    }
+    overall, scores = source.score_answers(questions, [c[0].text for c in completions])
+    return {"heldout_accuracy": overall, "by_specialty": {label: dataclasses.asdict(score) for label, score in scores.items()}}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from node.rollouts import build_rollout_backend
 from node.rollouts.base import Completion
 from node.state import StateStore, atomic_write_text, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
-from node.tasks import Question, TaskError, TaskSource, grade, materialize
+from node.tasks import Question, SpecialtyScore, TaskError, TaskSource, grade, materialize
 from node.trainer import GRPOTrainer, RolloutGroup, is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal, TaskSpec
@@ -426,15 +426,14 @@ class Node:
 
     def evaluate_heldout_by_dataset(self, questions: list[Question] | None = None) -> tuple[float, dict[str, float]]:
         """Greedy accuracy on the fixed held-out set: overall, and per specialty of the task mix."""
+        overall, scores = self.evaluate_heldout_report(questions)
+        return overall, {label: score.accuracy for label, score in scores.items()}
+
+    def evaluate_heldout_report(self, questions: list[Question] | None = None) -> tuple[float, dict[str, SpecialtyScore]]:
+        """Greedy accuracy on the fixed held-out set, and per specialty the distinct answers given and right."""
         questions = questions or self.heldout_questions()
         completions = self.backend.generate([self.tasks.prompt(q) for q in questions], n=1, seed=0, greedy=True)
-        right = [grade(q, c[0].text, True).correct for q, c in zip(questions, completions)]
-        by_label: dict[str, list[int]] = {}
-        for question, ok in zip(questions, right):
-            tally = by_label.setdefault(self.tasks.label(question.spec), [0, 0])
-            tally[0] += ok
-            tally[1] += 1
-        return sum(right) / len(right), {label: ok / n for label, (ok, n) in sorted(by_label.items())}
+        return self.tasks.score_answers(questions, [c[0].text for c in completions])
 
     def save(self) -> None:
         if self.uses_pipeline:  # no weights here: the stage servers hold them and recover from each other

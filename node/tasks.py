@@ -37,6 +37,16 @@ class TaskError(ConfigError):
 
 
 @dataclass(frozen=True)
+class SpecialtyScore:
+    """A specialty's greedy evaluation. One distinct answer given for questions with several right
+    ones: the policy learned the answers' prior, not the task (RL then only shifts that prior)."""
+
+    accuracy: float
+    distinct_given: int
+    distinct_right: int
+
+
+@dataclass(frozen=True)
 class Question:
     spec: TaskSpec
     text: str
@@ -169,3 +179,16 @@ class TaskSource:
     def heldout(self) -> list[Question]:
         """A fixed evaluation set, disjoint in seed from every training stream."""
         return TaskSource(self.config, self.config.heldout_seed).batch(0, self.config.heldout_size)
+
+    def score_answers(self, questions: list[Question], completions: list[str]) -> tuple[float, dict[str, SpecialtyScore]]:
+        """Accuracy of one completion per question (a greedy evaluation), overall and per specialty."""
+        tallies: dict[str, tuple[list[bool], set, set]] = {}
+        right = []
+        for question, completion in zip(questions, completions, strict=True):
+            correct, given, true = tallies.setdefault(self.label(question.spec), ([], set(), set()))
+            right.append(grade(question, completion, True).correct)
+            correct.append(right[-1])
+            given.add(extract_answer(completion))
+            true.add(question.answer)
+        by_label = {label: SpecialtyScore(sum(correct) / len(correct), len(given), len(true)) for label, (correct, given, true) in sorted(tallies.items())}
+        return sum(right) / len(right), by_label

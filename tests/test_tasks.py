@@ -143,3 +143,21 @@ def test_a_dataset_whose_constructor_uses_its_seed_is_built_per_seed(monkeypatch
         tasks._prototype.cache_clear()
         tasks._built.cache_clear()
         tasks._view.cache_clear()
+
+
+def test_score_answers_counts_accuracy_and_distinct_answers_per_specialty():
+    config = TasksConfig(datasets=[DatasetConfig(name="basic_arithmetic", label="arith", config=ARITH), DatasetConfig(name="chain_sum")])
+    source = TaskSource(config, seed=4)
+    questions = [q for q in source.batch(0, 40)]
+    arith = [q for q in questions if source.label(q.spec) == "arith"]
+    chain = [q for q in questions if source.label(q.spec) == "chain_sum"]
+    assert len(arith) >= 2 and len(chain) >= 2
+    # every arithmetic question answered right; every chain_sum question answered with one constant
+    overall, scores = source.score_answers(arith + chain, [q.answer for q in arith] + ["7"] * len(chain))
+    assert scores["arith"].accuracy == 1.0
+    assert scores["arith"].distinct_given == scores["arith"].distinct_right == len({q.answer for q in arith})
+    assert scores["chain_sum"].distinct_given == 1
+    assert scores["chain_sum"].distinct_right == len({q.answer for q in chain})
+    assert scores["chain_sum"].accuracy == sum(q.answer == "7" for q in chain) / len(chain)
+    assert overall == (len(arith) + sum(q.answer == "7" for q in chain)) / len(questions)
+    assert list(scores) == ["arith", "chain_sum"]
