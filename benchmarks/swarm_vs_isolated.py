@@ -2,9 +2,12 @@
 
 Four real nodes (each its own p2pd and DHT node on 127.0.0.1, all in this process) start
 from the same warm-started default model and train in lockstep for --rounds rounds. Each
-round every node trains on I local + J external questions (8 in all, the paper's batch),
-so per-node update compute is equal across mixes; with J > 0 a node samples its external
-questions from what the other three published (one round old at most, re-scored locally).
+round every node generates and publishes 8 questions x their completions, and trains on I
+of its own (those with a learning signal first) + J external questions (8 in all, the paper's
+batch), so per-node compute, generation and update, is equal across mixes; with J > 0 a node
+samples its external questions from what the other three published (one round old at most,
+re-scored locally). --generate-local-only is the older setting where a node generated only
+its I questions (the RESULTS rows whose JSON has no `generated_per_round`).
 Cumulative reward = sum over rounds of the mean reward of a node's own completions,
 averaged over the 4 nodes (the paper's figure of merit). Ends with one JSON line.
 
@@ -12,6 +15,8 @@ averaged over the 4 nodes (the paper's figure of merit). Ends with one JSON line
     .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --seeds 0 1 2 --mixes 8/0 4/4
     .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --mixes 8/0 4/4 \
         --node-set 2:model.default.warmup_steps=300 --node-set 3:model.default.warmup_steps=300   # heterogeneous
+    .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml \
+        --mixes 8/0 4/4 4/4@swarm.importance_weighting=false     # a sharing setting side by side
 
 Each seed repeats every mix with other question streams and sampling (node i of seed s has
 seed 100 * s + i); ratios are taken per seed, then their mean and spread reported. At the
@@ -39,8 +44,18 @@ REPO = Path(__file__).resolve().parents[1]
 MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
 
+def parse_mix(text: str) -> tuple[int, int, list[str]]:
+    """'4/4' or a variant '4/4@KEY=VALUE[@KEY=VALUE...]': (local, external, overrides for every node of that run).
+
+    Variants let one run compare sharing settings side by side, each against the same 8/0."""
+    base, *overrides = text.split("@")
+    if base not in MIXES or any("=" not in item for item in overrides):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(MIXES)}, optionally followed by @KEY=VALUE overrides")
+    return (*MIXES[base], overrides)
+
+
 async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0,
-                  node_overrides: dict[int, list[str]] | None = None) -> tuple[list[list[float]], dict[str, float], float]:
+                  node_overrides: dict[int, list[str]] | None = None, run_index: int = 0, generate_local_only: bool = False) -> tuple[list[list[float]], dict[str, float], float]:
     """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes;
     rollout bytes a node published per round, mean over nodes)."""
     common = [
@@ -49,6 +64,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
         'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
         f"swarm.local_questions={local}",
         f"swarm.external_questions={external}",
+        f"swarm.generated_questions={local if generate_local_only else local + external}",
         "swarm.swarm_id=bench",
         "swarm.window_s=30",
         "checkpoint_every=1000000",
@@ -60,7 +76,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
         for i in range(nodes):
             peers = [f'swarm.initial_peers={json.dumps(swarm[0].transport.addresses)}'] if swarm else []
             own = (node_overrides or {}).get(i, [])
-            node = Node(load_config(config_path, [*common, *own, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{local}-{external}/{i}"))
+            node = Node(load_config(config_path, [*common, *own, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{run_index}-{local}-{external}/{i}"))
             node.load(fresh=True)
             await node.transport.start()
             swarm.append(node)
@@ -94,12 +110,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--mixes", nargs="+", default=list(MIXES), metavar="L/E[@KEY=VALUE...]",
+                        help=f"local/external mixes ({', '.join(MIXES)}); a variant adds overrides, e.g. 4/4@swarm.importance_weighting=false")
     parser.add_argument("--config", default=str(REPO / "configs" / "swarm.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides for every node")
+    parser.add_argument("--generate-local-only", action="store_true", help="a node generates only its I questions (less compute with J > 0)")
     parser.add_argument("--node-set", action="append", default=[], metavar="I:KEY=VALUE",
                         help="a config override for node I only (a heterogeneous swarm), e.g. 2:model.default.warmup_steps=300")
     args = parser.parse_args()
+    for name in args.mixes:
+        try:
+            parse_mix(name)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--mixes {exc}")
     node_overrides: dict[int, list[str]] = {}
     for item in args.node_set:
         index, sep, override = item.partition(":")
@@ -119,9 +142,10 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
-            for name in args.mixes:
-                local, external = MIXES[name]
-                rewards, by_specialty, bytes_per_round = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, args.set, args.config, seed, node_overrides))
+            for run_index, name in enumerate(args.mixes):
+                local, external, variant = parse_mix(name)
+                rewards, by_specialty, bytes_per_round = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, [*args.set, *variant], args.config, seed, node_overrides, run_index,
+                                                                       args.generate_local_only))
                 per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
                 cumulative[name].append(statistics.fmean(per_node[name][-1]))
                 final[name].append(statistics.fmean(statistics.fmean(own[-max(1, args.rounds // 10):]) for own in rewards))
@@ -147,6 +171,7 @@ def main() -> None:
         "config": Path(args.config).name,
         "nodes": args.nodes,
         "rounds": args.rounds,
+        "generated_per_round": "I" if args.generate_local_only else "I+J",
         "seeds": args.seeds,
         "cumulative_reward": {name: statistics.fmean(values) for name, values in cumulative.items()},
         "cumulative_reward_spread": {name: spread(values) for name, values in cumulative.items()},

@@ -183,7 +183,11 @@ class SwarmConfig(_Section):
     transport: Literal["none", "dht"] = "none"
     """'none' runs isolated (a null transport); 'dht' joins a swarm over a hivemind DHT."""
     local_questions: int = Field(8, ge=1)
-    """I: questions the node draws and answers itself each round."""
+    """I: questions of its own the node trains on each round."""
+    generated_questions: int | None = Field(None, ge=1)
+    """Questions the node draws, answers and publishes each round (None: local_questions). With more
+    than I, it trains on I of them, those with a learning signal (rewards not all equal) first: a
+    4/4 node that generates 8 spends the compute of an 8/0 node, as in SAPO's comparison."""
     external_questions: int = Field(0, ge=0)
     """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
     external_selection: Literal["uniform", "weakness"] = "uniform"
@@ -366,6 +370,9 @@ class NodeConfig(_Section):
     def _isolated_has_no_external(self) -> "NodeConfig":
         if self.swarm.transport == "none" and self.swarm.external_questions:
             raise ValueError("swarm.external_questions must be 0 when swarm.transport is 'none' (there are no peers)")
+        if self.swarm.generated_questions is not None and self.swarm.generated_questions < self.swarm.local_questions:
+            raise ValueError(f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
+                             f"({self.swarm.local_questions}): a node trains on questions it generated")
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
         if self.pipeline.objective == "grpo":

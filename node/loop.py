@@ -252,6 +252,19 @@ class Node:
             groups.append(group)
         return groups
 
+    def _choose_local(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
+        """I of the node's own groups to train on: those with a learning signal first (the trainer
+        would drop the uniform ones), at random within each kind."""
+        count = self.config.swarm.local_questions
+        if len(groups) <= count:
+            return groups
+        rng = random.Random(self._generation_seed(round_) ^ 0x5EED)  # not the stream external sampling draws from
+        with_signal = [g for g in groups if not is_uniform(g.rewards)]
+        uniform = [g for g in groups if is_uniform(g.rewards)]
+        rng.shuffle(with_signal)
+        rng.shuffle(uniform)
+        return (with_signal + uniform)[:count]
+
     def _sample_external(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
         """SAPO: J questions drawn from the peers' groups that carry a learning signal, uniformly or
         by this node's weakness in their specialty (swarm.external_selection)."""
@@ -350,7 +363,8 @@ class Node:
         round_start = time.perf_counter()
         swarm = self.config.swarm
         outer_step = self.averaging.apply_if_done() if self.averaging else None
-        questions = self.tasks.batch(first_draw=self.round * swarm.local_questions, count=swarm.local_questions)
+        generated = swarm.generated_questions or swarm.local_questions
+        questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
         local_groups, summary, timings = await asyncio.to_thread(self._generate_and_score, questions, round_)
         shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
         if shared:
@@ -361,7 +375,7 @@ class Node:
             rescored = await asyncio.to_thread(self._rescore_external, received)
             external_groups = self._sample_external(rescored, round_)
         start = time.perf_counter()
-        stats = await asyncio.to_thread(self.trainer.step, local_groups + external_groups)
+        stats = await asyncio.to_thread(self.trainer.step, self._choose_local(local_groups, round_) + external_groups)
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)

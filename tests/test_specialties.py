@@ -124,3 +124,40 @@ def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(t
     asyncio.run(node.run_round())
     expected = [g.spec for g in local[0]] if publish == "all" else [local[0][0].spec]
     assert published == [expected]
+
+
+def test_a_node_that_generates_more_than_it_trains_on_publishes_all_and_trains_on_those_with_a_signal(tiny_config):
+    """SAPO at equal compute: a 4/4 node generates (and publishes) what an 8/0 node does, and trains on
+    I of its own groups, those whose rewards differ first."""
+    from node.transport.null import NullTransport
+
+    published, trained, local = [], [], []
+
+    class Recording(NullTransport):
+        async def publish(self, round_, policy_version, groups):
+            published.append([group.spec for group in groups])
+
+    node = Node(tiny_config("swarm.generated_questions=4"), transport=Recording())  # trains on swarm.local_questions=2
+    node.load()
+    generate_and_score, step = node._generate_and_score, node.trainer.step
+
+    def two_with_signal(questions, round_):
+        groups, summary, timings = generate_and_score(questions, round_)
+        size = len(groups[0].rewards)
+        for index, group in enumerate(groups):
+            group.rewards = [1.0] + [0.0] * (size - 1) if index in (1, 3) else [0.0] * size
+        local.append(groups)
+        return groups, summary, timings
+
+    node._generate_and_score = two_with_signal
+    node.trainer.step = lambda groups: trained.append(groups) or step(groups)
+    for _ in range(2):
+        asyncio.run(node.run_round())
+    assert [len(specs) for specs in published] == [4, 4]
+    assert published[0] != published[1]  # the next round draws the next 4 questions of the stream
+    for groups, used in zip(local, trained):
+        assert {id(g) for g in used} == {id(groups[1]), id(groups[3])}
+
+    with pytest.raises(ConfigError, match="generated_questions"):
+        tiny_config("swarm.generated_questions=1")  # fewer than the 2 it trains on
+    assert tiny_config().swarm.generated_questions is None  # default: generate what it trains on
