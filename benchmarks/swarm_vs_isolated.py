@@ -55,9 +55,9 @@ def parse_mix(text: str) -> tuple[int, int, list[str]]:
 
 
 async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: str, overrides: list[str], config_path: str, seed: int = 0,
-                  node_overrides: dict[int, list[str]] | None = None, run_index: int = 0, generate_local_only: bool = False) -> tuple[list[list[float]], dict[str, float], float]:
+                  node_overrides: dict[int, list[str]] | None = None, run_index: int = 0, generate_local_only: bool = False) -> tuple[list[list[float]], dict[str, float], float, float | None]:
     """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes;
-    rollout bytes a node published per round, mean over nodes)."""
+    rollout bytes a node published per round, mean over nodes; the mean importance weight of peers' tokens, or None)."""
     common = [
         *overrides,
         "swarm.transport=dht",
@@ -81,11 +81,14 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
             await node.transport.start()
             swarm.append(node)
         rewards: list[list[float]] = [[] for _ in swarm]
+        importance_weights: list[float] = []
         started = time.monotonic()
         for round_ in range(rounds):
             for i, node in enumerate(swarm):
                 row = await node.run_round()
                 rewards[i].append(row["reward_mean"])
+                if "importance_weight_mean" in row:
+                    importance_weights.append(row["importance_weight_mean"])
             if (round_ + 1) % 25 == 0:
                 mean_last = statistics.fmean(r for per_node in rewards for r in per_node[-25:])
                 used = sum(n.stats.totals()["questions_used"] for n in swarm)
@@ -95,7 +98,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
         by_specialty = {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels}
         by_specialty["all"] = statistics.fmean(overall for overall, _ in heldout)
         bytes_per_round = statistics.fmean(node.stats.totals()["bytes_published"] for node in swarm) / rounds
-        return rewards, by_specialty, bytes_per_round
+        return rewards, by_specialty, bytes_per_round, statistics.fmean(importance_weights) if importance_weights else None
     finally:
         for node in swarm:
             await node.transport.stop()
@@ -139,20 +142,24 @@ def main() -> None:
     heldout: dict[str, list[dict[str, float]]] = {name: [] for name in args.mixes}
     per_node: dict[str, list[list[float]]] = {name: [] for name in args.mixes}  # [seed][node] cumulative reward
     published: dict[str, list[float]] = {name: [] for name in args.mixes}  # [seed] rollout bytes per node per round
+    weights_seen: dict[str, list[float]] = {name: [] for name in args.mixes}  # [seed] mean importance weight of peers' tokens
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             for run_index, name in enumerate(args.mixes):
                 local, external, variant = parse_mix(name)
-                rewards, by_specialty, bytes_per_round = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, [*args.set, *variant], args.config, seed, node_overrides, run_index,
+                rewards, by_specialty, bytes_per_round, importance_weight = asyncio.run(run_mix(local, external, args.nodes, args.rounds, scratch, [*args.set, *variant], args.config, seed, node_overrides, run_index,
                                                                        args.generate_local_only))
                 per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
                 cumulative[name].append(statistics.fmean(per_node[name][-1]))
                 final[name].append(statistics.fmean(statistics.fmean(own[-max(1, args.rounds // 10):]) for own in rewards))
                 heldout[name].append(by_specialty)
                 published[name].append(bytes_per_round)
+                if importance_weight is not None:
+                    weights_seen[name].append(importance_weight)
                 print(f"seed {seed} mix {name}: cumulative reward {cumulative[name][-1]:.2f} (mean over {args.nodes} nodes), last-10% reward {final[name][-1]:.3f}, "
-                      f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}, {bytes_per_round / 1000:.1f} kB published per node per round", flush=True)
+                      f"held-out {' '.join(f'{k} {v:.2f}' for k, v in by_specialty.items())}, {bytes_per_round / 1000:.1f} kB published per node per round"
+                      + (f", importance weight of peers' tokens {importance_weight:.3f}" if importance_weight is not None else ""), flush=True)
     per_seed = {name: [c / base for c, base in zip(values, cumulative["8/0"])] for name, values in cumulative.items()} if "8/0" in cumulative else {}
     ratios = {name: statistics.fmean(values) for name, values in per_seed.items()}
     if ratios:
@@ -184,6 +191,7 @@ def main() -> None:
         "cumulative_reward_per_node": {name: [statistics.fmean(run[i] for run in runs) for i in range(args.nodes)] for name, runs in per_node.items()},
         "ratio_to_8_0_per_node": node_ratios,
         "bytes_published_per_node_round": {name: statistics.fmean(values) for name, values in published.items()},
+        "importance_weight_mean": {name: statistics.fmean(values) for name, values in weights_seen.items() if values},
         "minutes": (time.monotonic() - started) / 60,
     }))
 

@@ -391,6 +391,7 @@ class Node:
             "kl": stats.kl,
             "groups_used": stats.groups_used,
             "groups_dropped": stats.groups_dropped,
+            **({"importance_weight_mean": stats.importance_weight_mean} if stats.importance_weight_mean is not None else {}),
             **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
             "external_questions": len(external_groups),
             "rejected": self.stats.take_round_rejections(),

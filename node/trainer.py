@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +41,9 @@ class TrainStats:
     groups_used: int = 0
     groups_dropped: int = 0
     stepped: bool = False
-    extra: dict = field(default_factory=dict)
+    importance_weight_mean: float | None = None
+    """Mean truncated importance weight over the tokens of off-policy samples (None: no such token).
+    Near 0: peers' completions are ones this policy would rarely produce, and teach it little."""
 
 
 def group_advantages(rewards: list[float], eps: float) -> list[float]:
@@ -197,6 +199,10 @@ class GRPOTrainer:
         micro = self.config.micro_batch_size
         batches = [samples[i : i + micro] for i in range(0, len(samples), micro)]
         frozen = [self._old_logprobs(batch) for batch in batches]
+        weighted = [(weights[i, : len(s.completion_ids)]) for batch, (_, weights) in zip(batches, frozen) if weights is not None
+                    for i, s in enumerate(batch) if not s.on_policy and s.behaviour_logprobs is not None]
+        if weighted:
+            stats.importance_weight_mean = torch.cat(weighted).mean().item()
         loss_sum = clipped = kl_sum = 0.0
         for _ in range(self.config.epochs_per_round):
             self.optimizer.zero_grad(set_to_none=True)

@@ -115,3 +115,18 @@ def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
     assert torch.allclose(old[0], current[0], atol=1e-6)
     assert torch.allclose(weights[0], torch.full((2,), 2.0))
     assert torch.allclose(weights[1], torch.full((2,), math.exp(-0.5)), atol=1e-5)
+
+
+def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_policy):
+    trainer = GRPOTrainer(TrainerConfig(importance_cap=2.0), tiny_policy, pad_id=0, temperature=1.0, policy_version=5)
+    with torch.no_grad():
+        current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
+    on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
+    assert trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, on_policy], [1.0, 0.0])]).importance_weight_mean is None
+    with torch.no_grad():  # the first step moved the policy: take the behaviour log-probs from where it is now
+        current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
+    trainer.policy_version = 5
+    on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
+    stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
+    stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])])
+    assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)  # only the off-policy sample's two tokens count
