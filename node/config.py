@@ -45,6 +45,9 @@ class DefaultModelConfig(_Section):
     """Peak learning rate of the supervised warm start."""
     seed: int = 0
     """Seed of the initial weights and the warm-start data."""
+    warmup_labels: list[str] = []
+    """Specialties of the task mix (their labels) the warm start teaches; empty: all of them. A node
+    warm-started on some only is a specialist: what it lacks, a swarm's other nodes can teach it."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "DefaultModelConfig":
@@ -370,6 +373,10 @@ class NodeConfig(_Section):
     def _isolated_has_no_external(self) -> "NodeConfig":
         if self.swarm.transport == "none" and self.swarm.external_questions:
             raise ValueError("swarm.external_questions must be 0 when swarm.transport is 'none' (there are no peers)")
+        mix_labels = [d.display_label for d in self.tasks.datasets]
+        unknown = [label for label in self.model.default.warmup_labels if label not in mix_labels]
+        if unknown:
+            raise ValueError(f"model.default.warmup_labels {unknown} are not specialties of the task mix {mix_labels}")
         if self.swarm.generated_questions is not None and self.swarm.generated_questions < self.swarm.local_questions:
             raise ValueError(f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
                              f"({self.swarm.local_questions}): a node trains on questions it generated")

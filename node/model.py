@@ -102,7 +102,8 @@ def default_model_key(config: NodeConfig) -> str:
     """Cache key of the built default model: everything that changes its weights."""
     recipe = {
         "build": DEFAULT_MODEL_BUILD,
-        "shape": config.model.default.model_dump(mode="json"),
+        # an empty warmup_labels (all specialties) leaves the key of models built before the setting existed
+        "shape": config.model.default.model_dump(mode="json", exclude=set() if config.model.default.warmup_labels else {"warmup_labels"}),
         "tasks": [d.model_dump(mode="json", exclude={"label"}) for d in config.tasks.datasets],  # a label names, it does not train
         "prompt": config.tasks.prompt_template,
     }

@@ -46,7 +46,10 @@ def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = Non
     settings = config.model.default
     if settings.warmup_steps == 0:
         return
-    source = TaskSource(config.tasks, seed=WARMSTART_SEED_OFFSET + settings.seed)
+    tasks = config.tasks
+    if settings.warmup_labels:
+        tasks = tasks.model_copy(update={"datasets": [d for d in tasks.datasets if d.display_label in settings.warmup_labels]})
+    source = TaskSource(tasks, seed=WARMSTART_SEED_OFFSET + settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.warmup_lr, weight_decay=0.01)
     warmup = max(1, settings.warmup_steps // 10)
 

@@ -161,3 +161,29 @@ def test_a_node_that_generates_more_than_it_trains_on_publishes_all_and_trains_o
     with pytest.raises(ConfigError, match="generated_questions"):
         tiny_config("swarm.generated_questions=1")  # fewer than the 2 it trains on
     assert tiny_config().swarm.generated_questions is None  # default: generate what it trains on
+
+
+def test_a_specialist_warm_start_teaches_only_its_labels_and_is_cached_apart(tiny_config, monkeypatch):
+    import node.warmstart
+    from node.model import build_char_tokenizer, build_default_model, default_model_key
+
+    drawn: list[str] = []
+
+    class Recording(TaskSource):
+        def batch(self, first_draw, count):
+            questions = super().batch(first_draw, count)
+            drawn.extend(self.label(q.spec) for q in questions)
+            return questions
+
+    monkeypatch.setattr(node.warmstart, "TaskSource", Recording)
+    mix = f"tasks.datasets={json.dumps(MIX)}"
+    specialist = tiny_config(mix, 'model.default.warmup_labels=["add", "chain_sum"]', "model.default.warmup_steps=6")
+    tokenizer = build_char_tokenizer()
+    model = build_default_model(specialist.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    node.warmstart.warm_start(model, tokenizer, specialist, progress=False)
+    assert len(drawn) == 6 * specialist.model.default.warmup_batch_size and set(drawn) == {"add", "chain_sum"}
+
+    generalist = tiny_config(mix, "model.default.warmup_steps=6")
+    assert default_model_key(specialist) != default_model_key(generalist)  # two warm starts, two cached models
+    with pytest.raises(ConfigError, match="not specialties of the task mix"):
+        tiny_config(mix, 'model.default.warmup_labels=["multiply"]')
