@@ -199,7 +199,7 @@ class GRPOTrainer:
         micro = self.config.micro_batch_size
         batches = [samples[i : i + micro] for i in range(0, len(samples), micro)]
         frozen = [self._old_logprobs(batch) for batch in batches]
-        weighted = [(weights[i, : len(s.completion_ids)]) for batch, (_, weights) in zip(batches, frozen) if weights is not None
+        weighted = [weights[i, : len(s.completion_ids)] for batch, (_, weights) in zip(batches, frozen) if weights is not None
                     for i, s in enumerate(batch) if not s.on_policy and s.behaviour_logprobs is not None]
         if weighted:
             stats.importance_weight_mean = torch.cat(weighted).mean().item()
