@@ -2,14 +2,18 @@
 
 Four real nodes on 127.0.0.1 (in this process) start from the same warm-started default
 model and train in lockstep for --rounds rounds on their own questions only (no rollout
-sharing, so averaging is the only interaction). Every --every-steps updates each node
+sharing, so averaging is the only interaction; --sharing 4/4 adds SAPO's rollout sharing at
+equal compute, as swarm_vs_isolated.py runs it). Every --every-steps updates each node
 starts an outer step in the background. Reported per method: mean held-out accuracy of
-the 4 nodes (greedy, 200 fixed questions) every --eval-every rounds, mean reward of the
-last 10% of rounds, bytes sent per node, outer steps done/skipped, and the spread of the
-replicas (mean pairwise relative L2 distance of their weights) at the end.
-Ends with one JSON line.
+the 4 nodes (greedy, the config's held-out set) every --eval-every rounds, and per
+specialty at the end, mean reward of the last 10% of rounds, bytes sent per node, outer
+steps done/skipped, and the spread of the replicas (mean pairwise relative L2 distance of
+their weights) at the end. With several --seeds (node i of seed s has seed 100 * s + i)
+every method runs once per seed and the final held-out accuracy is given per seed, with
+its mean and spread. Ends with one JSON line.
 
     .venv/bin/python benchmarks/averaging_learning.py --rounds 120 --every-steps 10
+    .venv/bin/python benchmarks/averaging_learning.py --config configs/mix.yaml --seeds 0 1 2 --sharing 4/4
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from node.averaging.outer import float_parameters  # noqa: E402
 from node.averaging.validation import relative_distance  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
+from swarm_vs_isolated import parse_mix, spread as value_spread  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,10 +48,13 @@ def spread(nodes: list[Node]) -> float:
     return statistics.fmean(relative_distance(a, b) for a, b in itertools.combinations(weights, 2))
 
 
-async def run_method(method: str, args, scratch: str) -> dict:
+async def run_method(method: str, args, scratch: str, seed: int) -> dict:
+    local, external, sharing_overrides = parse_mix(args.sharing)
     common = [
+        *args.set, *sharing_overrides,
         "swarm.transport=dht", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.swarm_id=avg-bench",
-        "swarm.local_questions=8", "swarm.external_questions=0", "swarm.gossip=dht",
+        f"swarm.local_questions={local}", f"swarm.external_questions={external}", f"swarm.generated_questions={local + external}",
+        "swarm.gossip=dht",
         f"averaging.method={method}", f"averaging.every_steps={args.every_steps}", "averaging.window_s=5", "averaging.timeout_s=10",
         "checkpoint_every=1000000", "eval_every=0", "torch_threads=2",
     ]
@@ -54,7 +62,7 @@ async def run_method(method: str, args, scratch: str) -> dict:
     try:
         for i in range(args.nodes):
             peers = [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
-            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*common, *peers, f"seed={i}"], state_dir=f"{scratch}/{method}/{i}"))
+            node = Node(load_config(args.config, [*common, *peers, f"seed={100 * seed + i}"], state_dir=f"{scratch}/{seed}/{method}/{i}"))
             node.load(fresh=True)
             await node.start_services()
             nodes.append(node)
@@ -65,12 +73,15 @@ async def run_method(method: str, args, scratch: str) -> dict:
             if round_ % args.eval_every == 0:
                 accuracy = statistics.fmean(await asyncio.gather(*(asyncio.to_thread(n.evaluate_heldout) for n in nodes)))
                 curve.append((round_, accuracy))
-                print(f"  {method:6s} round {round_}: held-out {accuracy:.3f}, spread {spread(nodes):.4f}", flush=True)
+                print(f"  seed {seed} {method:6s} round {round_}: held-out {accuracy:.3f}, spread {spread(nodes):.4f}", flush=True)
         counters = [n.averaging.counters() for n in nodes] if method != "none" else []
         tenth = max(1, args.rounds // 10)
+        heldout = await asyncio.gather(*(asyncio.to_thread(n.evaluate_heldout_by_dataset) for n in nodes))
+        labels = sorted({label for _, by_dataset in heldout for label in by_dataset})
         return {
             "heldout_curve": curve,
-            "heldout_final": curve[-1][1] if curve else None,
+            "heldout_final": statistics.fmean(overall for overall, _ in heldout),
+            "heldout_by_specialty": {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels},
             "reward_last_10pct": statistics.fmean(statistics.fmean(r[-tenth:]) for r in rewards),
             "spread_final": spread(nodes),
             "bytes_sent_per_node": statistics.fmean(c["bytes_sent"] for c in counters) if counters else 0,
@@ -89,21 +100,52 @@ def main() -> None:
     parser.add_argument("--every-steps", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=30)
     parser.add_argument("--methods", nargs="+", default=["none", "noloco", "diloco"])
+    parser.add_argument("--config", default=str(REPO / "configs" / "swarm.yaml"))
+    parser.add_argument("--set", action="append", default=[], help="config overrides for every node")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--sharing", default="8/0", metavar="L/E[@KEY=VALUE...]",
+                        help="SAPO mix every method runs with (8/0: no rollout sharing; 4/4: the paper's), as in swarm_vs_isolated.py")
     args = parser.parse_args()
+    try:
+        parse_mix(args.sharing)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--sharing {exc}")
 
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     started = time.monotonic()
-    results = {}
+    runs: dict[str, list[dict]] = {method: [] for method in args.methods}
     with tempfile.TemporaryDirectory() as scratch:
-        for method in args.methods:
-            results[method] = asyncio.run(run_method(method, args, scratch))
-            r = results[method]
-            print(f"{method:6s}: held-out {r['heldout_final']:.3f}, reward last 10% {r['reward_last_10pct']:.3f}, spread {r['spread_final']:.4f}, "
-                  f"bytes sent/node {r['bytes_sent_per_node']:.0f}, outer steps {r['outer_steps_succeeded']} done / {r['outer_steps_skipped']} skipped", flush=True)
-    print(json.dumps({"benchmark": "averaging_learning", "nodes": args.nodes, "rounds": args.rounds, "every_steps": args.every_steps, "results": results, "minutes": (time.monotonic() - started) / 60}))
+        for seed in args.seeds:
+            for method in args.methods:
+                r = asyncio.run(run_method(method, args, scratch, seed))
+                runs[method].append(r)
+                by_specialty = " ".join(f"{label} {value:.2f}" for label, value in r["heldout_by_specialty"].items())
+                print(f"seed {seed} {method:6s}: held-out {r['heldout_final']:.3f} ({by_specialty}), reward last 10% {r['reward_last_10pct']:.3f}, "
+                      f"spread {r['spread_final']:.4f}, bytes sent/node {r['bytes_sent_per_node']:.0f}, "
+                      f"outer steps {r['outer_steps_succeeded']} done / {r['outer_steps_skipped']} skipped", flush=True)
+    results = {}
+    for method, per_seed in runs.items():
+        finals = [r["heldout_final"] for r in per_seed]
+        results[method] = {
+            "heldout_curves": [r["heldout_curve"] for r in per_seed],
+            "heldout_final": statistics.fmean(finals),
+            "heldout_final_per_seed": finals,
+            "heldout_final_spread": value_spread(finals),
+            "heldout_by_specialty": {label: statistics.fmean(r["heldout_by_specialty"].get(label, 0.0) for r in per_seed) for label in per_seed[0]["heldout_by_specialty"]},
+            "reward_last_10pct": statistics.fmean(r["reward_last_10pct"] for r in per_seed),
+            "spread_final": statistics.fmean(r["spread_final"] for r in per_seed),
+            "bytes_sent_per_node": statistics.fmean(r["bytes_sent_per_node"] for r in per_seed),
+            "outer_steps_succeeded": sum(r["outer_steps_succeeded"] for r in per_seed),
+            "outer_steps_skipped": sum(r["outer_steps_skipped"] for r in per_seed),
+        }
+        r = results[method]
+        print(f"{method:6s}: held-out {r['heldout_final']:.3f} (per seed {', '.join(f'{v:.3f}' for v in finals)}), reward last 10% {r['reward_last_10pct']:.3f}, "
+              f"spread {r['spread_final']:.4f}", flush=True)
+    print(json.dumps({"benchmark": "averaging_learning", "config": Path(args.config).name, "sharing": args.sharing, "nodes": args.nodes, "rounds": args.rounds,
+                      "every_steps": args.every_steps, "seeds": args.seeds, "results": results, "minutes": (time.monotonic() - started) / 60}))
 
 
 if __name__ == "__main__":
