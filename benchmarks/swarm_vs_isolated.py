@@ -9,7 +9,10 @@ samples its external questions from what the other three published (one round ol
 re-scored locally). --generate-local-only is the older setting where a node generated only
 its I questions (the RESULTS rows whose JSON has no `generated_per_round`).
 Cumulative reward = sum over rounds of the mean reward of a node's own completions,
-averaged over the 4 nodes (the paper's figure of merit). Ends with one JSON line.
+averaged over the 4 nodes (the paper's figure of merit). Because the warm start's reward
+level makes up most of it in a short run, the gain above that level (cumulative reward -
+rounds x the reward of round 1, before any update) is reported beside it, with the reward
+curve per mix. Ends with one JSON line.
 
     .venv/bin/python benchmarks/swarm_vs_isolated.py --rounds 200
     .venv/bin/python benchmarks/swarm_vs_isolated.py --config configs/mix.yaml --seeds 0 1 2 --mixes 8/0 4/4
@@ -143,6 +146,7 @@ def main() -> None:
     per_node: dict[str, list[list[float]]] = {name: [] for name in args.mixes}  # [seed][node] cumulative reward
     published: dict[str, list[float]] = {name: [] for name in args.mixes}  # [seed] rollout bytes per node per round
     weights_seen: dict[str, list[float]] = {name: [] for name in args.mixes}  # [seed] mean importance weight of peers' tokens
+    curves: dict[str, list[list[float]]] = {name: [] for name in args.mixes}  # [seed][round] mean reward over nodes
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
@@ -153,6 +157,7 @@ def main() -> None:
                 per_node[name].append([sum(rewards_of_node) for rewards_of_node in rewards])
                 cumulative[name].append(statistics.fmean(per_node[name][-1]))
                 final[name].append(statistics.fmean(statistics.fmean(own[-max(1, args.rounds // 10):]) for own in rewards))
+                curves[name].append([statistics.fmean(per_round) for per_round in zip(*rewards)])
                 heldout[name].append(by_specialty)
                 published[name].append(bytes_per_round)
                 if importance_weight is not None:
@@ -165,6 +170,14 @@ def main() -> None:
     if ratios:
         print("ratio to 8/0, mean over seeds [per seed]: " + ", ".join(f"{k} {v:.2f}x {[round(r, 2) for r in per_seed[k]]}" for k, v in ratios.items())
               + " (paper: 6/2 1.52x, 4/4 1.94x, 2/6 1.68x)")
+    # The warm start's reward level is most of every mix's cumulative reward, which caps the ratio a faster learner can
+    # show in a short run. So also the gain above it: cumulative reward - rounds x start, where start = the mean reward of
+    # round 1 over all mixes of the seed (round 1's completions come before any update, from the same warm start).
+    starts = [statistics.fmean(curves[name][s][0] for name in args.mixes) for s in range(len(args.seeds))]
+    gains = {name: [c - args.rounds * start for c, start in zip(values, starts)] for name, values in cumulative.items()}
+    gain_per_seed = {name: [g / base if base > 0 else None for g, base in zip(values, gains["8/0"])] for name, values in gains.items()} if "8/0" in gains else {}
+    print("start reward per seed (round 1, before any update): " + ", ".join(f"{s:.3f}" for s in starts) + "; cumulative gain above it: "
+          + ", ".join(f"{name} {statistics.fmean(values):.2f} {[round(v, 2) for v in values]}" for name, values in gains.items()), flush=True)
     node_ratios = {}
     if "8/0" in per_node:  # who gains and who loses: each node against itself training alone
         node_ratios = {name: [statistics.fmean(seed_run[i] / base[i] for seed_run, base in zip(runs, per_node["8/0"])) for i in range(args.nodes)]
@@ -192,6 +205,11 @@ def main() -> None:
         "ratio_to_8_0_per_node": node_ratios,
         "bytes_published_per_node_round": {name: statistics.fmean(values) for name, values in published.items()},
         "importance_weight_mean": {name: statistics.fmean(values) for name, values in weights_seen.items() if values},
+        "start_reward_per_seed": starts,
+        "cumulative_gain_over_start": {name: statistics.fmean(values) for name, values in gains.items()},
+        "cumulative_gain_over_start_per_seed": gains,
+        "gain_ratio_to_8_0_per_seed": gain_per_seed,
+        "reward_curve": {name: [round(statistics.fmean(run[r] for run in runs), 4) for r in range(args.rounds)] for name, runs in curves.items()},
         "minutes": (time.monotonic() - started) / 60,
     }))
 
