@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser run test test-slow bench clean
+.PHONY: install browser netlab run test test-slow bench clean
 
-install: $(STAMP) browser
+install: $(STAMP) browser netlab
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ browser:
 	  echo "installing chromium (apt-get) for the dashboard's browser test"; \
 	  $$SUDO apt-get update -qq >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	} || echo "warning: could not install chromium; tests/test_dashboard.py's browser test fails until it is installed"
+
+# The swarm lab's tests (tests/test_lab.py) give each node its own network namespace and cut links with iptables;
+# a fresh Debian machine has iproute2 but not iptables, and without it those tests are skipped, so install it.
+netlab:
+	@command -v iptables >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  echo "installing iptables (apt-get) for the swarm lab's tests"; \
+	  $$SUDO apt-get update -qq >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null; \
+	} || echo "warning: could not install iptables; tests/test_lab.py skips its namespace tests until it is installed"
 
 run: install
 	$(BIN)/swarm-node train --config configs/isolated.yaml
