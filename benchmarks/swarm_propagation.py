@@ -49,7 +49,8 @@ from benchmarks.lab import eth0_tx_bytes, wait_file, write_atomic  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.stats import SwarmStats  # noqa: E402
-from node.transport.dht import DHTTransport, decode_verified, read_key, read_peer_stats  # noqa: E402
+from node.transport.batches import decode_verified  # noqa: E402
+from node.transport.dht import DHTTransport, read_key, read_peer_stats  # noqa: E402
 from protocol import MessageKind, NodeIdentity, PeerStats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -178,6 +178,12 @@ class TrainerConfig(_Section):
     """Added to the group's reward std before dividing."""
     importance_cap: float = Field(2.0, gt=0)
     """c in min(c, pi_local/pi_behaviour): truncated importance weight for off-policy samples."""
+    importance_level: Literal["token", "sequence"] = "token"
+    """How off-policy samples are weighted: 'token', min(c, pi_local/pi_behaviour) per token; or 'sequence',
+    HACPO's min(1, s)^(1 + importance_alpha) with s the ratio of the sequence's mean token probabilities:
+    a peer's sample never counts more than one's own."""
+    importance_alpha: float = Field(1.0, ge=0)
+    """alpha of the 'sequence' weight: larger damps samples this policy finds unlikely harder."""
 
 
 class SwarmConfig(_Section):
@@ -198,6 +204,15 @@ class SwarmConfig(_Section):
     'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
     that question's specialty are wrong (1 - its accuracy moving average, floor 0.05), so the
     node takes peers' correct answers where it rarely finds them itself."""
+    capability_aware: bool = False
+    """HACPO's corrections for peers that know more or less than this node (node/sharing.py): per specialty, a
+    peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
+    P_peer / P_this, both clipped to [0.1, 10]; P_this is this node's accuracy moving average in the specialty,
+    P_peer the peer's re-scored pass rate there. Nodes that know the same things see omega ~ 1: no change."""
+    max_rescored_per_round: int | None = Field(None, ge=1)
+    """Peer groups re-generated and re-scored per round at most, in the order they are drawn (None: 2 x J). Groups
+    are drawn on their claimed rewards first and only the drawn ones are re-scored, so a round's work does not
+    grow with the number of peers; a drawn group that fails its checks is replaced while this budget lasts."""
     publish: Literal["all", "with_signal"] = "all"
     """Which of its own groups the node offers peers: 'all', or 'with_signal' only (rewards not all equal).
     A receiver re-scores with the same grader and drops uniform groups (trainer.drop_uniform_groups), so

@@ -23,13 +23,13 @@ import torch
 from node.config import NodeConfig, dump_config
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import Completion
 from node.state import StateStore, atomic_write_text, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
-from node.tasks import Question, SpecialtyScore, TaskError, TaskSource, grade, materialize
+from node.sharing import PeerRollouts, score_group
+from node.tasks import Question, SpecialtyScore, TaskSource
 from node.trainer import GRPOTrainer, RolloutGroup, is_uniform
 from node.transport import ExternalGroup, Transport
-from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal, TaskSpec
+from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal
 from protocol.messages import MAX_DATASETS_REPORTED
 
 log = logging.getLogger(__name__)
@@ -47,15 +47,6 @@ PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its ro
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 
 
-WEAKNESS_FLOOR = 0.05  # a specialty the node has mastered is still drawn now and then
-
-
-def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:
-    """`count` distinct items, each draw proportional to the weights of those left (Efraimidis-Spirakis keys)."""
-    keyed = sorted(((rng.random() ** (1.0 / w), i) for i, w in enumerate(weights)), reverse=True)
-    return [items[i] for _, i in keyed[:count]]
-
-
 class Node:
     def __init__(self, config: NodeConfig, transport: Transport | None = None):
         self.config = config
@@ -71,6 +62,7 @@ class Node:
         self.stats = SwarmStats()
         self.round = 0  # rounds completed
         self.model = self.tokenizer = self.trainer = self.backend = None
+        self.sharing: PeerRollouts | None = None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
         self.fingerprint = ""
         self.model_parameters = 0
         self.reward_ema: float | None = None
@@ -79,9 +71,6 @@ class Node:
         self.last_tokens_per_s = 0.0
         self.announced_addresses: list[str] = []
         self._heldout: list[Question] | None = None
-        # Peer specs are accepted only for the datasets *and configs* of our own mix: an
-        # arbitrary config could make a generator burn CPU or memory (max_digits=10**6...).
-        self._mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self._metrics_server: MetricsServer | None = None
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
         self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
@@ -142,6 +131,7 @@ class Node:
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(self.model))
         self.backend = build_rollout_backend(self.config, self.model, self.tokenizer, saved["policy_version"])
+        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
         self.round = saved["round"]
         self.store.truncate_metrics(self.round)
         log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, self.fingerprint, self.round)
@@ -200,6 +190,7 @@ class Node:
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, policy_version)
         self.backend = build_rollout_backend(self.config, self.model, self.tokenizer, policy_version)
+        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
 
     @property
     def policy_version(self) -> int:
@@ -212,45 +203,11 @@ class Node:
 
     def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
         """The group with its locally computed rewards, and how many of its completions are correct."""
-        grades = [grade(question, c.text, c.finish_reason == "stop", self.config.tasks.format_reward) for c in completions]
-        return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source), sum(g.correct for g in grades)
+        return score_group(question, completions, source, self.config.tasks.format_reward)
 
     def _refuse(self, item: ExternalGroup, reason: Refusal, detail: str) -> None:
         self.stats.reject(item.peer_id, reason)
         log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
-
-    def _rescore_external(self, external: list[ExternalGroup]) -> list[RolloutGroup]:
-        """Re-derive each peer question from its spec, re-tokenize its completions and score them here.
-
-        The sender's answers and rewards are never used; its token ids and behaviour log-probs
-        only when it runs the same model and they match our own tokenization exactly.
-        """
-        eos_id = self.tokenizer.eos_token_id
-        groups = []
-        for item in external:
-            if (item.spec.dataset, item.spec.config_key) not in self._mix:
-                self._refuse(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} with this config is not in this node's task mix")
-                continue
-            try:
-                question = materialize(item.spec)
-            except TaskError as exc:
-                self._refuse(item, Refusal.UNSCORABLE, str(exc))
-                continue
-            prompt_ids = self.tokenizer.encode(self.tasks.prompt(question), add_special_tokens=False)
-            completions = []
-            for sent in item.completions:
-                ids = self.tokenizer.encode(sent.text, add_special_tokens=False) + ([eos_id] if sent.finish_reason == "stop" else [])
-                usable = self.config.swarm.importance_weighting and item.same_model and ids == list(sent.token_ids)
-                completions.append(Completion(prompt_ids, ids, sent.text, list(sent.logprobs) if usable and sent.logprobs is not None else None, sent.finish_reason, policy_version=-1))
-            longest = max(len(c.completion_ids) for c in completions)
-            if longest > self.config.swarm.max_external_tokens:
-                self._refuse(item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens")
-                continue
-            group, _ = self.score_group(question, completions, source=item.peer_id)
-            if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):
-                self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
-            groups.append(group)
-        return groups
 
     def _choose_local(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
         """I of the node's own groups to train on: those with a learning signal first (the trainer
@@ -264,26 +221,6 @@ class Node:
         rng.shuffle(with_signal)
         rng.shuffle(uniform)
         return (with_signal + uniform)[:count]
-
-    def _sample_external(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
-        """SAPO: J questions drawn from the peers' groups that carry a learning signal, uniformly or
-        by this node's weakness in their specialty (swarm.external_selection)."""
-        if self.config.trainer.drop_uniform_groups:
-            groups = [g for g in groups if not is_uniform(g.rewards)]
-        count = min(self.config.swarm.external_questions, len(groups))
-        rng = random.Random(self._generation_seed(round_))
-        if self.config.swarm.external_selection == "weakness":
-            chosen = weighted_sample(groups, [self.external_weight(g) for g in groups], count, rng)
-        else:
-            chosen = rng.sample(groups, count)
-        for group in chosen:
-            self.stats.peer(group.source).questions_used += 1
-        return chosen
-
-    def external_weight(self, group: RolloutGroup) -> float:
-        """'weakness' selection: how often our own answers in this group's specialty are wrong (unknown: as if always)."""
-        accuracy = self.accuracy_by_dataset_ema.get(self.tasks.label(group.spec))
-        return max(WEAKNESS_FLOOR, 1.0 - accuracy) if accuracy is not None else 1.0
 
     def _generate_and_score(self, questions: list[Question], round_: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
         timings = RoundTimings()
@@ -372,8 +309,7 @@ class Node:
         external_groups: list[RolloutGroup] = []
         if swarm.external_questions:
             received = await self.transport.collect(round_)
-            rescored = await asyncio.to_thread(self._rescore_external, received)
-            external_groups = self._sample_external(rescored, round_)
+            external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         start = time.perf_counter()
         stats = await asyncio.to_thread(self.trainer.step, self._choose_local(local_groups, round_) + external_groups)
         timings.update_s = time.perf_counter() - start
@@ -394,6 +330,7 @@ class Node:
             **({"importance_weight_mean": stats.importance_weight_mean} if stats.importance_weight_mean is not None else {}),
             **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
             "external_questions": len(external_groups),
+            **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": timings.generation_s,

@@ -2,8 +2,12 @@
 
 Per question group: A_i = (r_i - mean(r)) / (std(r) + eps). Per completion token:
     loss_t = -min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A) * w_t  (+ beta * KL_t)
-with rho_t = pi_theta / pi_old, and w_t = min(c, pi_old / pi_behaviour) a truncated
-importance weight for samples produced by another policy (a peer's, or an older ours).
+with rho_t = pi_theta / pi_old, and w_t an importance weight for samples produced by another
+policy (a peer's, or an older ours): per token, truncated, min(c, pi_old / pi_behaviour); or per
+sequence, HACPO's exponential form min(1, s)^(1 + alpha) with s = exp(mean_t log pi_old/pi_behaviour),
+so that a peer's sample never counts more than one's own. A peer's group may also carry HACPO's
+capability corrections (node/sharing.py): its advantages are taken against omega * mean(r) instead
+of mean(r), and its loss is scaled by a discrepancy coefficient.
 The loss is averaged over all completion tokens of the round (DAPO's token-level mean),
 whatever the micro-batching.
 """
@@ -29,6 +33,11 @@ class RolloutGroup:
     completions: list[Completion]
     rewards: list[float]
     source: str = "local"  # "local" or the id of the peer that generated it
+    baseline_scale: float = 1.0
+    """omega: advantages are taken against omega * mean(rewards). Below 1 for a peer more capable than this
+    node in the question's specialty, so that its right answers push harder (HACPO's capability-aware baseline)."""
+    loss_scale: float = 1.0
+    """Multiplies the group's loss: HACPO's discrepancy coefficient P_source / P_learner for a peer's group."""
 
 
 @dataclass
@@ -46,11 +55,19 @@ class TrainStats:
     Near 0: peers' completions are ones this policy would rarely produce, and teach it little."""
 
 
-def group_advantages(rewards: list[float], eps: float) -> list[float]:
-    """Rewards normalized within their group (sample std, as GRPO implementations do)."""
+def group_advantages(rewards: list[float], eps: float, baseline_scale: float = 1.0) -> list[float]:
+    """Rewards normalized within their group (sample std, as GRPO implementations do), against a
+    baseline of baseline_scale * mean(rewards).
+
+    The scale leaves a group whose rewards are all equal at zero advantage (it must not invent a
+    signal), and a scaled baseline at or above the best reward falls back to the plain mean (HACPO's
+    guard): otherwise every sample of the group, right ones included, would be pushed down."""
     values = torch.tensor(rewards, dtype=torch.float64)
     std = values.std(unbiased=True) if len(rewards) > 1 else torch.tensor(0.0, dtype=torch.float64)
-    return ((values - values.mean()) / (std + eps)).tolist()
+    baseline = values.mean()
+    if not is_uniform(rewards) and baseline * baseline_scale < values.max():
+        baseline = baseline * baseline_scale
+    return ((values - baseline) / (std + eps)).tolist()
 
 
 def is_uniform(rewards: list[float]) -> bool:
@@ -132,6 +149,7 @@ class _Sample:
     advantage: float
     behaviour_logprobs: list[float] | None
     on_policy: bool
+    loss_scale: float = 1.0
 
 
 class GRPOTrainer:
@@ -156,7 +174,7 @@ class GRPOTrainer:
                 stats.groups_dropped += 1
                 continue
             stats.groups_used += 1
-            for completion, advantage in zip(group.completions, group_advantages(group.rewards, self.config.advantage_eps)):
+            for completion, advantage in zip(group.completions, group_advantages(group.rewards, self.config.advantage_eps, group.baseline_scale)):
                 if not completion.completion_ids:
                     continue  # nothing to score; never divides the loss by zero tokens
                 samples.append(
@@ -166,13 +184,14 @@ class GRPOTrainer:
                         advantage=advantage,
                         behaviour_logprobs=completion.logprobs,
                         on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
+                        loss_scale=group.loss_scale,
                     )
                 )
         return samples
 
     @torch.no_grad()
     def _old_logprobs(self, batch: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """pi_old for the ratio, and the truncated importance weight w.r.t. the behaviour policy."""
+        """pi_old for the ratio, and the importance weight w.r.t. the behaviour policy (None: all on-policy)."""
         width = max(len(s.completion_ids) for s in batch)
         if all(s.on_policy for s in batch):
             return _pad_rows([s.behaviour_logprobs for s in batch], width), None
@@ -184,9 +203,15 @@ class GRPOTrainer:
             if sample.on_policy:
                 old[i, :n] = torch.tensor(sample.behaviour_logprobs)
             elif sample.behaviour_logprobs is not None:
-                behaviour = torch.tensor(sample.behaviour_logprobs)
-                weights[i, :n] = torch.exp(recomputed[i, :n] - behaviour).clamp(max=self.config.importance_cap)
+                weights[i, :n] = self._importance_weights(recomputed[i, :n], torch.tensor(sample.behaviour_logprobs))
         return old, weights
+
+    def _importance_weights(self, current: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+        """The importance weight of each token of one off-policy sample (see the module docstring)."""
+        if self.config.importance_level == "sequence":
+            ratio = torch.exp((current - behaviour).mean()).clamp(max=1.0)
+            return (ratio ** (1.0 + self.config.importance_alpha)).expand_as(current)
+        return torch.exp(current - behaviour).clamp(max=self.config.importance_cap)
 
     def step(self, groups: list[RolloutGroup]) -> TrainStats:
         stats = TrainStats()
@@ -214,6 +239,9 @@ class GRPOTrainer:
                     with torch.no_grad():
                         ref, _ = completion_logprobs(self.reference, rows, self.pad_id, self.temperature)
                 advantages = torch.tensor([s.advantage for s in batch], dtype=logprobs.dtype)
+                if any(s.loss_scale != 1.0 for s in batch):
+                    scales = torch.tensor([s.loss_scale for s in batch], dtype=logprobs.dtype)[:, None]
+                    weights = scales if weights is None else weights * scales
                 loss, info = policy_loss(logprobs, old, advantages, mask, self.config.eps_low, self.config.eps_high, weights, ref, self.config.kl_beta)
                 (loss / total_tokens).backward()
                 loss_sum += loss.item()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from node.stats import MAX_TRACKED_PEERS, RecordRefusals, SwarmStats
-from node.transport.dht import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, _SeenEnvelopes
+from node.transport.batches import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, SeenEnvelopes
 from protocol import ProtocolRejection, Refusal
 
 FLOOD = 5000
@@ -32,7 +32,7 @@ def test_swarm_stats_stay_bounded():
 
 
 def test_seen_envelopes_stay_bounded():
-    seen = _SeenEnvelopes()
+    seen = SeenEnvelopes()
     for i in range(FLOOD):
         for seq in range(3):
             seen.add(fake(i), seq)
@@ -75,15 +75,16 @@ def test_pipeline_driver_and_server_memories_stay_bounded():
 
 def test_refused_value_memory_stays_bounded(tmp_path):
     from node.config import load_config
-    from node.transport.dht import MAX_REFUSED_REMEMBERED, DHTTransport
+    from node.transport.batches import MAX_REFUSED_REMEMBERED
+    from node.transport.dht import DHTTransport
     from protocol import NodeIdentity
 
     stats = SwarmStats()
     transport = DHTTransport(load_config(None, ["swarm.transport=dht"]), NodeIdentity.generate(), stats, tmp_path, "f", heartbeat=None)
     for i in range(FLOOD):
-        transport._refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
-        transport._refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))  # re-read: not counted again
-    assert len(transport._refused) == MAX_REFUSED_REMEMBERED
+        transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
+        transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))  # re-read: not counted again
+    assert len(transport.receiver.refused) == MAX_REFUSED_REMEMBERED
     assert stats.refusals.by_reason() == {"bad_signature": FLOOD} and len(stats.refusals.by_peer()) == MAX_TRACKED_PEERS
 
 

@@ -70,33 +70,6 @@ def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_conf
     assert isinstance(received, PeerStats) and received.accuracy_by_dataset == heartbeat.accuracy_by_dataset
 
 
-def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(tiny_config):
-    import random
-
-    from node.loop import weighted_sample
-    from node.trainer import RolloutGroup
-
-    config = tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=2", "swarm.external_selection=weakness")  # not started: no network
-    node = Node(config)
-    node.load()
-    node.accuracy_by_dataset_ema = {"add": 0.95, "subtract": 0.0}  # masters addition, never subtracts right; chain_sum unknown
-    source = TaskSource(config.tasks, seed=9)
-    specs = {label: next(source.spec(d) for d in range(200) if source.label(source.spec(d)) == label) for label in ("add", "subtract", "chain_sum")}
-    groups = {label: RolloutGroup(spec=spec, completions=[], rewards=[0.0, 1.0], source="peer") for label, spec in specs.items()}
-    weights = {label: node.external_weight(group) for label, group in groups.items()}
-    assert weights == {"add": pytest.approx(0.05), "subtract": 1.0, "chain_sum": 1.0}
-    picks = {label: 0 for label in groups}
-    for round_ in range(400):
-        for group in node._sample_external(list(groups.values()), round_)[:1]:
-            picks[node.tasks.label(group.spec)] += 1
-    assert picks["add"] < picks["subtract"] / 5 and picks["add"] < picks["chain_sum"] / 5, picks
-    uniform = tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=2")
-    assert uniform.swarm.external_selection == "uniform"  # SAPO's rule stays the default until measured better
-    rng = random.Random(0)
-    assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [1, 2, 3]  # distinct items, all of them when asked
-    assert weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 0, rng) == []
-
-
 @pytest.mark.parametrize("publish", ["all", "with_signal"])
 def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(tiny_config, publish):
     from node.transport.null import NullTransport

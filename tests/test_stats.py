@@ -61,9 +61,9 @@ def test_metrics_endpoint_serves_prometheus_text():
 
 
 def test_seen_envelopes_are_bounded():
-    from node.transport.dht import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, _SeenEnvelopes
+    from node.transport.batches import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, SeenEnvelopes
 
-    seen = _SeenEnvelopes()
+    seen = SeenEnvelopes()
     for seq in range(SEEN_PER_SENDER + 10):
         seen.add("a", seq)
     assert seen.seen("a", SEEN_PER_SENDER + 9) and not seen.seen("a", 0) and seen.oldest("a") == 10

@@ -93,8 +93,8 @@ async def _hostile_scenario(tmp_path):
         liar = honest.stats.peers[peers["liar"].node_id]
         assert peers["liar"].node_id not in rejected and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
         # what the node trained on was scored here: the liar's group carries our rewards
-        rescored = honest._rescore_external(_liar_group(peers["liar"], spec, question, wrong))
-        assert rescored[0].rewards[:2] == [0.0, 0.0] and rescored[0].rewards[2] == 1.0
+        rescored, _ = honest.sharing.rescore(_liar_group(peers["liar"], spec, question, wrong))
+        assert rescored.rewards[:2] == [0.0, 0.0] and rescored.rewards[2] == 1.0
 
         rows = honest.store.read_metrics()
         assert [r["round"] for r in rows] == [1, 2]
@@ -110,4 +110,5 @@ def _liar_group(identity, spec, question, wrong):
     from node.transport.base import ExternalGroup
 
     batch = batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0])
-    return [ExternalGroup(spec=q.spec, completions=q.completions, claimed_rewards=q.claimed_rewards, peer_id=identity.node_id, same_model=False, policy_version=1) for q in batch.questions]
+    [question] = batch.questions
+    return ExternalGroup(spec=question.spec, completions=question.completions, claimed_rewards=question.claimed_rewards, peer_id=identity.node_id, same_model=False, policy_version=1)

@@ -130,3 +130,40 @@ def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_polic
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
     stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])])
     assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)  # only the off-policy sample's two tokens count
+
+
+def test_capability_aware_baseline_hand_computed():
+    # A peer right 6 times in 8 (mean 0.75, sample std 0.46291) where this node is right once in 10:
+    # omega = 0.1 / 0.75, baseline = 0.1: right answers (1 - 0.1) / 0.46291, wrong ones -0.1 / 0.46291
+    rewards = [1.0] * 6 + [0.0] * 2
+    scaled = group_advantages(rewards, eps=0.0, baseline_scale=0.1 / 0.75)
+    assert scaled == pytest.approx([1.944222] * 6 + [-0.216025] * 2, rel=1e-5)
+    assert group_advantages(rewards, eps=0.0) == pytest.approx([0.540062] * 6 + [-1.620185] * 2, rel=1e-5)  # omega = 1: plain GRPO
+    assert group_advantages([1.0, 1.0], eps=1e-4, baseline_scale=0.2) == [0.0, 0.0]  # no signal is invented
+    # a scaled baseline at or above the best reward would push right answers down: the plain mean instead
+    assert group_advantages(rewards, eps=0.0, baseline_scale=2.0) == pytest.approx(group_advantages(rewards, eps=0.0))
+
+
+def test_sequence_importance_weight_is_exponential_and_never_above_one(tiny_policy):
+    trainer = GRPOTrainer(TrainerConfig(importance_level="sequence", importance_alpha=1.0), tiny_policy, pad_id=0, temperature=1.0, policy_version=5)
+    with torch.no_grad():
+        current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
+    likelier_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] + 0.5).tolist())  # s = exp(-0.5)
+    unlikely_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] - 5.0).tolist())  # s = exp(5), capped at 1
+    samples = trainer._samples([RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])], type("S", (), {"groups_used": 0, "groups_dropped": 0})())
+    _, weights = trainer._old_logprobs(samples)
+    assert torch.allclose(weights[0], torch.full((2,), math.exp(-1.0)), atol=1e-5)  # s * s^alpha, one value for the whole sequence
+    assert torch.allclose(weights[1], torch.ones(2))
+
+
+def test_a_groups_loss_scale_multiplies_its_loss(tiny_policy):
+    import copy
+
+    losses = []
+    for scale in (1.0, 3.0):
+        model = copy.deepcopy(tiny_policy)
+        trainer = GRPOTrainer(TrainerConfig(), model, pad_id=0, temperature=1.0, policy_version=5)
+        # completions of different lengths: the token-level mean of the advantages is not zero
+        group = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion([3], [4]), _completion([3], [5, 6, 7])], [1.0, 0.0], source="peer", loss_scale=scale)
+        losses.append(trainer.step([group]).loss)
+    assert losses[0] != 0.0 and losses[1] == pytest.approx(3.0 * losses[0], rel=1e-5)

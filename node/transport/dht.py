@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import random
 import time
@@ -36,27 +35,13 @@ from node.config import NodeConfig
 from node.stats import SwarmStats
 from node.trainer import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
-from protocol import (
-    DEFAULT_LIMITS,
-    Limits,
-    MessageKind,
-    NodeIdentity,
-    PeerStats,
-    ProtocolRejection,
-    Refusal,
-    RolloutBatch,
-    RolloutCompletion,
-    RolloutQuestion,
-    decode_message,
-)
+from node.transport.batches import BatchReceiver, sign_rollout_batch
+from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection
 from protocol.version import PROTOCOL_MAJOR
 
 log = logging.getLogger(__name__)
 
 MAX_VALUES_PER_KEY = 256  # peers read per key and round: bounds the work a flood of subkeys can cause
-SEEN_PER_SENDER = 64
-MAX_SENDERS_REMEMBERED = 1024
-MAX_REFUSED_REMEMBERED = 4096
 MAX_DHT_PEERS_REMEMBERED = 256  # DHT addresses from peers' signed heartbeats, kept to find them again after a partition
 REJOIN_PEERS_PER_PASS = 16  # lost peers re-contacted per rejoin pass: bounds the work whatever the heartbeats claim
 
@@ -119,33 +104,6 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
             process.kill()
 
 
-class _SeenEnvelopes:
-    """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay.
-
-    Bounded: the last SEEN_PER_SENDER seqs of the MAX_SENDERS_REMEMBERED most recent senders
-    (throwaway identities cannot grow it without bound).
-    """
-
-    def __init__(self) -> None:
-        self._by_sender: OrderedDict[str, OrderedDict[int, None]] = OrderedDict()
-
-    def seen(self, sender: str, seq: int) -> bool:
-        return seq in self._by_sender.get(sender, ())
-
-    def oldest(self, sender: str) -> int:
-        """The oldest seq still remembered for `sender` (-1: none): below it, "seen" can no longer be told."""
-        return min(self._by_sender.get(sender, {-1: None}))
-
-    def add(self, sender: str, seq: int) -> None:
-        seqs = self._by_sender.pop(sender, None) or OrderedDict()
-        self._by_sender[sender] = seqs
-        seqs[seq] = None
-        while len(seqs) > SEEN_PER_SENDER:
-            seqs.popitem(last=False)
-        while len(self._by_sender) > MAX_SENDERS_REMEMBERED:
-            self._by_sender.popitem(last=False)
-
-
 def listen_ip(host_maddrs: list[str]) -> str:
     """The IP of the first /ip4/ listening address (where the gossip host listens too)."""
     for maddr in host_maddrs:
@@ -179,25 +137,6 @@ def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[s
     return list(dict.fromkeys(routable))
 
 
-def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float, limits: Limits = DEFAULT_LIMITS):
-    """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
-
-    A value signed in the future (past the clock skew allowed) is refused as stale; how old a
-    value may be is the caller's to decide (a heartbeat, a batch and an announcement differ),
-    so a record the DHT still holds is never refused for its age alone. Raises ProtocolRejection.
-    """
-    if not isinstance(raw, bytes):
-        raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
-    envelope = decode_message(raw, swarm_id=swarm_id, limits=dataclasses.replace(limits, max_clock_skew_s=float("inf")))
-    if envelope.timestamp > now + limits.max_clock_skew_s:
-        raise ProtocolRejection(Refusal.STALE, f"signed {envelope.timestamp - now:.0f}s in the future, limit {limits.max_clock_skew_s:.0f}s")
-    if subkey is not None and envelope.sender_id != subkey:
-        raise ProtocolRejection(Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…")
-    if envelope.kind != kind:
-        raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"expected {kind.value}, got {envelope.kind.value}")
-    return envelope
-
-
 class DHTTransport(Transport):
     def __init__(self, config: NodeConfig, identity: NodeIdentity, stats: SwarmStats, state_dir: Path, fingerprint: str, heartbeat: Callable[[], PeerStats], announce: Callable[[list[str]], None] | None = None):
         self.config = config
@@ -215,8 +154,7 @@ class DHTTransport(Transport):
         from node.transport.records import RecordWriter  # imports hivemind: only swarm nodes pay for it
 
         self.writer = RecordWriter(identity, config.swarm.swarm_id)
-        self._seen = _SeenEnvelopes()
-        self._refused: OrderedDict[bytes, None] = OrderedDict()
+        self.receiver = BatchReceiver(config.swarm, identity.node_id, fingerprint, stats)
         self._heartbeat_task: asyncio.Task | None = None
         self._dht_peers_seen: OrderedDict[str, list[str]] = OrderedDict()  # PeerID -> maddrs, least recently seen first
         self._last_rejoin = time.monotonic()
@@ -348,39 +286,6 @@ class DHTTransport(Transport):
                 except Exception as exc:  # retried next pass
                     log.warning("rejoining lost DHT peers failed: %r", exc)
 
-    def _batch(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> RolloutBatch:
-        questions = [
-            RolloutQuestion(
-                spec=group.spec,
-                completions=[RolloutCompletion(text=c.text, token_ids=list(c.completion_ids), logprobs=c.logprobs, finish_reason=c.finish_reason) for c in group.completions],
-                claimed_rewards=[float(r) for r in group.rewards],
-            )
-            for group in groups
-        ]
-        return RolloutBatch(round=round_, policy_version=policy_version, model_fingerprint=self.fingerprint, questions=questions)
-
-    async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
-        window = int(time.time() // self.config.swarm.window_s)
-        keep = len(groups)
-        while True:
-            try:
-                record = self.writer.sign(self._batch(round_, policy_version, groups[:keep]))
-                break
-            except ProtocolRejection as exc:
-                if exc.reason is not Refusal.TOO_LARGE or keep <= 1:
-                    raise
-                keep = keep // 2
-        if keep < len(groups):
-            log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
-        if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
-            await self.gossip.publish(self.rollouts_topic, record.data)
-        await self._store(f"{self.prefix}/rollouts/{window}", record)
-        self.stats.batches_published += 1
-        self.stats.questions_published += keep
-        self.stats.bytes_published += len(record.data)
-
-    # receiving -----------------------------------------------------------------------
-
     async def collect(self, round_: int) -> list[ExternalGroup]:
         now = time.time()
         window = int(now // self.config.swarm.window_s)
@@ -391,53 +296,17 @@ class DHTTransport(Transport):
             pushed = self.gossip.drain(self.rollouts_topic)
             self.stats.gossip_messages_received += len(pushed)
             values += [(None, raw) for raw in pushed]
-        envelopes = []
-        for subkey, raw in values:
-            if subkey == self.identity.node_id:
-                continue
-            try:
-                envelope = decode_verified(raw, subkey, self.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, now)
-            except ProtocolRejection as exc:
-                self._refuse_once(str(subkey)[:64] if subkey is not None else "gossip", raw, exc)
-                continue
-            if envelope.sender_id != self.identity.node_id:
-                envelopes.append((envelope, len(raw)))
-        groups: list[ExternalGroup] = []
-        for envelope, size in sorted(envelopes, key=lambda pair: pair[0].seq):
-            peer = envelope.sender_id
-            if self._seen.seen(peer, envelope.seq):
-                continue  # the same value read again from the DHT: not news, not a replay
-            counters = self.stats.peer(peer)
-            counters.batches_received += 1
-            self.stats.bytes_received += size
-            if envelope.seq < self._seen.oldest(peer):
-                # Older than all we remember of this sender: it may be one we used and forgot. A batch newer
-                # than that but unseen is not a replay: gossip and DHT deliver out of order under load.
-                self.stats.reject(peer, Refusal.REPLAY)
-                self._seen.add(peer, envelope.seq)
-                continue
-            self._seen.add(peer, envelope.seq)
-            if now - envelope.timestamp > self.config.swarm.max_batch_age_s:
-                self.stats.reject(peer, Refusal.STALE)
-                continue
-            batch: RolloutBatch = envelope.message
-            counters.batches_accepted += 1
-            counters.questions_received += len(batch.questions)
-            same_model = batch.model_fingerprint == self.fingerprint
-            for question in batch.questions:
-                groups.append(ExternalGroup(spec=question.spec, completions=question.completions, claimed_rewards=question.claimed_rewards, peer_id=peer, same_model=same_model, policy_version=batch.policy_version))
-        return groups
+        return self.receiver.receive(values, now)
 
-    def _refuse_once(self, peer: str, raw: object, rejection: ProtocolRejection) -> None:
-        """Count a refused value the first time it is read (it stays in the DHT until it expires)."""
-        digest = hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()[:16]
-        if digest in self._refused:
-            return
-        self._refused[digest] = None
-        while len(self._refused) > MAX_REFUSED_REMEMBERED:
-            self._refused.popitem(last=False)
-        self.stats.reject(peer, rejection.reason)
-        log.info("refused a value stored as %s: %s", peer[:12], rejection)
+    async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
+        window = int(time.time() // self.config.swarm.window_s)
+        record, keep = sign_rollout_batch(self.writer, self.fingerprint, round_, policy_version, groups)
+        if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
+            await self.gossip.publish(self.rollouts_topic, record.data)
+        await self._store(f"{self.prefix}/rollouts/{window}", record)
+        self.stats.batches_published += 1
+        self.stats.questions_published += keep
+        self.stats.bytes_published += len(record.data)
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
         return await read_peer_stats(self.dht, self.config, self.stats)

@@ -172,7 +172,8 @@ async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout:
     that runs without it (a test's plain DHTNode), and refuses a genuine record stored under a
     key of another kind. `on_refusal(owner, rejection)` is called for each refused value, only
     the first time that value is read when `once` is given."""
-    from node.transport.dht import decode_verified, read_key
+    from node.transport.batches import decode_verified
+    from node.transport.dht import read_key
 
     now = time.time()
     envelopes = []

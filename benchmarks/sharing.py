@@ -1,0 +1,396 @@
+"""Sharing that pays: does a swarm teach a node what it lacks, for the compute the node spends?
+
+Workload (configs/specialists.yaml): the default one-task arithmetic (1-digit, 2 terms) split
+into two specialties by operator, `add` and `subtract`. Settings:
+  specialists  nodes 0-1 warm-started on `add` only, nodes 2-3 on `subtract` only; every node
+               then trains on both. A node's *weak* specialty is the one it was not warm-started on.
+  homogeneous  every node warm-started on both (the same warm start): sharing must not hurt.
+  sparse       every node barely warm-started (rewards a few percent), binary reward: SAPO's
+               regime, to compare its 4/4 against the paper's silo (zero-advantage groups kept)
+               and against ours (dropped).
+Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` generates and trains
+on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
+groups drawn uniformly among those with a reward spread); `sapo_cap` adds HACPO's capability
+corrections (swarm.capability_aware); `sapo_cap_seq` also HACPO's sequence-level importance
+weight; `gen8_cap` generates 8 and trains on 4 + 4 (equal generation); `silo12` generates 12 and
+keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
+keep zero-advantage groups in the batch as the paper's baseline did.
+
+The real path, only the network hop replaced: the 4 nodes live in this process and run in
+lockstep, one round each in turn; what a node publishes is the signed record a DHT store would
+carry and peers read it through the same receiver (node/transport/inprocess.py), then draw,
+re-generate and re-score it as from the network (node/sharing.py).
+
+Axis: each node's own compute, CPU seconds of this process while that node's round runs
+(generation, scoring, re-scoring of peers' groups, update; torch on 1 thread; the held-out
+evaluation is not counted). A node stops at --budget seconds; held-out accuracy (greedy, 200
+fixed questions per specialty from a seed training never draws) is measured at --points equal
+steps of its compute. The network is charged apart: --network-charge x a silo round's mean
+compute per swarm round (0.081: the lab's measured overhead of a swarm round over an isolated
+one, publish + collect + re-score, RESULTS "lab").
+
+Every (setting, arm, seed) run appends one JSON line to --results as it finishes, so seeds
+accumulate over several invocations (also several processes at once); `--report` reads the file,
+prints the figures and the plot (--plot), and ends with one JSON line.
+
+    .venv/bin/python benchmarks/sharing.py --gate                                  # warm-start gate
+    .venv/bin/python benchmarks/sharing.py --setting specialists --arms silo sapo sapo_cap --seeds 0 1 2
+    .venv/bin/python benchmarks/sharing.py --report --plot benchmarks/sharing.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.config import load_config  # noqa: E402
+from node.loop import Node  # noqa: E402
+from node.tasks import materialize  # noqa: E402
+from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
+from protocol import TaskSpec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "specialists.yaml"
+NODES = 4
+SPECIALTIES = ("add", "subtract")
+HELDOUT_PER_SPECIALTY = 200
+
+SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
+ARMS = {
+    "silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8"],
+    "sapo": SWARM_4_4,
+    "sapo_cap": [*SWARM_4_4, "swarm.capability_aware=true"],
+    "sapo_cap_seq": [*SWARM_4_4, "swarm.capability_aware=true", "trainer.importance_level=sequence"],
+    "gen8_cap": ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.capability_aware=true"],
+    "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
+    "paper_silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "trainer.drop_uniform_groups=false"],
+    "paper_sapo": [*SWARM_4_4, "trainer.drop_uniform_groups=false"],
+}
+SWARM_ARMS = {name for name, overrides in ARMS.items() if "swarm.external_questions=4" in overrides}
+
+
+def warm_start_overrides(setting: str, node: int, steps: int, sparse_steps: int) -> list[str]:
+    if setting == "specialists":
+        return [f"model.default.warmup_steps={steps}", f'model.default.warmup_labels=["{SPECIALTIES[node * len(SPECIALTIES) // NODES]}"]']
+    if setting == "homogeneous":
+        return [f"model.default.warmup_steps={steps}"]
+    return [f"model.default.warmup_steps={sparse_steps}"]
+
+
+def weak_specialty(setting: str, node: int) -> str | None:
+    """The specialty node `node` was not warm-started on (None: it was warm-started on both)."""
+    if setting != "specialists":
+        return None
+    own = SPECIALTIES[node * len(SPECIALTIES) // NODES]
+    return next(label for label in SPECIALTIES if label != own)
+
+
+def heldout_questions(config) -> list:
+    """200 fixed questions per specialty, from the held-out seed (no training stream draws from it)."""
+    return [materialize(TaskSpec(d.name, d.config, config.tasks.heldout_seed, i)) for d in config.tasks.datasets for i in range(HELDOUT_PER_SPECIALTY)]
+
+
+async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> list[Node]:
+    exchange = InProcessExchange()
+    nodes: list[Node] = []
+    for i in range(NODES):
+        overrides = [*ARMS[arm], *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps), *args.set,
+                     "swarm.transport=dht", "swarm.swarm_id=sharing-bench", "checkpoint_every=1000000", "eval_every=0", "torch_threads=1",
+                     f"seed={100 * seed + i}", f"name=node-{i}"]
+        if setting == "sparse":
+            overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
+        if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
+            overrides += ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.window_s=30"]
+            overrides += [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
+        node = Node(load_config(str(args.config), overrides, state_dir=f"{scratch}/{setting}-{arm}-{seed}/{i}"))
+        node.load(fresh=True, progress=False)
+        if args.transport == "inprocess":
+            node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+        await node.transport.start()
+        nodes.append(node)
+    return nodes
+
+
+def evaluate(node: Node, questions: list) -> dict[str, float]:
+    overall, by_label = node.evaluate_heldout_report(questions)
+    return {"all": overall, **{label: score.accuracy for label, score in by_label.items()}}
+
+
+async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict:
+    nodes = await make_nodes(setting, arm, seed, scratch, args)
+    try:
+        return await train_in_lockstep(nodes, setting, arm, seed, args)
+    finally:
+        for node in nodes:
+            await node.transport.stop()
+            node.backend.close()
+
+
+async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int, args) -> dict:
+    questions = heldout_questions(nodes[0].config)
+    compute = [0.0] * NODES
+    rounds = [0] * NODES
+    curves: list[list[dict]] = [[{"compute_s": 0.0, "round": 0, **evaluate(node, questions)}] for node in nodes]
+    rewards: list[list[float]] = [[] for _ in nodes]
+    groups_used: list[list[int]] = [[] for _ in nodes]
+    importance: list[float] = []
+    rescored: list[int] = []
+    step = args.budget / args.points
+    started = time.monotonic()
+    while True:
+        active = [i for i in range(NODES) if (compute[i] < args.budget if args.rounds is None else rounds[i] < args.rounds)]
+        if not active:
+            break
+        for i in active:
+            node = nodes[i]
+            before = time.process_time()
+            row = await node.run_round()
+            compute[i] += time.process_time() - before
+            rounds[i] += 1
+            rewards[i].append(row["reward_mean"])
+            groups_used[i].append(row["groups_used"])
+            if "importance_weight_mean" in row:
+                importance.append(row["importance_weight_mean"])
+            if "external_rescored" in row:
+                rescored.append(row["external_rescored"])
+            next_point = step * len(curves[i]) if args.rounds is None else None
+            if next_point is not None and compute[i] >= next_point - 1e-9:
+                curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
+        if args.rounds is None and sum(rounds) % (NODES * 50) == 0:
+            print(f"  {setting} {arm} seed {seed}: rounds {rounds}, compute {[round(c) for c in compute]} s, {time.monotonic() - started:.0f} s wall", flush=True)
+    if args.rounds is not None:
+        for i, node in enumerate(nodes):
+            curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
+    return {
+        "setting": setting, "arm": arm, "seed": seed, "transport": args.transport, "budget_s": args.budget, "rounds_limit": args.rounds,
+        "warmup_steps": args.warmup_steps if setting != "sparse" else args.sparse_warmup_steps, "overrides": args.set,
+        "weak": [weak_specialty(setting, i) for i in range(NODES)],
+        "rounds": rounds, "compute_s": compute, "curves": curves,
+        "reward_per_round": [statistics.fmean(r) for r in rewards], "cumulative_reward": [sum(r) for r in rewards],
+        "groups_used_per_update": statistics.fmean(g for per_node in groups_used for g in per_node),
+        "importance_weight_mean": statistics.fmean(importance) if importance else None,
+        "rescored_per_round": statistics.fmean(rescored) if rescored else None,
+        "wall_s": time.monotonic() - started, "finished": time.time(),
+    }
+
+
+def append_result(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
+        fcntl.flock(out, fcntl.LOCK_EX)  # several benchmark processes may append at once
+        out.write(json.dumps(result) + "\n")
+
+
+def gate(args) -> None:
+    """Each specialist's held-out on both specialties after its warm start, and its sampled success on the weak one."""
+    with tempfile.TemporaryDirectory() as scratch:
+        nodes = asyncio.run(make_nodes("specialists", "silo", 0, scratch, args))
+        questions = heldout_questions(nodes[0].config)
+        for i in (0, 2):
+            node = nodes[i]
+            held = evaluate(node, questions)
+            weak = weak_specialty("specialists", i)
+            weak_questions = [q for q in node.tasks.batch(0, 200) if node.tasks.label(q.spec) == weak][:64]
+            completions = node.backend.generate([node.tasks.prompt(q) for q in weak_questions], 8, seed=1)
+            scored = [node.score_group(q, c, "local")[1] for q, c in zip(weak_questions, completions)]
+            sampled = sum(scored) / (8 * len(scored))
+            print(json.dumps({"gate": True, "warmup_steps": args.warmup_steps, "node": i, "heldout": held, "weak": weak, "sampled_success_weak": sampled}), flush=True)
+
+
+# report ----------------------------------------------------------------------------------------
+
+
+def at_compute(curve: list[dict], key: str, compute_s: float) -> float:
+    """The curve's value at `compute_s`, linearly interpolated between its evaluation points."""
+    for before, after in zip(curve, curve[1:]):
+        if after["compute_s"] >= compute_s:
+            span = after["compute_s"] - before["compute_s"]
+            t = 0.0 if span <= 0 else (compute_s - before["compute_s"]) / span
+            return before[key] + t * (after[key] - before[key])
+    return curve[-1][key]
+
+
+def compute_to_reach(curve: list[dict], key: str, target: float, charge_per_round: float = 0.0) -> float | None:
+    """Node compute (plus the network charge of its rounds) at which the curve first reaches `target`."""
+    cost = [point["compute_s"] + charge_per_round * point["round"] for point in curve]
+    for (before, after), (c0, c1) in zip(zip(curve, curve[1:]), zip(cost, cost[1:])):
+        if after[key] >= target:
+            gap = after[key] - before[key]
+            t = 1.0 if gap <= 0 else max(0.0, (target - before[key]) / gap)
+            return c0 + t * (c1 - c0)
+    return None
+
+
+def node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
+    """'weak': the node's weak specialty; 'all': both."""
+    key = run["weak"][node] if which == "weak" and run["weak"][node] else "all"
+    return at_compute(run["curves"][node], key, compute_s)
+
+
+def mean_metric(run: dict, compute_s: float, which: str) -> float:
+    return statistics.fmean(node_metric(run, i, compute_s, which) for i in range(NODES))
+
+
+def mean_curve(run: dict, which: str, points: int = 20) -> tuple[list[float], list[float]]:
+    xs = [run["budget_s"] * k / points for k in range(points + 1)]
+    return xs, [mean_metric(run, x, which) for x in xs]
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values), "per_seed": values}
+
+
+def report(args) -> None:
+    runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    by_key: dict[tuple[str, str], dict[int, dict]] = {}
+    for run in runs:  # the newest run of each (setting, arm, seed) counts
+        by_key.setdefault((run["setting"], run["arm"]), {})[run["seed"]] = run
+    summary: dict = {"benchmark": "sharing"}
+    silo_round_s = statistics.fmean(c / r for run in by_key.get(("specialists", "silo"), {}).values() for c, r in zip(run["compute_s"], run["rounds"])) if ("specialists", "silo") in by_key else None
+
+    # specialists: held-out on the weak specialty at equal compute, and the speed-up
+    spec_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "specialists" and seeds[next(iter(seeds))]["rounds_limit"] is None}
+    if "silo" in spec_arms:
+        silo = spec_arms["silo"]
+        print(f"specialists: weak-specialty held-out (mean of {NODES} nodes) at equal node compute; silo round {silo_round_s:.3f} s of compute")
+        table = {}
+        for arm, seeds in sorted(spec_arms.items()):
+            common = sorted(set(seeds) & set(silo))
+            if not common:
+                continue
+            row = {"seeds": common}
+            budget = min(seeds[s]["budget_s"] for s in common)
+            row["weak_start"] = spread([mean_metric(seeds[s], 0.0, "weak") for s in common])
+            row["weak_final"] = spread([mean_metric(seeds[s], budget, "weak") for s in common])
+            row["both_final"] = spread([mean_metric(seeds[s], budget, "all") for s in common])
+            row["weak_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common])
+            charge = args.network_charge * silo_round_s if arm in SWARM_ARMS else 0.0
+            speedups, speedups_net = [], []
+            for s in common:
+                target = mean_metric(silo[s], budget, "weak")
+                xs, ys = mean_curve(seeds[s], "weak", points=200)
+                reach = next((x for x, y in zip(xs, ys) if y >= target), None)
+                speedups.append(budget / reach if reach else 0.0)
+                rounds_per_s = statistics.fmean(r / c for r, c in zip(seeds[s]["rounds"], seeds[s]["compute_s"]))
+                speedups_net.append(budget / (reach * (1 + charge * rounds_per_s)) if reach else 0.0)
+            row["speedup"] = spread(speedups)
+            row["speedup_with_network"] = spread(speedups_net)
+            row["sampled_reward_ratio_vs_silo"] = spread([statistics.fmean(seeds[s]["reward_per_round"]) / statistics.fmean(silo[s]["reward_per_round"]) for s in common])
+            row["groups_used_per_update"] = statistics.fmean(seeds[s]["groups_used_per_update"] for s in common)
+            weights = [seeds[s]["importance_weight_mean"] for s in common if seeds[s]["importance_weight_mean"] is not None]
+            row["importance_weight_mean"] = statistics.fmean(weights) if weights else None
+            rescored = [seeds[s]["rescored_per_round"] for s in common if seeds[s]["rescored_per_round"] is not None]
+            row["rescored_per_round"] = statistics.fmean(rescored) if rescored else None
+            row["rounds_per_node"] = statistics.fmean(r for s in common for r in seeds[s]["rounds"])
+            table[arm] = row
+            print(f"  {arm:13s} seeds {common}: weak {row['weak_start']['mean']:.3f} -> {row['weak_final']['mean']:.3f} "
+                  f"({row['weak_gain_points_vs_silo']['mean']:+.1f} points vs silo, per seed {[round(v, 1) for v in row['weak_gain_points_vs_silo']['per_seed']]}), "
+                  f"both {row['both_final']['mean']:.3f}, S {row['speedup']['mean']:.2f}x ({row['speedup_with_network']['mean']:.2f}x with network), "
+                  f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update {row['groups_used_per_update']:.2f}, "
+                  f"rounds {row['rounds_per_node']:.0f}" + (f", importance weight {row['importance_weight_mean']:.3f}" if row["importance_weight_mean"] is not None else ""), flush=True)
+        summary["specialists"] = table
+        swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
+        if swarm_rows:
+            best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["weak_gain_points_vs_silo"]["mean"])
+            summary["best_arm"] = best
+            summary["seeds"] = table[best]["seeds"]
+            summary["heldout_gain_weak_points_per_seed"] = table[best]["weak_gain_points_vs_silo"]["per_seed"]
+            summary["speedup_per_seed"] = table[best]["speedup"]["per_seed"]
+            summary["speedup_with_network_per_seed"] = table[best]["speedup_with_network"]["per_seed"]
+        if args.plot:
+            plot(spec_arms, args.plot)
+    # homogeneous: never below the silo
+    homo = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "homogeneous"}
+    if "silo" in homo:
+        ratios = {}
+        for arm, seeds in homo.items():
+            common = sorted(set(seeds) & set(homo["silo"]))
+            budget = min(seeds[s]["budget_s"] for s in common)
+            ratios[arm] = [mean_metric(seeds[s], budget, "all") / mean_metric(homo["silo"][s], budget, "all") for s in common]
+            print(f"homogeneous: {arm} held-out ratio to silo at equal compute, per seed {[round(r, 3) for r in ratios[arm]]}", flush=True)
+        best = summary.get("best_arm")
+        summary["homogeneous_ratio_per_seed"] = ratios.get(best) if best else None
+        summary["homogeneous_ratios"] = ratios
+    # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours
+    sparse = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "sparse"}
+    for name, silo_arm in (("sapo_ratio_vs_paper_silo_per_seed", "paper_silo"), ("sapo_ratio_vs_our_silo_per_seed", "silo")):
+        if "paper_sapo" in sparse and silo_arm in sparse:
+            common = sorted(set(sparse["paper_sapo"]) & set(sparse[silo_arm]))
+            summary[name] = [statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"]) / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"]) for s in common]
+            print(f"sparse: paper's 4/4 cumulative reward / {silo_arm}, per seed {[round(r, 3) for r in summary[name]]}", flush=True)
+    print(json.dumps(summary))
+
+
+def plot(spec_arms: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, seeds in sorted(spec_arms.items()):
+        for ax, which, title in ((axes[0], "weak", "the node's weak specialty"), (axes[1], "all", "both specialties")):
+            curves = [mean_curve(run, which) for run in seeds.values()]
+            xs = curves[0][0]
+            ys = [statistics.fmean(c[1][k] for c in curves) for k in range(len(xs))]
+            ax.plot(xs, ys, label=f"{arm} ({len(curves)} seeds)")
+            ax.set_title(f"held-out accuracy on {title}")
+            ax.set_xlabel("node compute (CPU seconds)")
+    axes[0].set_ylabel("greedy accuracy, mean of 4 nodes and seeds")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=["specialists", "homogeneous", "sparse"], default="specialists")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo", "sapo", "sapo_cap"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--budget", type=float, default=300.0, help="CPU seconds of compute per node")
+    parser.add_argument("--points", type=int, default=6, help="held-out evaluations along the budget")
+    parser.add_argument("--rounds", type=int, default=None, help="run this many rounds per node instead of a compute budget (the sparse setting's SAPO ratio)")
+    parser.add_argument("--warmup-steps", type=int, default=260)
+    parser.add_argument("--sparse-warmup-steps", type=int, default=60)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--set", action="append", default=[], help="a config override for every node of every arm")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "sharing.jsonl")
+    parser.add_argument("--network-charge", type=float, default=0.081, help="network cost of a swarm round, as a fraction of a silo round")
+    parser.add_argument("--transport", choices=["inprocess", "dht"], default="inprocess", help="dht: the nodes talk through real p2p daemons on 127.0.0.1")
+    parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
+    parser.add_argument("--report", action="store_true", help="only summarize --results")
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if args.report:
+        report(args)
+        return
+    if args.gate:
+        gate(args)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in args.seeds:
+            for arm in args.arms:
+                result = asyncio.run(run_arm(args.setting, arm, seed, args, scratch))
+                append_result(args.results, result)
+                finals = [curve[-1] for curve in result["curves"]]
+                print(f"{args.setting} {arm} seed {seed}: rounds {result['rounds']}, final held-out "
+                      + ", ".join(f"node {i} {' '.join(f'{k} {v:.2f}' for k, v in f.items() if k not in ('compute_s', 'round'))}" for i, f in enumerate(finals))
+                      + f", {result['wall_s']:.0f} s wall", flush=True)
+
+
+if __name__ == "__main__":
+    main()

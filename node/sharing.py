@@ -1,0 +1,157 @@
+"""Peers' rollouts: which of them a node trains on, and how much each one counts.
+
+Each round a node has received peers' groups (question spec + completions + the sender's claimed
+rewards, verified by the protocol but not trusted). SAPO trains on J of them. This component:
+
+1. checks each received spec against the node's own task mix (a dictionary look-up, so refusing a
+   flood costs nothing): an arbitrary config could make a generator burn CPU or memory;
+2. chooses, then re-scores: candidates are the groups whose *claimed* rewards have a spread (a
+   group without one teaches nothing, and SAPO's pool drops it); they are drawn in an order
+   (`swarm.external_selection`: uniform, SAPO's rule, or weighted by this node's weakness in the
+   specialty) and only the drawn ones are re-generated from their spec and re-scored here, until J
+   pass with a real learning signal or `swarm.max_rescored_per_round` re-scores are spent. A group
+   that lied about its rewards is scored by us anyway and replaced if it carries no signal, so a
+   round's work is bounded by J, whatever the number of peers;
+3. with `swarm.capability_aware`, applies HACPO's capability corrections (arXiv 2603.02604) per
+   specialty: P_this = this node's accuracy moving average in the specialty (a specialty it has
+   never answered starts at CAPABILITY_PRIOR), P_peer = a moving average of that peer's re-scored
+   pass rates in the specialty (never its claims). The group's advantages are taken against
+   omega * mean(r) with omega = P_this / P_peer, and its loss is scaled by P_peer / P_this, both
+   clipped to [0.1, 10]. A peer right 6 times in 8 where this node is right once in 10 has its
+   right answers pushed about 3.6x harder and its group weighted 7.5x; nodes that know the same
+   things see omega ~ 1 and nothing changes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+from node.config import NodeConfig
+from node.rollouts.base import Completion
+from node.stats import SwarmStats
+from node.tasks import Question, TaskError, TaskSource, grade, materialize
+from node.trainer import RolloutGroup, is_uniform
+from node.transport.base import ExternalGroup
+from protocol import Refusal, TaskSpec
+
+WEAKNESS_FLOOR = 0.05  # 'weakness' selection: a specialty the node has mastered is still drawn now and then
+RESCORES_PER_QUESTION = 2  # default re-scoring budget per external question: the drawn one and one replacement
+CAPABILITY_PRIOR = 0.5  # P_this of a specialty this node has not answered yet: an even chance, so omega ~ 1 for an average peer
+CAPABILITY_FLOOR = 0.02  # pass rates are floored here before a ratio is taken: one right answer in 50 is "weak", not "infinitely"
+CAPABILITY_RATIO_BOUNDS = (0.1, 10.0)  # HACPO's clip of omega and of the discrepancy coefficient
+PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (HACPO averages over about 5 steps)
+MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
+
+
+def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:
+    """`count` distinct items, each draw proportional to the weights of those left (Efraimidis-Spirakis keys)."""
+    keyed = sorted(((rng.random() ** (1.0 / w), i) for i, w in enumerate(weights)), reverse=True)
+    return [items[i] for _, i in keyed[:count]]
+
+
+def score_group(question: Question, completions: list[Completion], source: str, format_reward: float) -> tuple[RolloutGroup, int]:
+    """The group with its locally computed rewards, and how many of its completions are right."""
+    grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
+    return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source), sum(g.correct for g in grades)
+
+
+def capability_correction(this_node: float | None, peer: float) -> tuple[float, float]:
+    """(omega, discrepancy coefficient) for a peer's group, from the two pass rates (this node's: None if unknown)."""
+    low, high = CAPABILITY_RATIO_BOUNDS
+    learner = max(CAPABILITY_PRIOR if this_node is None else this_node, CAPABILITY_FLOOR)
+    source = max(peer, CAPABILITY_FLOOR)
+    return min(high, max(low, learner / source)), min(high, max(low, source / learner))
+
+
+class PeerRollouts:
+    """Receives, checks, chooses and re-scores peers' groups for one node (see the module docstring)."""
+
+    def __init__(self, config: NodeConfig, tasks: TaskSource, tokenizer, stats: SwarmStats, own_accuracy: Mapping[str, float],
+                 on_refusal: Callable[[ExternalGroup, Refusal, str], None] | None = None):
+        self.config = config
+        self.tasks = tasks
+        self.tokenizer = tokenizer
+        self.stats = stats
+        self.own_accuracy = own_accuracy  # the node's per-specialty accuracy moving average (it updates it in place)
+        self.mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
+        self.peer_rates: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.rescored_last_round = 0
+        self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))  # counts each refused group
+
+    @property
+    def rescore_budget(self) -> int:
+        swarm = self.config.swarm
+        return swarm.max_rescored_per_round or RESCORES_PER_QUESTION * swarm.external_questions
+
+    def choose(self, received: list[ExternalGroup], seed: int) -> list[RolloutGroup]:
+        """Up to J peer groups to train on this round, re-scored here, with their capability corrections."""
+        candidates = []
+        for item in received:
+            if (item.spec.dataset, item.spec.config_key) not in self.mix:
+                self.on_refusal(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} with this config is not in this node's task mix")
+            elif not is_uniform(item.claimed_rewards):
+                candidates.append(item)
+        rng = random.Random(seed)
+        weights = [self.selection_weight(item.spec) for item in candidates]
+        order = weighted_sample(candidates, weights, len(candidates), rng) if self.config.swarm.external_selection == "weakness" else rng.sample(candidates, len(candidates))
+        chosen: list[RolloutGroup] = []
+        self.rescored_last_round = 0
+        for item in order:
+            if len(chosen) == self.config.swarm.external_questions or self.rescored_last_round == self.rescore_budget:
+                break
+            self.rescored_last_round += 1
+            rescored = self.rescore(item)
+            if rescored is None:
+                continue
+            group, correct = rescored
+            if is_uniform(group.rewards):
+                continue  # it claimed a spread it does not have: scored here, found empty, replaced
+            self._correct_for_capability(group, correct / len(group.rewards))
+            self.stats.peer(group.source).questions_used += 1
+            chosen.append(group)
+        return chosen
+
+    def selection_weight(self, spec: TaskSpec) -> float:
+        """'weakness' selection: how often this node's own answers in the spec's specialty are wrong (unknown: as if always)."""
+        accuracy = self.own_accuracy.get(self.tasks.label(spec))
+        return max(WEAKNESS_FLOOR, 1.0 - accuracy) if accuracy is not None else 1.0
+
+    def rescore(self, item: ExternalGroup) -> tuple[RolloutGroup, int] | None:
+        """Re-derive the peer's question from its spec, re-tokenize its completions and score them here:
+        the group and how many of its completions are right (None: refused, and counted).
+
+        The sender's answers and rewards are never used; its token ids and behaviour log-probs only
+        when it runs the same model and they match our own tokenization exactly."""
+        try:
+            question = materialize(item.spec)
+        except TaskError as exc:
+            self.on_refusal(item, Refusal.UNSCORABLE, str(exc))
+            return None
+        eos_id = self.tokenizer.eos_token_id
+        prompt_ids = self.tokenizer.encode(self.tasks.prompt(question), add_special_tokens=False)
+        completions = []
+        for sent in item.completions:
+            ids = self.tokenizer.encode(sent.text, add_special_tokens=False) + ([eos_id] if sent.finish_reason == "stop" else [])
+            usable = self.config.swarm.importance_weighting and item.same_model and ids == list(sent.token_ids)
+            completions.append(Completion(prompt_ids, ids, sent.text, list(sent.logprobs) if usable and sent.logprobs is not None else None, sent.finish_reason, policy_version=-1))
+        longest = max(len(c.completion_ids) for c in completions)
+        if longest > self.config.swarm.max_external_tokens:
+            self.on_refusal(item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens")
+            return None
+        group, correct = score_group(question, completions, item.peer_id, self.config.tasks.format_reward)
+        if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):
+            self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
+        return group, correct
+
+    def _correct_for_capability(self, group: RolloutGroup, pass_rate: float) -> None:
+        label = self.tasks.label(group.spec)
+        key = (group.source, label)
+        previous = self.peer_rates.pop(key, None)
+        peer_rate = pass_rate if previous is None else (1 - PEER_RATE_WEIGHT) * previous + PEER_RATE_WEIGHT * pass_rate
+        self.peer_rates[key] = peer_rate
+        while len(self.peer_rates) > MAX_PEER_RATES:
+            self.peer_rates.popitem(last=False)
+        if self.config.swarm.capability_aware:
+            group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)

@@ -1,0 +1,146 @@
+"""Peers' rollouts (node/sharing.py): chosen on their claims, re-scored here, bounded work, capability corrections."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+from node.config import TasksConfig
+from node.loop import Node
+from node.sharing import CAPABILITY_PRIOR, capability_correction, weighted_sample
+from node.tasks import TaskSource, materialize
+from node.transport.base import ExternalGroup
+from protocol import NodeIdentity, RolloutCompletion, TaskSpec
+
+ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"}
+MIX = [
+    {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
+    {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
+    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+]
+
+
+@pytest.fixture
+def swarm_node(tiny_config):
+    """A loaded node of the three-specialty mix that would take J = 4 peer groups a round (never started: no network)."""
+
+    def make(*extra: str) -> Node:
+        node = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", *extra))
+        node.load()
+        return node
+
+    return make
+
+
+@functools.cache
+def specs_of(label: str) -> list[TaskSpec]:
+    source = TaskSource(TasksConfig(datasets=MIX), seed=9)
+    return [spec for spec in map(source.spec, range(1000)) if source.label(spec) == label]
+
+
+def spec_of(label: str, index: int) -> TaskSpec:
+    return specs_of(label)[index]
+
+
+def peer_group(spec: TaskSpec, right: int, wrong: int, peer: str, claimed: list[float] | None = None) -> ExternalGroup:
+    """A peer's group with `right` right and `wrong` wrong answers; it claims `claimed` (default: the truth)."""
+    answer = materialize(spec).answer
+    texts = [answer] * right + [str(int(answer) + 1)] * wrong  # an off-by-one answer scores 0 (a longer one may earn partial credit)
+    completions = [RolloutCompletion(text=text, token_ids=[1], logprobs=None, finish_reason="stop") for text in texts]
+    return ExternalGroup(spec=spec, completions=completions, claimed_rewards=claimed or [1.0] * right + [0.0] * wrong, peer_id=peer, same_model=False, policy_version=1)
+
+
+def test_capability_correction_hand_computed_clipped_and_with_a_prior():
+    omega, scale = capability_correction(0.1, 0.75)
+    assert omega == pytest.approx(0.1 / 0.75) and scale == pytest.approx(7.5)
+    assert capability_correction(0.5, 0.5) == (1.0, 1.0)  # nodes that know the same things: nothing changes
+    assert capability_correction(0.0, 1.0) == (0.1, 10.0)  # clipped to [0.1, 10] (0.02 / 1 and 1 / 0.02 before)
+    assert capability_correction(1.0, 0.0) == (10.0, 0.1)
+    assert capability_correction(None, CAPABILITY_PRIOR) == (1.0, 1.0)  # a specialty never answered starts from the prior
+
+
+def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_node):
+    node = swarm_node()
+    rescored = {}
+    for peers in (3, 12):
+        received = [peer_group(spec_of("add", 4 * p + q), right=1 + q % 3, wrong=2, peer=f"peer{p}") for p in range(peers) for q in range(4)]
+        chosen = node.sharing.choose(received, seed=peers)
+        assert len(chosen) == 4 and all(g.source.startswith("peer") for g in chosen)
+        rescored[peers] = node.sharing.rescored_last_round
+    assert rescored == {3: 4, 12: 4}  # every drawn group was honest: exactly J re-scored, with 12 received or 48
+
+
+def test_groups_that_lie_about_their_spread_are_rescored_replaced_and_bounded(swarm_node):
+    node = swarm_node()
+    liars = [peer_group(spec_of("add", i), right=0, wrong=3, peer=f"liar{i}", claimed=[1.0, 0.0, 0.0]) for i in range(40)]
+    honest = [peer_group(spec_of("add", 100 + i), right=1, wrong=2, peer=f"honest{i}") for i in range(2)]
+    chosen = node.sharing.choose(liars + honest, seed=1)
+    assert node.sharing.rescored_last_round == 8  # 2 x J re-scores at most, whatever the liars send
+    assert all(g.source.startswith("honest") for g in chosen)  # a liar's group carries no signal once scored here
+    assert sum(counters.claimed_rewards_disagree for peer, counters in node.stats.peers.items() if peer.startswith("liar")) == 8 - len(chosen)
+    uniform_claims = [peer_group(spec_of("add", 200 + i), right=1, wrong=2, peer="modest", claimed=[0.0, 0.0, 0.0]) for i in range(3)]
+    assert node.sharing.choose(uniform_claims, seed=2) == [] and node.sharing.rescored_last_round == 0  # never drawn, never scored
+
+
+def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
+    node = swarm_node("swarm.capability_aware=true")
+    node.accuracy_by_dataset_ema.update({"add": 0.5})
+    # claims 7 right of 8; really 1 right of 8: its pass rate is 0.125, so omega = 0.5 / 0.125 = 4, scale 0.25
+    liar = peer_group(spec_of("add", 0), right=1, wrong=7, peer="boaster", claimed=[1.0] * 7 + [0.0])
+    [group] = node.sharing.choose([liar], seed=0)
+    assert group.rewards == [1.0] + [0.0] * 7
+    assert group.baseline_scale == pytest.approx(4.0) and group.loss_scale == pytest.approx(0.25)
+
+
+def test_capability_corrections_per_specialty(swarm_node):
+    node = swarm_node("swarm.capability_aware=true")
+    node.accuracy_by_dataset_ema.update({"add": 0.5, "subtract": 0.1})  # chain_sum: never answered
+    received = [peer_group(spec_of("add", 0), right=4, wrong=4, peer="twin"),
+                peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
+                peer_group(spec_of("chain_sum", 0), right=2, wrong=6, peer="novice")]
+    by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
+    assert (by_label["add"].baseline_scale, by_label["add"].loss_scale) == (1.0, 1.0)  # a peer as good as this node: plain SAPO
+    assert by_label["subtract"].baseline_scale == pytest.approx(0.1 / 0.75) and by_label["subtract"].loss_scale == pytest.approx(7.5)
+    assert by_label["chain_sum"].baseline_scale == pytest.approx(CAPABILITY_PRIOR / 0.25)  # from the stated prior
+    off = swarm_node()  # capability_aware off (the default): SAPO's uniform weights
+    off.accuracy_by_dataset_ema.update({"subtract": 0.1})
+    assert all((g.baseline_scale, g.loss_scale) == (1.0, 1.0) for g in off.sharing.choose(received, seed=0))
+
+
+def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
+    node = swarm_node("swarm.capability_aware=true")
+    node.accuracy_by_dataset_ema.update({"add": 0.5})
+    node.sharing.choose([peer_group(spec_of("add", 0), right=4, wrong=4, peer="p")], seed=0)
+    [group] = node.sharing.choose([peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0)
+    assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)  # one unlucky group moves it a fifth
+    assert group.baseline_scale == pytest.approx(0.5 / 0.425)
+
+
+def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
+    node = swarm_node()
+    foreign = peer_group(spec_of("add", 0), right=1, wrong=1, peer="stranger")
+    foreign.spec = TaskSpec("gcd", {}, 1, 1)
+    bomb = peer_group(spec_of("add", 1), right=1, wrong=1, peer="bomber")
+    bomb.spec = TaskSpec("basic_arithmetic", {**ARITHMETIC, "max_digits": 10**6, "min_digits": 10**6}, 1, 1)
+    assert node.sharing.choose([foreign, bomb], seed=0) == [] and node.sharing.rescored_last_round == 0
+    assert node.stats.refusals.by_peer() == {"stranger": {"bad_spec": 1}, "bomber": {"bad_spec": 1}}
+
+
+def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(swarm_node):
+    node = swarm_node("swarm.external_questions=1", "swarm.external_selection=weakness")
+    node.accuracy_by_dataset_ema.update({"add": 0.95, "subtract": 0.0})  # masters addition, never subtracts right; chain_sum unknown
+    specs = {label: spec_of(label, 0) for label in ("add", "subtract", "chain_sum")}
+    assert {label: node.sharing.selection_weight(spec) for label, spec in specs.items()} == {"add": pytest.approx(0.05), "subtract": 1.0, "chain_sum": 1.0}
+    received = [peer_group(spec, right=1, wrong=1, peer=NodeIdentity.generate().node_id) for spec in specs.values()]
+    picks = {label: 0 for label in specs}
+    for round_ in range(300):
+        for group in node.sharing.choose(received, seed=round_):
+            picks[node.tasks.label(group.spec)] += 1
+    assert picks["add"] < picks["subtract"] / 5 and picks["add"] < picks["chain_sum"] / 5, picks
+    assert swarm_node().config.swarm.external_selection == "uniform"  # SAPO's rule stays the default until measured better
+    rng = random.Random(0)
+    assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [1, 2, 3]  # distinct items, all of them when asked
+    assert weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 0, rng) == []
