@@ -12,7 +12,7 @@ Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` g
 on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
 groups drawn uniformly among those with a reward spread); `sapo_cap` adds HACPO's capability
 corrections (swarm.capability_aware); `sapo_cap_seq` also HACPO's sequence-level importance
-weight; `gen8_cap` generates 8 and trains on 4 + 4 (equal generation); `silo12` generates 12 and
+weight; `sapo_cap_unweighted` the corrections without any importance weight on peers' tokens; `gen8_cap` generates 8 and trains on 4 + 4 (equal generation); `silo12` generates 12 and
 keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
 keep zero-advantage groups in the batch as the paper's baseline did.
 
@@ -70,6 +70,7 @@ ARMS = {
     "sapo": SWARM_4_4,
     "sapo_cap": [*SWARM_4_4, "swarm.capability_aware=true"],
     "sapo_cap_seq": [*SWARM_4_4, "swarm.capability_aware=true", "trainer.importance_level=sequence"],
+    "sapo_cap_unweighted": [*SWARM_4_4, "swarm.capability_aware=true", "swarm.importance_weighting=false"],
     "gen8_cap": ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.capability_aware=true"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "trainer.drop_uniform_groups=false"],
@@ -78,12 +79,26 @@ ARMS = {
 SWARM_ARMS = {name for name, overrides in ARMS.items() if "swarm.external_questions=4" in overrides}
 
 
-def warm_start_overrides(setting: str, node: int, steps: int, sparse_steps: int) -> list[str]:
+def warm_start_overrides(setting: str, node: int, steps: dict[str, int], sparse_steps: int) -> list[str]:
     if setting == "specialists":
-        return [f"model.default.warmup_steps={steps}", f'model.default.warmup_labels=["{SPECIALTIES[node * len(SPECIALTIES) // NODES]}"]']
+        own = SPECIALTIES[node * len(SPECIALTIES) // NODES]
+        return [f"model.default.warmup_steps={steps[own]}", f'model.default.warmup_labels=["{own}"]']
     if setting == "homogeneous":
-        return [f"model.default.warmup_steps={steps}"]
+        return [f"model.default.warmup_steps={steps['both']}"]
     return [f"model.default.warmup_steps={sparse_steps}"]
+
+
+def parse_warmup_steps(items: list[str]) -> dict[str, int]:
+    """'260' (every warm start) or 'add=100 subtract=230 both=260' (per specialist, and the homogeneous nodes')."""
+    steps: dict[str, int] = {}
+    for item in items:
+        label, sep, value = item.rpartition("=")
+        for key in ([label] if sep else [*SPECIALTIES, "both"]):
+            steps[key] = int(value)
+    missing = {*SPECIALTIES, "both"} - set(steps)
+    if missing:
+        raise argparse.ArgumentTypeError(f"--warmup-steps: no steps for {sorted(missing)}")
+    return steps
 
 
 def weak_specialty(setting: str, node: int) -> str | None:
@@ -172,7 +187,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
     return {
         "setting": setting, "arm": arm, "seed": seed, "transport": args.transport, "budget_s": args.budget, "rounds_limit": args.rounds,
-        "warmup_steps": args.warmup_steps if setting != "sparse" else args.sparse_warmup_steps, "overrides": args.set,
+        "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps}, "overrides": args.set,
         "weak": [weak_specialty(setting, i) for i in range(NODES)],
         "rounds": rounds, "compute_s": compute, "curves": curves,
         "reward_per_round": [statistics.fmean(r) for r in rewards], "cumulative_reward": [sum(r) for r in rewards],
@@ -219,15 +234,10 @@ def at_compute(curve: list[dict], key: str, compute_s: float) -> float:
     return curve[-1][key]
 
 
-def compute_to_reach(curve: list[dict], key: str, target: float, charge_per_round: float = 0.0) -> float | None:
-    """Node compute (plus the network charge of its rounds) at which the curve first reaches `target`."""
-    cost = [point["compute_s"] + charge_per_round * point["round"] for point in curve]
-    for (before, after), (c0, c1) in zip(zip(curve, curve[1:]), zip(cost, cost[1:])):
-        if after[key] >= target:
-            gap = after[key] - before[key]
-            t = 1.0 if gap <= 0 else max(0.0, (target - before[key]) / gap)
-            return c0 + t * (c1 - c0)
-    return None
+def first_reach(run: dict, which: str, target: float) -> float | None:
+    """The node compute at which the run's mean curve first reaches `target` (None: never within its budget)."""
+    xs, ys = mean_curve(run, which, points=200)
+    return next((x for x, y in zip(xs, ys) if y >= target - 1e-12 and x > 0), None)
 
 
 def node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
@@ -276,12 +286,14 @@ def report(args) -> None:
             charge = args.network_charge * silo_round_s if arm in SWARM_ARMS else 0.0
             speedups, speedups_net = [], []
             for s in common:
+                # S = the compute the silo needs to reach its final held-out / what this arm needs to reach it
+                # (the silo's own curve is noisy: it may touch its final level before the end of its budget)
                 target = mean_metric(silo[s], budget, "weak")
-                xs, ys = mean_curve(seeds[s], "weak", points=200)
-                reach = next((x for x, y in zip(xs, ys) if y >= target), None)
-                speedups.append(budget / reach if reach else 0.0)
+                silo_reach = first_reach(silo[s], "weak", target) or budget
+                reach = first_reach(seeds[s], "weak", target)
                 rounds_per_s = statistics.fmean(r / c for r, c in zip(seeds[s]["rounds"], seeds[s]["compute_s"]))
-                speedups_net.append(budget / (reach * (1 + charge * rounds_per_s)) if reach else 0.0)
+                speedups.append(silo_reach / reach if reach else 0.0)
+                speedups_net.append(silo_reach / (reach * (1 + charge * rounds_per_s)) if reach else 0.0)
             row["speedup"] = spread(speedups)
             row["speedup_with_network"] = spread(speedups_net)
             row["sampled_reward_ratio_vs_silo"] = spread([statistics.fmean(seeds[s]["reward_per_round"]) / statistics.fmean(silo[s]["reward_per_round"]) for s in common])
@@ -360,7 +372,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="CPU seconds of compute per node")
     parser.add_argument("--points", type=int, default=6, help="held-out evaluations along the budget")
     parser.add_argument("--rounds", type=int, default=None, help="run this many rounds per node instead of a compute budget (the sparse setting's SAPO ratio)")
-    parser.add_argument("--warmup-steps", type=int, default=260)
+    parser.add_argument("--warmup-steps", nargs="+", default=["260"], metavar="[LABEL=]STEPS", help="warm-start steps: one number, or per specialist and 'both'")
     parser.add_argument("--sparse-warmup-steps", type=int, default=60)
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--set", action="append", default=[], help="a config override for every node of every arm")
@@ -371,6 +383,10 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        args.warmup_steps = parse_warmup_steps(args.warmup_steps)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(str(exc))
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -144,3 +144,39 @@ def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(swarm_no
     rng = random.Random(0)
     assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [1, 2, 3]  # distinct items, all of them when asked
     assert weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 0, rng) == []
+
+
+def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
+    """What the sharing benchmark relies on: signed bytes out, verified and re-scored groups in, forgeries refused."""
+    import asyncio
+
+    from node.rollouts.base import Completion
+    from node.trainer import RolloutGroup
+    from node.transport.inprocess import InProcessExchange, InProcessTransport
+
+    exchange = InProcessExchange()
+    nodes = []
+    for name in ("a", "b"):
+        node = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", state_dir=tmp_path / name))
+        node.load()
+        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+        nodes.append(node)
+    a, b = nodes
+    spec = spec_of("add", 0)
+    answer = materialize(spec).answer
+    completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
+    asyncio.run(a.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
+    [received] = asyncio.run(b.transport.collect(1))
+    assert received.peer_id == a.identity.node_id and received.spec == spec and received.claimed_rewards == [1.0, 0.0]
+    [group] = b.sharing.choose([received], seed=0)
+    assert group.rewards == [1.0, 0.0] and group.completions[0].text == answer
+    assert asyncio.run(b.transport.collect(2)) == []  # the same record read again is not news
+    genuine = exchange.latest[a.identity.node_id]
+    asyncio.run(a.transport.publish(2, 1, [RolloutGroup(spec, completions, [1.0, 0.0])]))
+    forged = bytearray(exchange.latest[a.identity.node_id])
+    forged[-1] ^= 0xFF
+    exchange.latest[a.identity.node_id] = bytes(forged)
+    assert asyncio.run(b.transport.collect(3)) == []
+    exchange.latest[a.identity.node_id] = genuine  # an old batch, genuinely signed, offered again: already used
+    assert asyncio.run(b.transport.collect(4)) == []
+    assert b.stats.refusals.by_peer() == {a.identity.node_id[:64]: {"bad_signature": 1}}
