@@ -159,6 +159,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     groups_used: list[list[int]] = [[] for _ in nodes]
     importance: list[float] = []
     rescored: list[int] = []
+    omegas: list[float] = []
     step = args.budget / args.points
     started = time.monotonic()
     while True:
@@ -177,6 +178,8 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
                 importance.append(row["importance_weight_mean"])
             if "external_rescored" in row:
                 rescored.append(row["external_rescored"])
+            if "external_omega_mean" in row:
+                omegas.append(row["external_omega_mean"])
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
@@ -194,6 +197,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "groups_used_per_update": statistics.fmean(g for per_node in groups_used for g in per_node),
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
+        "omega_mean": statistics.fmean(omegas) if omegas else None,
         "wall_s": time.monotonic() - started, "finished": time.time(),
     }
 

@@ -331,6 +331,8 @@ class Node:
             **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
             "external_questions": len(external_groups),
             **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
+            **({"external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
+                "external_loss_scale_mean": sum(g.loss_scale for g in external_groups) / len(external_groups)} if external_groups and swarm.capability_aware else {}),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": timings.generation_s,
