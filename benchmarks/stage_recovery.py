@@ -27,7 +27,18 @@ the first step after a failure minus that of the step before it). Unlike the pap
 simulation (checkpoint_simulation.py replays a failure-free run and does not charge
 checkpoint I/O), checkpoint save and load times are measured and charged here.
 
+Churn mode (--churn, issue #24): no spares; before each of --churn-failures seeded steps a
+random stage's only server is killed, and a newcomer joins with `--stage auto` a random 0 to
+2 announce TTLs later, so that it often arrives while the dead server's announcement is still
+readable. Reported per seed (`joiner_churn`): the longest stall (from when a server is
+available, i.e. the later of the kill and the newcomer's arrival, to the end of the first step
+after it), the announce TTL, the fraction of steps lost (from each kill to the end of the first
+step after it, less a normal step, counted in normal steps, plus the steps a checkpoint rollback
+replays, over all step slots), and the validation loss after the run. CheckFree and checkpoint-restart (the stage's newcomer, then every stage, loads
+the last checkpoint) on the same schedule.
+
     .venv/bin/python benchmarks/stage_recovery.py --seeds 3
+    .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
 
@@ -59,7 +70,9 @@ from node.model import ensure_default_model, load_policy, model_fingerprint  # n
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
 from node.pipeline.lm import LMDriver  # noqa: E402
-from node.pipeline.server import StageServer, expected_fingerprints, pipeline_limits  # noqa: E402
+from node.pipeline.server import StageServer  # noqa: E402
+from node.pipeline.stagemap import LostReporter  # noqa: E402
+from node.pipeline.stages import expected_fingerprints, pipeline_limits  # noqa: E402
 from node.state import StateStore, fsync_dir  # noqa: E402
 from node.transport.dht import shutdown_dht  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
@@ -91,7 +104,7 @@ class Bench:
             "pipeline.sequence_length=64", "pipeline.corpus_sequences=2048", "pipeline.validation_sequences=32", "pipeline.eval_every=0",
             "pipeline.announce_interval_s=0.5", "pipeline.announce_ttl_s=3", "pipeline.avoid_s=5", "pipeline.call_timeout_s=20",
             f"pipeline.lr={args.lr}", f"pipeline.recovery={'random' if strategy == 'random' else 'checkfree'}", "pipeline.replica_sync_every=2",
-            f"pipeline.corpus_seed={seed + 7}", "torch_threads=1",
+            f"pipeline.corpus_seed={seed + 7}", "pipeline.rebalance_grace_s=3", "torch_threads=1",
         ]
         self.config = load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(scratch / "driver"))
         self.dhts: list = []
@@ -109,20 +122,26 @@ class Bench:
         self.bootstrap = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         self.addresses = [str(a) for a in await self.bootstrap.get_visible_maddrs()]
         for stage in range(STAGES):
-            await self.start_server(stage)
+            if self.args.churn:  # every server chooses its stage: each takes the next one left without a server
+                await self.start_server("auto", key=stage)
+                await self.wait_serving(stage)
+            else:
+                await self.start_server(stage)
         await self.wait_serving()
         limits = pipeline_limits(self.config, self.model.config, sum(p.numel() for p in self.model.parameters()))
-        self.router = PipelineRouter(self.bootstrap, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint), limits, seed=self.seed)
+        self.router = PipelineRouter(self.bootstrap, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint), limits,
+                                     seed=self.seed, reporter=LostReporter(self.bootstrap, self.config, NodeIdentity.generate(), self.fingerprint))
         shutil.rmtree(self.scratch / "driver", ignore_errors=True)
         self.driver = LMDriver(self.config, self.router, training_corpus(self.config, self.tokenizer), validation_corpus(self.config, self.tokenizer), StateStore(self.scratch / "driver"))
 
-    async def start_server(self, stage: int) -> StageServer:
+    async def start_server(self, stage: int | str, key: int | None = None) -> StageServer:
+        """A fresh server of `stage` (an index, or "auto": it chooses), kept under `key` (default: the stage)."""
         from hivemind.dht.node import DHTNode
 
         dht = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.addresses)
         config = self.config.model_copy(update={"pipeline": self.config.pipeline.model_copy(update={"stage": stage})})
         server = StageServer(config, NodeIdentity.generate(), dht, self.model, self.fingerprint, self.scratch / f"server-{stage}-{time.time_ns()}")
-        self.servers[stage] = (server, asyncio.create_task(server.run()), dht)
+        self.servers[stage if key is None else key] = (server, asyncio.create_task(server.run()), dht)
         return server
 
     async def wait_serving(self, stage: int | None = None) -> None:
@@ -148,9 +167,11 @@ class Bench:
         state = {"step": self.driver.step, "stages": {}}
         folder = self.scratch / "checkpoints"
         folder.mkdir(exist_ok=True)
-        for stage, (server, _, _) in self.servers.items():
+        for server, _, _ in self.servers.values():  # one file per stage (servers are kept by stage, or by arrival in churn mode)
+            stage = server.index
             path = folder / f"stage-{stage}.pt"
-            torch.save({"stage": server.stage.state_dict(), "optimizer": server.optimizer.state_dict(), "step": server.step}, path)
+            backend = server.backend
+            torch.save({"stage": backend.stage.state_dict(), "optimizer": backend.optimizer.state_dict(), "step": backend.step}, path)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
             state["stages"][stage] = path
@@ -160,12 +181,14 @@ class Bench:
 
     def load_checkpoint(self) -> None:
         started = time.perf_counter()
-        for stage, (server, _, _) in self.servers.items():
-            data = torch.load(self.checkpoint["stages"][stage], weights_only=False)
-            server.stage.load_state_dict(data["stage"])
-            server.optimizer = server._new_optimizer()
-            server.optimizer.load_state_dict(data["optimizer"])
-            server.step, server.lr_scale = data["step"], 1.0
+        for server, _, _ in self.servers.values():
+            data = torch.load(self.checkpoint["stages"][server.index], weights_only=False)
+            backend = server.backend
+            backend.stage.load_state_dict(data["stage"])
+            backend.lr_scale = 1.0
+            backend.optimizer = backend.new_optimizer()
+            backend.optimizer.load_state_dict(data["optimizer"])
+            backend.step = data["step"]
         self.driver.step = self.checkpoint["step"]
         self.io_s += time.perf_counter() - started
 
@@ -246,6 +269,90 @@ async def train(bench, args, strategy, schedule, target, curve, recoveries, spik
             break
 
 
+def churn_schedule(seed: int, steps: int, failures: int) -> tuple[list[int], random.Random]:
+    """Steps before which a server is killed (spread over the run, seeded), and the rng that picks victims and joiner delays."""
+    rng = random.Random(f"churn:{seed}")
+    return sorted(rng.sample(range(4, steps), failures)), rng
+
+
+async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
+    """Joiner churn: a server is killed (as kill -9) before each scheduled step, and a newcomer with `--stage auto`
+    joins a random delay later (0 to 2 announce TTLs: often before the dead server's announcement has aged out);
+    no spares, no replicas. Stalls are measured from the later of the kill and the newcomer's arrival (when a server
+    is available) to the end of the first step after it. `strategy` checkpoint: every --checkpoint-every steps every
+    server saves its stage (timed); after a failure, once the newcomer serves, every stage loads the last checkpoint
+    and the driver goes back to its step (those steps count as lost)."""
+    asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
+    bench = Bench(args, scratch, seed, strategy)
+    await bench.start()
+    if strategy == "checkpoint":
+        bench.save_checkpoint()
+    rolled_back, timed_out = 0, False
+    kills, rng = churn_schedule(seed, args.churn_steps, args.churn_failures)
+    ttl = bench.config.pipeline.announce_ttl_s
+    joiners, stalls, methods, step_s, normal_step_s = [], [], [], [], []
+    next_key = STAGES
+    fired: set[int] = set()
+    pending: dict | None = None  # the failure being recovered: kill time, the newcomer's arrival time
+
+    async def join_later(delay: float, record: dict, key: int) -> None:
+        await asyncio.sleep(delay)
+        record["available"] = time.perf_counter()
+        server = await bench.start_server("auto", key=key)
+        await bench.wait_serving(key)
+        record["server"] = server
+
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(args.run_timeout_s):
+            while bench.driver.step < args.churn_steps:
+                due = bench.driver.step + 1 in kills and bench.driver.step + 1 not in fired and pending is None
+                if due:
+                    fired.add(bench.driver.step + 1)  # once, even when a rollback replays its step
+                victim_stage = rng.randrange(STAGES) if due else None
+                victim = next((k for k, (server, _, _) in bench.servers.items() if server.index == victim_stage and server.state == "serving"), None)
+                if victim is not None:
+                    await bench.kill(victim)
+                    pending = {"stage": victim_stage, "killed": time.perf_counter(), "delay": rng.uniform(0, 2 * ttl)}
+                    joiners.append(asyncio.create_task(join_later(pending["delay"], pending, next_key)))
+                    next_key += 1
+                    if strategy == "checkpoint":  # the stage comes back from the checkpoint, with every other stage
+                        await joiners[-1]
+                        rolled_back += bench.driver.step - bench.checkpoint["step"]
+                        bench.load_checkpoint()
+                row = await bench.driver.train_step()
+                done = time.perf_counter()
+                step_s.append(row["step_s"])
+                if pending is not None and "available" in pending:
+                    stalls.append({"stage": pending["stage"], "joiner_delay_s": pending["delay"], "stall_s": done - max(pending["killed"], pending["available"]),
+                                   "outage_s": done - pending["killed"]})
+                    pending = None
+                elif pending is None:
+                    normal_step_s.append(row["step_s"])
+                if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
+                    bench.save_checkpoint()
+        final_val = await bench.driver.validation_loss()
+    except (TimeoutError, RuntimeError) as exc:  # too slow, or a newcomer that never came up: said so, and counted as not finished
+        final_val, timed_out = None, True
+        print(f"seed {seed} churn {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        await asyncio.gather(*joiners, return_exceptions=True)
+        for server, _, _ in bench.servers.values():
+            event = [json.loads(line) for line in (server.state_dir / "recoveries.jsonl").read_text().splitlines()] if (server.state_dir / "recoveries.jsonl").exists() else []
+            methods += [(e["method"], e["stage"], e["cause"]) for e in event if e["method"] != "initial"]
+        await bench.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    median = statistics.median(normal_step_s) if normal_step_s else 0.0
+    # Time lost to a failure: from the kill to the end of the first step after it, less a normal step (the same for
+    # both strategies, whether the driver waited inside its step or the checkpoint was loaded before it).
+    lost = (sum(max(0.0, s["outage_s"] - median) for s in stalls) / median if median else 0.0) + rolled_back
+    executed = len(step_s)
+    return {"seed": seed, "strategy": strategy, "steps": bench.driver.step, "executed": executed, "wall_s": time.perf_counter() - started,
+            "failures": len(stalls), "announce_ttl_s": ttl, "longest_stall_s": max((s["stall_s"] for s in stalls), default=0.0), "stalls": stalls,
+            "steps_lost_fraction": lost / (executed + lost - rolled_back) if executed else None, "rolled_back_steps": rolled_back,
+            "val_loss": final_val, "checkpoint_io_s": bench.io_s, "timed_out": timed_out, "recoveries": methods}
+
+
 def mean(values):
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
@@ -265,10 +372,28 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--run-timeout-s", type=float, default=600.0, help="a run still short of the target after this long counts as missed")
+    parser.add_argument("--churn", action="store_true", help="joiner churn instead: kills on a seeded schedule, newcomers with --stage auto, no spares")
+    parser.add_argument("--churn-steps", type=int, default=60, help="churn: driver steps per seed")
+    parser.add_argument("--churn-failures", type=int, default=6, help="churn: servers killed per seed (one at a time)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     os.environ.setdefault("SWARM_NODE_CACHE", str(Path(tempfile.gettempdir()) / "swarm-node-bench-cache"))
+    if args.churn:
+        churn = []
+        for seed in range(args.seeds):
+            for strategy in [s for s in args.strategies if s in ("checkfree", "checkpoint")]:
+                result = asyncio.run(run_churn(args, Path(tempfile.mkdtemp(prefix="stage-churn-")), seed, strategy))
+                churn.append(result)
+                print(f"seed {seed} churn {strategy:10s}: {result['steps']} steps ({result['executed']} executed) in {result['wall_s']:.1f}s, "
+                      f"{result['failures']} failures, longest stall {result['longest_stall_s']:.2f}s (ttl {result['announce_ttl_s']}s), "
+                      f"steps lost {result['steps_lost_fraction']:.3f}, val loss {result['val_loss']}, stalls {[round(s['stall_s'], 2) for s in result['stalls']]}, "
+                      f"recoveries {result['recoveries']}", flush=True)
+        keys = ("seed", "strategy", "longest_stall_s", "announce_ttl_s", "steps_lost_fraction", "steps", "executed", "wall_s", "failures", "val_loss",
+                "checkpoint_io_s", "timed_out")
+        print(json.dumps({"benchmark": "stage_recovery", "seeds": args.seeds, "churn_steps": args.churn_steps, "churn_failures": args.churn_failures,
+                          "checkpoint_every": args.checkpoint_every, "joiner_churn": [{k: r[k] for k in keys} for r in churn]}))
+        return
     results = []
     for seed in range(args.seeds):
         base = asyncio.run(run(args, Path(tempfile.mkdtemp(prefix="stage-bench-")), seed, "none", 0.0, None))

@@ -355,6 +355,16 @@ class PipelineConfig(_Section):
     """Largest batch a server accepts in one call."""
     max_sequence_length: int | None = Field(None, ge=1)
     """Longest sequence a server accepts (None: the model's max_position_embeddings)."""
+    rebalance: bool = True
+    """Serving servers move between stages (node/pipeline/selection.py): a replica fills a stage left with no live
+    server for `rebalance_grace_s`, and moves to a much less served stage by Petals' throughput rule."""
+    rebalance_grace_s: float = Field(6.0, gt=0)
+    """How long a stage must stay without a live server before a replica of another stage moves to it (a few announce
+    intervals: time for a spare or a newcomer to take it first)."""
+    balance_quality: float = Field(0.5, gt=0, le=1)
+    """Petals' balance_quality: a server moves for throughput only if the pipeline's bottleneck rises by more than
+    1/balance_quality. Lower than Petals' 0.75: our samples/s is measured on live calls on possibly shared machines,
+    which is noisier than Petals' start-up benchmark."""
 
 
 class NodeConfig(_Section):

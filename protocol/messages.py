@@ -45,6 +45,7 @@ class MessageKind(enum.StrEnum):
     PEER_STATS = "peer_stats"
     STAGE_ANNOUNCEMENT = "stage_announcement"  # minor 1: a pipeline stage server (or spare) says what it serves
     AVERAGING_READY = "averaging_ready"  # minor 1: a node is (still) free to average in a round, or done
+    STAGE_LOST = "stage_lost"  # minor 4: a pipeline driver found every server of some stages failing
     # Reserved for later minor versions (append here, never reuse a code):
     # "averaging_*"  NoLoCo outer-step gossip (announce, pseudo-gradient chunks, done);
     # (pipeline calls themselves travel on p2p streams: protocol/pipeline.py)
@@ -285,6 +286,45 @@ class StageAnnouncement:
         return self.node_id
 
 
+MAX_LOST_STAGES = 64  # stages one report may name: a driver of a deeper pipeline names the first 64
+
+
+@dataclass(frozen=True)
+class StageLost:
+    """A pipeline driver's signed report that every server of some stages failed its calls.
+
+    Stored under `<prefix>/stages-lost` with the driver's node id as subkey (one report per
+    driver, replaced by its next). Why: a killed server's last announcement stays readable
+    until it ages out, so a joining server or a spare would count it as live and pick
+    another stage. Readers honour a report until the stage announces again: a server
+    announcement of a named stage signed before the report is not counted as live
+    (node/pipeline/selection.py)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.STAGE_LOST
+
+    node_id: str  # the reporting driver; must equal the node id of the envelope's signing key
+    model_fingerprint: str  # the whole model's fingerprint, as in StageAnnouncement
+    num_stages: int  # S: how the model is split (1..MAX_STAGES)
+    stages: list[int]  # the stages found lost, each in [0, S), no repeats, at most MAX_LOST_STAGES; [] withdraws
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "model_fingerprint": self.model_fingerprint, "num_stages": self.num_stages, "stages": list(self.stages)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
+        f = check_fields(obj, cls, minor)
+        check_node_id(f["node_id"], "node_id", limits)
+        num_stages = check_int(f["num_stages"], "num_stages", lo=1, hi=MAX_STAGES)
+        stages = [check_int(stage, "stages", lo=0, hi=num_stages - 1) for stage in check_list(f["stages"], "stages", MAX_LOST_STAGES)]
+        if len(set(stages)) != len(stages):
+            reject(Refusal.BAD_VALUE, f"stages {stages} repeat a stage")
+        return cls(node_id=f["node_id"], model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+                   num_stages=num_stages, stages=stages)
+
+    def claimed_node_id(self) -> str | None:
+        return self.node_id
+
+
 AVERAGING_STATES = ("free", "done")
 
 
@@ -317,10 +357,11 @@ class AveragingReady:
         return None
 
 
-Message = RolloutBatch | PeerStats | StageAnnouncement | AveragingReady
-MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement] | type[AveragingReady]] = {
+Message = RolloutBatch | PeerStats | StageAnnouncement | AveragingReady | StageLost
+MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement] | type[AveragingReady] | type[StageLost]] = {
     MessageKind.ROLLOUT_BATCH: RolloutBatch,
     MessageKind.PEER_STATS: PeerStats,
     MessageKind.STAGE_ANNOUNCEMENT: StageAnnouncement,
     MessageKind.AVERAGING_READY: AveragingReady,
+    MessageKind.STAGE_LOST: StageLost,
 }

@@ -25,7 +25,7 @@ from node.averaging.codec import CodecError, EncodedWeights, encode_weights
 from node.averaging.pairing import CONTROL_MAX_BYTES, EXCHANGE_VERSION, Frame, PairAverager, _parse_refusal, _Round
 from node.pipeline.client import unpack
 from node.transport.framing import FRAME_HEADER, FramingError, read_frame
-from protocol import DEFAULT_LIMITS, MESSAGE_TYPES, AveragingReady, ProtocolRejection, StageAnnouncement, decode_message, encode_message
+from protocol import DEFAULT_LIMITS, MESSAGE_TYPES, AveragingReady, ProtocolRejection, StageAnnouncement, StageLost, decode_message, encode_message
 from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PipelineFrame, StageCall, StageResult
 from tests.test_protocol import IDENTITY, SWARM, T0, make_batch, make_stats, signed
 
@@ -178,7 +178,8 @@ def _signed_messages():
     announcement = StageAnnouncement(node_id=IDENTITY.node_id, p2p_peer_id="12D3KooWStage", model_fingerprint="m", num_stages=2, stage=0,
                                      stage_fingerprint="a" * 16, layer_start=0, layer_end=1, parts=["layers"], state="serving", step=3,
                                      grad_norm=0.5, samples_per_s=1.5, recoveries=0, replicas=[])
-    examples = {type(m).KIND: m for m in (make_batch(), make_stats(), announcement, AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free"))}
+    lost = StageLost(node_id=IDENTITY.node_id, model_fingerprint="m", num_stages=4, stages=[1, 2])
+    examples = {type(m).KIND: m for m in (make_batch(), make_stats(), announcement, AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free"), lost)}
     assert set(examples) == set(kinds), "a new message kind needs an example here"
 
     def decode(data: bytes) -> str:

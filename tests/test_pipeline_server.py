@@ -11,7 +11,8 @@ import torch
 
 from node.config import load_config
 from node.pipeline.client import HopFailed, call_stage
-from node.pipeline.server import StageServer, expected_fingerprints
+from node.pipeline.server import StageServer
+from node.pipeline.stages import expected_fingerprints
 from node.pipeline.tensors import to_wire
 from node.transport.framing import frame_bytes
 from protocol import NodeIdentity
@@ -77,7 +78,7 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 assert announcement.stage_fingerprint == stage_fps[1]
 
                 async def call(stage_call: StageCall):
-                    return await call_stage(caller_node.p2p, server.handler, announcement, stage_call, server.limits, 30)
+                    return await call_stage(caller_node.p2p, server.protocol, announcement, stage_call, server.limits, 30)
 
                 good = torch.randn(2, 5, 32)
                 result = await call(hidden_call(stage_fps[1], good))
@@ -103,18 +104,21 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 assert await refused(backward) == "unknown_call"
 
                 peer = server_node.peer_id
-                kind, body = await raw_call(caller_node.p2p, peer, server.handler, frame_bytes(PipelineFrame.CALL, b"\xc1\xc1 not msgpack"))
+                kind, body = await raw_call(caller_node.p2p, peer, server.protocol, frame_bytes(PipelineFrame.CALL, b"\xc1\xc1 not msgpack"))
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "not_msgpack"
                 oversize = (PipelineFrame.CALL).to_bytes(1, "big") + (server.limits.frame_limit() + 1).to_bytes(8, "big")
-                kind, body = await raw_call(caller_node.p2p, peer, server.handler, oversize)
+                kind, body = await raw_call(caller_node.p2p, peer, server.protocol, oversize)
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "too_large"
-                kind, body = await raw_call(caller_node.p2p, peer, server.handler, frame_bytes(99, b""))
+                kind, body = await raw_call(caller_node.p2p, peer, server.protocol, frame_bytes(99, b""))
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "bad_structure"
 
-                counts = server.refusals.by_reason()
+                counts = server.handler.stats.refusals.by_reason()
                 assert counts == {"bad_tensor": 4, "wrong_stage": 2, "missing_part": 1, "unknown_call": 1, "not_msgpack": 1, "too_large": 1, "bad_structure": 1}
                 caller = caller_node.peer_id.to_base58()
-                assert sum(server.refusals.by_peer()[caller].values()) == 11
+                assert sum(server.handler.stats.refusals.by_peer()[caller].values()) == 11
+                metrics = server.prometheus()  # the node's one renderer (node/stats.py), labels escaped
+                assert f'swarm_node_peer_rejected_total{{peer="{caller}",reason="bad_tensor"}} 4' in metrics
+                assert "swarm_node_pipeline_stage 1.0" in metrics and "swarm_node_pipeline_calls_forward 1.0" in metrics
 
                 # Still serving: a full forward/backward/step works after all of it.
                 result = await call(hidden_call(stage_fps[1], good, call_id="after"))
@@ -163,13 +167,13 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                         call_id = f"s{step}-{k}"
                         announcement = server.announcement()
                         hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(step * 2 + k))
-                        await call_stage(caller.p2p, server.handler, announcement, hidden_call(stage_fp, hidden, call_id=call_id), server.limits, 30)
+                        await call_stage(caller.p2p, server.protocol, announcement, hidden_call(stage_fp, hidden, call_id=call_id), server.limits, 30)
                         backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fp, call_id=call_id, parts=["layers"],
                                              train=False, tensors={"grad": to_wire(torch.ones(2, 5, 32))}, scale=1.0)
-                        await call_stage(caller.p2p, server.handler, announcement, backward, server.limits, 30)
+                        await call_stage(caller.p2p, server.protocol, announcement, backward, server.limits, 30)
                         step_call = StageCall(v=PIPELINE_VERSION, op="step", stage=1, stage_fingerprint=stage_fp, call_id=f"step-{step}", parts=[],
                                               train=False, tensors={}, scale=1.0)
-                        await call_stage(caller.p2p, server.handler, announcement, step_call, server.limits, 30)
+                        await call_stage(caller.p2p, server.protocol, announcement, step_call, server.limits, 30)
                     if all(s.averaging.stats.succeeded >= 1 for s in servers):
                         break
                     await asyncio.sleep(0.3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from node.pipeline.stages import (PipelineStage, StagePart, StagePlan, checkfree_plus_extra_parts, layers_shape_signature, run_stages,
+from node.pipeline.stages import (PipelineStage, StagePart, StagePlan, cache_keyword, checkfree_plus_extra_parts, layers_shape_signature, run_stages,
                                   split_model, stage_fingerprint)
 
 VOCAB, B, T = 100, 3, 10
@@ -86,12 +86,13 @@ def test_kv_cached_decoding_equals_the_whole_model():
     caches = [s.new_cache() for s in stages]
     split = run_stages(stages, ids, mask, positions, caches=caches)
     torch.testing.assert_close(split[:, -1], out.logits[:, -1], atol=1e-5, rtol=1e-5)
-    past, next_position = out.past_key_values, positions[:, -1:] + 1
+    keyword = cache_keyword(type(model).forward)  # `cache` in current transformers, `past_key_values` before (the output field alike)
+    past, next_position = getattr(out, keyword), positions[:, -1:] + 1
     for step in range(4):
         tokens = torch.randint(0, VOCAB, (B, 1), generator=torch.Generator().manual_seed(10 + step))
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=next_position, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=next_position, use_cache=True, **{keyword: past})
+        past = getattr(out, keyword)
         split = run_stages(stages, tokens, mask, next_position, caches=caches)
         torch.testing.assert_close(split, out.logits, atol=1e-5, rtol=1e-5)
         next_position = next_position + 1

@@ -123,7 +123,8 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     from node.pipeline.corpus import training_corpus, validation_corpus
     from node.pipeline.driver import PipelineRouter
     from node.pipeline.lm import LMDriver
-    from node.pipeline.server import expected_fingerprints, pipeline_limits
+    from node.pipeline.stagemap import LostReporter
+    from node.pipeline.stages import expected_fingerprints, pipeline_limits
     from node.state import StateStore
     from node.transport.dht import shutdown_dht
 
@@ -134,7 +135,8 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     fingerprints = expected_fingerprints(config, model.config, fingerprint)
     limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
     del model
-    router = PipelineRouter(dht, config, fingerprint, fingerprints, limits, seed=int(identity.node_id[:8], 16))
+    router = PipelineRouter(dht, config, fingerprint, fingerprints, limits, seed=int(identity.node_id[:8], 16),
+                            reporter=LostReporter(dht, config, identity, fingerprint))
     store = StateStore(config.resolved_state_dir())
     corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
     driver = LMDriver(config, router, corpus, validation, store)

@@ -8,9 +8,12 @@ server it used to apply them (`step`). A hop that fails (no answer within
 `call_timeout_s`, a broken stream, a refusal) puts its server on an avoid list for
 `avoid_s` and the micro-batch is tried again on a fresh route; a stage with no server
 left to try is *lost*: the driver abandons the step (servers drop what they accumulated),
-waits until a server announces the stage again (a spare or joining node that rebuilt it,
-see recovery.py), and records the recovery: cause, the new server, and the seconds from
-detection to the first step after it.
+waits until a server announces the stage again (a spare, a joining node or a moving replica
+that rebuilt it, see recovery.py and selection.py), and records the recovery: cause, the new
+server, and the seconds from detection to the first step after it. While it waits it
+publishes a signed `StageLost` report of the stages it misses (choosers then stop counting
+their dead servers' last announcements, and `peers --stages` marks them lost) and logs which
+stages it waits for, every `WAIT_LOG_EVERY_S`.
 
 CheckFree+ (pipeline.checkfree_plus): on odd micro-batches the first two and the last two
 stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -31,7 +35,7 @@ import torch
 
 from node.config import NodeConfig
 from node.pipeline.client import HopFailed, call_stage, handler_name
-from node.pipeline.stagemap import StageMap, read_stage_map
+from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
@@ -39,6 +43,7 @@ from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
 log = logging.getLogger(__name__)
 
 STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
+WAIT_LOG_EVERY_S = 15.0  # a driver waiting for a lost stage says so this often
 
 
 def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
@@ -91,8 +96,10 @@ class StepReport:
 class PipelineRouter:
     """Calls into the pipeline of one model: routes, retries, avoidance, stage-map refresh."""
 
-    def __init__(self, dht, config: NodeConfig, model_fingerprint: str, stage_fingerprints: list[str], limits: PipelineLimits, seed: int = 0) -> None:
+    def __init__(self, dht, config: NodeConfig, model_fingerprint: str, stage_fingerprints: list[str], limits: PipelineLimits, seed: int = 0,
+                 reporter: LostReporter | None = None) -> None:
         self.dht = dht
+        self.reporter = reporter  # publishes our lost reports (None: this router reports nothing)
         self.config = config
         self.pipeline = config.pipeline
         self.model_fingerprint = model_fingerprint
@@ -114,7 +121,9 @@ class PipelineRouter:
             for stage, servers in stage_map.servers.items():
                 good = [s for s in servers if s.stage_fingerprint == self.fingerprints[stage]]
                 self.wrong_fingerprint += len(servers) - len(good)
-                stage_map.servers[stage] = good
+                # a server a driver reported dead and that has not announced since is not routed to
+                lost_at = stage_map.lost.get(stage)
+                stage_map.servers[stage] = [s for s in good if lost_at is None or stage_map.signed_at.get(s.node_id, lost_at + 1) > lost_at]
             self.map, self._map_read_at = stage_map, now
         return self.map
 
@@ -183,12 +192,34 @@ class PipelineRouter:
             grad = from_wire(result.tensors["grad"])
 
     async def wait_until_served(self) -> None:
-        """Return once every stage has a live server that is not avoided (a lost one rebuilt, see recovery.py)."""
+        """Return once every stage has a live server that is not avoided (a lost one rebuilt, see recovery.py).
+        Meanwhile: report the missing stages lost, and say which ones we wait for every WAIT_LOG_EVERY_S."""
+        started = time.monotonic()
+        said = reported = -math.inf
         while True:
-            stage_map = await self.refresh(force=True)
-            if all(stage_map.live(i, self.avoided()) for i in range(self.pipeline.num_stages)):
+            await self.refresh(force=True)
+            missing = self.missing_stages()
+            if not missing:
                 return
+            now = time.monotonic()
+            rebuilding = [i for i in missing if self.map.loading.get(i)]  # a report would hide their servers' announcements
+            if now - reported >= WAIT_LOG_EVERY_S / 3 and len(rebuilding) < len(missing):
+                await self.report_lost([i for i in missing if i not in rebuilding])
+                reported = now
+            if now - said >= WAIT_LOG_EVERY_S:
+                log.warning("waiting %.0fs for stage(s) %s: no live server answers (a spare, a `serve --stage auto` or a moving replica rebuilds them)",
+                            now - started, ", ".join(map(str, missing)))
+                said = now
             await asyncio.sleep(min(1.0, self.pipeline.announce_interval_s))
+
+    async def report_lost(self, stages: list[int]) -> None:
+        """Publish our signed report that every server of `stages` failed (see protocol.StageLost)."""
+        if self.reporter is None:
+            return
+        try:
+            await self.reporter.publish(stages)
+        except Exception as exc:  # noqa: BLE001 - a report is a hint to choosers; the driver waits on whether it was stored or not
+            log.warning("could not publish the lost report of stage(s) %s: %s", stages, exc)
 
     def missing_stages(self) -> list[int]:
         return [i for i in range(self.pipeline.num_stages) if not self.map.live(i, self.avoided())]

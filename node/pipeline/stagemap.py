@@ -7,6 +7,11 @@ ago (the DHT drops them later, records.RECORD_TTL_S). A server re-announces ever
 `announce_ttl_s`. Drivers route over the map, joining
 servers pick their stage from it (`auto`: least live capacity), spares watch it for a
 stage with no server left, and recoveries find their sources in it.
+
+Lost reports: key `<swarm prefix>/stages-lost`, subkey = a driver's node id, value = a signed
+`protocol.StageLost` naming the stages whose every server failed its calls. Choosers read
+both keys and count as live only what `selection.live_view` keeps: announcements refreshed
+within a couple of announce intervals and not older than a lost report of their stage.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass, field
 
 from node.config import NodeConfig
 from node.transport.dht import key_prefix
-from protocol import MessageKind, NodeIdentity, StageAnnouncement
+from protocol import MessageKind, NodeIdentity, StageAnnouncement, StageLost
+from protocol.messages import MAX_LOST_STAGES
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +33,10 @@ MAX_ANNOUNCEMENTS = 512  # read per key: bounds what a flood of subkeys can cost
 
 def stages_key(swarm_id: str) -> str:
     return f"{key_prefix(swarm_id)}/stages"
+
+
+def lost_key(swarm_id: str) -> str:
+    return f"{key_prefix(swarm_id)}/stages-lost"
 
 
 @dataclass
@@ -38,10 +48,13 @@ class StageMap:
     loading: dict[int, list[StageAnnouncement]] = field(default_factory=dict)  # copying or recovering weights
     spares: list[StageAnnouncement] = field(default_factory=list)
     refused: int = 0  # announcements refused while reading (bad signature, wrong model, ...)
+    signed_at: dict[str, float] = field(default_factory=dict)  # node id -> unix time its announcement was signed
+    lost: dict[int, float] = field(default_factory=dict)  # stage -> unix time of the latest driver report that it was lost
 
     @classmethod
-    def from_announcements(cls, num_stages: int, announcements: list[StageAnnouncement]) -> "StageMap":
-        stage_map = cls(num_stages)
+    def from_announcements(cls, num_stages: int, announcements: list[StageAnnouncement], signed_at: dict[str, float] | None = None,
+                           lost: dict[int, float] | None = None) -> "StageMap":
+        stage_map = cls(num_stages, signed_at=dict(signed_at or {}), lost=dict(lost or {}))
         for item in announcements:
             if item.state == "spare":
                 stage_map.spares.append(item)
@@ -74,49 +87,106 @@ class StageMap:
         return min(range(self.num_stages), key=capacity)
 
     def rows(self) -> list[dict]:
-        """One row per stage for `peers` and the dashboard."""
-        return [
-            {
+        """One row per stage for `peers` and the dashboard; `lost`: a driver reported every server of it failing, and
+        the servers it had then are left out (they have not announced since)."""
+        rows = []
+        for i in range(self.num_stages):
+            lost_at = self.lost.get(i)
+            servers = [s for s in self.servers.get(i, []) if lost_at is None or self.signed_at.get(s.node_id, 0.0) > lost_at]
+            loading = self.loading.get(i, [])
+            first = next(iter(servers + loading + self.servers.get(i, [])), None)
+            rows.append({
                 "stage": i,
-                "servers": [s.node_id for s in self.servers.get(i, [])],
-                "loading": [s.node_id for s in self.loading.get(i, [])],
-                "layers": f"{s.layer_start}-{s.layer_end - 1}" if (s := next(iter(self.servers.get(i, []) + self.loading.get(i, [])), None)) else "",
-                "samples_per_s": round(sum(s.samples_per_s for s in self.servers.get(i, [])), 2),
-                "step": max((s.step for s in self.servers.get(i, [])), default=0),
-                "grad_norm": max((s.grad_norm for s in self.servers.get(i, [])), default=0.0),
-                "recoveries": sum(s.recoveries for s in self.servers.get(i, []) + self.loading.get(i, [])),
-            }
-            for i in range(self.num_stages)
-        ]
+                "lost": lost_at is not None,
+                "servers": [s.node_id for s in servers],
+                "loading": [s.node_id for s in loading],
+                "layers": f"{first.layer_start}-{first.layer_end - 1}" if first else "",
+                "samples_per_s": round(sum(s.samples_per_s for s in servers), 2),
+                "step": max((s.step for s in servers), default=0),
+                "grad_norm": max((s.grad_norm for s in servers), default=0.0),
+                "recoveries": sum(s.recoveries for s in servers + loading),
+            })
+        return rows
 
 
-async def read_announcements(dht, config: NodeConfig) -> tuple[list[StageAnnouncement], int]:
-    """Every live, verified stage announcement of the swarm, and how many were refused."""
+async def read_announcements(dht, config: NodeConfig) -> tuple[list[tuple[StageAnnouncement, float]], int]:
+    """Every verified stage announcement of the swarm younger than `announce_ttl_s`, with the time it was signed,
+    and how many were refused."""
     from node.transport.records import read_records
 
     refused = []
     now = time.time()
     envelopes = await read_records(dht, stages_key(config.swarm.swarm_id), config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, config.swarm.dht_timeout_s,
                                    MAX_ANNOUNCEMENTS, lambda owner, rejection: refused.append(owner))
-    return [e.message for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(refused)
+    return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(refused)
+
+
+async def read_lost_reports(dht, config: NodeConfig) -> list[tuple[StageLost, float]]:
+    """Drivers' verified lost reports younger than the record lifetime, with the time each was signed."""
+    from node.transport.records import read_records
+
+    envelopes = await read_records(dht, lost_key(config.swarm.swarm_id), config.swarm.swarm_id, MessageKind.STAGE_LOST, config.swarm.dht_timeout_s,
+                                   MAX_ANNOUNCEMENTS)
+    return [(e.message, e.timestamp) for e in envelopes]
+
+
+def latest_losses(reports: list[tuple[StageLost, float]], model_fingerprint: str, num_stages: int) -> dict[int, float]:
+    """stage -> time of the latest report naming it, over the reports about this pipeline."""
+    lost: dict[int, float] = {}
+    for report, signed in reports:
+        if report.model_fingerprint == model_fingerprint and report.num_stages == num_stages:
+            for stage in report.stages:
+                lost[stage] = max(lost.get(stage, 0.0), signed)
+    return lost
 
 
 async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
-    """The live, verified announcements of `model_fingerprint`'s pipeline."""
+    """The verified announcements (and lost reports) of `model_fingerprint`'s pipeline."""
     announcements, refused = await read_announcements(dht, config)
-    ours = [a for a in announcements if a.model_fingerprint == model_fingerprint and a.num_stages == config.pipeline.num_stages]
-    stage_map = StageMap.from_announcements(config.pipeline.num_stages, ours)
-    stage_map.refused = refused + sum(1 for a in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != config.pipeline.num_stages)
+    num_stages = config.pipeline.num_stages
+    ours = [(a, t) for a, t in announcements if a.model_fingerprint == model_fingerprint and a.num_stages == num_stages]
+    lost = latest_losses(await read_lost_reports(dht, config), model_fingerprint, num_stages)
+    stage_map = StageMap.from_announcements(num_stages, [a for a, _ in ours], {a.node_id: t for a, t in ours}, lost)
+    stage_map.refused = refused + sum(1 for a, _ in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != num_stages)
     return stage_map
 
 
 async def read_stage_maps(dht, config: NodeConfig) -> dict[str, StageMap]:
     """Every pipeline of the swarm, by model fingerprint (what `swarm-node peers` shows)."""
     announcements, _ = await read_announcements(dht, config)
-    models: dict[tuple[str, int], list[StageAnnouncement]] = {}
-    for item in announcements:
-        models.setdefault((item.model_fingerprint, item.num_stages), []).append(item)
-    return {fingerprint: StageMap.from_announcements(stages, items) for (fingerprint, stages), items in sorted(models.items())}
+    reports = await read_lost_reports(dht, config)
+    models: dict[tuple[str, int], list[tuple[StageAnnouncement, float]]] = {}
+    for item, signed in announcements:
+        models.setdefault((item.model_fingerprint, item.num_stages), []).append((item, signed))
+    maps = {}
+    for (fingerprint, stages), items in sorted(models.items()):
+        lost = latest_losses(reports, fingerprint, stages)
+        # a stage announced again after the report is back: only the reports still standing are shown
+        standing = {i: t for i, t in lost.items() if not any(a.stage == i and a.state != "spare" and signed > t for a, signed in items)}
+        maps[fingerprint] = StageMap.from_announcements(stages, [a for a, _ in items], {a.node_id: t for a, t in items}, standing)
+    return maps
+
+
+class LostReporter:
+    """A driver's lost reports: signs and stores which stages it found with every server failing (one record, replaced)."""
+
+    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity, model_fingerprint: str) -> None:
+        from node.transport.records import RecordWriter
+
+        self.dht = dht
+        self.config = config
+        self.node_id = identity.node_id
+        self.model_fingerprint = model_fingerprint
+        self.key = lost_key(config.swarm.swarm_id)
+        self.writer = RecordWriter(identity, config.swarm.swarm_id)
+
+    async def publish(self, stages: list[int]) -> bool:
+        report = StageLost(node_id=self.node_id, model_fingerprint=self.model_fingerprint, num_stages=self.config.pipeline.num_stages,
+                           stages=sorted(set(stages))[:MAX_LOST_STAGES])
+        ok = await self.writer.store(self.dht, self.key, report, self.config.swarm.dht_timeout_s)
+        if not ok:
+            log.warning("the DHT did not take our report that stages %s are lost", report.stages)
+        return ok
 
 
 class Announcer:

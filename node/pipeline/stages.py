@@ -18,20 +18,29 @@ Why these choices:
 - CheckFree+ replicas (`extra_parts`): stage 1 keeps a copy of the embedding and stage S-2
   a copy of the head, so that a lost end stage can be rebuilt from its neighbour alone.
 - `StageCache` is a per-session KV cache (Petals' inference sessions): the copied layers are
-  renumbered 0..k-1 so that one HF `DynamicCache` per stage holds exactly its layers.
+  renumbered 0..k-1 so that one HF `DynamicCache` per stage holds exactly its layers. The cache
+  is passed by the keyword the installed transformers names it: `cache` (5.24 deprecates
+  `past_key_values`, to be removed in 5.40), `past_key_values` in older releases.
+- What drivers and servers both need to know of a split (`stage_plan`, `expected_fingerprints`,
+  `pipeline_limits`) lives here, so that a driver never imports the server.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import functools
 import hashlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
+
+from node.config import NodeConfig
+from protocol.pipeline import PipelineLimits
 
 
 class StagePart(str, enum.Enum):
@@ -92,6 +101,12 @@ class StageCache:
     @property
     def seq_len(self) -> int:
         return self.cache.get_seq_length()
+
+
+@functools.cache
+def cache_keyword(function) -> str:
+    """The keyword `function` takes the KV cache by: `cache` in current transformers, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
 
 
 def _decoder(model):
@@ -160,10 +175,12 @@ class PipelineStage(torch.nn.Module):
     def forward_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: StageCache | None = None) -> torch.Tensor:
         """This stage's decoder layers; `attention_mask` is the 2-D padding mask over past + current tokens."""
         past = cache.cache if cache is not None else None
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=past, position_ids=position_ids)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
+                                  **{cache_keyword(create_causal_mask): past})
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, past_key_values=past, use_cache=past is not None)
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, use_cache=past is not None,
+                           **{cache_keyword(type(layer).forward): past})
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -233,3 +250,42 @@ def stage_fingerprint(model_fingerprint: str, plan: StagePlan, index: int, stage
 def layers_shape_signature(stage: PipelineStage) -> str:
     """Equal for two stages whose LAYERS can be averaged or copied into each other."""
     return hashlib.sha256(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.layers.state_dict().items()).encode()).hexdigest()[:16]
+
+
+def stage_plan(config: NodeConfig, hf_config) -> StagePlan:
+    return StagePlan(num_layers=hf_config.num_hidden_layers, num_stages=config.pipeline.num_stages)
+
+
+def extra_parts_for(config: NodeConfig, index: int) -> tuple[StagePart, ...]:
+    """The CheckFree+ replicas stage `index` keeps of a neighbour's parts (none without CheckFree+)."""
+    if not config.pipeline.checkfree_plus or config.pipeline.num_stages < 2:
+        return ()
+    return checkfree_plus_extra_parts(config.pipeline.num_stages).get(index, ())
+
+
+def expected_fingerprints(config: NodeConfig, hf_config, model_fingerprint: str) -> list[str]:
+    """Every stage's fingerprint, computed from the model's config alone (what drivers check servers against)."""
+    plan = stage_plan(config, hf_config)
+    return [stage_fingerprint(model_fingerprint, plan, i, PipelineStage.from_config(hf_config, plan, i, extra_parts_for(config, i))) for i in range(plan.num_stages)]
+
+
+def pipeline_limits(config: NodeConfig, hf_config, model_parameters: int) -> PipelineLimits:
+    """What one call may carry for this model: a batch of the largest sequences, as hidden states or logits."""
+    max_len = config.pipeline.max_sequence_length or hf_config.max_position_embeddings
+    widest = max(hf_config.hidden_size, hf_config.vocab_size)
+    return PipelineLimits(max_tensors=4, max_rank=3, max_dim=max(config.pipeline.max_batch_size, max_len, widest),
+                          max_elements=config.pipeline.max_batch_size * max_len * widest, max_weights_bytes=8 * model_parameters + (1 << 20))
+
+
+def part_tensors(stage: PipelineStage, parts: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of `parts`, as they travel in a `weights` result: "<part>/<name>"."""
+    return {f"{part}/{name}": tensor for part in parts for name, tensor in stage.part_state_dict(StagePart(part)).items()}
+
+
+def split_parts(named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse of `part_tensors`: {part: {name: tensor}}."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in named.items():
+        part, _, name = key.partition("/")
+        out.setdefault(part, {})[name] = tensor
+    return out

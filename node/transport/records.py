@@ -75,6 +75,7 @@ RECORD_TTL_S: dict[MessageKind, float] = {
     MessageKind.ROLLOUT_BATCH: 300.0,
     MessageKind.STAGE_ANNOUNCEMENT: 120.0,
     MessageKind.AVERAGING_READY: 120.0,
+    MessageKind.STAGE_LOST: 120.0,
 }
 
 

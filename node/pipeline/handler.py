@@ -1,0 +1,133 @@
+"""The wire side of a stage server: one call per p2p stream in, a RESULT or a REFUSE frame out.
+
+As Petals' handler (src/petals/server/handler.py): read and check the call, hand it to the
+backend, write the answer. Every call is checked before torch sees it: the frame, the message
+(`protocol.pipeline`), the stage and its fingerprint, the server's state, the parts asked for;
+the backend checks the tensors. A bad call gets a REFUSE frame with a `PipelineRefusal` (or
+protocol `Refusal`) code, counted by reason and by peer; nothing raises out of the handler.
+The torch work runs in one worker thread, one call at a time (`torch_lock`), so the event
+loop keeps answering the DHT and new streams while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from typing import Callable
+
+import msgpack
+
+from node.pipeline.backend import BackendRefused, StageBackend
+from node.pipeline.client import CONTROL_MAX_BYTES, unpack
+from node.pipeline.tensors import to_wire
+from node.stats import SwarmStats
+from node.transport.framing import FramingError, OversizedFrame, read_frame, write_frame
+from protocol import ProtocolRejection
+from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
+from protocol.refusals import PipelineRefusal, Refusal
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 30.0  # a caller that opens a stream must send its call within this
+REFUSAL_LOG_EVERY_S = 60.0
+
+
+class StageHandler:
+    """Serves the pipeline calls of whatever stage the server currently holds (`backend`, `fingerprint`, `state`)."""
+
+    def __init__(self, limits: PipelineLimits) -> None:
+        self.limits = limits
+        self.backend: StageBackend | None = None
+        self.fingerprint = ""
+        self.state = "spare"  # serving | loading | spare: only a serving stage runs calls; a loading one still lends its weights
+        self.stats = SwarmStats()  # refusals by peer and reason, shown by /metrics with the node's one renderer
+        self.calls: Counter[str] = Counter()
+        self.torch_lock = asyncio.Lock()
+        self.before_step: Callable[[], None] = lambda: None  # e.g. apply a finished averaging round between steps
+        self.after_step: Callable[[int], None] = lambda step: None  # e.g. start an averaging round
+        self._last_refusal_log: dict[tuple[str, str], float] = {}
+
+    async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = stream_info.peer_id.to_base58()
+        try:
+            try:
+                kind, body = await asyncio.wait_for(read_frame(reader, PipelineFrame, lambda k: self.limits.frame_limit() if k is PipelineFrame.CALL else CONTROL_MAX_BYTES),
+                                                    READ_TIMEOUT_S)
+                if kind is not PipelineFrame.CALL:
+                    raise BackendRefused(Refusal.BAD_STRUCTURE, f"expected CALL, got {kind.name}")
+                try:
+                    call = StageCall.from_wire(unpack(body, self.limits), self.limits)
+                except ValueError as exc:  # msgpack's errors are ValueErrors
+                    raise BackendRefused(Refusal.NOT_MSGPACK, str(exc)) from None
+                except ProtocolRejection as exc:
+                    raise BackendRefused(exc.reason, exc.detail) from None
+                result = await self.serve(peer, call)
+            except OversizedFrame as exc:
+                raise BackendRefused(Refusal.TOO_LARGE, str(exc)) from None
+            except FramingError as exc:
+                raise BackendRefused(Refusal.BAD_STRUCTURE, str(exc)) from None
+            self.calls[call.op] += 1
+            await write_frame(writer, PipelineFrame.RESULT, msgpack.packb(result.to_wire(), use_bin_type=True))
+        except BackendRefused as refused:
+            self.stats.refusals.record(peer, refused.reason)
+            self._log_refusal(peer, refused)
+            try:
+                await write_frame(writer, PipelineFrame.REFUSE, msgpack.packb(refusal_body(refused.reason, refused.detail)))
+            except (ConnectionError, OSError):
+                pass
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            self.calls["broken_stream"] += 1
+            log.debug("pipeline call from %s broke: %s", peer[:12], exc)
+        finally:
+            writer.close()
+
+    async def serve(self, peer: str, call: StageCall) -> StageResult:
+        """Run one checked call on the backend; BackendRefused for a call this server does not serve."""
+        backend = self.backend
+        if backend is None or call.stage != backend.index or call.stage_fingerprint != self.fingerprint:
+            raise BackendRefused(PipelineRefusal.WRONG_STAGE, f"this server serves stage {backend.index if backend else -1} ({self.fingerprint or 'none yet'})")
+        if self.state != "serving" and call.op != "weights":
+            raise BackendRefused(PipelineRefusal.NOT_READY, f"state {self.state}")
+        held = backend.held_parts() if call.op == "weights" else backend.owned_parts()
+        missing = [p for p in call.parts if p not in held]
+        if missing:
+            raise BackendRefused(PipelineRefusal.MISSING_PART, f"this server holds {sorted(held)}, not {missing}")
+        backend.expire()
+        async with self.torch_lock:
+            if self.backend is not backend:  # the server moved to another stage while this call waited
+                raise BackendRefused(PipelineRefusal.WRONG_STAGE, "this server changed stage")
+            try:
+                if call.op == "weights":
+                    return self._result(backend, {}, weights=await asyncio.to_thread(backend.weights, call.parts))
+                if call.op == "step":
+                    self.before_step()
+                    if await asyncio.to_thread(backend.apply_step, call.scale, call.lr_scale):
+                        self.after_step(backend.step)
+                    tensors = {}
+                else:
+                    run = {"forward": backend.forward, "backward": backend.backward, "infer": backend.infer, "end_session": backend.end_session}[call.op]
+                    tensors = await asyncio.to_thread(run, peer, call)
+            except BackendRefused:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a compute error is refused to the caller, logged here, and the server lives on
+                log.exception("stage %d: %s call failed", backend.index, call.op)
+                raise BackendRefused(PipelineRefusal.FAILED, f"{type(exc).__name__}: {exc}") from None
+        return self._result(backend, tensors)
+
+    @staticmethod
+    def _result(backend: StageBackend, tensors: dict, weights: bytes | None = None) -> StageResult:
+        return StageResult(v=PIPELINE_VERSION, tensors={k: to_wire(t) for k, t in tensors.items()}, weights=weights, step=backend.step,
+                           grad_norm=float(backend.grad_norm), lr_scale=float(backend.lr_scale))
+
+    def _log_refusal(self, peer: str, refused: BackendRefused) -> None:
+        """At most one log line per peer and reason a minute: a flood of bad calls must not flood the log."""
+        key = (peer, refused.reason.value)
+        now = time.monotonic()
+        if now - self._last_refusal_log.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
+            self._last_refusal_log[key] = now
+            while len(self._last_refusal_log) > 1024:
+                self._last_refusal_log.pop(next(iter(self._last_refusal_log)))
+            log.info("refused a pipeline call from %s: %s: %s", peer[:12], refused.reason.value, refused.detail)

@@ -1,0 +1,104 @@
+"""A stage's torch work without a network (node/pipeline/backend.py): forward/backward/step equal the whole model's,
+and calls it cannot serve are refused with the caller's refusal code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from node.config import PipelineConfig
+from node.pipeline.backend import BackendRefused, StageBackend
+from node.pipeline.stages import split_model
+from node.pipeline.tensors import to_wire
+from protocol.pipeline import PIPELINE_VERSION, StageCall
+from protocol.refusals import PipelineRefusal
+
+B, T, HIDDEN = 2, 5, 32
+
+
+def model():
+    config = Qwen2Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def backends(pipeline: PipelineConfig) -> tuple[torch.nn.Module, list[StageBackend]]:
+    whole = model()
+    stages = split_model(whole, 3)
+    return whole, [StageBackend(pipeline, whole.config, stage.plan, stage) for stage in stages]
+
+
+def call(op: str, stage: int, call_id: str = "c", parts=("layers",), train: bool = True, **tensors) -> StageCall:
+    return StageCall(v=PIPELINE_VERSION, op=op, stage=stage, stage_fingerprint="fp", call_id=call_id, parts=list(parts), train=train,
+                     tensors={k: to_wire(v) for k, v in tensors.items()}, scale=1.0)
+
+
+def inputs(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"position_ids": torch.arange(T).expand(B, T).contiguous(), "attention_mask": torch.ones(B, T, dtype=torch.long)}
+
+
+def test_a_chain_of_backends_trains_like_the_whole_model():
+    pipeline = PipelineConfig(max_grad_norm=1e9)  # no clipping before the gradients are compared
+    whole, chain = backends(pipeline)
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    extra = inputs(ids)
+    x = chain[0].forward("driver", call("forward", 0, parts=("embed", "layers"), input_ids=ids, **extra))["output"]
+    x = chain[1].forward("driver", call("forward", 1, hidden=x, **extra))["output"]
+    logits = chain[2].forward("driver", call("forward", 2, parts=("layers", "head"), hidden=x, **extra))["output"]
+    reference = whole(input_ids=ids, **extra).logits
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
+    grad = torch.ones_like(logits)
+    g = chain[2].backward("driver", call("backward", 2, parts=("layers", "head"), grad=grad))["grad"]
+    g = chain[1].backward("driver", call("backward", 1, grad=g))["grad"]
+    assert chain[0].backward("driver", call("backward", 0, parts=("embed", "layers"), grad=g)) == {}
+    reference.backward(grad)
+    torch.testing.assert_close(chain[1].stage.layers[0].mlp.up_proj.weight.grad, whole.model.layers[1].mlp.up_proj.weight.grad, atol=1e-4, rtol=1e-4)
+    assert all(b.apply_step(1.0, 1.0) for b in chain)
+    assert [b.step for b in chain] == [1, 1, 1] and all(b.grad_norm > 0 for b in chain)
+    assert chain[1].samples_per_s > 0 and chain[1].pending_forwards == 0
+
+
+def test_an_abandoned_step_drops_the_gradients():
+    _, chain = backends(PipelineConfig())
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(2))
+    out = chain[0].forward("driver", call("forward", 0, parts=("embed", "layers"), input_ids=ids, **inputs(ids)))["output"]
+    chain[0].backward("driver", call("backward", 0, parts=("embed", "layers"), grad=torch.ones_like(out)))
+    assert not chain[0].apply_step(0.0, 1.0)
+    assert chain[0].step == 0 and all(p.grad is None for p in chain[0].stage.parameters())
+
+
+def test_calls_the_backend_cannot_serve_are_refused_with_their_code():
+    _, chain = backends(PipelineConfig(max_pending_forwards=1, max_batch_size=2))
+    middle = chain[1]
+    hidden = torch.randn(B, T, HIDDEN)
+    extra = inputs(hidden)
+
+    def refused(run, *args) -> PipelineRefusal:
+        with pytest.raises(BackendRefused) as refusal:
+            run(*args)
+        return refusal.value.reason
+
+    nan = hidden.clone()
+    nan[0, 0, 0] = float("nan")
+    assert refused(middle.forward, "p", call("forward", 1, hidden=nan, **extra)) is PipelineRefusal.BAD_TENSOR
+    assert refused(middle.forward, "p", call("forward", 1, hidden=torch.randn(3, T, HIDDEN), **extra)) is PipelineRefusal.BAD_TENSOR
+    assert refused(middle.backward, "p", call("backward", 1, call_id="never", grad=hidden)) is PipelineRefusal.UNKNOWN_CALL
+    middle.forward("p", call("forward", 1, call_id="kept", hidden=hidden, **extra))
+    assert refused(middle.forward, "p", call("forward", 1, call_id="more", hidden=hidden, **extra)) is PipelineRefusal.BUSY
+    assert refused(middle.backward, "someone else", call("backward", 1, call_id="kept", grad=hidden)) is PipelineRefusal.UNKNOWN_CALL
+    assert middle.owned_parts() == {"layers"}
+
+
+def test_inference_sessions_keep_their_cache_until_ended():
+    _, chain = backends(PipelineConfig(max_sessions=1))
+    hidden = torch.randn(B, T, HIDDEN)
+    middle = chain[1]
+    middle.infer("p", call("infer", 1, call_id="s1", train=False, hidden=hidden, **inputs(hidden)))
+    step = {"position_ids": torch.full((B, 1), T), "attention_mask": torch.ones(B, T + 1, dtype=torch.long)}
+    assert middle.infer("p", call("infer", 1, call_id="s1", train=False, hidden=torch.randn(B, 1, HIDDEN), **step))["output"].shape == (B, 1, HIDDEN)
+    with pytest.raises(BackendRefused):
+        middle.infer("p", call("infer", 1, call_id="s2", train=False, hidden=hidden, **inputs(hidden)))
+    middle.end_session("p", call("end_session", 1, call_id="s1"))
+    assert middle.sessions == 0
