@@ -138,7 +138,7 @@ class Node:
 
     async def _attach_pipeline(self) -> None:
         from node.pipeline.driver import PipelineRouter
-        from node.pipeline.server import expected_fingerprints, pipeline_limits
+        from node.pipeline.stages import expected_fingerprints, pipeline_limits
 
         router = PipelineRouter(self.transport.dht, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint),
                                 pipeline_limits(self.config, self.model.config, self.model_parameters), seed=self.stream_seed)
