@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -40,6 +42,15 @@ def test_batching_does_not_change_greedy_output(tiny_config):
     small = TransformersBackend(node.config.rollout.model_copy(update={"generation_batch_size": 1}), node.model, node.tokenizer)
     alone = small.generate(prompts, 1, seed=0, greedy=True)
     assert [g[0].completion_ids for g in together] == [g[0].completion_ids for g in alone]
+
+
+def test_generation_warns_nothing(tiny_config):
+    """Sampling runs every round: a deprecation warning from it is the first thing `make run` prints."""
+    node = Node(tiny_config("rollout.max_new_tokens=3"))
+    node.load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        node.backend.generate(["1 + 1"], 2, seed=0)
 
 
 def test_top_p_keeps_the_smallest_nucleus():
