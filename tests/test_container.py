@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -82,34 +83,42 @@ def build_debian_base() -> None:
 
 
 def host_pip_sources() -> tuple[list[str], list[str]]:
-    """This machine's wheel folders and file:// indexes, from pip's configuration: (pip options, folders to mount)."""
+    """This machine's wheel folders and file:// indexes, from pip's configuration: (find-links folders, index URLs)."""
     listed = run(sys.executable, "-m", "pip", "config", "list").stdout
-    options, mounts = [], []
+    folders, indexes = [], []
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         for source in value.strip("'\"").split():
-            if key.endswith(".find-links") and Path(source).is_dir():
-                options += ["--find-links", source]
-                mounts.append(source)
-            elif key.endswith(".extra-index-url") and source.startswith("file://"):
-                options += ["--extra-index-url", source]
-                # A simple index's pages link to its files with relative paths (../../files/...).
-                mounts.append(str(Path(source.removeprefix("file://")).parent))
-    return options, sorted(set(mounts))
+            if key.endswith(".find-links") and Path(source).is_dir() and source not in folders:
+                folders.append(source)
+            elif key.endswith(".extra-index-url") and source.startswith("file://") and source not in indexes:
+                indexes.append(source)
+    return folders, indexes
+
+
+def dockerfile_default(argument: str) -> str:
+    match = re.search(rf'^ARG {argument}="(.*)"$', (REPO / "Dockerfile").read_text(), re.MULTILINE)
+    assert match, f"the Dockerfile declares no default for {argument}"
+    return match.group(1)
 
 
 def build_image() -> None:
-    options, mounts = host_pip_sources()
+    folders, indexes = host_pip_sources()
+    # A simple index's pages link to its files with relative paths (../../files/...): mount its parent.
+    mounts = sorted({*folders, *(str(Path(url.removeprefix("file://")).parent) for url in indexes)})
     volumes = [f"--volume={folder}:{folder}:ro" for folder in mounts]
+    trust = []
     if HOST_CA_BUNDLE.exists():  # pip in the build trusts what this machine trusts (a registry proxy's CA, say)
         volumes.append(f"--volume={HOST_CA_BUNDLE}:/etc/ssl/certs/host-ca.crt:ro")
-        options = ["--cert", "/etc/ssl/certs/host-ca.crt", *options]
-    pip_options = shlex.join(options)
+        trust = ["--cert", "/etc/ssl/certs/host-ca.crt"]
+    local = [*(option for folder in folders for option in ("--find-links", folder)), *(option for url in indexes for option in ("--extra-index-url", url))]
+    # torch from a local folder where one holds the CPU build, else from the Dockerfile's default source.
+    has_local_torch = any(next(Path(folder).glob("torch-2.13.0+cpu-*.whl"), None) for folder in folders)
+    torch_source = shlex.join([*trust, *local]) if has_local_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
     run("nice", "-n", "10", "buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "-t", IMAGE,
         "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-        # Where a local folder holds torch 2.13.0+cpu, pip takes it from there; else from the CPU index.
-        *(["--build-arg", f"TORCH_SOURCE={pip_options}"] if options else []),
-        "--build-arg", f"PIP_OPTIONS={pip_options}",
+        "--build-arg", f"TORCH_SOURCE={torch_source}",
+        "--build-arg", f"PIP_OPTIONS={shlex.join([*trust, *local])}",
         *volumes, "-f", str(REPO / "Dockerfile"), str(REPO), timeout=BUILD_TIMEOUT_S)
 
 
@@ -138,6 +147,7 @@ class Containers:
         self.names: list[str] = []
         self.processes: list[subprocess.Popen] = []
         self.logs = []
+        self.log_paths: list[Path] = []
 
     def create(self) -> str:
         name = f"swarm-node-test-{uuid.uuid4().hex[:8]}"
@@ -155,10 +165,16 @@ class Containers:
     def start(self, volumes: dict[Path, str], command: list[str], log_path: Path) -> subprocess.Popen:
         log = open(log_path, "w")
         self.logs.append(log)
+        self.log_paths.append(log_path)
         # Its own process group: buildah and the node under it get the signal, nothing else.
         process = subprocess.Popen(self.arguments(self.create(), volumes, command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes.append(process)
         return process
+
+    def assert_running(self) -> None:
+        for process, log_path in zip(self.processes, self.log_paths):
+            if process.poll() is not None:
+                raise AssertionError(f"container exited with {process.returncode}: {log_path.read_text()[-3000:]}")
 
     def close(self) -> None:
         for process in self.processes:
@@ -215,12 +231,12 @@ def test_two_containers_join_each_other_and_train_on_each_others_rollouts(image,
     def volumes(name: str) -> dict[Path, str]:
         return {states[name]: "/state", model_cache_folder: "/state/cache"}
 
-    first = containers.start(volumes("a"), ["swarm-node", "join", *swarm], tmp_path / "a.out")
+    containers.start(volumes("a"), ["swarm-node", "join", *swarm], tmp_path / "a.out")
     addresses = states["a"] / "node" / "addresses.txt"
-    address = wait_for(lambda: first.poll() is None and addresses.exists() and addresses.read_text().split(), 300, "container a's address")[0]
+    address = wait_for(lambda: containers.assert_running() or (addresses.exists() and addresses.read_text().split()), 300, "container a's address")[0]
     containers.start(volumes("b"), ["swarm-node", "join", *swarm, "--initial-peers", address], tmp_path / "b.out")
     for name in ("a", "b"):
-        wait_for(lambda: all(p.poll() is None for p in containers.processes) and any(row.get("external_questions", 0) > 0 for row in read_rows(states[name] / "node")),
+        wait_for(lambda: containers.assert_running() or any(row.get("external_questions", 0) > 0 for row in read_rows(states[name] / "node")),
                  300, f"container {name} to train on the other's rollouts", interval=1)
 
 

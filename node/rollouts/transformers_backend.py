@@ -48,8 +48,8 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
     transformers 5.24 renamed `past_key_values` to `cache`: the old name still works there
     but warns on every first call and goes away in 5.40. Older releases know only
-    `past_key_values`, and some of their models would swallow an unknown `cache` in
-    `**kwargs` and silently recompute the whole sequence, so ask the signature.
+    `past_key_values`, and their forwards take `**kwargs`: 4.57's Qwen2 accepts an unknown
+    `cache` without a word and leaves it empty, so ask the signature, never try and see.
     """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
