@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from node.loop import Node
-from node.rollouts.transformers_backend import TransformersBackend, sample_next
+from node.rollouts.transformers_backend import TransformersBackend, cache_keyword, sample_next
 from node.trainer import completion_logprobs
 
 
@@ -51,6 +51,17 @@ def test_generation_warns_nothing(tiny_config):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         node.backend.generate(["1 + 1"], 2, seed=0)
+
+
+def test_the_cache_goes_under_the_name_the_forward_declares():
+    class Before524(torch.nn.Module):  # transformers < 5.24: an unknown `cache` would vanish into **kwargs
+        def forward(self, input_ids, past_key_values=None, use_cache=None, **kwargs): ...
+
+    class From524(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None, **kwargs): ...
+
+    assert cache_keyword(Before524()) == "past_key_values"
+    assert cache_keyword(From524()) == "cache"
 
 
 def test_top_p_keeps_the_smallest_nucleus():
