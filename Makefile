@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser netlab run test test-slow bench clean
+.PHONY: install browser netlab run test test-slow test-container bench clean
 
 install: $(STAMP) browser netlab
 
@@ -43,6 +43,11 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# Builds the Dockerfile with buildah (no Docker engine needed; installed with apt where missing)
+# on a local Debian base and this machine's wheels, then runs the image: tests/test_container.py.
+test-container: install
+	$(BIN)/python -m pytest -q -m slow tests/test_container.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,10 @@
+import warnings
+
 import pytest
 import torch
 
 from node.loop import Node
-from node.rollouts.transformers_backend import TransformersBackend, sample_next
+from node.rollouts.transformers_backend import TransformersBackend, cache_keyword, sample_next
 from node.trainer import completion_logprobs
 
 
@@ -40,6 +42,26 @@ def test_batching_does_not_change_greedy_output(tiny_config):
     small = TransformersBackend(node.config.rollout.model_copy(update={"generation_batch_size": 1}), node.model, node.tokenizer)
     alone = small.generate(prompts, 1, seed=0, greedy=True)
     assert [g[0].completion_ids for g in together] == [g[0].completion_ids for g in alone]
+
+
+def test_generation_warns_nothing(tiny_config):
+    """Sampling runs every round: a deprecation warning from it is the first thing `make run` prints."""
+    node = Node(tiny_config("rollout.max_new_tokens=3"))
+    node.load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        node.backend.generate(["1 + 1"], 2, seed=0)
+
+
+def test_the_cache_goes_under_the_name_the_forward_declares():
+    class Before524(torch.nn.Module):  # transformers < 5.24: an unknown `cache` would vanish into **kwargs
+        def forward(self, input_ids, past_key_values=None, use_cache=None, **kwargs): ...
+
+    class From524(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None, **kwargs): ...
+
+    assert cache_keyword(Before524()) == "past_key_values"
+    assert cache_keyword(From524()) == "cache"
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -8,7 +8,10 @@ never shift positions) that the trainer will use when it recomputes them.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from transformers import DynamicCache
 
 from node.config import RolloutConfig
 from node.rollouts.base import Completion, RolloutBackend
@@ -38,6 +41,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which `model.forward` takes its KV cache.
+
+    transformers 5.24 renamed `past_key_values` to `cache`: the old name still works there
+    but warns on every first call and goes away in 5.40. Older releases know only
+    `past_key_values`, and their forwards take `**kwargs`: 4.57's Qwen2 accepts an unknown
+    `cache` without a word and leaves it empty, so ask the signature, never try and see.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class TransformersBackend(RolloutBackend):
@@ -73,9 +87,12 @@ class TransformersBackend(RolloutBackend):
         logprobs_out = torch.zeros((batch, self.config.max_new_tokens))
         lengths = torch.zeros(batch, dtype=torch.long)
         finished = torch.zeros(batch, dtype=torch.bool)
+        # Our own cache object, which every forward fills in place: we never read it back
+        # from the output, whose field is named differently across transformers versions.
+        cache = {cache_keyword(self.model): DynamicCache()}
         # logits_to_keep=1: the prefill needs only the last position's logits, not a
         # [batch, prompt, vocab] tensor (which dominates memory for large vocabularies).
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache)
         next_position = position_ids[:, -1:] + 1
         for t in range(self.config.max_new_tokens):
             tokens, logprobs = sample_next(out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy)
@@ -87,7 +104,7 @@ class TransformersBackend(RolloutBackend):
             if finished.all() or t + 1 == self.config.max_new_tokens:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
-            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position, past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position, use_cache=True, **cache)
             next_position = next_position + 1
         if was_training:
             self.model.train()
