@@ -45,7 +45,7 @@ def _setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
 JOIN_PRESET = ["swarm.transport=dht", "swarm.local_questions=4", "swarm.external_questions=4", "state_dir=~/.swarm-node/swarm"]
 
 
-def _config_from_args(args: argparse.Namespace) -> NodeConfig:
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
     overrides = list(args.set or [])
     if args.command == "join":
         overrides = (["swarm.transport=dht"] if args.config else JOIN_PRESET) + overrides
@@ -96,7 +96,7 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from node.transport.dht import SwarmJoinError
 
-    config = _config_from_args(args)
+    config = config_from_args(args)
     _setup_logging(config.resolved_state_dir(), args.verbose, console)
     try:
         return asyncio.run(_train(config, args.fresh, console))

@@ -10,7 +10,7 @@ import shlex
 import pytest
 import yaml
 
-from node.cli import _config_from_args, build_parser
+from node.cli import config_from_args, build_parser
 from tests.conftest import REPO
 
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -34,7 +34,7 @@ def node_invocation(service: dict) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_each_service_runs_a_command_the_cli_accepts(name):
     args = build_parser().parse_args(node_invocation(SERVICES[name]))
-    config = _config_from_args(args)  # the CLI's own resolution: unknown keys and bad values raise
+    config = config_from_args(args)  # the CLI's own resolution: unknown keys and bad values raise
     assert args.command == "join" and config.swarm.transport == "dht"
     assert config.state_dir == "/state/node"
 
@@ -49,7 +49,7 @@ def test_named_volumes_are_declared_and_mounted_where_the_commands_look():
 
 
 def test_joiners_wait_for_the_seeds_addresses_file():
-    seed = _config_from_args(build_parser().parse_args(node_invocation(SERVICES["node0"])))
+    seed = config_from_args(build_parser().parse_args(node_invocation(SERVICES["node0"])))
     assert seed.swarm.initial_peers == []  # node0 starts the swarm
     for name in ("node1", "node2"):
         service = SERVICES[name]
@@ -57,12 +57,12 @@ def test_joiners_wait_for_the_seeds_addresses_file():
         assert "node0:/seed:ro" in service["volumes"]
         # node0's state dir /state/node is /seed/node here; the node writes addresses.txt in it.
         assert "until [ -s /seed/node/addresses.txt ]" in service["command"][0]
-        config = _config_from_args(build_parser().parse_args(node_invocation(service)))
+        config = config_from_args(build_parser().parse_args(node_invocation(service)))
         assert config.swarm.initial_peers == [SEED_ADDRESS]
 
 
 def test_the_published_port_is_node0s_dashboard_listening_on_all_interfaces():
-    config = _config_from_args(build_parser().parse_args(node_invocation(SERVICES["node0"])))
+    config = config_from_args(build_parser().parse_args(node_invocation(SERVICES["node0"])))
     assert SERVICES["node0"]["ports"] == [f"127.0.0.1:{config.swarm.dashboard_port}:{config.swarm.dashboard_port}"]
     assert config.swarm.dashboard_host == "0.0.0.0"  # inside the container; the host publishes it on loopback only
     assert not any("ports" in SERVICES[name] for name in ("node1", "node2"))
