@@ -87,9 +87,11 @@ class TransformersBackend(RolloutBackend):
         logprobs_out = torch.zeros((batch, self.config.max_new_tokens))
         lengths = torch.zeros(batch, dtype=torch.long)
         finished = torch.zeros(batch, dtype=torch.bool)
-        # Our own cache object, which every forward fills in place: we never read it back
-        # from the output, whose field is named differently across transformers versions.
-        cache = {cache_keyword(self.model): DynamicCache()}
+        # A forward that declares `cache` (transformers 5.24 on) fills our own cache object in
+        # place. Older releases, and a model that keeps its cache elsewhere (the pipeline's
+        # remote sessions), return theirs in `past_key_values`, handed back on the next call.
+        fills_in_place = cache_keyword(self.model) == "cache"
+        cache = {"cache": DynamicCache()} if fills_in_place else {}
         # logits_to_keep=1: the prefill needs only the last position's logits, not a
         # [batch, prompt, vocab] tensor (which dominates memory for large vocabularies).
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache)
@@ -104,6 +106,8 @@ class TransformersBackend(RolloutBackend):
             if finished.all() or t + 1 == self.config.max_new_tokens:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            if not fills_in_place:
+                cache = {"past_key_values": out.past_key_values}
             out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position, use_cache=True, **cache)
             next_position = next_position + 1
         if was_training:
