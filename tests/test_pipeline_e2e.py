@@ -87,6 +87,11 @@ class Pipeline:
         proc.addresses()  # joined: later processes may bootstrap from it
         return proc
 
+    def serve_every_stage(self) -> tuple[list[SwarmProcess], list[dict]]:
+        """One server per stage of the 4, each waited for until it serves: the servers, and how each got its weights."""
+        servers = [self.serve(str(i)) for i in range(4)]
+        return servers, [self.serving(server) for server in servers]
+
     def drive(self) -> SwarmProcess:
         proc = SwarmProcess(self.config_path, self.tmp_path / "driver", self.env, self.live_peers(), command="drive", extra=self.settings)
         self.procs.append(proc)
@@ -132,9 +137,8 @@ def assert_trains(rows: list[dict]) -> None:
 
 def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
-    servers = [pipe.serve(str(i)) for i in range(4)]
-    for server in servers:
-        assert pipe.serving(server)["method"] == "initial"
+    servers, acquired = pipe.serve_every_stage()
+    assert [event["method"] for event in acquired] == ["initial"] * 4
     spare = pipe.serve("spare")
     driver = pipe.drive()
     rows = pipe.steps(driver, 3)
@@ -165,9 +169,7 @@ def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, 
 
 def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
-    servers = [pipe.serve(str(i)) for i in range(4)]
-    for server in servers:
-        pipe.serving(server)
+    servers, _ = pipe.serve_every_stage()
     second_of_1 = pipe.serve("1")  # a second replica of stage 1 copies the first
     driver = pipe.drive()
     pipe.steps(driver, 2)
@@ -215,9 +217,7 @@ def test_a_newcomer_rebuilds_the_stage_that_died_and_the_driver_resumes(pipeline
     refreshed, and the driver reports the stage lost), rebuild it by CheckFree, and the driver must step again. Then the
     driver itself is stopped with Ctrl-C and restarted: it resumes its step count."""
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs, settings=["pipeline.announce_ttl_s=60"])
-    servers = [pipe.serve(str(i)) for i in range(4)]
-    for server in servers:
-        pipe.serving(server)
+    servers, _ = pipe.serve_every_stage()
     driver = pipe.drive()
     pipe.steps(driver, 3)
 
@@ -244,9 +244,7 @@ def test_two_adjacent_stages_lost_at_once(pipeline_yaml, tmp_path, cli_env, proc
     (`peers --stages` shows the hole); a newcomer rebuilds stage 1 from the nearest live stages on each side (0 and 3,
     CheckFree from a neighbour's neighbour, with a warning), the next rebuilds stage 2 from 1 and 3, and training goes on."""
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
-    servers = [pipe.serve(str(i)) for i in range(4)]
-    for server in servers:
-        pipe.serving(server)
+    servers, _ = pipe.serve_every_stage()
     driver = pipe.drive()
     pipe.steps(driver, 2)
 
