@@ -12,7 +12,11 @@ Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` g
 on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
 groups drawn uniformly among those with a reward spread); `sapo_cap` adds HACPO's capability
 corrections (swarm.capability_aware); `sapo_cap_seq` also HACPO's sequence-level importance
-weight; `sapo_cap_unweighted` the corrections without any importance weight on peers' tokens; `gen8_cap` generates 8 and trains on 4 + 4 (equal generation); `silo12` generates 12 and
+weight; `sapo_cap_unweighted` the corrections without any importance weight on peers' tokens; `gen8_cap`
+generates 8 and trains on 4 + 4 (equal generation); `sapo_imitate` draws peers' groups by weakness and
+adds the imitation term (trainer.imitation_coef 4) over stronger peers' right answers and the node's
+own (swarm.imitation); `silo_imitate` is its fair silo, the same term over its own right
+answers only; `silo12` generates 12 and
 keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
 keep zero-advantage groups in the batch as the paper's baseline did.
 
@@ -65,6 +69,7 @@ SPECIALTIES = ("add", "subtract")
 HELDOUT_PER_SPECIALTY = 200
 
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
+SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
 ARMS = {
     "silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8"],
     "sapo": SWARM_4_4,
@@ -72,6 +77,8 @@ ARMS = {
     "sapo_cap_seq": [*SWARM_4_4, "swarm.capability_aware=true", "trainer.importance_level=sequence"],
     "sapo_cap_unweighted": [*SWARM_4_4, "swarm.capability_aware=true", "swarm.importance_weighting=false"],
     "gen8_cap": ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.capability_aware=true"],
+    "sapo_imitate": [*SWARM_IMITATE, "trainer.imitation_coef=4.0"],
+    "silo_imitate": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "swarm.imitation=own", "trainer.imitation_coef=4.0"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "trainer.drop_uniform_groups=false"],
     "paper_sapo": [*SWARM_4_4, "trainer.drop_uniform_groups=false"],
@@ -160,6 +167,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     importance: list[float] = []
     rescored: list[int] = []
     omegas: list[float] = []
+    imitated: list[int] = []
     step = args.budget / args.points
     started = time.monotonic()
     while True:
@@ -180,6 +188,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
                 rescored.append(row["external_rescored"])
             if "external_omega_mean" in row:
                 omegas.append(row["external_omega_mean"])
+            imitated.append(row.get("imitation_sequences", 0))
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
@@ -198,6 +207,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
         "omega_mean": statistics.fmean(omegas) if omegas else None,
+        "imitation_sequences_per_round": statistics.fmean(imitated),
         "wall_s": time.monotonic() - started, "finished": time.time(),
     }
 
@@ -265,6 +275,8 @@ def spread(values: list[float]) -> dict:
 
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
+        runs = [run for run in runs if run["rounds_limit"] is not None or run["budget_s"] == args.report_budget]
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
     for run in runs:  # the newest run of each (setting, arm, seed) counts
         by_key.setdefault((run["setting"], run["arm"]), {})[run["seed"]] = run
@@ -287,6 +299,10 @@ def report(args) -> None:
             row["weak_final"] = spread([mean_metric(seeds[s], budget, "weak") for s in common])
             row["both_final"] = spread([mean_metric(seeds[s], budget, "all") for s in common])
             row["weak_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common])
+            if arm in SWARM_ARMS and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
+                # the fair silo of an arm that imitates: the same imitation term on its own right answers only
+                control = spec_arms["silo_imitate"]
+                row["weak_gain_points_vs_silo_imitate"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(control[s], budget, "weak")) for s in common])
             charge = args.network_charge * silo_round_s if arm in SWARM_ARMS else 0.0
             speedups, speedups_net = [], []
             for s in common:
@@ -312,7 +328,8 @@ def report(args) -> None:
                   f"({row['weak_gain_points_vs_silo']['mean']:+.1f} points vs silo, per seed {[round(v, 1) for v in row['weak_gain_points_vs_silo']['per_seed']]}), "
                   f"both {row['both_final']['mean']:.3f}, S {row['speedup']['mean']:.2f}x ({row['speedup_with_network']['mean']:.2f}x with network), "
                   f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update {row['groups_used_per_update']:.2f}, "
-                  f"rounds {row['rounds_per_node']:.0f}" + (f", importance weight {row['importance_weight_mean']:.3f}" if row["importance_weight_mean"] is not None else ""), flush=True)
+                  f"rounds {row['rounds_per_node']:.0f}" + (f", importance weight {row['importance_weight_mean']:.3f}" if row["importance_weight_mean"] is not None else "")
+                  + (f", {row['weak_gain_points_vs_silo_imitate']['mean']:+.1f} points vs silo_imitate" if "weak_gain_points_vs_silo_imitate" in row else ""), flush=True)
         summary["specialists"] = table
         swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
         if swarm_rows:
@@ -386,6 +403,7 @@ def main() -> None:
     parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--report-budget", type=float, default=None, help="--report: only runs of this --budget (they must share one axis)")
     args = parser.parse_args()
     try:
         args.warmup_steps = parse_warmup_steps(args.warmup_steps)

@@ -184,6 +184,14 @@ class TrainerConfig(_Section):
     a peer's sample never counts more than one's own."""
     importance_alpha: float = Field(1.0, ge=0)
     """alpha of the 'sequence' weight: larger damps samples this policy finds unlikely harder."""
+    imitation_coef: float = Field(0.0, ge=0)
+    """Weight of an imitation term in the policy loss (0: none): the mean token negative log-likelihood of the round's
+    demonstrations (swarm.imitation), each weighted by its group's imitation weight. A peer's right answer in a specialty
+    this node rarely gets right is a demonstration the policy-gradient term, weighted by how unlikely this policy finds
+    it, hardly learns from. Inside the loss, it shares the policy's optimizer step: a separate supervised step with an
+    optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
+    imitation_max_sequences: int = Field(32, ge=1)
+    """Demonstrations learned per round at most (the heaviest first): bounds the imitation term's compute."""
 
 
 class SwarmConfig(_Section):
@@ -209,6 +217,12 @@ class SwarmConfig(_Section):
     peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
     P_peer / P_this, both clipped to [0.1, 10]; P_this is this node's accuracy moving average in the specialty,
     P_peer the peer's re-scored pass rate there. Nodes that know the same things see omega ~ 1: no change."""
+    imitation: Literal["off", "own", "own_and_stronger_peers"] = "off"
+    """Which right answers are demonstrations for the imitation term (trainer.imitation_coef): 'own', this node's
+    own right answers (rejection-sampling fine-tuning, the silo's control);
+    'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
+    the share of its pass rate this node lacks in the specialty, (P_peer - P_this) / P_peer (node/sharing.py).
+    Its own answers anchor what the node knows: demonstrations of one specialty alone teach it and erase the other."""
     max_rescored_per_round: int | None = Field(None, ge=1)
     """Peer groups re-generated and re-scored per round at most, in the order they are drawn (None: 2 x J). Groups
     are drawn on their claimed rewards first and only the drawn ones are re-scored, so a round's work does not
@@ -407,6 +421,10 @@ class NodeConfig(_Section):
                              f"({self.swarm.local_questions}): a node trains on questions it generated")
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
+        if self.swarm.imitation != "off" and self.trainer.imitation_coef == 0:
+            raise ValueError(f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's weight)")
+        if self.swarm.imitation == "own_and_stronger_peers" and self.swarm.external_questions == 0:
+            raise ValueError("swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0")
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":
                 raise ValueError("pipeline.objective grpo trains through stage servers: set swarm.transport to 'dht'")

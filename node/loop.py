@@ -311,7 +311,11 @@ class Node:
             received = await self.transport.collect(round_)
             external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         start = time.perf_counter()
-        stats = await asyncio.to_thread(self.trainer.step, self._choose_local(local_groups, round_) + external_groups)
+        chosen_local = self._choose_local(local_groups, round_)
+        if swarm.imitation != "off":
+            for group in chosen_local:
+                group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
+        stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
@@ -328,6 +332,7 @@ class Node:
             "groups_used": stats.groups_used,
             "groups_dropped": stats.groups_dropped,
             **({"importance_weight_mean": stats.importance_weight_mean} if stats.importance_weight_mean is not None else {}),
+            **({"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll} if stats.imitation_sequences else {}),
             **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
             "external_questions": len(external_groups),
             **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),

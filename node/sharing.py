@@ -19,7 +19,11 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    omega * mean(r) with omega = P_this / P_peer, and its loss is scaled by P_peer / P_this, both
    clipped to [0.1, 10]. A peer right 6 times in 8 where this node is right once in 10 has its
    right answers pushed about 3.6x harder and its group weighted 7.5x; nodes that know the same
-   things see omega ~ 1 and nothing changes.
+   things see omega ~ 1 and nothing changes;
+4. with `swarm.imitation: own_and_stronger_peers`, marks a peer group's right answers as demonstrations for the
+   trainer's imitation term (trainer.imitation_coef), weighted by the share of the peer's pass rate this
+   node lacks in the specialty (imitation_weight): the policy-gradient term weighs a peer's answer by how
+   likely this policy finds it, so the answers a node most lacks are the ones it learns least from there.
 """
 
 from __future__ import annotations
@@ -54,7 +58,18 @@ def weighted_sample(items: list, weights: list[float], count: int, rng: random.R
 def score_group(question: Question, completions: list[Completion], source: str, format_reward: float) -> tuple[RolloutGroup, int]:
     """The group with its locally computed rewards, and how many of its completions are right."""
     grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
-    return RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source), sum(g.correct for g in grades)
+    group = RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source, correct=[g.correct for g in grades])
+    return group, sum(g.correct for g in grades)
+
+
+def imitation_weight(this_node: float | None, peer: float) -> float:
+    """The share of the peer's pass rate in a specialty that this node lacks: (P_peer - P_this) / P_peer, at least 0.
+
+    A peer right 6 times in 8 where this node is right once in 10 gives 0.87: its right answers are
+    nearly full demonstrations; a peer no better than this node gives 0, so nodes that know the same
+    things imitate nothing of each other."""
+    learner = CAPABILITY_PRIOR if this_node is None else this_node
+    return (peer - learner) / peer if peer > learner else 0.0
 
 
 def capability_correction(this_node: float | None, peer: float) -> tuple[float, float]:
@@ -155,3 +170,5 @@ class PeerRollouts:
             self.peer_rates.popitem(last=False)
         if self.config.swarm.capability_aware:
             group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)
+        if self.config.swarm.imitation == "own_and_stronger_peers":
+            group.imitation_weight = imitation_weight(self.own_accuracy.get(label), peer_rate)

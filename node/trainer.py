@@ -8,6 +8,10 @@ sequence, HACPO's exponential form min(1, s)^(1 + alpha) with s = exp(mean_t log
 so that a peer's sample never counts more than one's own. A peer's group may also carry HACPO's
 capability corrections (node/sharing.py): its advantages are taken against omega * mean(r) instead
 of mean(r), and its loss is scaled by a discrepancy coefficient.
+With trainer.imitation_coef > 0 the loss also holds an imitation term,
+    imitation_coef * sum_i v_i * NLL_i / (demonstration tokens),
+over the round's demonstrations: right answers marked with a weight v (a peer's where it knows more than
+this node, and the node's own to anchor what it knows; node/sharing.py), whatever their reward spread.
 The loss is averaged over all completion tokens of the round (DAPO's token-level mean),
 whatever the micro-batching.
 """
@@ -38,6 +42,22 @@ class RolloutGroup:
     node in the question's specialty, so that its right answers push harder (HACPO's capability-aware baseline)."""
     loss_scale: float = 1.0
     """Multiplies the group's loss: HACPO's discrepancy coefficient P_source / P_learner for a peer's group."""
+    correct: list[bool] | None = None
+    """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format bonus)."""
+    imitation_weight: float = 0.0
+    """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
+
+    def demonstrations(self) -> list[Completion]:
+        """The group's distinct right answers (the same tokens twice teach nothing twice)."""
+        if self.imitation_weight <= 0 or self.correct is None:
+            return []
+        seen, out = set(), []
+        for completion, right in zip(self.completions, self.correct):
+            key = tuple(completion.completion_ids)
+            if right and completion.completion_ids and key not in seen:
+                seen.add(key)
+                out.append(completion)
+        return out
 
 
 @dataclass
@@ -53,6 +73,9 @@ class TrainStats:
     importance_weight_mean: float | None = None
     """Mean truncated importance weight over the tokens of off-policy samples (None: no such token).
     Near 0: peers' completions are ones this policy would rarely produce, and teach it little."""
+    imitation_sequences: int = 0
+    imitation_nll: float | None = None
+    """Mean negative log-likelihood per token of the round's demonstrations (swarm.imitation), before the step."""
 
 
 def group_advantages(rewards: list[float], eps: float, baseline_scale: float = 1.0) -> list[float]:
@@ -218,7 +241,8 @@ class GRPOTrainer:
         samples = self._samples(groups, stats)
         total_tokens = sum(len(s.completion_ids) for s in samples)
         stats.tokens = total_tokens
-        if total_tokens == 0:
+        demonstrations = self._demonstrations(groups) if self.config.imitation_coef > 0 else []
+        if total_tokens == 0 and not demonstrations:
             return stats  # every group uniform or empty: no update, policy version unchanged
         self.model.train()
         micro = self.config.micro_batch_size
@@ -247,6 +271,9 @@ class GRPOTrainer:
                 loss_sum += loss.item()
                 clipped += info["clipped_tokens"].item()
                 kl_sum += info["kl_sum"].item()
+            if demonstrations:
+                stats.imitation_nll = self._imitation_backward(demonstrations)
+                stats.imitation_sequences = len(demonstrations)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update refused")
@@ -256,7 +283,7 @@ class GRPOTrainer:
             if stage_norms:
                 stats.grad_norm = math.sqrt(sum(n * n for n in stage_norms.values()))
         self.model.eval()
-        epoch_tokens = total_tokens * self.config.epochs_per_round
+        epoch_tokens = max(1, total_tokens * self.config.epochs_per_round)  # 0: only demonstrations this round
         stats.loss = loss_sum / epoch_tokens
         stats.clip_fraction = clipped / epoch_tokens
         stats.kl = kl_sum / epoch_tokens
@@ -265,3 +292,22 @@ class GRPOTrainer:
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
         return stats
+
+    def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion]]:
+        """The round's right answers marked for imitation, with their weights: the heaviest, up to imitation_max_sequences."""
+        weighted = sorted(((g.imitation_weight, c) for g in groups for c in g.demonstrations()), key=lambda wc: -wc[0])
+        return weighted[: self.config.imitation_max_sequences]
+
+    def _imitation_backward(self, demonstrations: list[tuple[float, Completion]]) -> float:
+        """Accumulate imitation_coef x the weighted mean token NLL of the demonstrations into .grad; the unweighted mean NLL."""
+        total_tokens = sum(len(c.completion_ids) for _, c in demonstrations)
+        nll_sum = 0.0
+        micro = self.config.micro_batch_size
+        for start in range(0, len(demonstrations), micro):
+            batch = demonstrations[start : start + micro]
+            logprobs, mask = completion_logprobs(self.model, [(c.prompt_ids, c.completion_ids) for _, c in batch], self.pad_id, self.temperature)
+            weights = torch.tensor([w for w, _ in batch], dtype=logprobs.dtype)[:, None]
+            token_nll = -(logprobs * mask)
+            ((token_nll * weights).sum() * self.config.imitation_coef / total_tokens).backward()
+            nll_sum += token_nll.sum().item()
+        return nll_sum / total_tokens

@@ -10,7 +10,7 @@ import pytest
 
 from node.config import TasksConfig
 from node.loop import Node
-from node.sharing import CAPABILITY_PRIOR, capability_correction, weighted_sample
+from node.sharing import CAPABILITY_PRIOR, capability_correction, imitation_weight, weighted_sample
 from node.tasks import TaskSource, materialize
 from node.transport.base import ExternalGroup
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
@@ -108,6 +108,37 @@ def test_capability_corrections_per_specialty(swarm_node):
     off = swarm_node()  # capability_aware off (the default): SAPO's uniform weights
     off.accuracy_by_dataset_ema.update({"subtract": 0.1})
     assert all((g.baseline_scale, g.loss_scale) == (1.0, 1.0) for g in off.sharing.choose(received, seed=0))
+
+
+def test_imitation_weight_hand_computed():
+    assert imitation_weight(0.1, 0.75) == pytest.approx(0.65 / 0.75)  # the share of the peer's pass rate this node lacks
+    assert imitation_weight(0.5, 0.5) == 0.0 and imitation_weight(0.9, 0.3) == 0.0  # a peer no better: nothing to imitate
+    assert imitation_weight(None, 0.8) == pytest.approx((0.8 - CAPABILITY_PRIOR) / 0.8)  # never answered: the stated prior
+    assert imitation_weight(0.0, 0.0) == 0.0
+
+
+def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_node):
+    node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_lr=1e-3")
+    node.accuracy_by_dataset_ema.update({"add": 0.9, "subtract": 0.1})
+    received = [peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
+                peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert")]
+    by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
+    assert by_label["add"].imitation_weight == 0.0 and by_label["add"].demonstrations() == []  # this node knows add better
+    assert by_label["subtract"].imitation_weight == pytest.approx((0.75 - 0.1) / 0.75)
+    assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
+    assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
+    off = swarm_node()
+    off.accuracy_by_dataset_ema.update({"subtract": 0.1})
+    assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
+
+
+def test_imitation_needs_its_learning_rate_and_peers(tiny_config):
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match="imitation_lr"):
+        tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.imitation=own_and_stronger_peers")
+    with pytest.raises(ConfigError, match="external_questions"):
+        tiny_config("swarm.imitation=own_and_stronger_peers", "trainer.imitation_lr=1e-3")
 
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):

@@ -167,3 +167,63 @@ def test_a_groups_loss_scale_multiplies_its_loss(tiny_policy):
         group = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion([3], [4]), _completion([3], [5, 6, 7])], [1.0, 0.0], source="peer", loss_scale=scale)
         losses.append(trainer.step([group]).loss)
     assert losses[0] != 0.0 and losses[1] == pytest.approx(3.0 * losses[0], rel=1e-5)
+
+
+def _demonstration_group(completions: list[Completion], correct: list[bool], weight: float) -> RolloutGroup:
+    return RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0] * len(completions), source="peer", correct=correct, imitation_weight=weight)
+
+
+def test_demonstrations_are_the_distinct_right_answers_of_a_weighted_group():
+    right, again, wrong = _completion([3], [4, 1]), _completion([3], [4, 1]), _completion([3], [5, 1])
+    group = _demonstration_group([right, again, wrong], [True, True, False], weight=0.5)
+    assert group.demonstrations() == [right]  # the same tokens twice teach nothing twice; a wrong answer never
+    assert _demonstration_group([right, wrong], [True, False], weight=0.0).demonstrations() == []
+    assert RolloutGroup(TaskSpec("x", {}, 0, 0), [right], [1.0], imitation_weight=1.0).demonstrations() == []  # no verdicts: nothing
+
+
+def test_the_imitation_term_learns_demonstrations_the_policy_term_drops(tiny_policy):
+    """A group whose answers are all right has no reward spread: GRPO drops it, the imitation term learns it."""
+    prompt, answer = [3, 4], [8, 9, 1]
+    with torch.no_grad():
+        before, _ = completion_logprobs(tiny_policy, [(prompt, answer)], 0, 1.0)
+    trainer = GRPOTrainer(TrainerConfig(lr=1e-2, imitation_coef=1.0), tiny_policy, pad_id=0, temperature=1.0)
+    stats = trainer.step([_demonstration_group([_completion(prompt, answer)] * 2, [True, True], weight=1.0)])
+    assert stats.groups_dropped == 1 and stats.tokens == 0 and stats.imitation_sequences == 1 and stats.stepped and trainer.policy_version == 1
+    assert stats.imitation_nll == pytest.approx(-before[0].mean().item(), rel=1e-4)
+    with torch.no_grad():
+        after, _ = completion_logprobs(tiny_policy, [(prompt, answer)], 0, 1.0)
+    assert after[0].sum() > before[0].sum() + 0.1
+
+
+def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
+    import copy
+
+    prompt = [3]
+    good, bad, demo = [4, 1], [5, 1], [6, 7, 1]
+    policy_group = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, good), _completion(prompt, bad)], [1.0, 0.0])
+    with torch.no_grad():
+        before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad), (prompt, demo)], 0, 1.0)
+
+    def gradient(coef: float, groups: list[RolloutGroup]) -> torch.Tensor:
+        model = copy.deepcopy(tiny_policy)
+        GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(groups)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def loss_gradient(loss_of) -> torch.Tensor:
+        model = copy.deepcopy(tiny_policy)
+        logprobs, _ = completion_logprobs(model, [(prompt, good), (prompt, bad), (prompt, demo)], 0, 1.0)
+        loss_of(logprobs).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    # by hand: the policy term over 4 tokens (A = +-0.5 / (sqrt(0.5) + eps)) plus 2 x 0.5 x NLL of the 3-token demonstration / 3
+    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
+    expected = loss_gradient(lambda lp: (-advantage * lp[0, :2].sum() + advantage * lp[1, :2].sum()) / 4 + 2.0 * 0.5 * -lp[2, :3].sum() / 3)
+    demonstration = _demonstration_group([_completion(prompt, demo)], [True], weight=0.5)
+    assert torch.allclose(gradient(2.0, [policy_group, demonstration]), expected, atol=1e-5)
+    assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))  # off: demonstrations ignored
+
+    plain = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
+    assert not plain.step([_demonstration_group([_completion(prompt, demo)], [True], weight=1.0)]).stepped
+    many = [_demonstration_group([_completion(prompt, [4 + i, 1])], [True], weight=0.1 * (i + 1)) for i in range(6)]
+    capped = GRPOTrainer(TrainerConfig(imitation_coef=1.0, imitation_max_sequences=4), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
+    assert capped.step(many).imitation_sequences == 4  # the four heaviest
