@@ -66,6 +66,7 @@ import_hivemind_isolated()
 import torch  # noqa: E402
 
 from node.config import load_config  # noqa: E402
+from node.files import fsync_dir  # noqa: E402
 from node.model import ensure_default_model, load_policy, model_fingerprint  # noqa: E402
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
@@ -73,7 +74,7 @@ from node.pipeline.lm import LMDriver  # noqa: E402
 from node.pipeline.server import StageServer  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import expected_fingerprints, pipeline_limits  # noqa: E402
-from node.state import StateStore, fsync_dir  # noqa: E402
+from node.state import StateStore  # noqa: E402
 from node.transport.dht import shutdown_dht  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 

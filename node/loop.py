@@ -21,13 +21,15 @@ from typing import Any
 import torch
 
 from node.config import NodeConfig, dump_config
+from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
-from node.state import StateStore, atomic_write_text, restore_rng
+from node.rollouts.base import RolloutGroup
+from node.state import StateStore, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
 from node.sharing import PeerRollouts, score_group
 from node.tasks import Question, SpecialtyScore, TaskSource
-from node.trainer import GRPOTrainer, RolloutGroup, is_uniform
+from node.trainer import GRPOTrainer, is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal
 from protocol.messages import MAX_DATASETS_REPORTED

@@ -33,10 +33,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 from node.config import NodeConfig
-from node.rollouts.base import Completion
+from node.rollouts.base import Completion, RolloutGroup
 from node.stats import SwarmStats
 from node.tasks import Question, TaskError, TaskSource, grade, materialize
-from node.trainer import RolloutGroup, is_uniform
+from node.trainer import is_uniform
 from node.transport.base import ExternalGroup
 from protocol import Refusal, TaskSpec
 

@@ -26,40 +26,10 @@ from typing import Any
 
 import torch
 
+from node.files import atomic_write_text, fsync_dir, fsync_tree
 from node.model import save_policy
 
 CHECKPOINT_PREFIX = "round-"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(Path(root) / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_dir(Path(root))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

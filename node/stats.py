@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from node.state import atomic_write_text
+from node.files import atomic_write_text
 from protocol import Refusal, RefusalCounter
 
 log = logging.getLogger(__name__)

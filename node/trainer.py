@@ -25,39 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from node.config import TrainerConfig
-from node.rollouts.base import Completion
-from protocol.specs import TaskSpec
-
-
-@dataclass
-class RolloutGroup:
-    """One question and the completions sampled for it, with locally computed rewards."""
-
-    spec: TaskSpec
-    completions: list[Completion]
-    rewards: list[float]
-    source: str = "local"  # "local" or the id of the peer that generated it
-    baseline_scale: float = 1.0
-    """omega: advantages are taken against omega * mean(rewards). Below 1 for a peer more capable than this
-    node in the question's specialty, so that its right answers push harder (HACPO's capability-aware baseline)."""
-    loss_scale: float = 1.0
-    """Multiplies the group's loss: HACPO's discrepancy coefficient P_source / P_learner for a peer's group."""
-    correct: list[bool] | None = None
-    """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format bonus)."""
-    imitation_weight: float = 0.0
-    """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
-
-    def demonstrations(self) -> list[Completion]:
-        """The group's distinct right answers (the same tokens twice teach nothing twice)."""
-        if self.imitation_weight <= 0 or self.correct is None:
-            return []
-        seen, out = set(), []
-        for completion, right in zip(self.completions, self.correct):
-            key = tuple(completion.completion_ids)
-            if right and completion.completion_ids and key not in seen:
-                seen.add(key)
-                out.append(completion)
-        return out
+from node.rollouts.base import Completion, RolloutGroup
 
 
 @dataclass

@@ -135,7 +135,7 @@ def node_sources(node) -> DashboardSources:
 
 async def start_node_dashboard(node) -> DashboardServer:
     """Serve the dashboard of a running node; its URL goes to <state-dir>/dashboard.txt (port 0 picks a free one)."""
-    from node.state import atomic_write_text
+    from node.files import atomic_write_text
 
     swarm = node.config.swarm
     server = DashboardServer(swarm.dashboard_host, swarm.dashboard_port, node_sources(node))

@@ -61,7 +61,7 @@ async def _join(config, console: Console, role: str):
     import torch
 
     from node.model import model_fingerprint, resolve_initial_policy
-    from node.state import atomic_write_text
+    from node.files import atomic_write_text
     from node.transport.dht import create_dht_node
     from protocol import NodeIdentity
 

@@ -56,7 +56,7 @@ from node.pipeline.selection import Move, choose_stage, fresh_window_s, live_vie
 from node.pipeline.stagemap import Announcer, StageMap, read_stage_map
 from node.pipeline.stages import (PipelineStage, StagePart, extra_parts_for, part_tensors, pipeline_limits, split_parts, stage_fingerprint,
                                   stage_plan)
-from node.state import atomic_write_text
+from node.files import atomic_write_text
 from node.stats import prometheus_text
 from protocol import DEFAULT_LIMITS, NodeIdentity, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, StageCall, StageResult

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from node.trainer import RolloutGroup
+from node.rollouts.base import RolloutGroup
 from protocol.messages import RolloutCompletion
 from protocol.specs import TaskSpec
 

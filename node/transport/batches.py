@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from node.config import SwarmConfig
 from node.stats import SwarmStats
-from node.trainer import RolloutGroup
+from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup
 from protocol import (
     DEFAULT_LIMITS,

@@ -33,7 +33,7 @@ from typing import Callable
 from node.aio import cancel_and_wait
 from node.config import NodeConfig
 from node.stats import SwarmStats
-from node.trainer import RolloutGroup
+from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection
@@ -169,7 +169,7 @@ class DHTTransport(Transport):
     async def start(self) -> None:
         self.dht = await create_dht_node(self.config, refusals=self.stats.records)
         self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
-        from node.state import atomic_write_text
+        from node.files import atomic_write_text
 
         atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in self.addresses))
         if self.config.swarm.gossip == "libp2p":

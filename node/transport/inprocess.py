@@ -13,7 +13,7 @@ import time
 
 from node.config import NodeConfig
 from node.stats import SwarmStats
-from node.trainer import RolloutGroup
+from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from protocol import NodeIdentity

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from node.transport.base import ExternalGroup, Transport
-from node.trainer import RolloutGroup
+from node.rollouts.base import RolloutGroup
 
 
 class NullTransport(Transport):
