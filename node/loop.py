@@ -24,7 +24,7 @@ from node.config import NodeConfig, dump_config
 from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import RolloutGroup
+from node.rollouts.base import RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
 from node.stats import MetricsServer, SwarmStats, prometheus_text
 from node.sharing import PeerRollouts, score_group
@@ -33,6 +33,8 @@ from node.trainer import GRPOTrainer, is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal
 from protocol.messages import MAX_DATASETS_REPORTED
+
+RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,10 @@ EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat repor
 
 
 class Node:
-    def __init__(self, config: NodeConfig, transport: Transport | None = None):
+    def __init__(self, config: NodeConfig, transport: Transport | None = None, rollout_backend: RolloutBackendFactory | None = None):
         self.config = config
+        # (model, tokenizer, policy version) -> backend; None: the one config.rollout.backend names. Tests script rollouts here.
+        self.build_backend = rollout_backend or (lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version))
         self.store = StateStore(config.resolved_state_dir())
         self.transport = transport  # built in load() when not given: it needs the model's fingerprint
         self.identity = None
@@ -132,7 +136,7 @@ class Node:
         saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(self.model))
-        self.backend = build_rollout_backend(self.config, self.model, self.tokenizer, saved["policy_version"])
+        self.backend = self.build_backend(self.model, self.tokenizer, saved["policy_version"])
         self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
         self.round = saved["round"]
         self.store.truncate_metrics(self.round)
@@ -191,7 +195,7 @@ class Node:
     def _build_services(self, policy_version: int) -> None:
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, policy_version)
-        self.backend = build_rollout_backend(self.config, self.model, self.tokenizer, policy_version)
+        self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
         self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
 
     @property

@@ -12,6 +12,7 @@ from node.cli import summarize_metrics
 from node.config import ConfigError, TasksConfig
 from node.loop import Node
 from node.tasks import TaskSource
+from tests.helpers.rollouts import ScriptedBackend
 from protocol import NodeIdentity, PeerStats, TaskSpec, decode_message, encode_message
 
 ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"}
@@ -70,6 +71,22 @@ def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_conf
     assert isinstance(received, PeerStats) and received.accuracy_by_dataset == heartbeat.accuracy_by_dataset
 
 
+def one_right_or_none(signal_at: set[int]):
+    """A script: question i of a round gets one right answer among wrong ones if i is in signal_at, else all wrong."""
+
+    def script(backend: ScriptedBackend, prompts: list[str], call: int) -> list[list[str]]:
+        n = 4  # tiny_config's rollout.completions_per_question
+        return [[backend.right(p)] + [backend.wrong(p)] * (n - 1) if i in signal_at else [backend.wrong(p)] * n for i, p in enumerate(prompts)]
+
+    return script
+
+
+def load_scripted(node: Node, questions: int) -> Node:
+    node.load()
+    node.backend.remember({node.tasks.prompt(q): q.answer for q in node.tasks.batch(first_draw=0, count=questions)})
+    return node
+
+
 @pytest.mark.parametrize("publish", ["all", "with_signal"])
 def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(tiny_config, publish):
     from node.transport.null import NullTransport
@@ -78,25 +95,14 @@ def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(t
 
     class Recording(NullTransport):
         async def publish(self, round_, policy_version, groups):
-            published.append([group.spec for group in groups])
+            published.append([(group.spec, group.rewards) for group in groups])
 
-    node = Node(tiny_config(f"swarm.publish={publish}"), transport=Recording())  # 2 local questions a round
-    node.load()
-    generate_and_score = node._generate_and_score
-    local = []
-
-    def one_signal_one_uniform(questions, round_):
-        groups, summary, timings = generate_and_score(questions, round_)
-        size = len(groups[0].rewards)
-        groups[0].rewards = [1.0] + [0.0] * (size - 1)  # a correct answer among wrong ones: a learning signal
-        groups[1].rewards = [0.0] * size  # all wrong: zero advantage, nothing to learn
-        local.append(groups)
-        return groups, summary, timings
-
-    node._generate_and_score = one_signal_one_uniform
+    # 2 local questions a round: the first with a right answer among wrong ones (a learning signal), the second all wrong
+    node = load_scripted(Node(tiny_config(f"swarm.publish={publish}"), transport=Recording(), rollout_backend=ScriptedBackend.factory(one_right_or_none({0}))), 2)
     asyncio.run(node.run_round())
-    expected = [g.spec for g in local[0]] if publish == "all" else [local[0][0].spec]
-    assert published == [expected]
+    [batch] = published
+    assert [rewards for _, rewards in batch] == ([[1.0, 0.0, 0.0, 0.0], [0.0] * 4] if publish == "all" else [[1.0, 0.0, 0.0, 0.0]])
+    assert [spec.index for spec, _ in batch] == ([0, 1] if publish == "all" else [0])
 
 
 def test_a_node_that_generates_more_than_it_trains_on_publishes_all_and_trains_on_those_with_a_signal(tiny_config):
@@ -104,32 +110,17 @@ def test_a_node_that_generates_more_than_it_trains_on_publishes_all_and_trains_o
     I of its own groups, those whose rewards differ first."""
     from node.transport.null import NullTransport
 
-    published, trained, local = [], [], []
+    published = []
 
     class Recording(NullTransport):
         async def publish(self, round_, policy_version, groups):
-            published.append([group.spec for group in groups])
+            published.append([group.spec.index for group in groups])
 
-    node = Node(tiny_config("swarm.generated_questions=4"), transport=Recording())  # trains on swarm.local_questions=2
-    node.load()
-    generate_and_score, step = node._generate_and_score, node.trainer.step
-
-    def two_with_signal(questions, round_):
-        groups, summary, timings = generate_and_score(questions, round_)
-        size = len(groups[0].rewards)
-        for index, group in enumerate(groups):
-            group.rewards = [1.0] + [0.0] * (size - 1) if index in (1, 3) else [0.0] * size
-        local.append(groups)
-        return groups, summary, timings
-
-    node._generate_and_score = two_with_signal
-    node.trainer.step = lambda groups: trained.append(groups) or step(groups)
-    for _ in range(2):
-        asyncio.run(node.run_round())
-    assert [len(specs) for specs in published] == [4, 4]
-    assert published[0] != published[1]  # the next round draws the next 4 questions of the stream
-    for groups, used in zip(local, trained):
-        assert {id(g) for g in used} == {id(groups[1]), id(groups[3])}
+    # trains on swarm.local_questions=2 of the 4 it generates; questions 1 and 3 of each round carry a signal
+    node = load_scripted(Node(tiny_config("swarm.generated_questions=4"), transport=Recording(), rollout_backend=ScriptedBackend.factory(one_right_or_none({1, 3}))), 8)
+    rows = [asyncio.run(node.run_round()) for _ in range(2)]
+    assert published == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the next round draws the next 4 questions of the stream
+    assert [(row["groups_used"], row["groups_dropped"]) for row in rows] == [(2, 0), (2, 0)]  # the two with a signal, none without
 
     with pytest.raises(ConfigError, match="generated_questions"):
         tiny_config("swarm.generated_questions=1")  # fewer than the 2 it trains on

@@ -1,0 +1,1 @@
+"""What several test modules share: fakes behind the project's public seams, starters, readers."""
