@@ -217,7 +217,7 @@ class SwarmConfig(_Section):
     peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
     P_peer / P_this, both clipped to [0.1, 10]; P_this is this node's accuracy moving average in the specialty,
     P_peer the peer's re-scored pass rate there. Nodes that know the same things see omega ~ 1: no change."""
-    imitation: Literal["off", "own", "own_and_stronger_peers"] = "off"
+    imitation: Literal["none", "own", "own_and_stronger_peers"] = "none"
     """Which right answers are demonstrations for the imitation term (trainer.imitation_coef): 'own', this node's
     own right answers (rejection-sampling fine-tuning, the silo's control);
     'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
@@ -421,7 +421,7 @@ class NodeConfig(_Section):
                              f"({self.swarm.local_questions}): a node trains on questions it generated")
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
-        if self.swarm.imitation != "off" and self.trainer.imitation_coef == 0:
+        if self.swarm.imitation != "none" and self.trainer.imitation_coef == 0:
             raise ValueError(f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's weight)")
         if self.swarm.imitation == "own_and_stronger_peers" and self.swarm.external_questions == 0:
             raise ValueError("swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0")

@@ -318,7 +318,7 @@ class Node:
             external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         start = time.perf_counter()
         chosen_local = self._choose_local(local_groups, round_)
-        if swarm.imitation != "off":
+        if swarm.imitation != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
         stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
