@@ -118,7 +118,7 @@ def test_imitation_weight_hand_computed():
 
 
 def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_node):
-    node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_lr=1e-3")
+    node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
     node.accuracy_by_dataset_ema.update({"add": 0.9, "subtract": 0.1})
     received = [peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
                 peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert")]
@@ -132,13 +132,13 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
     assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
 
 
-def test_imitation_needs_its_learning_rate_and_peers(tiny_config):
+def test_imitation_needs_its_weight_and_peers(tiny_config):
     from node.config import ConfigError
 
-    with pytest.raises(ConfigError, match="imitation_lr"):
+    with pytest.raises(ConfigError, match="imitation_coef"):
         tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.imitation=own_and_stronger_peers")
     with pytest.raises(ConfigError, match="external_questions"):
-        tiny_config("swarm.imitation=own_and_stronger_peers", "trainer.imitation_lr=1e-3")
+        tiny_config("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
 
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
