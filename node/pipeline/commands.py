@@ -72,7 +72,9 @@ async def _join(config, console: Console, role: str):
     torch.manual_seed(config.seed)
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
     fingerprint = model_fingerprint(model, tokenizer)
-    dht = await create_dht_node(config)
+    from node.transport.p2p_key import P2P_KEY_FILE
+
+    dht = await create_dht_node(config, identity_path=state_dir / P2P_KEY_FILE)
     addresses = [str(a) for a in await dht.get_visible_maddrs()]
     atomic_write_text(state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
     console.print(f"{role} {identity.node_id} in swarm {config.swarm.swarm_id}, model {fingerprint} in {config.pipeline.num_stages} stages; "

@@ -36,6 +36,7 @@ from node.stats import SwarmStats
 from node.trainer import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
+from node.transport.p2p_key import P2P_KEY_FILE
 from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection
 from protocol.version import PROTOCOL_MAJOR
 
@@ -54,11 +55,14 @@ def key_prefix(swarm_id: str) -> str:
     return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
 
 
-async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None):
+async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None, identity_path: Path | None = None):
     """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
 
-    Its records are validated (node/transport/records.py); refused ones are counted in `refusals`
-    (a stats.RecordRefusals) when given."""
+    Any one reachable initial peer suffices (p2pd dials them all). `identity_path` is the
+    daemon's key file (node/transport/p2p_key.py): with it the node keeps its /p2p/ id across
+    restarts; without it (viewers, `peers`) the daemon takes a throwaway one. Its records are
+    validated (node/transport/records.py); refused ones are counted in `refusals` (a
+    stats.RecordRefusals) when given."""
     from node.transport.protobuf_shim import import_hivemind_isolated
 
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
@@ -67,6 +71,12 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     from node.transport.records import SwarmRecordValidator
 
     swarm = config.swarm
+    p2p_options = {}
+    if identity_path is not None:
+        from node.transport.p2p_key import load_or_create_p2p_key
+
+        load_or_create_p2p_key(identity_path)  # ours is written 0600 and atomically; hivemind would write its own otherwise
+        p2p_options["identity_path"] = str(identity_path)
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
@@ -77,6 +87,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
                 announce_maddrs=swarm.announce_maddrs or None,
                 startup_timeout=swarm.p2pd_startup_timeout_s,
                 record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
+                **p2p_options,
             )
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
             last_error = exc
@@ -85,8 +96,26 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
             log.warning("cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs", attempt, swarm.bootstrap_attempts, exc, delay)
             await asyncio.sleep(delay)
             delay *= 2
-    target = ", ".join(swarm.initial_peers) if swarm.initial_peers else "a new swarm"
-    raise SwarmJoinError(f"could not join {target} after {swarm.bootstrap_attempts} attempts: {last_error}")
+    if not swarm.initial_peers:
+        raise SwarmJoinError(f"could not start a new swarm after {swarm.bootstrap_attempts} attempts: {last_error}")
+    tried = "; ".join([f"{maddr} ({verdict})" for maddr, verdict in zip(swarm.initial_peers, await asyncio.gather(*(probe_tcp(m) for m in swarm.initial_peers)))])
+    raise SwarmJoinError(f"could not join the swarm after {swarm.bootstrap_attempts} attempts; none of the {len(swarm.initial_peers)} initial peer(s) "
+                         f"answered: {tried}. Last error: {last_error}")
+
+
+async def probe_tcp(maddr: str, timeout: float = 3.0) -> str:
+    """Why a bootstrap address may have failed, as a user can act on it: no TCP listener, a timeout (a firewall or NAT), or TCP fine."""
+    parts = maddr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        return "not a TCP address: not probed"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts[2], int(parts[4])), timeout)
+    except asyncio.TimeoutError:
+        return f"no TCP answer within {timeout:.0f}s: host down, or a firewall/NAT in the way"
+    except (OSError, ValueError) as exc:
+        return f"TCP connect failed: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
+    writer.close()
+    return "TCP port open, but the p2p handshake failed: a different peer id there, or another program on that port"
 
 
 async def shutdown_dht(dht, timeout: float = 10.0) -> None:
@@ -167,7 +196,7 @@ class DHTTransport(Transport):
         return f"{self.prefix}/rollouts"
 
     async def start(self) -> None:
-        self.dht = await create_dht_node(self.config, refusals=self.stats.records)
+        self.dht = await create_dht_node(self.config, refusals=self.stats.records, identity_path=self.state_dir / P2P_KEY_FILE)
         self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
         from node.state import atomic_write_text
 
