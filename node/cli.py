@@ -116,6 +116,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
     ("node", lambda r, now: r["node_id"][:12], -1),
     ("name", lambda r, now: r["display_name"][:16], 1),
+    ("reach", lambda r, now: r.get("reachability") or "-", 2),  # direct / relayed / outbound-only (behind NAT)
     ("round", lambda r, now: str(r["round"]), 0),
     ("policy", lambda r, now: str(r["policy_version"]), 3),
     ("reward", lambda r, now: f"{r['reward_mean']:.3f}", 0),
