@@ -9,11 +9,13 @@ or old peers) means "direct", as before this check existed. `swarm.reachability`
 and `swarm.announce_maddrs` implies "direct" (the user forwarded a port and said where).
 
 Why not p2pd's own AutoNAT: the daemon does run it, but its verdict is not exposed on its
-control socket, and it needs several peers able to dial back before it says anything
-(measured in the lab: still undecided after 3 minutes with two public peers). Its circuit relay
-client (autorelay) is used: an outbound-only node's daemon is started with the bootstrap
-peers as trusted relays, and once a reservation shows in its addresses (/p2p-circuit) it
-reports "relayed". What an outbound-only node does differently is in `create_dht_node`
+control socket, and it needs several peers able to dial back before it says anything (in the
+lab with two public peers it showed no verdict within 20 s). Its circuit relay client
+(autorelay) is asked for: an outbound-only node's daemon is started with the bootstrap peers as
+trusted relays, and once a reservation shows in its addresses (/p2p-circuit) it reports
+"relayed". Measured: autorelay waits a fixed 3 minutes before its first attempt and got no
+reservation within 5 (benchmarks/RESULTS.md, "Behind NAT"), so today a NAT'd node stays
+"outbound-only". What an outbound-only node does differently is in `create_dht_node`
 (DHT client mode: nobody puts it in a routing table it cannot answer from) and in the
 transport (it announces no gossip address, peers do not try to re-dial it): everything
 else reaches it over the connections it opened itself, which libp2p streams use in either
