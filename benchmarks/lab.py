@@ -18,6 +18,15 @@ too (tried 2026-11-23: "Specified qdisc kind is unknown"). A user-space relay wo
 every packet of every link through a process on the same 2 cores the nodes saturate, and
 measure the relay.
 
+Home routers: `Lab(n, nat={3: 0, 4: 1})` puts node 3 behind router 0 and node 4 behind router 1.
+A router is a namespace `<tag>-r<k>` with a WAN side on the bridge (198.18.250.<1 + k>) and a LAN
+bridge (198.19.<k>.1/24, inside 198.18.0.0/15 like the rest); its nodes sit at 198.19.<k>.<2 + j>
+with it as their default route. It does what a home router does: source NAT of everything
+leaving (iptables MASQUERADE) and, from the WAN side, only packets of connections opened from
+inside (conntrack ESTABLISHED,RELATED); nothing is forwarded to a port. Public nodes have no
+route to 198.19.0.0/16 at all, so a direct dial fails either way. `Lab.dial(src, dst, port)`
+checks that from a node's own namespace.
+
 Faults: `--churn-every S` kills a random non-bootstrap node with SIGKILL every S seconds and
 restarts it (same state directory: it resumes) `--churn-down` seconds later; `--partition-at
 T --partition-for S` moves the bridge ports of the upper half of the nodes to a second
@@ -54,6 +63,15 @@ REGISTRY_DIR = Path("/tmp/swarm-lab")
 HOST_IP = "198.18.0.254"
 PREFIX_LEN = 16
 MAX_NODES = 1000
+MAX_ROUTERS = 200
+
+
+def router_wan_ip(router: int) -> str:
+    return f"198.18.250.{1 + router}"
+
+
+def router_lan_ip(router: int) -> str:
+    return f"198.19.{router}.1"
 
 
 def node_ip(index: int) -> str:
@@ -131,10 +149,15 @@ class Lab:
     tag: str = field(default_factory=lambda: f"sl{uuid.uuid4().hex[:5]}")
     loopback: bool = False  # no namespaces (not root): every node on 127.0.0.1, shaping ignored
     host_link: bool = True  # join the root namespace to the bridge (HOST_IP), so the host can watch; tests leave it out
+    nat: dict[int, int] = field(default_factory=dict)  # node index -> the router it sits behind (see the module docstring)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
             raise ValueError(f"a lab has 1 to {MAX_NODES} nodes, not {self.nodes}")
+        if any(not 0 <= i < self.nodes for i in self.nat) or any(not 0 <= r < MAX_ROUTERS for r in self.nat.values()):
+            raise ValueError(f"nat maps node indices (< {self.nodes}) to routers (< {MAX_ROUTERS}), not {self.nat}")
+        if self.nat and self.loopback:
+            raise ValueError("NAT needs the namespaced lab (root)")
         if len(self.tag) > 7 or not self.tag.isalnum():
             raise ValueError("a lab tag is at most 7 letters or digits (interface names are limited to 15 characters)")
         self.processes: dict[int, _Process] = {}
@@ -152,7 +175,20 @@ class Lab:
         return f"{self.tag}-hub"
 
     def ip(self, index: int) -> str:
-        return "127.0.0.1" if self.loopback else node_ip(index)
+        """The address node `index` listens at (a private one behind a router)."""
+        if self.loopback:
+            return "127.0.0.1"
+        if index in self.nat:
+            router = self.nat[index]
+            return f"198.19.{router}.{2 + sorted(i for i, r in self.nat.items() if r == router).index(index)}"
+        return node_ip(index)
+
+    def router(self, router: int) -> str:
+        return f"{self.tag}-r{router}"
+
+    def _port_ns(self, index: int) -> str:
+        """The namespace holding the far end of node `index`'s link (its router's LAN, or the hub)."""
+        return self.router(self.nat[index]) if index in self.nat else self.hub
 
     def _port(self, index: int) -> str:
         return f"{self.tag}p{index}"
@@ -191,20 +227,51 @@ class Lab:
                 _run("ip", "-n", self.hub, "link", "set", f"{self.tag}hp", "master", "br0", "up")
                 _run("ip", "addr", "add", f"{HOST_IP}/{PREFIX_LEN}", "dev", f"{self.tag}h")
                 _run("ip", "link", "set", f"{self.tag}h", "up")
+            for router in sorted(set(self.nat.values())):
+                self._add_router(router)
             for index in range(self.nodes):
-                ns, port = self.ns(index), self._port(index)
+                ns, port, far = self.ns(index), self._port(index), self._port_ns(index)
                 _run("ip", "netns", "add", ns)
                 _run("ip", "link", "add", f"{self.tag}v{index}", "type", "veth", "peer", "name", port)
                 _run("ip", "link", "set", f"{self.tag}v{index}", "netns", ns)
-                _run("ip", "link", "set", port, "netns", self.hub)
-                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+                _run("ip", "link", "set", port, "netns", far)
+                _run("ip", "-n", far, "link", "set", port, "master", "lan" if index in self.nat else "br0", "up")
                 _run("ip", "-n", ns, "link", "set", f"{self.tag}v{index}", "name", "eth0")
-                _run("ip", "-n", ns, "addr", "add", f"{node_ip(index)}/{PREFIX_LEN}", "dev", "eth0")
+                _run("ip", "-n", ns, "addr", "add", f"{self.ip(index)}/{24 if index in self.nat else PREFIX_LEN}", "dev", "eth0")
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
+                if index in self.nat:
+                    _run("ip", "-n", ns, "route", "add", "default", "via", router_lan_ip(self.nat[index]))
         except BaseException:
             self.down()
             raise
+
+    def _add_router(self, router: int) -> None:
+        """A home router: WAN on the bridge, a LAN bridge behind it, MASQUERADE out, only replies in."""
+        ns, wan, hub_port = self.router(router), f"{self.tag}w{router}", f"{self.tag}q{router}"
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", wan, "type", "veth", "peer", "name", hub_port)
+        _run("ip", "link", "set", wan, "netns", ns)
+        _run("ip", "link", "set", hub_port, "netns", self.hub)
+        _run("ip", "-n", self.hub, "link", "set", hub_port, "master", "br0", "up")
+        _run("ip", "-n", ns, "link", "set", wan, "name", "wan")
+        _run("ip", "-n", ns, "addr", "add", f"{router_wan_ip(router)}/{PREFIX_LEN}", "dev", "wan")
+        _run("ip", "-n", ns, "link", "add", "lan", "type", "bridge")
+        _run("ip", "-n", ns, "addr", "add", f"{router_lan_ip(router)}/24", "dev", "lan")
+        for link in ("lo", "wan", "lan"):
+            _run("ip", "-n", ns, "link", "set", link, "up")
+        _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        iptables = ["ip", "netns", "exec", ns, "iptables"]
+        _run(*iptables, "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE")
+        _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-j", "DROP")
+
+    def dial(self, source: int, ip: str, port: int, timeout_s: float = 3.0) -> bool:
+        """Whether a TCP connection from node `source`'s namespace to ip:port opens (the NAT check)."""
+        probe = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
+                 "except OSError:\n    sys.exit(1)\n")
+        prefix = [] if self.loopback else ["ip", "netns", "exec", self.ns(source)]
+        return subprocess.run([*prefix, sys.executable, "-c", probe, ip, str(port), str(timeout_s)], capture_output=True, timeout=timeout_s + 30).returncode == 0
 
     def down(self) -> None:
         """Stop every process this lab started (their process groups), then remove its namespaces and links."""
@@ -237,13 +304,13 @@ class Lab:
         self.links[index] = link
         if self.loopback:
             return
-        ns = self.ns(index)
+        ns, far = self.ns(index), self._port_ns(index)
         _run("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
-        _run("tc", "-n", self.hub, "qdisc", "del", "dev", self._port(index), "root", check=False)
+        _run("tc", "-n", far, "qdisc", "del", "dev", self._port(index), "root", check=False)
         if link.up is not None:
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf(link.up))
         if link.down is not None:
-            _run("tc", "-n", self.hub, "qdisc", "add", "dev", self._port(index), "root", *_tbf(link.down))
+            _run("tc", "-n", far, "qdisc", "add", "dev", self._port(index), "root", *_tbf(link.down))
         for chain in ("INPUT", "OUTPUT"):
             _run("ip", "netns", "exec", ns, "iptables", "-F", chain)
             if link.loss:
@@ -254,6 +321,8 @@ class Lab:
         """Cut the nodes in `cut_off` from the others (and from the host); they still reach each other."""
         if self.loopback:
             raise RuntimeError("partitions need the namespaced lab (root)")
+        if cut_off & set(self.nat):
+            raise RuntimeError("a node behind a router cannot be partitioned on its own: its link ends at the router")
         for index in sorted(cut_off):
             _run("ip", "-n", self.hub, "link", "set", self._port(index), "master", "br1")
         self.partitioned |= set(cut_off)
@@ -299,9 +368,13 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
 
 
 def _remove(tag: str, nodes: int) -> None:
-    """Delete a lab's namespaces (which deletes their veth ends, and so the pairs) and its host link."""
+    """Delete a lab's namespaces, routers included (which deletes their veth ends, and so the pairs), and its host link."""
     for index in range(nodes):
         _run("ip", "netns", "del", f"{tag}-n{index}", check=False)
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():  # routers, however many the lab had
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(f"{tag}-r"):
+            _run("ip", "netns", "del", name, check=False)
     _run("ip", "netns", "del", f"{tag}-hub", check=False)
     _run("ip", "link", "del", f"{tag}h", check=False)
 

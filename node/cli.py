@@ -116,6 +116,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
     ("node", lambda r, now: r["node_id"][:12], -1),
     ("name", lambda r, now: r["display_name"][:16], 1),
+    ("reach", lambda r, now: r.get("reachability") or "-", 2),  # direct / relayed / outbound-only (behind NAT)
     ("round", lambda r, now: str(r["round"]), 0),
     ("policy", lambda r, now: str(r["policy_version"]), 3),
     ("reward", lambda r, now: f"{r['reward_mean']:.3f}", 0),
@@ -222,14 +223,18 @@ def cmd_peers(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_identity(args: argparse.Namespace, console: Console) -> int:
+    from node.transport.p2p_key import P2P_KEY_FILE, load_or_create_p2p_key
     from protocol import NodeIdentity
 
     state_dir = Path(args.state_dir or "~/.swarm-node/swarm").expanduser()
     identity = NodeIdentity.load_or_create(state_dir / "identity.key")
+    peer_id = load_or_create_p2p_key(state_dir / P2P_KEY_FILE)
     if args.json:
-        print(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key_bytes.hex(), "key_file": str(state_dir / "identity.key")}))
+        print(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key_bytes.hex(), "key_file": str(state_dir / "identity.key"),
+                          "peer_id": peer_id, "p2p_key_file": str(state_dir / P2P_KEY_FILE)}))
     else:
-        print(identity.node_id)
+        print(f"node id (signs records):       {identity.node_id}")
+        print(f"peer id (the /p2p/ addresses): {peer_id}")
     return 0
 
 
@@ -380,9 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--stages", action="store_true", help="with --json: print the pipelines' stage maps (stage -> servers, throughput, recoveries) instead")
     peers.set_defaults(handler=cmd_peers)
 
-    identity = sub.add_parser("identity", help="print this node's id (creating its key on first use)", description="Print the node id derived from the Ed25519 key in the state directory.")
+    identity = sub.add_parser("identity", help="print this node's ids (creating its keys on first use)", description="Print the node id (from the Ed25519 key that signs its records) and the peer id of its p2p daemon (the /p2p/ part of its addresses), both kept in the state directory.")
     identity.add_argument("--state-dir", help="state directory holding identity.key (default: ~/.swarm-node/swarm)")
-    identity.add_argument("--json", action="store_true", help="print node id, public key and key file as JSON")
+    identity.add_argument("--json", action="store_true", help="print node id, public key, peer id and key files as JSON")
     identity.set_defaults(handler=cmd_identity)
 
     stats = sub.add_parser("stats", help="summarize a node's metrics", description="Summarize metrics.jsonl of a state directory.")

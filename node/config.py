@@ -241,6 +241,11 @@ class SwarmConfig(_Section):
     """Addresses announced to peers, when they differ from the listening ones (NAT, containers)."""
     client_mode: bool = False
     """Join without accepting incoming connections (behind a firewall)."""
+    reachability: Literal["auto", "direct", "outbound-only"] = "auto"
+    """How peers reach this node. 'auto': measured at join (bootstrap peers say which address they
+    see it at; another IP than its own means NAT), 'direct' when `announce_maddrs` is set. An
+    'outbound-only' node joins the DHT as a client, announces no gossip address, asks its bootstrap
+    peers for a relay, and is reached over the connections it opens (node/transport/reachability.py)."""
     p2pd_startup_timeout_s: float = Field(30.0, gt=0)
     """How long the p2p daemon may take to start (slow machines need more than hivemind's 15 s)."""
     bootstrap_attempts: int = Field(5, ge=1)

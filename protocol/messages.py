@@ -23,6 +23,10 @@ from protocol.version import PROTOCOL_MINOR
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
 MAX_FINGERPRINT_CHARS = 64  # e.g. a sha256 hex digest of the model's architecture and weights
 MAX_DATASETS_REPORTED = 32  # datasets of a task mix a heartbeat reports on
+# How peers can reach a node (PeerStats.reachability): dialed at its own addresses; only through a
+# circuit relay (its /p2p-circuit addresses); or not at all (behind NAT, no relay yet: it dials out,
+# and peers reach it over the connections it opened). "": not measured (a minor 0-4 sender).
+REACHABILITY = frozenset({"", "direct", "relayed", "outbound-only"})
 FINISH_REASONS = ("stop", "length")
 NODE_ID_PATTERN = re.compile(r"[0-9a-f]{40}")  # see identity.node_id_from_public_key
 SPEC_FIELDS = frozenset(f.name for f in fields(TaskSpec))
@@ -173,6 +177,9 @@ class PeerStats:
     outer_steps_skipped: int  # weight-averaging rounds skipped (no partner in time, or weights refused)
     # minor 2: moving average of answers judged correct per dataset of the node's task mix (label -> [0, 1])
     accuracy_by_dataset: dict[str, float] = since_minor(2, dict)
+    # minor 5: how peers can reach the node, as it measured it: one of REACHABILITY ("": not measured yet).
+    # Unverifiable by the reader: a node that claims "direct" and is not only costs its callers a failed dial.
+    reachability: str = since_minor(5, str)
 
     _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
                                           "rollouts_received", "rollouts_accepted", "rollouts_rejected",
@@ -199,6 +206,10 @@ class PeerStats:
         values["accuracy"] = check_float(f["accuracy"], "accuracy", lo=0.0, hi=1.0)
         values["addresses"] = check_addresses(f["addresses"], "addresses", limits.max_addresses, limits.max_name_chars)
         values["gossip_addresses"] = check_addresses(f["gossip_addresses"], "gossip_addresses", limits.max_addresses, limits.max_name_chars)
+        if "reachability" in f:  # absent from a minor 0-4 sender
+            values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
+            if values["reachability"] not in REACHABILITY:
+                reject(Refusal.BAD_VALUE, f"reachability must be one of {sorted(REACHABILITY)}, got {values['reachability']!r}")
         if "accuracy_by_dataset" in f:  # absent from a minor 0/1 sender
             by_dataset = f["accuracy_by_dataset"]
             if type(by_dataset) is not dict:

@@ -7,12 +7,20 @@ import pytest
 from protocol import NodeIdentity, ProtocolRejection, Refusal, StageLost
 from tests.test_protocol import IDENTITY, decode, encode, signed
 
-GOLDEN_STAGE_LOST = (  # this minor's encoding (4): a change here breaks every deployed driver and server
+GOLDEN_STAGE_LOST_1_4 = (  # as a 1.4 sender encoded it (minor 5 changed no field of a report)
     "92c4ab97920104aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
     "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000084a76e6f64655f6964d928353634373561613735343633"
     "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
     "696e792d7177656eaa6e756d5f73746167657304a6737461676573920102c440f3dea236dc7cee9d1afe6d851cf19705"
     "1815fdb5e51338af7918cb8aa99ae4af539d765be683e2ba304de37af38f255d188ac435f7c8b00948672986b1c99a0b"
+)
+
+GOLDEN_STAGE_LOST = (  # this minor's encoding (5): a change here breaks every deployed driver and server
+    "92c4ab97920105aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
+    "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000084a76e6f64655f6964d928353634373561613735343633"
+    "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
+    "696e792d7177656eaa6e756d5f73746167657304a6737461676573920102c440e4c39d1e3d9045d6f63d08a1ed426257"
+    "d0abe2c5a6e5a12c655a30cf8b9421d0f9acfc55a42efead72bf266cc8cc26afe126278180e227557d33d7ce35090705"
 )
 
 
@@ -25,6 +33,7 @@ def test_golden_stage_lost():
     assert encode(make_report(), seq=3).hex() == GOLDEN_STAGE_LOST
     envelope = decode(bytes.fromhex(GOLDEN_STAGE_LOST))
     assert envelope.message == make_report() and envelope.kind == "stage_lost"
+    assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_4)).message == make_report()
 
 
 @pytest.mark.parametrize("payload, reason", [

@@ -103,6 +103,45 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
     assert len({peer["node_id"] for peer in wait_for_peers(cli_env, bootstrap[0], 2)}) == 2
 
 
+def identity_json(env, state_dir) -> dict:
+    result = subprocess.run(cli("identity", "--state-dir", str(state_dir), "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_restarted_bootstrap_keeps_its_address_and_is_found_again(swarm_yaml, tmp_path, cli_env, nodes):
+    """The first node of a swarm restarts on its fixed port: same /p2p/ id, and a node that knew only its old address meets it again."""
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    bootstrap = first.addresses()
+    ids = identity_json(cli_env, first.state_dir)
+    assert all(a.endswith(f"/p2p/{ids['peer_id']}") for a in bootstrap)
+    assert oct((first.state_dir / "p2p.key").stat().st_mode & 0o777) == "0o600"
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap)
+    nodes.append(second)
+    wait_for(lambda: first.assert_running() or uses_peers(first.state_dir), 180, "a to use b's rollouts")
+
+    assert first.interrupt() == 0, first.output()
+    (first.state_dir / "addresses.txt").unlink()
+    port = bootstrap[0].split("/")[4]
+    restarted = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env, extra=["--set", f'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/{port}"]'])
+    nodes.append(restarted)
+    assert restarted.addresses() == bootstrap  # the whole address, /p2p/ id included
+    marker = len(read_rows(restarted.state_dir))
+    wait_for(lambda: restarted.assert_running() or second.assert_running() or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:]),
+             180, "the restarted bootstrap to use b's rollouts again")
+    assert identity_json(cli_env, first.state_dir) == ids
+
+
+def test_any_reachable_bootstrap_suffices(swarm_yaml, tmp_path, cli_env, nodes):
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmP3HDzGmujgBd5wAZF5yM4xgqC67RC8mSU7qRkCUgz8X5"
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, [dead, *first.addresses()])
+    nodes.append(second)
+    wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b, given one dead and one live bootstrap, to use a's rollouts")
+
+
 def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
     result = subprocess.run(
@@ -111,6 +150,7 @@ def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     )
     assert result.returncode == 1
     assert "could not join" in result.stderr and "after 2 attempts" in result.stderr
+    assert f"{dead} (TCP connect failed" in result.stderr  # names each address tried and what failed there
     assert "Traceback" not in result.stderr
 
     listed = subprocess.run(cli("peers", "--initial-peers", dead, "--join-attempts", "2", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)

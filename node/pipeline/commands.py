@@ -62,7 +62,7 @@ async def _join(config, console: Console, role: str):
 
     from node.model import model_fingerprint, resolve_initial_policy
     from node.files import atomic_write_text
-    from node.transport.dht import create_dht_node
+    from node.transport.dht import join_swarm
     from protocol import NodeIdentity
 
     if config.torch_threads:
@@ -72,10 +72,12 @@ async def _join(config, console: Console, role: str):
     torch.manual_seed(config.seed)
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
     fingerprint = model_fingerprint(model, tokenizer)
-    dht = await create_dht_node(config)
+    from node.transport.p2p_key import P2P_KEY_FILE
+
+    dht, reachability = await join_swarm(config, state_dir / P2P_KEY_FILE)
     addresses = [str(a) for a in await dht.get_visible_maddrs()]
     atomic_write_text(state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
-    console.print(f"{role} {identity.node_id} in swarm {config.swarm.swarm_id}, model {fingerprint} in {config.pipeline.num_stages} stages; "
+    console.print(f"{role} {identity.node_id} ({reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in {config.pipeline.num_stages} stages; "
                   f"others can join with --initial-peers {' '.join(addresses)}", highlight=False)
     return identity, dht, model, tokenizer, fingerprint
 

@@ -36,6 +36,7 @@ from node.stats import SwarmStats
 from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
+from node.transport.p2p_key import P2P_KEY_FILE
 from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection
 from protocol.version import PROTOCOL_MAJOR
 
@@ -54,11 +55,16 @@ def key_prefix(swarm_id: str) -> str:
     return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
 
 
-async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None):
+async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None, identity_path: Path | None = None, behind_nat: bool = False):
     """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
 
-    Its records are validated (node/transport/records.py); refused ones are counted in `refusals`
-    (a stats.RecordRefusals) when given."""
+    Any one reachable initial peer suffices (p2pd dials them all). `identity_path` is the
+    daemon's key file (node/transport/p2p_key.py): with it the node keeps its /p2p/ id across
+    restarts; without it (viewers, `peers`) the daemon takes a throwaway one. Its records are
+    validated (node/transport/records.py); refused ones are counted in `refusals` (a
+    stats.RecordRefusals) when given. `behind_nat`: nobody can dial this node, so it is a DHT
+    client (no peer keeps it in a routing table it could not answer from) and its daemon asks
+    the bootstrap peers for a circuit relay reservation (autorelay, them as trusted relays)."""
     from node.transport.protobuf_shim import import_hivemind_isolated
 
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
@@ -67,6 +73,16 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     from node.transport.records import SwarmRecordValidator
 
     swarm = config.swarm
+    p2p_options = {}
+    if identity_path is not None:
+        from node.transport.p2p_key import load_or_create_p2p_key
+
+        load_or_create_p2p_key(identity_path)  # ours is written 0600 and atomically; hivemind would write its own otherwise
+        p2p_options["identity_path"] = str(identity_path)
+    if behind_nat:
+        p2p_options.update(use_auto_relay=True, trusted_relays=swarm.initial_peers or None,
+                           check_if_identity_free=False)  # its own daemon just left: the check would see its ghost
+        client_mode = True
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
@@ -77,6 +93,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
                 announce_maddrs=swarm.announce_maddrs or None,
                 startup_timeout=swarm.p2pd_startup_timeout_s,
                 record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
+                **p2p_options,
             )
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
             last_error = exc
@@ -85,8 +102,57 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
             log.warning("cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs", attempt, swarm.bootstrap_attempts, exc, delay)
             await asyncio.sleep(delay)
             delay *= 2
-    target = ", ".join(swarm.initial_peers) if swarm.initial_peers else "a new swarm"
-    raise SwarmJoinError(f"could not join {target} after {swarm.bootstrap_attempts} attempts: {last_error}")
+    if not swarm.initial_peers:
+        raise SwarmJoinError(f"could not start a new swarm after {swarm.bootstrap_attempts} attempts: {last_error}")
+    tried = "; ".join([f"{maddr} ({verdict})" for maddr, verdict in zip(swarm.initial_peers, await asyncio.gather(*(probe_tcp(m) for m in swarm.initial_peers)))])
+    raise SwarmJoinError(f"could not join the swarm after {swarm.bootstrap_attempts} attempts; none of the {len(swarm.initial_peers)} initial peer(s) "
+                         f"answered: {tried}. Last error: {last_error}")
+
+
+async def join_swarm(config: NodeConfig, identity_path: Path, refusals=None):
+    """Start a node's DHT node and measure its reachability (node/transport/reachability.py);
+    a node found behind NAT restarts its daemon as one (same key, so the same peer id).
+    Returns (dht, reachability)."""
+    from node.transport.reachability import measure_reachability, serve_observed_address
+
+    swarm = config.swarm
+    dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=swarm.reachability == "outbound-only")
+    reachability = swarm.reachability
+    if reachability == "auto":
+        if swarm.announce_maddrs:
+            reachability = "direct"
+        else:
+            bootstrap_ids = list(dht_addresses_by_peer(swarm.initial_peers))
+            reachability, observed = await measure_reachability(dht.p2p, bootstrap_ids, swarm.dht_timeout_s)
+            log.info("reachability %s: bootstrap peers see this node at %s", reachability, observed or "(nobody answered)")
+            if reachability == "outbound-only":
+                log.warning("this node is behind NAT (peers see it at %s): it joins as a DHT client, asks its bootstrap peers "
+                            "for a relay, and is reached over the connections it opens; forward a port and set "
+                            "swarm.announce_maddrs to be dialed directly", observed)
+                await shutdown_dht(dht)
+                dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=True)
+    if reachability == "direct":
+        await serve_observed_address(dht.p2p)  # only a node others can dial tells others where it sees them
+    else:
+        from node.transport.reachability import hold_links
+
+        dht.links_task = asyncio.create_task(hold_links(dht, swarm.heartbeat_interval_s), name="hold-links")
+    return dht, reachability
+
+
+async def probe_tcp(maddr: str, timeout: float = 3.0) -> str:
+    """Why a bootstrap address may have failed, as a user can act on it: no TCP listener, a timeout (a firewall or NAT), or TCP fine."""
+    parts = maddr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        return "not a TCP address: not probed"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts[2], int(parts[4])), timeout)
+    except asyncio.TimeoutError:
+        return f"no TCP answer within {timeout:.0f}s: host down, or a firewall/NAT in the way"
+    except (OSError, ValueError) as exc:
+        return f"TCP connect failed: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
+    writer.close()
+    return "TCP port open, but the p2p handshake failed: a different peer id there, or another program on that port"
 
 
 async def shutdown_dht(dht, timeout: float = 10.0) -> None:
@@ -95,6 +161,9 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
     A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
     signal that asked the node to stop, and a polite shutdown would then wait forever.
     """
+    links = getattr(dht, "links_task", None)  # join_swarm's link keeper of an outbound-only node
+    if links is not None:
+        await cancel_and_wait([links], "link keeper")
     try:
         await asyncio.wait_for(dht.shutdown(), timeout)
     except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
@@ -151,6 +220,7 @@ class DHTTransport(Transport):
         self.addresses: list[str] = []
         self.gossip = None
         self.gossip_addresses: list[str] = []
+        self.reachability = ""  # measured at start: "direct", "outbound-only", or "relayed" once a relay reserved us a slot
         from node.transport.records import RecordWriter  # imports hivemind: only swarm nodes pay for it
 
         self.writer = RecordWriter(identity, config.swarm.swarm_id)
@@ -167,15 +237,10 @@ class DHTTransport(Transport):
         return f"{self.prefix}/rollouts"
 
     async def start(self) -> None:
-        self.dht = await create_dht_node(self.config, refusals=self.stats.records)
-        self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
-        from node.files import atomic_write_text
-
-        atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in self.addresses))
+        self.dht, self.reachability = await join_swarm(self.config, self.state_dir / P2P_KEY_FILE, refusals=self.stats.records)
+        await self._refresh_addresses()
         if self.config.swarm.gossip == "libp2p":
             await self._start_gossip()
-        if self.announce:
-            self.announce(self.addresses)
         await self.publish_heartbeat()
         await self._connect_gossip_peers()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -185,7 +250,8 @@ class DHTTransport(Transport):
 
         self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
         listening = await self.gossip.start()
-        self.gossip_addresses = routable_gossip_addresses(listening, self.addresses)
+        # Behind NAT nobody can dial the gossip host: it dials out, and gossipsub uses those links both ways.
+        self.gossip_addresses = routable_gossip_addresses(listening, self.addresses) if self.reachability == "direct" else []
         log.info("gossip listens at %s; advertised to peers as %s", listening, self.gossip_addresses)
         if any(a.split("/")[2:3] in (["0.0.0.0"], ["::"]) for a in self.gossip_addresses):
             log.warning("gossip advertises a wildcard address (%s): peers on other machines cannot dial it; "
@@ -200,8 +266,25 @@ class DHTTransport(Transport):
         if addresses and self.gossip is not None:
             await self.gossip.connect(addresses)
 
+    async def _refresh_addresses(self) -> None:
+        """Where peers reach us, to addresses.txt: a node behind NAT gains /p2p-circuit addresses once a relay reserves it a slot."""
+        from node.files import atomic_write_text
+        from node.transport.reachability import has_relay_address
+
+        addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
+        if self.reachability == "outbound-only" and has_relay_address(addresses):
+            self.reachability = "relayed"
+            log.info("a relay reserved this node a slot: peers can now dial it at %s", [a for a in addresses if "/p2p-circuit" in a])
+        if addresses != self.addresses:
+            self.addresses = addresses
+            atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
+            if self.announce:
+                self.announce(addresses)
+
     def _remember_dht_peers(self, peers: list[PeerStats]) -> None:
         for stats in peers:
+            if stats.reachability not in ("", "direct"):
+                continue  # it cannot be dialed at its addresses; it keeps its own links to us up
             for peer_id, maddrs in dht_addresses_by_peer(stats.addresses).items():
                 self._dht_peers_seen.pop(peer_id, None)
                 self._dht_peers_seen[peer_id] = maddrs
@@ -268,13 +351,15 @@ class DHTTransport(Transport):
             log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(record.data), self.config.swarm.dht_timeout_s)
 
     async def publish_heartbeat(self) -> None:
-        stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses)
+        stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses, reachability=self.reachability)
         await self._store(f"{self.prefix}/peers", self.writer.sign(stats))
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.swarm.heartbeat_interval_s)
             try:
+                if self.reachability != "direct":
+                    await self._refresh_addresses()
                 await self.publish_heartbeat()
                 await self._connect_gossip_peers()
             except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
