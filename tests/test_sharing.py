@@ -182,7 +182,7 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     import asyncio
 
     from node.rollouts.base import Completion
-    from node.trainer import RolloutGroup
+    from node.rollouts.base import RolloutGroup
     from node.transport.inprocess import InProcessExchange, InProcessTransport
 
     exchange = InProcessExchange()

@@ -4,7 +4,8 @@ import json
 import torch
 
 from node.loop import Node
-from node.state import StateStore, atomic_write_text
+from node.files import atomic_write_text
+from node.state import StateStore
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
