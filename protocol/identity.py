@@ -82,21 +82,7 @@ class NodeIdentity:
         identity = cls.generate()
         pem = identity._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # the umask can only narrow the mode; make it exact
-            os.write(fd, pem)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        write_private_file(path, pem)
         return identity
 
     def sign(self, data: bytes) -> bytes:
@@ -115,3 +101,22 @@ def _parse_private_key(data: bytes, path: Path) -> Ed25519PrivateKey:
     if len(data) == 32:
         return Ed25519PrivateKey.from_private_bytes(data)
     raise ValueError(f"{path} is neither a PEM Ed25519 private key nor 32 raw private-key bytes")
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Write a secret whole or not at all, readable by its owner only (0600 whatever the umask), rename made durable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only narrow the mode; make it exact
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)

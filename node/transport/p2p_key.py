@@ -18,6 +18,8 @@ import os
 import stat
 from pathlib import Path
 
+from protocol.identity import write_private_file
+
 P2P_KEY_FILE = "p2p.key"
 
 
@@ -35,7 +37,7 @@ def load_or_create_p2p_key(path: Path) -> str:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
-        _write_private(path, data)
+        write_private_file(path, data)
         return PeerID.from_identity(data).to_base58()
     with os.fdopen(fd, "rb") as file:
         mode = os.fstat(file.fileno()).st_mode
@@ -46,21 +48,3 @@ def load_or_create_p2p_key(path: Path) -> str:
         return PeerID.from_identity(data).to_base58()
     except Exception as exc:  # protobuf or DER errors: one readable line, not a traceback from deep inside
         raise ValueError(f"{path} is not a p2p daemon key ({type(exc).__name__}); move it away to make a new one (the node's /p2p/ id changes)") from exc
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only narrow the mode; make it exact
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
