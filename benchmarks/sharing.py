@@ -15,8 +15,9 @@ corrections (swarm.capability_aware); `sapo_cap_seq` also HACPO's sequence-level
 weight; `sapo_cap_unweighted` the corrections without any importance weight on peers' tokens; `gen8_cap`
 generates 8 and trains on 4 + 4 (equal generation); `sapo_imitate` draws peers' groups by weakness and
 adds the imitation term (trainer.imitation_coef 4) over stronger peers' right answers and the node's
-own (swarm.imitation); `silo_imitate` is its fair silo, the same term over its own right
-answers only; `silo12` generates 12 and
+own (swarm.imitation); `silo_imitate_peers` keeps the silo's policy step on its 8 own questions and
+takes 4 peers' groups (by weakness) as demonstrations only (swarm.external_use); `silo_imitate` is
+the fair silo of both, the same term over its own right answers only; `silo12` generates 12 and
 keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
 keep zero-advantage groups in the batch as the paper's baseline did.
 
@@ -78,6 +79,8 @@ ARMS = {
     "sapo_cap_unweighted": [*SWARM_4_4, "swarm.capability_aware=true", "swarm.importance_weighting=false"],
     "gen8_cap": ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.capability_aware=true"],
     "sapo_imitate": [*SWARM_IMITATE, "trainer.imitation_coef=4.0"],
+    "silo_imitate_peers": ["swarm.local_questions=8", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.external_selection=weakness",
+                           "swarm.imitation=own_and_stronger_peers", "swarm.external_use=demonstrations_only", "trainer.imitation_coef=4.0"],
     "silo_imitate": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "swarm.imitation=own", "trainer.imitation_coef=4.0"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "trainer.drop_uniform_groups=false"],

@@ -223,6 +223,11 @@ class SwarmConfig(_Section):
     'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
     the share of its pass rate this node lacks in the specialty, (P_peer - P_this) / P_peer (node/sharing.py).
     Its own answers anchor what the node knows: demonstrations of one specialty alone teach it and erase the other."""
+    external_use: Literal["policy", "demonstrations_only"] = "policy"
+    """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
+    own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only
+    their right answers in the imitation term: the node's policy step is the silo's, on its own I groups, and peers
+    teach it only where they know more. Needs swarm.imitation own_and_stronger_peers."""
     max_rescored_per_round: int | None = Field(None, ge=1)
     """Peer groups re-generated and re-scored per round at most, in the order they are drawn (None: 2 x J). Groups
     are drawn on their claimed rewards first and only the drawn ones are re-scored, so a round's work does not
@@ -428,6 +433,9 @@ class NodeConfig(_Section):
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
         if self.swarm.imitation != "none" and self.trainer.imitation_coef == 0:
             raise ValueError(f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's weight)")
+        if self.swarm.external_use == "demonstrations_only" and self.swarm.imitation != "own_and_stronger_peers":
+            raise ValueError("swarm.external_use 'demonstrations_only' uses peers' groups only as demonstrations: "
+                             "set swarm.imitation to 'own_and_stronger_peers' (and trainer.imitation_coef > 0)")
         if self.swarm.imitation == "own_and_stronger_peers" and self.swarm.external_questions == 0:
             raise ValueError("swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0")
         if self.pipeline.objective == "grpo":

@@ -321,7 +321,10 @@ class Node:
         if swarm.imitation != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
-        stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
+        if swarm.external_use == "policy":
+            stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
+        else:
+            stats = await asyncio.to_thread(self.trainer.step, chosen_local, external_groups)
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)

@@ -204,12 +204,14 @@ class GRPOTrainer:
             return (ratio ** (1.0 + self.config.importance_alpha)).expand_as(current)
         return torch.exp(current - behaviour).clamp(max=self.config.importance_cap)
 
-    def step(self, groups: list[RolloutGroup]) -> TrainStats:
+    def step(self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> TrainStats:
+        """One optimizer step on `groups` (the policy-gradient term, and the imitation term over their marked right
+        answers) and on `demonstration_groups`, whose right answers enter the imitation term only."""
         stats = TrainStats()
         samples = self._samples(groups, stats)
         total_tokens = sum(len(s.completion_ids) for s in samples)
         stats.tokens = total_tokens
-        demonstrations = self._demonstrations(groups) if self.config.imitation_coef > 0 else []
+        demonstrations = self._demonstrations([*groups, *demonstration_groups]) if self.config.imitation_coef > 0 else []
         if total_tokens == 0 and not demonstrations:
             return stats  # every group uniform or empty: no update, policy version unchanged
         self.model.train()

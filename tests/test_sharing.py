@@ -211,3 +211,38 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     exchange.latest[a.identity.node_id] = genuine  # an old batch, genuinely signed, offered again: already used
     assert asyncio.run(b.transport.collect(4)) == []
     assert b.stats.refusals.by_peer() == {a.identity.node_id[:64]: {"bad_signature": 1}}
+
+
+@pytest.mark.parametrize("use", ["policy", "demonstrations_only"])
+def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_own(tiny_config, tmp_path, use):
+    """swarm.external_use: a peer's group with a reward spread enters the policy term only under 'policy'; its right answer is a demonstration either way."""
+    import asyncio
+
+    from node.rollouts.base import Completion, RolloutGroup
+    from node.transport.inprocess import InProcessExchange, InProcessTransport
+    from tests.helpers.rollouts import ScriptedBackend
+
+    exchange = InProcessExchange()
+    all_wrong = ScriptedBackend.factory(lambda backend, prompts, call: [[backend.wrong(p)] * 4 for p in prompts])
+    learner = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", "swarm.imitation=own_and_stronger_peers",
+                               "trainer.imitation_coef=1.0", f"swarm.external_use={use}", "eval_every=0", state_dir=tmp_path / "learner"), rollout_backend=all_wrong)
+    peer = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", state_dir=tmp_path / "peer"))
+    for node in (learner, peer):
+        node.load()
+        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+    learner.backend.remember({learner.tasks.prompt(q): q.answer for q in learner.tasks.batch(first_draw=0, count=learner.config.swarm.local_questions)})
+    learner.accuracy_by_dataset_ema["subtract"] = 0.1
+    spec = spec_of("subtract", 0)
+    completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (materialize(spec).answer, "nope")]
+    asyncio.run(peer.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
+    row = asyncio.run(learner.run_round())
+    assert row["external_questions"] == 1 and row["imitation_sequences"] == 1  # the peer's right answer, weight (0.5 - 0.1) / 0.5
+    assert row["groups_used"] == (1 if use == "policy" else 0)  # the learner's own groups are all wrong: dropped either way
+    assert row["policy_version"] == 1
+
+
+def test_demonstrations_only_needs_imitation_of_peers(tiny_config):
+    from node.config import ConfigError
+
+    with pytest.raises(ConfigError, match="demonstrations_only"):
+        tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.external_use=demonstrations_only")

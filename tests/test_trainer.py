@@ -204,9 +204,9 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
     with torch.no_grad():
         before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad), (prompt, demo)], 0, 1.0)
 
-    def gradient(coef: float, groups: list[RolloutGroup]) -> torch.Tensor:
+    def gradient(coef: float, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> torch.Tensor:
         model = copy.deepcopy(tiny_policy)
-        GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(groups)
+        GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(groups, demonstration_groups)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     def loss_gradient(loss_of) -> torch.Tensor:
@@ -220,6 +220,9 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
     expected = loss_gradient(lambda lp: (-advantage * lp[0, :2].sum() + advantage * lp[1, :2].sum()) / 4 + 2.0 * 0.5 * -lp[2, :3].sum() / 3)
     demonstration = _demonstration_group([_completion(prompt, demo)], [True], weight=0.5)
     assert torch.allclose(gradient(2.0, [policy_group, demonstration]), expected, atol=1e-5)
+    # a group given as demonstrations only: its reward spread stays out of the policy term, its right answer is learned
+    peer = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, demo), _completion(prompt, bad)], [1.0, 0.0], correct=[True, False], imitation_weight=0.5)
+    assert torch.allclose(gradient(2.0, [policy_group], [peer]), expected, atol=1e-5)
     assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))  # off: demonstrations ignored
 
     plain = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
