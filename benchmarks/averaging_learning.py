@@ -35,7 +35,7 @@ from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
 import_hivemind_isolated()
 
 from node.averaging.outer import float_parameters  # noqa: E402
-from node.averaging.validation import relative_distance  # noqa: E402
+from node.weights.validation import relative_distance  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from swarm_vs_isolated import parse_mix, spread as value_spread  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -71,12 +71,12 @@ async def run_method(method: str, args, scratch: str, seed: int) -> dict:
             for i, node in enumerate(nodes):
                 rewards[i].append((await node.run_round())["reward_mean"])
             if round_ % args.eval_every == 0:
-                accuracy = statistics.fmean(await asyncio.gather(*(asyncio.to_thread(n.evaluate_heldout) for n in nodes)))
+                accuracy = statistics.fmean(await asyncio.gather(*(asyncio.to_thread(n.evaluator.accuracy) for n in nodes)))
                 curve.append((round_, accuracy))
                 print(f"  seed {seed} {method:6s} round {round_}: held-out {accuracy:.3f}, spread {spread(nodes):.4f}", flush=True)
         counters = [n.averaging.counters() for n in nodes] if method != "none" else []
         tenth = max(1, args.rounds // 10)
-        heldout = await asyncio.gather(*(asyncio.to_thread(n.evaluate_heldout_by_dataset) for n in nodes))
+        heldout = await asyncio.gather(*(asyncio.to_thread(n.evaluator.by_dataset) for n in nodes))
         labels = sorted({label for _, by_dataset in heldout for label in by_dataset})
         return {
             "heldout_curve": curve,

@@ -40,7 +40,7 @@ async def train_for(node: Node, seconds: float, eval_every_s: float, rounds: int
         rows.append(await node.run_round())
         elapsed = time.monotonic() - start
         if elapsed >= next_eval:
-            curve.append((elapsed, node.evaluate_heldout()))
+            curve.append((elapsed, node.evaluator.accuracy()))
             print(f"  {elapsed:6.0f}s round {node.round:5d} heldout {curve[-1][1]:.3f} reward(last 50) {statistics.fmean(r['reward_mean'] for r in rows[-50:]):.3f}", flush=True)
             next_eval += eval_every_s
     return rows, curve
@@ -68,14 +68,14 @@ def main() -> None:
             config = load_config(args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=f"{scratch}/seed{seed}")
             node = Node(config)
             node.load(fresh=True)
-            overall, scores = node.evaluate_heldout_report()
+            overall, scores = node.evaluator.report()
             before.append(overall)
             by_dataset_before.append({label: score.accuracy for label, score in scores.items()})
             print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset_before[-1])}", flush=True)
             distinct_before.append(_distinct(scores))
             print(f"seed {seed}: distinct greedy answers / distinct right answers before: {_fmt_distinct(distinct_before[-1])}", flush=True)
             rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s, args.rounds))
-            overall, scores = node.evaluate_heldout_report()
+            overall, scores = node.evaluator.report()
             after.append(overall)
             by_dataset_after.append({label: score.accuracy for label, score in scores.items()})
             print(f"seed {seed}: heldout after {_fmt(by_dataset_after[-1])}", flush=True)

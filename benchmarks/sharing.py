@@ -146,7 +146,7 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
 
 
 def evaluate(node: Node, questions: list) -> dict[str, float]:
-    overall, by_label = node.evaluate_heldout_report(questions)
+    overall, by_label = node.evaluator.report(questions)
     return {"all": overall, **{label: score.accuracy for label, score in by_label.items()}}
 
 
@@ -233,7 +233,7 @@ def gate(args) -> None:
             weak = weak_specialty("specialists", i)
             weak_questions = [q for q in node.tasks.batch(0, 200) if node.tasks.label(q.spec) == weak][:64]
             completions = node.backend.generate([node.tasks.prompt(q) for q in weak_questions], 8, seed=1)
-            scored = [node.score_group(q, c, "local")[1] for q, c in zip(weak_questions, completions)]
+            scored = [node.local.score_group(q, c, "local")[1] for q, c in zip(weak_questions, completions)]
             sampled = sum(scored) / (8 * len(scored))
             print(json.dumps({"gate": True, "warmup_steps": args.warmup_steps, "node": i, "heldout": held, "weak": weak, "sampled_success_weak": sampled}), flush=True)
 
@@ -258,8 +258,9 @@ def first_reach(run: dict, which: str, target: float) -> float | None:
 
 
 def node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
-    """'weak': the node's weak specialty; 'all': both."""
-    key = run["weak"][node] if which == "weak" and run["weak"][node] else "all"
+    """'weak': the node's weak specialty; 'own': the one it was warm-started on; 'all': both."""
+    weak = run["weak"][node]
+    key = weak if which == "weak" and weak else next(label for label in SPECIALTIES if label != weak) if which == "own" and weak else "all"
     return at_compute(run["curves"][node], key, compute_s)
 
 
@@ -300,7 +301,9 @@ def report(args) -> None:
             budget = min(seeds[s]["budget_s"] for s in common)
             row["weak_start"] = spread([mean_metric(seeds[s], 0.0, "weak") for s in common])
             row["weak_final"] = spread([mean_metric(seeds[s], budget, "weak") for s in common])
+            row["own_final"] = spread([mean_metric(seeds[s], budget, "own") for s in common])
             row["both_final"] = spread([mean_metric(seeds[s], budget, "all") for s in common])
+            row["both_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "all") - mean_metric(silo[s], budget, "all")) for s in common])
             row["weak_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common])
             if arm in SWARM_ARMS and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
@@ -329,7 +332,7 @@ def report(args) -> None:
             table[arm] = row
             print(f"  {arm:13s} seeds {common}: weak {row['weak_start']['mean']:.3f} -> {row['weak_final']['mean']:.3f} "
                   f"({row['weak_gain_points_vs_silo']['mean']:+.1f} points vs silo, per seed {[round(v, 1) for v in row['weak_gain_points_vs_silo']['per_seed']]}), "
-                  f"both {row['both_final']['mean']:.3f}, S {row['speedup']['mean']:.2f}x ({row['speedup_with_network']['mean']:.2f}x with network), "
+                  f"own {row['own_final']['mean']:.3f}, both {row['both_final']['mean']:.3f} ({row['both_gain_points_vs_silo']['mean']:+.1f} points vs silo), S {row['speedup']['mean']:.2f}x ({row['speedup_with_network']['mean']:.2f}x with network), "
                   f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update {row['groups_used_per_update']:.2f}, "
                   f"rounds {row['rounds_per_node']:.0f}" + (f", importance weight {row['importance_weight_mean']:.3f}" if row["importance_weight_mean"] is not None else "")
                   + (f", {row['weak_gain_points_vs_silo_imitate']['mean']:+.1f} points vs silo_imitate" if "weak_gain_points_vs_silo_imitate" in row else ""), flush=True)

@@ -317,7 +317,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         node = Node(load_config(REPO / "configs" / "isolated.yaml", ["eval_every=0"], state_dir=f"{scratch}/model"))
         node.load()
-        groups, _, _ = node._generate_and_score(node.tasks.batch(0, 8), 1)  # one real round of the default
+        groups, _, _ = node.local.generate_and_score(node.tasks.batch(0, 8), seed=1)  # one real round of the default
         if args.lab:
             return main_lab(args, groups)
         for gossip in ("libp2p", "dht"):

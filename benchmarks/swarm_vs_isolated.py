@@ -96,7 +96,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
                 mean_last = statistics.fmean(r for per_node in rewards for r in per_node[-25:])
                 used = sum(n.stats.totals()["questions_used"] for n in swarm)
                 print(f"  seed {seed} {local}/{external} round {round_ + 1}: reward(last 25) {mean_last:.3f}, external questions used {used}, {time.monotonic() - started:.0f}s", flush=True)
-        heldout = await asyncio.gather(*(asyncio.to_thread(node.evaluate_heldout_by_dataset) for node in swarm))
+        heldout = await asyncio.gather(*(asyncio.to_thread(node.evaluator.by_dataset) for node in swarm))
         labels = sorted({label for _, by_dataset in heldout for label in by_dataset})
         by_specialty = {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels}
         by_specialty["all"] = statistics.fmean(overall for overall, _ in heldout)

@@ -12,10 +12,8 @@ import asyncio
 import hashlib
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,29 +24,22 @@ from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
-from node.stats import MetricsServer, SwarmStats, prometheus_text
-from node.sharing import PeerRollouts, score_group
-from node.tasks import Question, SpecialtyScore, TaskSource
+from node.evaluation import HeldoutEvaluator
+from node.local_rollouts import LocalRollouts
+from node.stats import MetricsServer, SwarmStats
+from node.sharing import PeerRollouts
+from node.tasks import TaskSource
+from node.telemetry import Telemetry
 from node.trainer import GRPOTrainer, is_uniform
 from node.transport import ExternalGroup, Transport
-from protocol import PROTOCOL_VERSION, NodeIdentity, PeerStats, Refusal
-from protocol.messages import MAX_DATASETS_REPORTED
+from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RoundTimings:
-    generation_s: float = 0.0
-    scoring_s: float = 0.0
-    update_s: float = 0.0
-
-
-SOFTWARE_VERSION = "0.1.0"
 PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its round and policy version
-EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 
 
 class Node:
@@ -68,15 +59,13 @@ class Node:
         self.stats = SwarmStats()
         self.round = 0  # rounds completed
         self.model = self.tokenizer = self.trainer = self.backend = None
+        self.local: LocalRollouts | None = None  # its own rollouts: generated, scored, chosen (built with the backend)
         self.sharing: PeerRollouts | None = None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
+        self.evaluator: HeldoutEvaluator | None = None  # built with the backend
+        self.telemetry = Telemetry(config, self.stats)
         self.fingerprint = ""
         self.model_parameters = 0
-        self.reward_ema: float | None = None
-        self.accuracy_ema: float | None = None
-        self.accuracy_by_dataset_ema: dict[str, float] = {}  # per specialty of the task mix (heartbeat, stats)
-        self.last_tokens_per_s = 0.0
         self.announced_addresses: list[str] = []
-        self._heldout: list[Question] | None = None
         self._metrics_server: MetricsServer | None = None
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
         self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
@@ -136,8 +125,7 @@ class Node:
         saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(self.model))
-        self.backend = self.build_backend(self.model, self.tokenizer, saved["policy_version"])
-        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
+        self._build_rollouts(saved["policy_version"])
         self.round = saved["round"]
         self.store.truncate_metrics(self.round)
         log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, self.fingerprint, self.round)
@@ -166,37 +154,18 @@ class Node:
 
     def peer_stats(self) -> PeerStats:
         """This node's heartbeat content (the transport signs it)."""
-        totals = self.stats.totals()
-        return PeerStats(
-            node_id=self.identity.node_id,
-            display_name=self.config.name,
-            software_version=SOFTWARE_VERSION,
-            protocol_version=PROTOCOL_VERSION,
-            model_name=self.config.model.name_or_path,
-            model_parameters=self.model_parameters,
-            round=self.round,
-            policy_version=self.policy_version,
-            reward_mean=self.reward_ema or 0.0,
-            accuracy=self.accuracy_ema or 0.0,
-            accuracy_by_dataset={label: min(1.0, max(0.0, value)) for label, value in list(self.accuracy_by_dataset_ema.items())[:MAX_DATASETS_REPORTED]},
-            rollouts_published=totals["batches_published"],
-            rollouts_received=totals["batches_received"],
-            rollouts_accepted=totals["batches_accepted"],
-            rollouts_rejected=sum(totals["rejected"].values()),
-            tokens_per_s=self.last_tokens_per_s,
-            uptime_s=time.time() - self.stats.started,
-            last_seen=time.time(),
-            addresses=self.announced_addresses[:8],
-            gossip_addresses=[],  # the transport fills in its own
-            outer_steps=self.averaging.stats.succeeded if self.averaging else 0,
-            outer_steps_skipped=self.averaging.stats.skipped if self.averaging else 0,
-        )
+        return self.telemetry.heartbeat(self.identity.node_id, self.model_parameters, self.round, self.policy_version, self.announced_addresses, self.averaging)
 
     def _build_services(self, policy_version: int) -> None:
         self.model.eval()
         self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, policy_version)
+        self._build_rollouts(policy_version)
+
+    def _build_rollouts(self, policy_version: int) -> None:
         self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
-        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.accuracy_by_dataset_ema, self._refuse)
+        self.local = LocalRollouts(self.config, self.tasks, self.backend)
+        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse)
+        self.evaluator = HeldoutEvaluator(self.tasks, self.backend)
 
     @property
     def policy_version(self) -> int:
@@ -207,58 +176,9 @@ class Node:
     def _generation_seed(self, round_: int) -> int:
         return (self.stream_seed * 1_000_003 + round_) % (2**63)
 
-    def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
-        """The group with its locally computed rewards, and how many of its completions are correct."""
-        return score_group(question, completions, source, self.config.tasks.format_reward)
-
     def _refuse(self, item: ExternalGroup, reason: Refusal, detail: str) -> None:
         self.stats.reject(item.peer_id, reason)
         log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
-
-    def _choose_local(self, groups: list[RolloutGroup], round_: int) -> list[RolloutGroup]:
-        """I of the node's own groups to train on: those with a learning signal first (the trainer
-        would drop the uniform ones), at random within each kind."""
-        count = self.config.swarm.local_questions
-        if len(groups) <= count:
-            return groups
-        rng = random.Random(self._generation_seed(round_) ^ 0x5EED)  # not the stream external sampling draws from
-        with_signal = [g for g in groups if not is_uniform(g.rewards)]
-        uniform = [g for g in groups if is_uniform(g.rewards)]
-        rng.shuffle(with_signal)
-        rng.shuffle(uniform)
-        return (with_signal + uniform)[:count]
-
-    def _generate_and_score(self, questions: list[Question], round_: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
-        timings = RoundTimings()
-        start = time.perf_counter()
-        prompts = [self.tasks.prompt(q) for q in questions]
-        completions = self.backend.generate(prompts, self.config.rollout.completions_per_question, seed=self._generation_seed(round_))
-        timings.generation_s = time.perf_counter() - start
-        start = time.perf_counter()
-        groups, correct, total, tokens = [], 0, 0, 0
-        by_label: dict[str, list[float]] = {}  # label -> [reward sum, correct, completions]
-        for question, group_completions in zip(questions, completions):
-            group, group_correct = self.score_group(question, group_completions, source="local")
-            groups.append(group)
-            tally = by_label.setdefault(self.tasks.label(question.spec), [0.0, 0, 0])
-            tally[0] += sum(group.rewards)
-            tally[1] += group_correct
-            tally[2] += len(group_completions)
-            correct += group_correct
-            total += len(group_completions)
-            tokens += sum(len(c.completion_ids) for c in group_completions)
-        timings.scoring_s = time.perf_counter() - start
-        rewards = [r for g in groups for r in g.rewards]
-        summary = {
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": correct / total,
-            "tokens": tokens,
-            "tokens_per_s": tokens / max(timings.generation_s, 1e-9),
-            "completion_len_mean": tokens / total,
-            "reward_by_dataset": {label: reward / n for label, (reward, _, n) in sorted(by_label.items())},
-            "accuracy_by_dataset": {label: right / n for label, (_, right, n) in sorted(by_label.items())},
-        }
-        return groups, summary, timings
 
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
@@ -308,7 +228,7 @@ class Node:
         outer_step = self.averaging.apply_if_done() if self.averaging else None
         generated = swarm.generated_questions or swarm.local_questions
         questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
-        local_groups, summary, timings = await asyncio.to_thread(self._generate_and_score, questions, round_)
+        local_groups, summary, timings = await asyncio.to_thread(self.local.generate_and_score, questions, self._generation_seed(round_))
         shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
         if shared:
             await self.transport.publish(round_, self.policy_version, shared)
@@ -317,7 +237,7 @@ class Node:
             received = await self.transport.collect(round_)
             external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         start = time.perf_counter()
-        chosen_local = self._choose_local(local_groups, round_)
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)  # not the stream peers' groups are drawn from
         if swarm.imitation != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
@@ -355,53 +275,21 @@ class Node:
         }
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
-            row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluate_heldout_by_dataset)
+            row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluator.by_dataset)
         row["step_s"] = time.perf_counter() - round_start
         self.store.append_metrics(row)
         self.round = round_
-        self._update_moving_averages(row)
+        self.telemetry.record_round(row)
         if swarm.transport != "none":
             self.stats.save(self.store.root / "swarm.json")
         if round_ % self.config.checkpoint_every == 0:
             await asyncio.to_thread(self.save)
         return row
 
-    def _update_moving_averages(self, row: dict[str, Any]) -> None:
-        ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
-        self.reward_ema = ema(self.reward_ema, row["reward_mean"])
-        self.accuracy_ema = ema(self.accuracy_ema, row["accuracy"])
-        for label, accuracy in row.get("accuracy_by_dataset", {}).items():  # a specialty absent this round keeps its average
-            self.accuracy_by_dataset_ema[label] = ema(self.accuracy_by_dataset_ema.get(label), accuracy)
-        self.last_tokens_per_s = row["tokens_per_s"]
-
     def prometheus(self) -> str:
-        gauges = {"round": self.round, "policy_version": self.policy_version, "reward_mean": self.reward_ema or 0.0, "accuracy": self.accuracy_ema or 0.0, "tokens_per_s": self.last_tokens_per_s}
-        if self.averaging:
-            counters = self.averaging.counters()
-            gauges |= {f"averaging_{k}": v for k, v in counters.items() if k != "refusals"}
-        return prometheus_text(gauges, self.stats)
+        return self.telemetry.prometheus(self.round, self.policy_version, self.averaging)
 
-    # evaluation and persistence -----------------------------------------------------
-
-    def heldout_questions(self) -> list[Question]:
-        if self._heldout is None:
-            self._heldout = self.tasks.heldout()
-        return self._heldout
-
-    def evaluate_heldout(self, questions: list[Question] | None = None) -> float:
-        """Greedy accuracy on the fixed held-out set."""
-        return self.evaluate_heldout_by_dataset(questions)[0]
-
-    def evaluate_heldout_by_dataset(self, questions: list[Question] | None = None) -> tuple[float, dict[str, float]]:
-        """Greedy accuracy on the fixed held-out set: overall, and per specialty of the task mix."""
-        overall, scores = self.evaluate_heldout_report(questions)
-        return overall, {label: score.accuracy for label, score in scores.items()}
-
-    def evaluate_heldout_report(self, questions: list[Question] | None = None) -> tuple[float, dict[str, SpecialtyScore]]:
-        """Greedy accuracy on the fixed held-out set, and per specialty the distinct answers given and right."""
-        questions = questions or self.heldout_questions()
-        completions = self.backend.generate([self.tasks.prompt(q) for q in questions], n=1, seed=0, greedy=True)
-        return self.tasks.score_answers(questions, [c[0].text for c in completions])
+    # persistence ---------------------------------------------------------------------
 
     def save(self) -> None:
         if self.uses_pipeline:  # no weights here: the stage servers hold them and recover from each other

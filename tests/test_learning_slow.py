@@ -15,9 +15,9 @@ def test_default_node_learns_in_isolation(model_cache, tmp_path):
     """The real default model (warm-started) gains held-out accuracy from RL alone."""
     node = Node(load_config(REPO / "configs" / "isolated.yaml", ["eval_every=0", "checkpoint_every=100"], state_dir=str(tmp_path / "s")))
     node.load()
-    before = node.evaluate_heldout()
+    before = node.evaluator.accuracy()
     asyncio.run(node.run(400, asyncio.Event()))
-    after = node.evaluate_heldout()
+    after = node.evaluator.accuracy()
     assert after >= before + 0.05, (before, after)
 
 

@@ -87,7 +87,7 @@ def test_groups_that_lie_about_their_spread_are_rescored_replaced_and_bounded(sw
 
 def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
     node = swarm_node("swarm.capability_aware=true")
-    node.accuracy_by_dataset_ema.update({"add": 0.5})
+    node.telemetry.accuracy_by_dataset.update({"add": 0.5})
     # claims 7 right of 8; really 1 right of 8: its pass rate is 0.125, so omega = 0.5 / 0.125 = 4, scale 0.25
     liar = peer_group(spec_of("add", 0), right=1, wrong=7, peer="boaster", claimed=[1.0] * 7 + [0.0])
     [group] = node.sharing.choose([liar], seed=0)
@@ -97,7 +97,7 @@ def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
 
 def test_capability_corrections_per_specialty(swarm_node):
     node = swarm_node("swarm.capability_aware=true")
-    node.accuracy_by_dataset_ema.update({"add": 0.5, "subtract": 0.1})  # chain_sum: never answered
+    node.telemetry.accuracy_by_dataset.update({"add": 0.5, "subtract": 0.1})  # chain_sum: never answered
     received = [peer_group(spec_of("add", 0), right=4, wrong=4, peer="twin"),
                 peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
                 peer_group(spec_of("chain_sum", 0), right=2, wrong=6, peer="novice")]
@@ -106,7 +106,7 @@ def test_capability_corrections_per_specialty(swarm_node):
     assert by_label["subtract"].baseline_scale == pytest.approx(0.1 / 0.75) and by_label["subtract"].loss_scale == pytest.approx(7.5)
     assert by_label["chain_sum"].baseline_scale == pytest.approx(CAPABILITY_PRIOR / 0.25)  # from the stated prior
     off = swarm_node()  # capability_aware off (the default): SAPO's uniform weights
-    off.accuracy_by_dataset_ema.update({"subtract": 0.1})
+    off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
     assert all((g.baseline_scale, g.loss_scale) == (1.0, 1.0) for g in off.sharing.choose(received, seed=0))
 
 
@@ -119,7 +119,7 @@ def test_imitation_weight_hand_computed():
 
 def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_node):
     node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
-    node.accuracy_by_dataset_ema.update({"add": 0.9, "subtract": 0.1})
+    node.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.1})
     received = [peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
                 peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert")]
     by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
@@ -128,7 +128,7 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
     assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
     assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
     off = swarm_node()
-    off.accuracy_by_dataset_ema.update({"subtract": 0.1})
+    off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
     assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
 
 
@@ -143,7 +143,7 @@ def test_imitation_needs_its_weight_and_peers(tiny_config):
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
     node = swarm_node("swarm.capability_aware=true")
-    node.accuracy_by_dataset_ema.update({"add": 0.5})
+    node.telemetry.accuracy_by_dataset.update({"add": 0.5})
     node.sharing.choose([peer_group(spec_of("add", 0), right=4, wrong=4, peer="p")], seed=0)
     [group] = node.sharing.choose([peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0)
     assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)  # one unlucky group moves it a fifth
@@ -162,7 +162,7 @@ def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
 
 def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(swarm_node):
     node = swarm_node("swarm.external_questions=1", "swarm.external_selection=weakness")
-    node.accuracy_by_dataset_ema.update({"add": 0.95, "subtract": 0.0})  # masters addition, never subtracts right; chain_sum unknown
+    node.telemetry.accuracy_by_dataset.update({"add": 0.95, "subtract": 0.0})  # masters addition, never subtracts right; chain_sum unknown
     specs = {label: spec_of(label, 0) for label in ("add", "subtract", "chain_sum")}
     assert {label: node.sharing.selection_weight(spec) for label, spec in specs.items()} == {"add": pytest.approx(0.05), "subtract": 1.0, "chain_sum": 1.0}
     received = [peer_group(spec, right=1, wrong=1, peer=NodeIdentity.generate().node_id) for spec in specs.values()]
@@ -231,7 +231,7 @@ def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_
         node.load()
         node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
     learner.backend.remember({learner.tasks.prompt(q): q.answer for q in learner.tasks.batch(first_draw=0, count=learner.config.swarm.local_questions)})
-    learner.accuracy_by_dataset_ema["subtract"] = 0.1
+    learner.telemetry.accuracy_by_dataset["subtract"] = 0.1
     spec = spec_of("subtract", 0)
     completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (materialize(spec).answer, "nope")]
     asyncio.run(peer.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))

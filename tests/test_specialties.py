@@ -55,8 +55,8 @@ def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_conf
         assert set(row["accuracy_by_dataset"]) == set(row["reward_by_dataset"])
         assert all(0.0 <= v <= 1.0 for v in row["accuracy_by_dataset"].values())
     first, by_dataset = rows[0]["heldout_accuracy"], rows[0]["heldout_by_dataset"]
-    assert set(by_dataset) == {TaskSource(config.tasks, 0).label(q.spec) for q in node.heldout_questions()}
-    sizes = {label: sum(TaskSource(config.tasks, 0).label(q.spec) == label for q in node.heldout_questions()) for label in by_dataset}
+    assert set(by_dataset) == {TaskSource(config.tasks, 0).label(q.spec) for q in node.evaluator.questions()}
+    sizes = {label: sum(TaskSource(config.tasks, 0).label(q.spec) == label for q in node.evaluator.questions()) for label in by_dataset}
     assert first == pytest.approx(sum(by_dataset[label] * sizes[label] for label in by_dataset) / 12)  # the parts add up to the whole
     assert "heldout_by_dataset" in rows[1]  # eval_every=2: round 2 evaluates too
 

@@ -1,0 +1,77 @@
+"""A node's own rollouts: answer its questions with the rollout backend, score them here, choose I to train on."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from node.config import NodeConfig
+from node.rollouts.base import RolloutBackend, RolloutGroup
+from node.sharing import score_group
+from node.tasks import Question, TaskSource
+from node.trainer import is_uniform
+
+
+@dataclass
+class RoundTimings:
+    generation_s: float = 0.0
+    scoring_s: float = 0.0
+    update_s: float = 0.0
+
+
+class LocalRollouts:
+    def __init__(self, config: NodeConfig, tasks: TaskSource, backend: RolloutBackend):
+        self.config = config
+        self.tasks = tasks
+        self.backend = backend
+
+    def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
+        """The group with its locally computed rewards, and how many of its completions are correct."""
+        return score_group(question, completions, source, self.config.tasks.format_reward)
+
+    def generate_and_score(self, questions: list[Question], seed: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
+        """One group per question, scored; the round's summary (rewards, accuracy, tokens, per specialty); the time spent."""
+        timings = RoundTimings()
+        start = time.perf_counter()
+        prompts = [self.tasks.prompt(q) for q in questions]
+        completions = self.backend.generate(prompts, self.config.rollout.completions_per_question, seed=seed)
+        timings.generation_s = time.perf_counter() - start
+        start = time.perf_counter()
+        groups, correct, total, tokens = [], 0, 0, 0
+        by_label: dict[str, list[float]] = {}  # label -> [reward sum, correct, completions]
+        for question, group_completions in zip(questions, completions):
+            group, group_correct = self.score_group(question, group_completions, source="local")
+            groups.append(group)
+            tally = by_label.setdefault(self.tasks.label(question.spec), [0.0, 0, 0])
+            tally[0] += sum(group.rewards)
+            tally[1] += group_correct
+            tally[2] += len(group_completions)
+            correct += group_correct
+            total += len(group_completions)
+            tokens += sum(len(c.completion_ids) for c in group_completions)
+        timings.scoring_s = time.perf_counter() - start
+        rewards = [r for g in groups for r in g.rewards]
+        summary = {
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": correct / total,
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(timings.generation_s, 1e-9),
+            "completion_len_mean": tokens / total,
+            "reward_by_dataset": {label: reward / n for label, (reward, _, n) in sorted(by_label.items())},
+            "accuracy_by_dataset": {label: right / n for label, (_, right, n) in sorted(by_label.items())},
+        }
+        return groups, summary, timings
+
+    def choose(self, groups: list[RolloutGroup], seed: int) -> list[RolloutGroup]:
+        """I of the node's own groups to train on: those with a learning signal first (the trainer
+        would drop the uniform ones), at random within each kind."""
+        count = self.config.swarm.local_questions
+        if len(groups) <= count:
+            return groups
+        rng = random.Random(seed)
+        with_signal = [g for g in groups if not is_uniform(g.rewards)]
+        uniform = [g for g in groups if is_uniform(g.rewards)]
+        rng.shuffle(with_signal)
+        rng.shuffle(uniform)
+        return (with_signal + uniform)[:count]

@@ -1,0 +1,71 @@
+"""What a node says about itself: moving averages of its rounds, its signed heartbeat's content, its Prometheus gauges."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from node.config import NodeConfig
+from node.stats import SwarmStats, prometheus_text
+from protocol import PROTOCOL_VERSION, PeerStats
+from protocol.messages import MAX_DATASETS_REPORTED
+
+SOFTWARE_VERSION = "0.1.0"
+EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
+
+
+class Telemetry:
+    """Moving averages over a node's rounds, and the heartbeat and gauges built from them.
+
+    `accuracy_by_dataset` is shared, not copied: the peer-rollout component reads it as this node's
+    capability per specialty (node/sharing.py)."""
+
+    def __init__(self, config: NodeConfig, stats: SwarmStats):
+        self.config = config
+        self.stats = stats
+        self.reward: float | None = None
+        self.accuracy: float | None = None
+        self.accuracy_by_dataset: dict[str, float] = {}  # per specialty of the task mix
+        self.tokens_per_s = 0.0  # of the last round
+
+    def record_round(self, row: dict[str, Any]) -> None:
+        ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
+        self.reward = ema(self.reward, row["reward_mean"])
+        self.accuracy = ema(self.accuracy, row["accuracy"])
+        for label, accuracy in row.get("accuracy_by_dataset", {}).items():  # a specialty absent this round keeps its average
+            self.accuracy_by_dataset[label] = ema(self.accuracy_by_dataset.get(label), accuracy)
+        self.tokens_per_s = row["tokens_per_s"]
+
+    def heartbeat(self, node_id: str, model_parameters: int, round_: int, policy_version: int, addresses: list[str], averaging=None) -> PeerStats:
+        """The heartbeat's content (the transport signs it and adds its gossip addresses)."""
+        totals = self.stats.totals()
+        return PeerStats(
+            node_id=node_id,
+            display_name=self.config.name,
+            software_version=SOFTWARE_VERSION,
+            protocol_version=PROTOCOL_VERSION,
+            model_name=self.config.model.name_or_path,
+            model_parameters=model_parameters,
+            round=round_,
+            policy_version=policy_version,
+            reward_mean=self.reward or 0.0,
+            accuracy=self.accuracy or 0.0,
+            accuracy_by_dataset={label: min(1.0, max(0.0, value)) for label, value in list(self.accuracy_by_dataset.items())[:MAX_DATASETS_REPORTED]},
+            rollouts_published=totals["batches_published"],
+            rollouts_received=totals["batches_received"],
+            rollouts_accepted=totals["batches_accepted"],
+            rollouts_rejected=sum(totals["rejected"].values()),
+            tokens_per_s=self.tokens_per_s,
+            uptime_s=time.time() - self.stats.started,
+            last_seen=time.time(),
+            addresses=addresses[:8],
+            gossip_addresses=[],  # the transport fills in its own
+            outer_steps=averaging.stats.succeeded if averaging else 0,
+            outer_steps_skipped=averaging.stats.skipped if averaging else 0,
+        )
+
+    def prometheus(self, round_: int, policy_version: int, averaging=None) -> str:
+        gauges = {"round": round_, "policy_version": policy_version, "reward_mean": self.reward or 0.0, "accuracy": self.accuracy or 0.0, "tokens_per_s": self.tokens_per_s}
+        if averaging:
+            gauges |= {f"averaging_{k}": v for k, v in averaging.counters().items() if k != "refusals"}
+        return prometheus_text(gauges, self.stats)
