@@ -14,31 +14,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Table
 
 from node.config import ConfigError, NodeConfig, load_config
+from node.runtime import EXIT_OK, error, on_stop_signals, run_command, setup_logging, setup_viewer_logging
 
-EXIT_USAGE = 2
 log = logging.getLogger("node")
-
-
-def _setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    file_handler = logging.FileHandler(state_dir / "node.log")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    screen = RichHandler(console=console, show_path=False, level=logging.INFO if verbose else logging.WARNING)
-    # py-libp2p logs remote peers' comings and goings as warnings and errors (a failed dial to a peer
-    # that left, "GRAFT flood detected" while meshes form on a busy machine): for the log file, not
-    # the console; the node reports what matters to it (a dead gossip service) under its own name
-    screen.addFilter(lambda record: verbose or record.levelno >= logging.CRITICAL or not record.name.startswith("libp2p"))
-    root.handlers[:] = [file_handler, screen]
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # its per-save bars would drown the round display
-    transformers.utils.logging.set_verbosity_error()
 
 
 # `swarm-node join` without --config: the built-in defaults turned into a swarm node.
@@ -62,7 +43,6 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     from node.loop import Node
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
     def request_stop() -> None:
         if stop.is_set():  # second interrupt: leave now, the last checkpoint stands
@@ -70,9 +50,7 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
         console.print("[yellow]finishing the round in flight, then saving (Ctrl-C again to quit at once)[/]")
         stop.set()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, request_stop)
-
+    on_stop_signals(request_stop)
     node = Node(config)
     await asyncio.to_thread(node.load, fresh)
     if node.identity is not None:
@@ -94,18 +72,10 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from node.transport.dht import SwarmJoinError
-
     config = config_from_args(args)
-    _setup_logging(config.resolved_state_dir(), args.verbose, console)
-    try:
-        return asyncio.run(_train(config, args.fresh, console))
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]")
-        return 130
-    except SwarmJoinError as exc:
-        print(f"swarm-node: error: {exc}", file=sys.stderr)
-        return 1
+    setup_logging(config.resolved_state_dir(), args.verbose, console)
+    return run_command(_train(config, args.fresh, console),
+                       on_interrupt=lambda: console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"))
 
 
 # peers and identity ------------------------------------------------------------------------
@@ -205,21 +175,13 @@ async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Consol
 
 
 def cmd_peers(args: argparse.Namespace, console: Console) -> int:
-    from node.transport.dht import SwarmJoinError
-
     overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), f"swarm.bootstrap_attempts={args.join_attempts}"]
     overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
     if args.swarm_id:
         overrides.append(f"swarm.swarm_id={args.swarm_id}")
     config = load_config(None, overrides)
-    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
-    try:
-        return asyncio.run(_peers(config, args.json, args.watch, console, stages=args.stages))
-    except KeyboardInterrupt:
-        return 0
-    except SwarmJoinError as exc:
-        print(f"swarm-node: error: {exc}", file=sys.stderr)
-        return 1
+    setup_viewer_logging()
+    return run_command(_peers(config, args.json, args.watch, console, stages=args.stages), interrupted=EXIT_OK)  # Ctrl-C ends --watch
 
 
 def cmd_identity(args: argparse.Namespace, console: Console) -> int:
@@ -409,13 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=False, soft_wrap=True)  # a line per message: logs and tests must not find words split by wrapping
     if getattr(args, "rounds", None) is not None and args.rounds < 1:
-        print("swarm-node: error: --rounds must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
+        return error("--rounds must be at least 1")
     try:
         return args.handler(args, console)
     except ConfigError as exc:
-        print(f"swarm-node: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return error(str(exc))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+from node.runtime import EXIT_ERROR, error, on_stop_signals, run_command, setup_viewer_logging
 
 DEFAULT_DASHBOARD_PORT = 8765
 
@@ -59,9 +58,7 @@ async def _serve_viewer(config, host: str, port: int, state_dir: Path | None, co
 
     server = DashboardServer(host, port, DashboardSources(SwarmWatcher(dht, config, stats), state_dir / "metrics.jsonl" if state_dir else None, swarm))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    on_stop_signals(stop.set)
     try:
         await server.start()
         console.print(f"dashboard of swarm {config.swarm.swarm_id}: {server.url} (Ctrl-C to stop)", highlight=False)
@@ -73,25 +70,18 @@ async def _serve_viewer(config, host: str, port: int, state_dir: Path | None, co
 
 
 def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
-    from rich.logging import RichHandler
-
     from node.config import load_config
-    from node.transport.dht import SwarmJoinError
 
     overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), "swarm.initial_peers=" + json.dumps(args.initial_peers)]
     if args.swarm_id:
         overrides.append(f"swarm.swarm_id={args.swarm_id}")
     config = load_config(None, overrides)
-    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+    setup_viewer_logging()
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else None
     try:
-        return asyncio.run(_serve_viewer(config, args.host, args.port, state_dir, console))
-    except SwarmJoinError as exc:
-        print(f"swarm-node: error: {exc}", file=sys.stderr)
-        return 1
+        return run_command(_serve_viewer(config, args.host, args.port, state_dir, console))
     except OSError as exc:  # the port is taken, most likely
-        print(f"swarm-node: error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
+        return error(f"cannot serve on {args.host}:{args.port}: {exc}", EXIT_ERROR)
 
 
 # simulate -------------------------------------------------------------------------------------
@@ -101,8 +91,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     from node.dashboard.simulate import LocalSwarm
 
     if args.nodes < 1:
-        print("swarm-node: error: --nodes must be at least 1", file=sys.stderr)
-        return 2
+        return error("--nodes must be at least 1")
     root = Path(args.state_dir or "~/.swarm-node/simulate").expanduser()
     swarm = LocalSwarm(root, args.nodes, args.dashboard_port, rounds=args.rounds, config=args.config, overrides=list(args.set or []), fresh=args.fresh, console=console)
     return swarm.run()

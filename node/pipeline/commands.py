@@ -12,11 +12,11 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
-import sys
 from pathlib import Path
 
 from rich.console import Console
+
+from node.runtime import error, on_stop_signals, run_command, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +82,6 @@ async def _join(config, console: Console, role: str):
     return identity, dht, model, tokenizer, fingerprint
 
 
-def _stop_on_signals(task: asyncio.Task | None = None, stop: asyncio.Event | None = None) -> None:
-    loop = asyncio.get_running_loop()
-
-    def request_stop() -> None:
-        if stop is not None:
-            stop.set()
-        if task is not None:
-            task.cancel()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, request_stop)
-
-
 async def _serve(config, console: Console) -> int:
     from node.pipeline.server import StageServer
     from node.transport.dht import shutdown_dht
@@ -102,7 +89,7 @@ async def _serve(config, console: Console) -> int:
     identity, dht, model, _, fingerprint = await _join(config, console, "stage server")
     server = StageServer(config, identity, dht, model, fingerprint, config.resolved_state_dir())
     task = asyncio.current_task()
-    _stop_on_signals(task=task)
+    on_stop_signals(task.cancel)
     metrics = None
     if config.swarm.metrics_port is not None:
         from node.stats import MetricsServer
@@ -131,8 +118,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     from node.transport.dht import shutdown_dht
 
     if config.pipeline.objective != "lm":
-        print("swarm-node: error: `drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo", file=sys.stderr)
-        return 2
+        return error("`drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo")
     identity, dht, model, tokenizer, fingerprint = await _join(config, console, "driver")
     fingerprints = expected_fingerprints(config, model.config, fingerprint)
     limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
@@ -143,7 +129,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
     driver = LMDriver(config, router, corpus, validation, store)
     stop = asyncio.Event()
-    _stop_on_signals(stop=stop)
+    on_stop_signals(stop.set)
 
     def show(row: dict) -> None:
         val = f", validation loss {row['val_loss']:.4f}" if "val_loss" in row else ""
@@ -159,18 +145,9 @@ async def _drive(config, console: Console, steps: int | None) -> int:
 
 
 def _run(args, console: Console, coro_factory) -> int:
-    from node.cli import _setup_logging
-    from node.transport.dht import SwarmJoinError
-
     config = _config(args)
-    _setup_logging(config.resolved_state_dir(), args.verbose, console)
-    try:
-        return asyncio.run(coro_factory(config))
-    except KeyboardInterrupt:
-        return 130
-    except SwarmJoinError as exc:
-        print(f"swarm-node: error: {exc}", file=sys.stderr)
-        return 1
+    setup_logging(config.resolved_state_dir(), args.verbose, console)
+    return run_command(coro_factory(config))
 
 
 def cmd_serve(args, console: Console) -> int:
@@ -179,6 +156,5 @@ def cmd_serve(args, console: Console) -> int:
 
 def cmd_drive(args, console: Console) -> int:
     if args.steps is not None and args.steps < 1:
-        print("swarm-node: error: --steps must be at least 1", file=sys.stderr)
-        return 2
+        return error("--steps must be at least 1")
     return _run(args, console, lambda config: _drive(config, console, args.steps))
