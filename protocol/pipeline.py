@@ -164,7 +164,7 @@ class StageResult:
 
     v: int  # PIPELINE_VERSION
     tensors: dict[str, WireTensor]  # the op's outputs
-    weights: bytes | None  # `weights`: node/averaging/codec.py bytes of the requested parts (None otherwise)
+    weights: bytes | None  # `weights`: node/weights/codec.py bytes of the requested parts (None otherwise)
     step: int  # the server's optimizer steps so far
     grad_norm: float  # the stage's last gradient norm (after clipping), 0.0 before its first step
     lr_scale: float  # the stage's current learning-rate factor (1.1 after a CheckFree recovery)

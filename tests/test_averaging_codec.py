@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from node.averaging.codec import CodecError, EncodedWeights, decode_weights, encode_weights
+from node.weights.codec import CodecError, EncodedWeights, decode_weights, encode_weights
 
 
 def sample() -> dict[str, torch.Tensor]:

@@ -67,7 +67,7 @@ async def _scenario(tmp_path):
 def _spread(nodes) -> float:
     import itertools
 
-    from node.averaging.validation import relative_distance
+    from node.weights.validation import relative_distance
 
     weights = [{k: v.detach() for k, v in float_parameters(n.model).items()} for n in nodes]
     pairs = list(itertools.combinations(weights, 2))

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from node.averaging.validation import WeightsRefusal, WeightsRefused, relative_distance, validate_partner_weights
+from node.weights.validation import WeightsRefusal, WeightsRefused, relative_distance, validate_partner_weights
 
 
 def local() -> dict[str, torch.Tensor]:

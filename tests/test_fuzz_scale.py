@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgpack
 import pytest
 
-from node.averaging.codec import CodecError, EncodedWeights, encode_weights
+from node.weights.codec import CodecError, EncodedWeights, encode_weights
 from node.averaging.pairing import CONTROL_MAX_BYTES, EXCHANGE_VERSION, Frame, PairAverager, _parse_refusal, _Round
 from node.pipeline.client import unpack
 from node.transport.framing import FRAME_HEADER, FramingError, read_frame
@@ -313,7 +313,7 @@ def test_fuzz_every_decoder_100k():
 def test_weights_with_an_unhashable_dtype_or_mode_are_refused_not_raised(field):
     """Found by the structural mutations: a map where the codec expects a dtype name raised TypeError,
     which no exchange handler caught (a partner could have crashed the averaging service)."""
-    from node.averaging.codec import CODEC_VERSION
+    from node.weights.codec import CODEC_VERSION
 
     entry = {"name": "w", "dtype": "float32", "shape": [1], "data": b"\0" * 4, "scale": None}
     message = {"v": CODEC_VERSION, "mode": "fp32", "tensors": [entry]}

@@ -20,3 +20,57 @@ def test_the_record_validator_transports_and_stats_load_no_model_library():
 def test_rollout_data_types_are_torch_free():
     loaded = imported_after(["node.rollouts.base", "node.files"])
     assert "torch" not in loaded and "node.trainer" not in loaded
+
+
+# The layers, lowest first (docs/ARCHITECTURE.md explains each). A module may import from its own layer
+# and the layers below it, never from one above. A module missing here fails the test: place it.
+LAYERS = [
+    ("wire", ["protocol"]),
+    ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
+    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights"]),
+    ("network and policy", ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"]),
+    ("components", ["node.local_rollouts", "node.sharing", "node.evaluation", "node.telemetry", "node.averaging", "node.pipeline"]),
+    ("node", ["node.loop", "node.dashboard"]),
+    ("commands", ["node.cli", "node.runtime", "node.pipeline.commands", "node.dashboard.commands"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix of `module` in LAYERS."""
+    best = max(((len(prefix), rank) for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+                if module == prefix or (module.startswith(prefix + ".") and prefix != "node")), default=None)  # "node": its __init__ only
+    assert best is not None, f"{module} is in no layer of tests/test_layering.py: LAYERS"
+    return best[1]
+
+
+def project_imports(path: str, module: str) -> set[str]:
+    """Every node.* / protocol.* module that `path` imports, at the top or inside a function."""
+    import ast
+
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for item in ast.walk(ast.parse(open(path).read())):
+        if isinstance(item, ast.Import):
+            found |= {alias.name for alias in item.names}
+        elif isinstance(item, ast.ImportFrom):
+            base = item.module or ""
+            if item.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - item.level + 1] + ([base] if base else []))
+            found.add(base)
+    return {name for name in found if name.split(".")[0] in ("node", "protocol")}
+
+
+def test_every_module_imports_only_its_own_layer_and_those_below():
+    upward = []
+    for top in ("node", "protocol"):
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, REPO)[: -len(".py")].replace(os.sep, ".").removesuffix(".__init__")
+                rank = layer_of(module)
+                upward += [f"{module} ({LAYERS[rank][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})"
+                           for imported in sorted(project_imports(path, module)) if layer_of(imported) > rank]
+    assert upward == []

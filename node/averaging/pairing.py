@@ -86,8 +86,8 @@ import torch
 
 from protocol.refusals import SentencedEnum
 
-from node.averaging.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
-from node.averaging.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
+from node.weights.codec import MODES, CodecError, EncodedWeights, decode_weights, encode_weights
+from node.weights.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
 from node.transport.records import RecordWriter, read_records
 from protocol import DEFAULT_LIMITS, AveragingReady, MessageKind
 from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, open_stream, read_frame, write_frame

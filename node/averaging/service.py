@@ -19,7 +19,7 @@ import torch
 
 from node.aio import cancel_and_wait
 from node.averaging.outer import OuterOptimizerState, apply_with_drift, diloco_step, float_parameters, noloco_step
-from node.averaging.validation import relative_distance
+from node.weights.validation import relative_distance
 from node.config import NodeConfig
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.averaging.codec import encode_weights
+from node.weights.codec import encode_weights
 from node.config import PipelineConfig
 from node.pipeline.stages import PipelineStage, StagePlan, part_tensors
 from node.pipeline.tensors import TensorRefused, expect

@@ -44,8 +44,8 @@ import time
 import torch
 
 from node.aio import cancel_and_wait
-from node.averaging.codec import CodecError, EncodedWeights, decode_weights
-from node.averaging.validation import WeightsRefused, validate_partner_weights
+from node.weights.codec import CodecError, EncodedWeights, decode_weights
+from node.weights.validation import WeightsRefused, validate_partner_weights
 from node.config import NodeConfig
 from node.pipeline.backend import StageBackend
 from node.pipeline.client import HopFailed, call_stage, handler_name
