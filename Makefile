@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser netlab run test test-slow test-container bench clean
+.PHONY: install browser netlab run test test-slow test-container lint bench clean
 
 install: $(STAMP) browser netlab
 
@@ -40,6 +40,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/python -m ruff check node protocol tests benchmarks docs
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
