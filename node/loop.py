@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import torch
 
 from node.config import NodeConfig, dump_config
 from node.files import atomic_write_text
-from node.model import load_policy, model_fingerprint, resolve_initial_policy
+from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
@@ -30,7 +29,7 @@ from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
-from node.trainer import GRPOTrainer, is_uniform
+from node.trainer import is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import NodeIdentity, PeerStats, Refusal
 
@@ -39,7 +38,6 @@ RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
 log = logging.getLogger(__name__)
 
 
-PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its round and policy version
 
 
 class Node:
@@ -58,6 +56,8 @@ class Node:
         self.tasks = TaskSource(config.tasks, seed=self.stream_seed)
         self.stats = SwarmStats()
         self.round = 0  # rounds completed
+        self.policy = policy_for(config, self.store)  # where the weights live: here, or in pipeline stages peers serve
+        self.loaded: LoadedPolicy | None = None
         self.model = self.tokenizer = self.trainer = self.backend = None
         self.local: LocalRollouts | None = None  # its own rollouts: generated, scored, chosen (built with the backend)
         self.sharing: PeerRollouts | None = None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
@@ -79,65 +79,18 @@ class Node:
             torch.set_num_threads(self.config.torch_threads)
         if fresh:
             self.store.wipe()
-        checkpoint = self.store.latest()
-        if self.uses_pipeline:
-            self._load_pipeline_policy()
-        elif checkpoint is not None:
-            self.model, self.tokenizer = load_policy(checkpoint, self.config.model.dtype)
-            state = self.store.load_trainer_state(checkpoint)
-            self._build_services(state.policy_version)
-            self.trainer.optimizer.load_state_dict(state.optimizer)
-            restore_rng(state.rng)
-            self._outer_state = state.outer
-            self.round = state.round
-            self.store.truncate_metrics(self.round)
-            log.info("resumed from %s (round %d, policy version %d)", checkpoint.name, self.round, state.policy_version)
-        else:
-            torch.manual_seed(self.config.seed)
-            self.model, self.tokenizer = resolve_initial_policy(self.config, progress=progress)
-            self._build_services(0)
-            self.store.truncate_metrics(0)
-            log.info("starting fresh from %s", self.config.model.name_or_path)
+        self.loaded = loaded = self.policy.load(progress)
+        self.model, self.tokenizer, self.trainer = loaded.model, loaded.tokenizer, loaded.trainer
+        self.fingerprint, self.model_parameters, self.round = loaded.fingerprint, loaded.parameters, loaded.round
+        self._outer_state = loaded.outer_state
+        self._build_rollouts(self.trainer.policy_version)
+        if loaded.rng is not None:
+            restore_rng(loaded.rng)
+        self.store.truncate_metrics(self.round)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
-        if not self.uses_pipeline:
-            self.fingerprint = model_fingerprint(self.model, self.tokenizer)
-            self.model_parameters = sum(p.numel() for p in self.model.parameters())
         if self.transport is None:
             self.transport = self._build_transport()
-
-    @property
-    def uses_pipeline(self) -> bool:
-        """The policy is split across stage servers (pipeline.objective = grpo): this node drives it."""
-        return self.config.pipeline.objective == "grpo"
-
-    def _load_pipeline_policy(self) -> None:
-        """A remote policy: the initial model tells the architecture and fingerprint, its weights stay with the stage servers."""
-        from node.pipeline.remote_model import RemoteCausalLM, RemoteOptimizer
-
-        torch.manual_seed(self.config.seed)
-        initial, self.tokenizer = resolve_initial_policy(self.config)
-        self.fingerprint = model_fingerprint(initial, self.tokenizer)
-        self.model_parameters = sum(p.numel() for p in initial.parameters())
-        pipeline = self.config.pipeline
-        self.model = RemoteCausalLM(initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch)
-        state = self.store.root / PIPELINE_STATE
-        saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
-        self.model.eval()
-        self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(self.model))
-        self._build_rollouts(saved["policy_version"])
-        self.round = saved["round"]
-        self.store.truncate_metrics(self.round)
-        log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, self.fingerprint, self.round)
-
-    async def _attach_pipeline(self) -> None:
-        from node.pipeline.driver import PipelineRouter
-        from node.pipeline.stages import expected_fingerprints, pipeline_limits
-
-        router = PipelineRouter(self.transport.dht, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint),
-                                pipeline_limits(self.config, self.model.config, self.model_parameters), seed=self.stream_seed)
-        self.model.attach(router, asyncio.get_running_loop())
-        await router.wait_until_served()
 
     def _build_transport(self) -> Transport:
         if self.config.swarm.transport == "none":
@@ -155,11 +108,6 @@ class Node:
     def peer_stats(self) -> PeerStats:
         """This node's heartbeat content (the transport signs it)."""
         return self.telemetry.heartbeat(self.identity.node_id, self.model_parameters, self.round, self.policy_version, self.announced_addresses, self.averaging)
-
-    def _build_services(self, policy_version: int) -> None:
-        self.model.eval()
-        self.trainer = GRPOTrainer(self.config.trainer, self.model, self.tokenizer.pad_token_id, self.config.rollout.temperature, policy_version)
-        self._build_rollouts(policy_version)
 
     def _build_rollouts(self, policy_version: int) -> None:
         self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
@@ -183,8 +131,7 @@ class Node:
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
         await self.transport.start()
-        if self.uses_pipeline:
-            await self._attach_pipeline()
+        await self.policy.attach(self.transport, self.loaded, seed=self.stream_seed)
         if self.config.averaging.method != "none":
             from node.averaging.fingerprint import averaging_prefix
             from node.averaging.pairing import PairAverager
@@ -262,7 +209,7 @@ class Node:
             "groups_dropped": stats.groups_dropped,
             **({"importance_weight_mean": stats.importance_weight_mean} if stats.importance_weight_mean is not None else {}),
             **({"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll} if stats.imitation_sequences else {}),
-            **({"stage_grad_norms": self.trainer.optimizer.last_grad_norms} if self.uses_pipeline else {}),
+            **self.policy.round_report(self.trainer),
             "external_questions": len(external_groups),
             **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
             **({"external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
@@ -292,11 +239,8 @@ class Node:
     # persistence ---------------------------------------------------------------------
 
     def save(self) -> None:
-        if self.uses_pipeline:  # no weights here: the stage servers hold them and recover from each other
-            atomic_write_text(self.store.root / PIPELINE_STATE, json.dumps({"round": self.round, "policy_version": self.policy_version}))
-            return
         outer = self.averaging.outer.state_dict() if self.averaging else self._outer_state
-        self.store.save(self.round, self.model, self.tokenizer, self.trainer.optimizer, self.policy_version, self.config.checkpoint_keep, outer=outer)
+        self.policy.save(self.round, self.loaded, outer)
 
     # the loop ----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ LAYERS = [
     ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
     ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights"]),
     ("network and policy", ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"]),
-    ("components", ["node.local_rollouts", "node.sharing", "node.evaluation", "node.telemetry", "node.averaging", "node.pipeline"]),
+    ("components", ["node.policy", "node.local_rollouts", "node.sharing", "node.evaluation", "node.telemetry", "node.averaging", "node.pipeline"]),
     ("node", ["node.loop", "node.dashboard"]),
     ("commands", ["node.cli", "node.runtime", "node.pipeline.commands", "node.dashboard.commands"]),
 ]

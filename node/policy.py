@@ -1,0 +1,121 @@
+"""Where a node's policy lives: whole in this process (LocalPolicy), or split into stages that peers
+serve (PipelinePolicy: this node drives it, pipeline.objective = grpo). The round loop is the same for
+both; only loading, joining and saving differ, and they live here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from node.config import NodeConfig
+from node.files import atomic_write_text
+from node.model import load_policy, model_fingerprint, resolve_initial_policy
+from node.state import StateStore
+from node.trainer import GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+PIPELINE_STATE = "pipeline_state.json"  # a pipeline driver's only state: its round and policy version
+
+
+@dataclass
+class LoadedPolicy:
+    model: Any
+    tokenizer: Any
+    trainer: GRPOTrainer
+    round: int  # rounds completed
+    fingerprint: str  # of the whole model: peers and stage servers compare it
+    parameters: int
+    rng: dict | None = None  # the random generators' state at the checkpoint, restored once the node is built
+    outer_state: dict | None = None  # the averaging's outer optimizer at the checkpoint, applied when averaging starts
+
+
+class LocalPolicy:
+    """The whole model in this process: resumed from the newest checkpoint, or built from the initial policy."""
+
+    def __init__(self, config: NodeConfig, store: StateStore):
+        self.config = config
+        self.store = store
+
+    def load(self, progress: bool | None = None) -> LoadedPolicy:
+        config = self.config
+        checkpoint = self.store.latest()
+        if checkpoint is not None:
+            model, tokenizer = load_policy(checkpoint, config.model.dtype)
+            state = self.store.load_trainer_state(checkpoint)
+            model.eval()
+            trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version)
+            trainer.optimizer.load_state_dict(state.optimizer)
+            log.info("resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version)
+            loaded = LoadedPolicy(model, tokenizer, trainer, state.round, "", 0, rng=state.rng, outer_state=state.outer)
+        else:
+            torch.manual_seed(config.seed)
+            model, tokenizer = resolve_initial_policy(config, progress=progress)
+            model.eval()
+            trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, 0)
+            log.info("starting fresh from %s", config.model.name_or_path)
+            loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
+        loaded.fingerprint = model_fingerprint(model, tokenizer)
+        loaded.parameters = sum(p.numel() for p in model.parameters())
+        return loaded
+
+    async def attach(self, transport, policy: LoadedPolicy, seed: int) -> None:
+        """Nothing to join: the weights are here."""
+
+    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
+        trainer = policy.trainer
+        self.store.save(round_, policy.model, policy.tokenizer, trainer.optimizer, trainer.policy_version, self.config.checkpoint_keep, outer=outer_state)
+
+    def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
+        return {}
+
+
+class PipelinePolicy:
+    """A policy split into pipeline.num_stages stages served by peers: the initial model tells the
+    architecture and the fingerprint, the weights stay with the stage servers (which recover a lost
+    stage from its neighbours, CheckFree), so this node keeps only its round and policy version."""
+
+    def __init__(self, config: NodeConfig, store: StateStore):
+        self.config = config
+        self.store = store
+
+    def load(self, progress: bool | None = None) -> LoadedPolicy:
+        from node.pipeline.remote_model import RemoteCausalLM, RemoteOptimizer
+
+        config, pipeline = self.config, self.config.pipeline
+        torch.manual_seed(config.seed)
+        initial, tokenizer = resolve_initial_policy(config)
+        model = RemoteCausalLM(initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch)
+        state = self.store.root / PIPELINE_STATE
+        saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
+        model.eval()
+        trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(model))
+        loaded = LoadedPolicy(model, tokenizer, trainer, saved["round"], model_fingerprint(initial, tokenizer), sum(p.numel() for p in initial.parameters()))
+        log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, loaded.fingerprint, loaded.round)
+        return loaded
+
+    async def attach(self, transport, policy: LoadedPolicy, seed: int) -> None:
+        """Route the model's stages through the swarm's stage servers, and wait until each stage is served."""
+        from node.pipeline.driver import PipelineRouter
+        from node.pipeline.stages import expected_fingerprints, pipeline_limits
+
+        model_config = policy.model.config
+        router = PipelineRouter(transport.dht, self.config, policy.fingerprint, expected_fingerprints(self.config, model_config, policy.fingerprint),
+                                pipeline_limits(self.config, model_config, policy.parameters), seed=seed)
+        policy.model.attach(router, asyncio.get_running_loop())
+        await router.wait_until_served()
+
+    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
+        atomic_write_text(self.store.root / PIPELINE_STATE, json.dumps({"round": round_, "policy_version": policy.trainer.policy_version}))
+
+    def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
+        return {"stage_grad_norms": trainer.optimizer.last_grad_norms}
+
+
+def policy_for(config: NodeConfig, store: StateStore) -> LocalPolicy | PipelinePolicy:
+    return PipelinePolicy(config, store) if config.pipeline.objective == "grpo" else LocalPolicy(config, store)
