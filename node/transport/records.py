@@ -164,14 +164,15 @@ class RecordWriter:
         return await store_value(dht, key, record.data, record.expiration, self.identity.node_id, timeout)
 
 
-async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int,
+async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int | None,
                        on_refusal: Callable[[str, ProtocolRejection], None] | None = None, once: RefusedOnce | None = None) -> list:
     """Verified envelopes of `kind` stored under `key` (each signed by the node id it is stored under).
 
     One line to read what `RecordWriter.store` wrote under any key. The DHT's validator already
     refused what is malformed; this second check also holds when a value comes from a DHT node
     that runs without it (a test's plain DHTNode), and refuses a genuine record stored under a
-    key of another kind. `on_refusal(owner, rejection)` is called for each refused value, only
+    key of another kind. At most `limit` values are checked, drawn at random (None: all).
+    `on_refusal(owner, rejection)` is called for each refused value, only
     the first time that value is read when `once` is given."""
     from node.transport.batches import decode_verified
     from node.transport.dht import read_key
