@@ -258,7 +258,10 @@ class DHTTransport(Transport):
     async def _start_gossip(self) -> None:
         from node.transport.gossip_libp2p import LibP2PGossip
 
-        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
+        # A round decodes at most max_batches_read_per_round values: buffering more between rounds only holds memory
+        # (the oldest are dropped, and counted, past it).
+        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port,
+                                   max_buffered=2 * self.config.swarm.max_batches_read_per_round)
         listening = await self.gossip.start()
         # Behind NAT nobody can dial the gossip host: it dials out, and gossipsub uses those links both ways.
         self.gossip_addresses = routable_gossip_addresses(listening, self.addresses) if self.reachability == "direct" else []
