@@ -104,8 +104,10 @@ class SwarmStats:
         self.gossip_messages_dropped = 0  # lost by the gossip layer's bounded buffer between two rounds
         self.values_read = 0  # rollout values that reached this node: DHT values read (again each round) and gossip messages
         self.bytes_read = 0  # their bytes: what the node received for rollouts, before any check
+        self.values_decoded = 0  # new values decoded and verified: at most swarm.max_batches_read_per_round a round
         self.values_left_unread = 0  # new values past the round's budget (swarm.max_batches_read_per_round), not decoded
         self.rollout_reads_failed = 0  # rollout shard reads that failed or timed out (a key past p2pd's message limit fails whole)
+        self.swarm_size_estimate = 0  # live nodes, this one included, as the heartbeat shards last read show them (0: not measured)
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
@@ -158,8 +160,10 @@ class SwarmStats:
             "gossip_messages_dropped": self.gossip_messages_dropped,
             "values_read": self.values_read,
             "bytes_read": self.bytes_read,
+            "values_decoded": self.values_decoded,
             "values_left_unread": self.values_left_unread,
             "rollout_reads_failed": self.rollout_reads_failed,
+            "swarm_size_estimate": self.swarm_size_estimate,
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
             "questions_used": sum(c.questions_used for c in self.peers.values()),

@@ -147,6 +147,7 @@ class BatchReceiver:
         if budget is not None and len(fresh) > budget:
             self.stats.values_left_unread += len(fresh) - budget
             fresh = random.sample(fresh, budget)
+        self.stats.values_decoded += len(fresh)
         envelopes = []
         for subkey, raw, digest in fresh:
             self.processed[digest] = None

@@ -281,6 +281,7 @@ class DHTTransport(Transport):
         live = await read_peer_stats(self.dht, self.config, self.stats, shards=shards)
         others = {stats.node_id for stats, _ in live} - {self.identity.node_id}
         self.swarm_size = max(1, round((len(others) + 1) * HEARTBEAT_SHARDS / read)) if read < HEARTBEAT_SHARDS else len(others) + 1
+        self.stats.swarm_size_estimate = self.swarm_size
         peers = [stats for stats, _ in live if stats.node_id != self.identity.node_id]
         self._remember_dht_peers(peers)
         addresses = [a for stats in peers for a in stats.gossip_addresses]
