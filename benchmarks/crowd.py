@@ -189,7 +189,12 @@ async def list_peers(address: str, swarm_id: str) -> tuple[float, int]:
     started = time.monotonic()
     process = await asyncio.create_subprocess_exec(sys.executable, "-m", "node.cli", "peers", "--initial-peers", address, "--swarm-id", swarm_id, "--json",
                                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    out, err = await asyncio.wait_for(process.communicate(), 300)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 300)
+    except asyncio.TimeoutError:
+        process.kill()  # this one process, by its handle: it started no children of its own but p2pd, which dies with it
+        await process.wait()
+        raise
     if process.returncode != 0:
         raise RuntimeError(f"swarm-node peers failed: {err.decode()[-2000:]}")
     return time.monotonic() - started, len(json.loads(out.decode().strip().splitlines()[-1]))
