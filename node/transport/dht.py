@@ -280,7 +280,7 @@ class DHTTransport(Transport):
         self._next_heartbeat_shard = (self._next_heartbeat_shard + read) % HEARTBEAT_SHARDS
         live = await read_peer_stats(self.dht, self.config, self.stats, shards=shards)
         others = {stats.node_id for stats, _ in live} - {self.identity.node_id}
-        self.swarm_size = max(1, round((len(others) + 1) * HEARTBEAT_SHARDS / read)) if read < HEARTBEAT_SHARDS else len(others) + 1
+        self.swarm_size = 1 + (round(len(others) * HEARTBEAT_SHARDS / read) if read < HEARTBEAT_SHARDS else len(others))
         self.stats.swarm_size_estimate = self.swarm_size
         peers = [stats for stats, _ in live if stats.node_id != self.identity.node_id]
         self._remember_dht_peers(peers)
@@ -449,8 +449,10 @@ async def store_value(dht, key: str, value: bytes, expiration_time: float, subke
 
 
 async def read_values(dht, key: str, timeout: float) -> list[tuple[object, object]] | None:
-    """Every (subkey, value) pair stored under a key; None if the DHT did not answer in time or the read failed
-    (a key past p2pd's 4 MiB message, flooded or not, fails whole: the caller counts it and goes on)."""
+    """Every (subkey, value) pair stored under a key; None if the DHT did not answer in time or the read raised.
+
+    A key whose reply would pass p2pd's 4 MiB message (flooded: ~1,000 batches) does not raise: hivemind's
+    reply fails inside it and the read returns this node's cached copy or nothing (benchmarks/RESULTS.md, crowd)."""
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
     except asyncio.TimeoutError:
