@@ -41,7 +41,7 @@ import_hivemind_isolated()
 from node.config import NodeConfig, load_config  # noqa: E402
 from node.tasks import materialize  # noqa: E402
 from node.transport.dht import key_prefix, shutdown_dht  # noqa: E402
-from node.transport.records import RecordWriter, SwarmRecordValidator  # noqa: E402
+from node.transport.records import RecordWriter, SwarmRecordValidator, bound_key_storage  # noqa: E402
 from protocol import NodeIdentity, PeerStats, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec  # noqa: E402
 from protocol.shards import HEARTBEAT_SHARDS, peers_key, rollout_key, rollout_shard_count, rollout_write_levels, shard_of  # noqa: E402
 from protocol.version import PROTOCOL_VERSION  # noqa: E402
@@ -71,6 +71,7 @@ class Crowd:
         from node.transport.reachability import serve_observed_address
 
         self.dht = await DHTNode.create(host_maddrs=[f"/ip4/{host}/tcp/0"], record_validator=SwarmRecordValidator(self.config.swarm.swarm_id))
+        bound_key_storage(self.dht)  # stores what a node's DHT would, no more
         await serve_observed_address(self.dht.p2p)  # a joining node measures its reachability against its bootstrap peer
         self.addresses = [str(a) for a in await self.dht.get_visible_maddrs()]
         return self.addresses

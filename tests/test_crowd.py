@@ -121,3 +121,19 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
     assert totals["rejected"].get(Refusal.WRONG_SHARD.value, 0) >= 1, totals["rejected"]
     assert totals["rollout_reads_failed"] == 0
     assert len(listed) == CROWD + 1 and cli_listed == CROWD + 1
+
+
+def test_a_key_flooded_past_its_byte_bound_refuses_new_subkeys_and_stays_readable():
+    from hivemind.dht.routing import DHTID
+
+    from node.stats import RecordRefusals
+    from node.transport.records import BoundedKeyStorage
+
+    refusals = RecordRefusals()
+    storage = BoundedKeyStorage(refusals, max_key_bytes=1000)
+    key, far = DHTID.generate(source="k"), time.time() + 60
+    assert storage.store_subkey(key, "a" * 40, b"x" * 400, far) and storage.store_subkey(key, "b" * 40, b"x" * 400, far)
+    assert not storage.store_subkey(key, "c" * 40, b"x" * 400, far)  # would make 1,200 bytes: refused
+    assert storage.store_subkey(key, "a" * 40, b"y" * 500, far + 1)  # an owner's newer value in place of its own still fits
+    assert sorted(subkey for subkey, _ in storage.get(key).value.items()) == ["a" * 40, "b" * 40]
+    assert refusals.by_reason == {"key_full": 1}

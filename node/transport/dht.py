@@ -78,7 +78,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
     from hivemind.dht.node import DHTNode
 
-    from node.transport.records import SwarmRecordValidator
+    from node.transport.records import SwarmRecordValidator, bound_key_storage
 
     swarm = config.swarm
     p2p_options = {}
@@ -94,7 +94,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
-            return await DHTNode.create(
+            dht = await DHTNode.create(
                 initial_peers=swarm.initial_peers or None,
                 client_mode=swarm.client_mode if client_mode is None else client_mode,
                 host_maddrs=swarm.host_maddrs,
@@ -103,6 +103,8 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
                 record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
                 **p2p_options,
             )
+            bound_key_storage(dht, refusals)
+            return dht
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
             last_error = exc
             if attempt == swarm.bootstrap_attempts:
