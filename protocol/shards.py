@@ -23,7 +23,9 @@ PEERS_PER_ROLLOUT_SHARD writers of each level.
 
 A record stored under a shard its signer does not belong to is refused by the reader
 (`Refusal.WRONG_SHARD`): one identity cannot fill other shards. Identities can be ground to one
-shard, so a reader also decodes at most a bounded number of values per key (node/transport/dht.py).
+shard, so a node's DHT storage holds at most 3 MiB per key (node/transport/records.py, a reply
+must fit p2pd's 4 MiB message) and a reader decodes at most a budget of values per round
+(node/transport/dht.py).
 """
 
 from __future__ import annotations

@@ -453,8 +453,9 @@ async def store_value(dht, key: str, value: bytes, expiration_time: float, subke
 async def read_values(dht, key: str, timeout: float) -> list[tuple[object, object]] | None:
     """Every (subkey, value) pair stored under a key; None if the DHT did not answer in time or the read raised.
 
-    A key whose reply would pass p2pd's 4 MiB message (flooded: ~1,000 batches) does not raise: hivemind's
-    reply fails inside it and the read returns this node's cached copy or nothing (benchmarks/RESULTS.md, crowd)."""
+    Our DHT peers hold at most records.MAX_KEY_BYTES per key, so their replies fit p2pd's 4 MiB message. A
+    peer without that bound (an older node) may hold a flooded key whose reply does not fit: that read does not
+    raise, hivemind's reply fails inside it and it returns this node's cached copy or nothing (RESULTS, crowd)."""
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
     except asyncio.TimeoutError:
