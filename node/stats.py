@@ -194,8 +194,10 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     for name, value in node_gauges.items():
         lines += [f"# TYPE swarm_node_{name} gauge", f"swarm_node_{name} {float(value)}"]
     totals = stats.totals()
-    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received"):
+    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received", "values_read", "bytes_read", "values_decoded",
+                 "values_left_unread", "gossip_messages_dropped", "rollout_reads_failed"):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
+    lines += ["# TYPE swarm_node_swarm_size_estimate gauge", f"swarm_node_swarm_size_estimate {totals['swarm_size_estimate']}"]
     per_peer = ("batches_received", "batches_accepted", "questions_received", "questions_used", "claimed_rewards_disagree")
     for name in per_peer:
         lines.append(f"# TYPE swarm_node_peer_{name}_total counter")
