@@ -51,6 +51,7 @@ from node.loop import Node  # noqa: E402
 from node.stats import SwarmStats  # noqa: E402
 from node.transport.batches import decode_verified  # noqa: E402
 from node.transport.dht import DHTTransport, read_key, read_peer_stats  # noqa: E402
+from protocol.shards import rollout_key  # noqa: E402
 from protocol import MessageKind, NodeIdentity, PeerStats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,7 +118,7 @@ async def measure(size: int, gossip: str, trials: int, groups, scratch: str) -> 
         for trial in range(trials):
             bytes_before = publisher.stats.bytes_published
             window = int(time.time() // publisher.config.swarm.window_s)
-            key = f"{publisher.prefix}/rollouts/{window}"
+            key = rollout_key(publisher.prefix, window, 1, 0)  # a small swarm's one shard
             started = time.monotonic()
             first_new_seq = publisher.writer._seq + 1  # seqs only grow: anything from here on is this trial's batch
             if gossip == "libp2p":
@@ -211,7 +212,7 @@ async def lab_receive(transport: DHTTransport, scratch: Path, publisher_id: str,
                 await asyncio.sleep(0.001)
             else:  # back-to-back reads of this window's and the last window's record
                 window = int(time.time() // window_s)
-                for key in (f"{transport.prefix}/rollouts/{window - 1}", f"{transport.prefix}/rollouts/{window}"):
+                for key in (rollout_key(transport.prefix, window - 1, 1, 0), rollout_key(transport.prefix, window, 1, 0)):
                     for subkey, raw in await read_key(transport.dht, key, 10.0):
                         if subkey == publisher_id:
                             record(raw, subkey)

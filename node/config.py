@@ -288,6 +288,12 @@ class SwarmConfig(_Section):
     """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port, written to <state-dir>/dashboard.txt)."""
     dashboard_host: str = "127.0.0.1"
     """Interface of the dashboard; it shows peers' ids and addresses, so only open it beyond this machine on purpose."""
+    rollout_shards_read: int = Field(1, ge=1)
+    """Rollout shards read per window and round (protocol/shards.py): up to 32 nodes there is one shard and a node
+    reads every batch; in a larger swarm it reads this many shards of about 32 writers each, drawn at random each round."""
+    max_batches_read_per_round: int = Field(128, ge=1)
+    """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
+    not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
 
 
 class AveragingConfig(_Section):

@@ -101,6 +101,13 @@ class SwarmStats:
         self.bytes_published = 0
         self.bytes_received = 0
         self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
+        self.gossip_messages_dropped = 0  # lost by the gossip layer's bounded buffer between two rounds
+        self.values_read = 0  # rollout values that reached this node: DHT values read (again each round) and gossip messages
+        self.bytes_read = 0  # their bytes: what the node received for rollouts, before any check
+        self.values_decoded = 0  # new values decoded and verified: at most swarm.max_batches_read_per_round a round
+        self.values_left_unread = 0  # new values past the round's budget (swarm.max_batches_read_per_round), not decoded
+        self.rollout_reads_failed = 0  # rollout shard reads that failed or timed out (a key past p2pd's message limit fails whole)
+        self.swarm_size_estimate = 0  # live nodes, this one included, as the heartbeat shards last read show them (0: not measured)
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
@@ -114,6 +121,10 @@ class SwarmStats:
         while len(self.peers) > MAX_TRACKED_PEERS:
             self.peers.popitem(last=False)
         return counters
+
+    def count_read(self, raw: object) -> None:
+        self.values_read += 1
+        self.bytes_read += len(raw) if isinstance(raw, bytes) else 0
 
     def reject(self, peer_id: str, reason: Refusal) -> None:
         self.refusals.record(peer_id, reason)
@@ -146,6 +157,13 @@ class SwarmStats:
             "bytes_published": self.bytes_published,
             "bytes_received": self.bytes_received,
             "gossip_messages_received": self.gossip_messages_received,
+            "gossip_messages_dropped": self.gossip_messages_dropped,
+            "values_read": self.values_read,
+            "bytes_read": self.bytes_read,
+            "values_decoded": self.values_decoded,
+            "values_left_unread": self.values_left_unread,
+            "rollout_reads_failed": self.rollout_reads_failed,
+            "swarm_size_estimate": self.swarm_size_estimate,
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
             "questions_used": sum(c.questions_used for c in self.peers.values()),
@@ -176,8 +194,10 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     for name, value in node_gauges.items():
         lines += [f"# TYPE swarm_node_{name} gauge", f"swarm_node_{name} {float(value)}"]
     totals = stats.totals()
-    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received"):
+    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received", "values_read", "bytes_read", "values_decoded",
+                 "values_left_unread", "gossip_messages_dropped", "rollout_reads_failed"):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
+    lines += ["# TYPE swarm_node_swarm_size_estimate gauge", f"swarm_node_swarm_size_estimate {totals['swarm_size_estimate']}"]
     per_peer = ("batches_received", "batches_accepted", "questions_received", "questions_used", "claimed_rewards_disagree")
     for name in per_peer:
         lines.append(f"# TYPE swarm_node_peer_{name}_total counter")

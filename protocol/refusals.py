@@ -43,6 +43,7 @@ class Refusal(SentencedEnum):
     BAD_VALUE = ("bad_value", "A value is out of range: a non-finite float, a negative count, an unknown option.")
     BAD_SPEC = ("bad_spec", "A task spec is malformed or out of bounds.")
     UNSCORABLE = ("unscorable", "A task spec is well-formed but the receiver cannot materialize and score its question.")
+    WRONG_SHARD = ("wrong_shard", "The record is stored under a DHT shard its signer does not belong to (protocol/shards.py).")
 
 
 class ProtocolRejection(Exception):

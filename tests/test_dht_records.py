@@ -13,6 +13,7 @@ import msgpack
 
 from node.stats import RecordRefusals
 from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
+from protocol import shards as shard_keys
 from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, decode_message, encode_message
 from tests.conftest import CLI_TIMEOUT_S, REPO, cli
 from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
@@ -179,9 +180,10 @@ async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]
     attacker = await DHTNode.create(initial_peers=[address], client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     target = PeerID.from_base58(address.rsplit("/p2p/", 1)[1])
     me = NodeIdentity.generate()
-    peers_key = f"{key_prefix(SWARM)}/peers"
+    prefix = key_prefix(SWARM)
+    peers_key = shard_keys.peers_key(prefix, shard_keys.shard_of(honest_id, shard_keys.HEARTBEAT_SHARDS))  # where the honest node's heartbeat lives
     window = int(time.time() // 2)
-    keys = [peers_key] + [f"{key_prefix(SWARM)}/rollouts/{window + k}" for k in range(4)]
+    keys = [peers_key] + [shard_keys.rollout_key(prefix, window + k, count, 0) for k in range(4) for count in (1, 2)]
     accepted: dict[str, int] = {}
     try:
         genuine = await attacker.get(peers_key, latest=True)

@@ -194,7 +194,7 @@ GOLDEN_BATCH_1_4 = (  # as a 1.4 sender encoded it (minor 5 added a heartbeat fi
     "63d2268c8787dd03"
 )
 
-GOLDEN_BATCH = (  # this minor's encoding (5)
+GOLDEN_BATCH_1_5 = (  # as a 1.5 sender encoded it (minor 6 changed the DHT key layout only, no field)
     "92c5017297920105ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -241,7 +241,7 @@ GOLDEN_STATS_1_4 = (  # as a 1.4 sender encoded it: no reachability, the receive
     "a7e131cc93f5cfe7e4f5ce563cfd7e4616e0b45554c58ec2fb396b35afc81e55a11fe786f9e0188e6bca0e"
 )
 
-GOLDEN_STATS = (  # this minor's encoding (5)
+GOLDEN_STATS_1_5 = (  # as a 1.5 sender encoded it
     "92c5026397920105aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0017a76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -259,12 +259,43 @@ GOLDEN_STATS = (  # this minor's encoding (5)
     "68bcf591413b3d6108"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (6)
+    "92c5017297920106ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c4409b5d57ab6a7bfe56"
+    "7d17a355cf6459e464d70a6b35301112e180908851fdedf394286f7f61d0bdae49f1f9421be46b4d21e483d17c90a9ce"
+    "29458030606a100f"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (6)
+    "92c5026397920106aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0017a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0c44034f5c08984be6c"
+    "a40ec6ee8be3d00758534ee1dd7c5c341e001d53b702ea0e9786fc8d745705aac637a3a93921a0084df4f1b0a1c130df"
+    "e7ebb36b184d6dc004"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 def test_golden_rollout_batch():
     assert encode(make_batch()).hex() == GOLDEN_BATCH
     assert decode(bytes.fromhex(GOLDEN_BATCH)).message == make_batch()
-    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1, GOLDEN_BATCH_1_2, GOLDEN_BATCH_1_3, GOLDEN_BATCH_1_4):
+    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1, GOLDEN_BATCH_1_2, GOLDEN_BATCH_1_3, GOLDEN_BATCH_1_4, GOLDEN_BATCH_1_5):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
 
@@ -273,7 +304,7 @@ def test_golden_peer_stats():
     assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
     for older in (GOLDEN_STATS_1_0, GOLDEN_STATS_1_1):
         assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={})
-    for older in (GOLDEN_STATS_1_2, GOLDEN_STATS_1_3, GOLDEN_STATS_1_4):
+    for older in (GOLDEN_STATS_1_2, GOLDEN_STATS_1_3, GOLDEN_STATS_1_4, GOLDEN_STATS_1_5):
         assert decode(bytes.fromhex(older)).message == make_stats()
 
 
@@ -443,8 +474,9 @@ def test_every_reason_is_reachable_and_counted():
         guard.check_and_record(decode(encode(make_batch(), seq=5)))
     counter.record("peer-a", caught.value)
     counter.record("peer-b", Refusal.UNSCORABLE)  # the node's reason, when a spec cannot be materialized
+    counter.record("peer-b", Refusal.WRONG_SHARD)  # the DHT reader's reason (tests/test_crowd.py), from the key a value is stored under
     assert set(counter.by_reason()) == {reason.value for reason in Refusal}
-    assert sum(counter.by_reason().values()) == len(CASES) + 2
+    assert sum(counter.by_reason().values()) == len(CASES) + 3
     assert counter.by_peer()["peer-a"]["replay"] == 1
 
 

@@ -16,6 +16,7 @@ from node.loop import Node
 from node.tasks import materialize
 from node.transport.dht import key_prefix
 from protocol import NodeIdentity, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec, encode_message
+from protocol.shards import rollout_key
 from tests.conftest import REPO
 from tests.swarm_helpers import SWARM_OVERRIDES
 
@@ -42,7 +43,7 @@ async def _hostile_scenario(tmp_path):
     hostile = await DHTNode.create(initial_peers=honest.transport.addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         window = int(time.time() // config.swarm.window_s)
-        key = f"{key_prefix(SWARM)}/rollouts/{window}"
+        key = rollout_key(key_prefix(SWARM), window, 1, 0)  # a lone node reads the one shard of a small swarm
         mix = config.tasks.datasets[0]
         spec = TaskSpec(mix.name, mix.config, seed=5, index=3)
         question = materialize(spec)

@@ -2,7 +2,10 @@
 
 Out: a node's scored groups become one `RolloutBatch` (its completions' text, token ids and
 behaviour log-probs, and its own rewards as advisory claims), signed by the transport.
-In: `BatchReceiver` turns raw values into `ExternalGroup`s: each is decoded and verified by the
+In: `BatchReceiver` turns raw values into `ExternalGroup`s. A value already processed (the same DHT
+value is read again every round, and gossip delivers it too) is skipped by its digest before any
+decoding; of the new ones, at most a round's budget is taken, at random, and the rest counted as left
+unread (a flood costs the reader a bounded amount of work). Each is decoded and verified by the
 protocol (signature, swarm, size, structure), checked against the DHT subkey it was stored under,
 counted once if refused, skipped if already seen (the same DHT value is read again every round),
 refused as a replay if older than all we remember of its sender, or as stale if older than
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import random
 from collections import OrderedDict
 
 from node.config import SwarmConfig
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 SEEN_PER_SENDER = 64
 MAX_SENDERS_REMEMBERED = 1024
 MAX_REFUSED_REMEMBERED = 4096
+MAX_PROCESSED_REMEMBERED = 8192  # digests of values decoded already: more than a round's reads of several windows
 
 
 def rollout_batch(fingerprint: str, round_: int, policy_version: int, groups: list[RolloutGroup]) -> RolloutBatch:
@@ -87,6 +92,10 @@ def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKin
     return envelope
 
 
+def value_digest(raw: object) -> bytes:
+    return hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()[:16]
+
+
 class SeenEnvelopes:
     """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay.
 
@@ -124,12 +133,26 @@ class BatchReceiver:
         self.stats = stats
         self.seen = SeenEnvelopes()
         self.refused: OrderedDict[bytes, None] = OrderedDict()
+        self.processed: OrderedDict[bytes, None] = OrderedDict()  # digests of values decoded already
 
-    def receive(self, values: list[tuple[object, object]], now: float) -> list[ExternalGroup]:
-        envelopes = []
+    def receive(self, values: list[tuple[object, object]], now: float, budget: int | None = None) -> list[ExternalGroup]:
+        """Peers' groups from the values not processed before, at most `budget` of them decoded (None: all)."""
+        fresh, digests = [], set()
         for subkey, raw in values:
-            if subkey == self.own_id:
+            digest = value_digest(raw)
+            if subkey == self.own_id or digest in self.processed or digest in digests:
                 continue
+            digests.add(digest)
+            fresh.append((subkey, raw, digest))
+        if budget is not None and len(fresh) > budget:
+            self.stats.values_left_unread += len(fresh) - budget
+            fresh = random.sample(fresh, budget)
+        self.stats.values_decoded += len(fresh)
+        envelopes = []
+        for subkey, raw, digest in fresh:
+            self.processed[digest] = None
+            while len(self.processed) > MAX_PROCESSED_REMEMBERED:
+                self.processed.popitem(last=False)
             try:
                 envelope = decode_verified(raw, subkey, self.config.swarm_id, MessageKind.ROLLOUT_BATCH, now)
             except ProtocolRejection as exc:
@@ -165,7 +188,7 @@ class BatchReceiver:
 
     def refuse_once(self, peer: str, raw: object, rejection: ProtocolRejection) -> None:
         """Count a refused value the first time it is read (it stays in the DHT until it expires)."""
-        digest = hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()[:16]
+        digest = value_digest(raw)
         if digest in self.refused:
             return
         self.refused[digest] = None

@@ -5,12 +5,18 @@ child process): the child's uvloop pipe can die on values above ~16 KB and leave
 caller waiting forever (../shared/NOTES.md), and our loop is free anyway since torch work
 runs in worker threads.
 
-Keys, all namespaced by protocol major version and swarm id:
-    swarm-node/v1/<swarm>/peers               subkey = node id, value = signed PeerStats
-    swarm-node/v1/<swarm>/rollouts/<window>   subkey = node id, value = signed RolloutBatch
+Keys, all namespaced by protocol major version and swarm id, sharded (protocol/shards.py):
+    swarm-node/v1/<swarm>/peers/<h>                         subkey = node id, value = signed PeerStats
+    swarm-node/v1/<swarm>/rollouts/<window>/s<count>/<i>    subkey = node id, value = signed RolloutBatch
 where <window> = floor(unix time / window_s). Each round a node publishes its batch under
 the current window and reads the last `collect_windows` windows, so nodes of different
-speeds overlap and a late joiner finds what was published in the recent past.
+speeds overlap and a late joiner finds what was published in the recent past. What a node
+reads does not grow with the swarm: `swarm.rollout_shards_read` shards per window, at the
+shard count its estimate of the swarm's size gives (one shard, every batch, up to 32 nodes),
+and at most `swarm.max_batches_read_per_round` values decoded per round, DHT and gossip
+together, drawn at random from those it has not processed yet; the rest are counted as
+left unread. Its heartbeat loop reads only as many heartbeat shards as it needs to keep a
+few hundred peers in view; it estimates the swarm's size from them.
 Every value is an envelope signed by its sender; a value whose signer is not the node id
 it is stored under is refused, and so is anything that fails the protocol's checks: first
 by the DHT's record validator (node/transport/records.py), so that no value can poison a
@@ -37,7 +43,9 @@ from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from node.transport.p2p_key import P2P_KEY_FILE
-from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection
+from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection, Refusal
+from protocol.shards import (HEARTBEAT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count, rollout_write_levels,
+                             shard_of)
 from protocol.version import PROTOCOL_MAJOR
 
 log = logging.getLogger(__name__)
@@ -70,7 +78,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
     from hivemind.dht.node import DHTNode
 
-    from node.transport.records import SwarmRecordValidator
+    from node.transport.records import SwarmRecordValidator, bound_key_storage
 
     swarm = config.swarm
     p2p_options = {}
@@ -86,7 +94,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
-            return await DHTNode.create(
+            dht = await DHTNode.create(
                 initial_peers=swarm.initial_peers or None,
                 client_mode=swarm.client_mode if client_mode is None else client_mode,
                 host_maddrs=swarm.host_maddrs,
@@ -95,6 +103,8 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
                 record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
                 **p2p_options,
             )
+            bound_key_storage(dht, refusals)
+            return dht
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
             last_error = exc
             if attempt == swarm.bootstrap_attempts:
@@ -229,6 +239,8 @@ class DHTTransport(Transport):
         self._dht_peers_seen: OrderedDict[str, list[str]] = OrderedDict()  # PeerID -> maddrs, least recently seen first
         self._last_rejoin = time.monotonic()
         self.dht_peers_rejoined = 0
+        self.swarm_size = 1  # live nodes, this one included, estimated from the heartbeat shards last read
+        self._next_heartbeat_shard = 0  # the heartbeat loop reads shards in turn, from here
 
     # lifecycle -----------------------------------------------------------------------
 
@@ -248,7 +260,10 @@ class DHTTransport(Transport):
     async def _start_gossip(self) -> None:
         from node.transport.gossip_libp2p import LibP2PGossip
 
-        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port)
+        # A round decodes at most max_batches_read_per_round values: buffering more between rounds only holds memory
+        # (the oldest are dropped, and counted, past it).
+        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port,
+                                   max_buffered=2 * self.config.swarm.max_batches_read_per_round)
         listening = await self.gossip.start()
         # Behind NAT nobody can dial the gossip host: it dials out, and gossipsub uses those links both ways.
         self.gossip_addresses = routable_gossip_addresses(listening, self.addresses) if self.reachability == "direct" else []
@@ -259,8 +274,17 @@ class DHTTransport(Transport):
         await self.gossip.subscribe(self.rollouts_topic)
 
     async def _connect_gossip_peers(self) -> None:
-        """Dial the gossip addresses peers announce in their heartbeats (new ones only), and remember their DHT addresses."""
-        peers = [stats for stats, _ in await read_peer_stats(self.dht, self.config, self.stats) if stats.node_id != self.identity.node_id]
+        """Read the next heartbeat shards (enough to keep a few hundred peers in view, all of them in a
+        small swarm), estimate the swarm's size from them, dial the gossip addresses peers announce
+        (new ones only), and remember their DHT addresses."""
+        read = heartbeat_shards_to_read(self.swarm_size)
+        shards = [(self._next_heartbeat_shard + k) % HEARTBEAT_SHARDS for k in range(read)]
+        self._next_heartbeat_shard = (self._next_heartbeat_shard + read) % HEARTBEAT_SHARDS
+        live = await read_peer_stats(self.dht, self.config, self.stats, shards=shards)
+        others = {stats.node_id for stats, _ in live} - {self.identity.node_id}
+        self.swarm_size = 1 + (round(len(others) * HEARTBEAT_SHARDS / read) if read < HEARTBEAT_SHARDS else len(others))
+        self.stats.swarm_size_estimate = self.swarm_size
+        peers = [stats for stats, _ in live if stats.node_id != self.identity.node_id]
         self._remember_dht_peers(peers)
         addresses = [a for stats in peers for a in stats.gossip_addresses]
         if addresses and self.gossip is not None:
@@ -352,7 +376,7 @@ class DHTTransport(Transport):
 
     async def publish_heartbeat(self) -> None:
         stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses, reachability=self.reachability)
-        await self._store(f"{self.prefix}/peers", self.writer.sign(stats))
+        await self._store(peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.writer.sign(stats))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -371,24 +395,45 @@ class DHTTransport(Transport):
                 except Exception as exc:  # retried next pass
                     log.warning("rejoining lost DHT peers failed: %r", exc)
 
+    def rollout_shards(self) -> tuple[int, list[int]]:
+        """(shard count, the shards this round reads): the count from the swarm size estimate, the shards at random."""
+        count = rollout_shard_count(self.swarm_size)
+        return count, sorted(random.sample(range(count), min(count, self.config.swarm.rollout_shards_read)))
+
     async def collect(self, round_: int) -> list[ExternalGroup]:
+        swarm = self.config.swarm
         now = time.time()
-        window = int(now // self.config.swarm.window_s)
-        keys = [f"{self.prefix}/rollouts/{window - k}" for k in range(self.config.swarm.collect_windows)]
-        reads = await asyncio.gather(*(read_key(self.dht, k, self.config.swarm.dht_timeout_s) for k in keys))
-        values = [item for found in reads for item in found]
+        window = int(now // swarm.window_s)
+        count, shards = self.rollout_shards()
+        keys = [(rollout_key(self.prefix, window - k, count, shard), shard) for k in range(swarm.collect_windows) for shard in shards]
+        reads = await asyncio.gather(*(read_values(self.dht, key, swarm.dht_timeout_s) for key, _ in keys))
+        values: list[tuple[object, object]] = []
+        for (key, shard), found in zip(keys, reads):
+            if found is None:
+                self.stats.rollout_reads_failed += 1
+                continue
+            for subkey, raw in found:
+                self.stats.count_read(raw)
+                if isinstance(subkey, str) and shard_of(subkey, count) != shard:  # one identity must not fill other shards
+                    self.receiver.refuse_once(subkey[:64], raw, ProtocolRejection(Refusal.WRONG_SHARD, f"stored under shard {shard} of {count}"))
+                    continue
+                values.append((subkey, raw))
         if self.gossip is not None:
             pushed = self.gossip.drain(self.rollouts_topic)
             self.stats.gossip_messages_received += len(pushed)
+            self.stats.gossip_messages_dropped = self.gossip.dropped(self.rollouts_topic)
+            for raw in pushed:
+                self.stats.count_read(raw)
             values += [(None, raw) for raw in pushed]
-        return self.receiver.receive(values, now)
+        return self.receiver.receive(values, now, budget=swarm.max_batches_read_per_round)
 
     async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
         window = int(time.time() // self.config.swarm.window_s)
         record, keep = sign_rollout_batch(self.writer, self.fingerprint, round_, policy_version, groups)
         if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
             await self.gossip.publish(self.rollouts_topic, record.data)
-        await self._store(f"{self.prefix}/rollouts/{window}", record)
+        levels = rollout_write_levels(rollout_shard_count(self.swarm_size))
+        await asyncio.gather(*(self._store(rollout_key(self.prefix, window, level, shard_of(self.identity.node_id, level)), record) for level in levels))
         self.stats.batches_published += 1
         self.stats.questions_published += keep
         self.stats.bytes_published += len(record.data)
@@ -405,19 +450,32 @@ async def store_value(dht, key: str, value: bytes, expiration_time: float, subke
         return False
 
 
-async def read_key(dht, key: str, timeout: float, limit: int = MAX_VALUES_PER_KEY) -> list[tuple[object, object]]:
-    """(subkey, value) pairs stored under a key, at most `limit`; none if the DHT does not answer in time."""
+async def read_values(dht, key: str, timeout: float) -> list[tuple[object, object]] | None:
+    """Every (subkey, value) pair stored under a key; None if the DHT did not answer in time or the read raised.
+
+    Our DHT peers hold at most records.MAX_KEY_BYTES per key, so their replies fit p2pd's 4 MiB message. A
+    peer without that bound (an older node) may hold a flooded key whose reply does not fit: that read does not
+    raise, hivemind's reply fails inside it and it returns this node's cached copy or nothing (RESULTS, crowd)."""
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
     except asyncio.TimeoutError:
         log.warning("the DHT did not answer for %s within %.0fs", key, timeout)
-        return []
+        return None
     except Exception as exc:  # noqa: BLE001 - a value hivemind cannot decode must cost one read, never the node
         log.warning("reading %s from the DHT failed: %s: %s", key, type(exc).__name__, exc)
-        return []
+        return None
     if found is None or not isinstance(found.value, dict):
         return []
-    return [(subkey, entry.value) for subkey, entry in found.value.items()][:limit]
+    return [(subkey, entry.value) for subkey, entry in found.value.items()]
+
+
+async def read_key(dht, key: str, timeout: float, limit: int | None = MAX_VALUES_PER_KEY) -> list[tuple[object, object]]:
+    """(subkey, value) pairs stored under a key, at most `limit` drawn at random (None: all), so that a flood of
+    subkeys costs a bounded amount of checking and cannot push others out by coming first; none if the read failed."""
+    pairs = await read_values(dht, key, timeout) or []
+    if limit is not None and len(pairs) > limit:
+        pairs = random.sample(pairs, limit)
+    return pairs
 
 
 def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:
@@ -434,8 +492,10 @@ def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
-async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = None) -> list[tuple[PeerStats, float]]:
-    """Live peers' verified heartbeats with their signing time; refused ones are counted in `stats` when given."""
+async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = None, shards: list[int] | None = None,
+                          limit: int | None = MAX_VALUES_PER_KEY) -> list[tuple[PeerStats, float]]:
+    """Live peers' verified heartbeats with their signing time, from the given heartbeat shards (None: all of
+    them, the whole swarm), at most `limit` per shard (None: all); refused ones are counted in `stats` when given."""
     from node.transport.records import read_records
 
     def refused(peer: str, rejection: ProtocolRejection) -> None:
@@ -443,6 +503,8 @@ async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = No
             stats.reject_heartbeat(peer, rejection)
 
     now = time.time()
-    envelopes = await read_records(dht, f"{key_prefix(config.swarm.swarm_id)}/peers", config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, MAX_VALUES_PER_KEY,
-                                   refused, once=stats.heartbeats_refused_once if stats is not None else None)
-    return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.swarm.heartbeat_ttl_s]
+    prefix = key_prefix(config.swarm.swarm_id)
+    shards = list(range(HEARTBEAT_SHARDS)) if shards is None else shards
+    reads = await asyncio.gather(*(read_records(dht, peers_key(prefix, shard), config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, limit,
+                                                refused, once=stats.heartbeats_refused_once if stats is not None else None) for shard in shards))
+    return [(e.message, e.timestamp) for envelopes in reads for e in envelopes if now - e.timestamp <= config.swarm.heartbeat_ttl_s]

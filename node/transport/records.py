@@ -34,6 +34,13 @@ drops a whole dictionary returned by a peer when one of its subkeys fails valida
 rule that turned stored records invalid with age would make honest records poison their
 neighbours' reads.
 
+What one key holds is bounded too (`BoundedKeyStorage`): a node's storage refuses a new subkey
+once the key's values would pass MAX_KEY_BYTES, below p2pd's 4 MiB message. Without it a crowd of
+identities ground to one rollout shard made the key's reply too large to send: every reader of
+that key got nothing, and hivemind did not even say the read failed. With it the key stays
+readable (the flood fills it and later writers of that shard and window are refused, "key_full"),
+and a reader decodes at most its round's budget of it.
+
 Refusals are counted by reason and by claimed owner, each distinct record once
 (`RecordRefusals`, bounded) and shown in `swarm.json`, `stats` and `/metrics`; logging is
 rate-limited.
@@ -56,6 +63,7 @@ from node.transport.protobuf_shim import import_hivemind_isolated
 
 import_hivemind_isolated()
 
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolRejection, Refusal, decode_message, encode_message  # noqa: E402
@@ -129,6 +137,42 @@ class SwarmRecordValidator(RecordValidatorBase):
         return None, subkey, ""
 
 
+MAX_KEY_BYTES = 3 << 20  # all subkeys of one key together: a reply must fit p2pd's 4 MiB message (persistentConnMaxMsgSize)
+
+
+class BoundedKeyStorage(DHTLocalStorage):
+    """hivemind's local record storage, refusing a new subkey (or a larger value for an existing one) that
+    would take its key past `max_key_bytes`, so that every key this node serves fits in one reply."""
+
+    def __init__(self, refusals: RecordRefusals, max_key_bytes: int = MAX_KEY_BYTES) -> None:
+        super().__init__()
+        self.refusals = refusals
+        self.max_key_bytes = max_key_bytes
+
+    def store_subkey(self, key, subkey, value: bytes, expiration_time: float) -> bool:
+        held = self.get(key)
+        if held is not None and isinstance(held.value, DictionaryDHTValue):
+            replaced = held.value.get(subkey)
+            size = sum(len(item.value) for _, item in held.value.items()) - (len(replaced.value) if replaced is not None else 0) + len(value)
+            if size > self.max_key_bytes:
+                self.refusals.record(str(subkey)[:64], "key_full", f"the key would hold {size} bytes, limit {self.max_key_bytes}",
+                                     record=(key.to_bytes(), repr(subkey).encode(), value))
+                return False
+        return super().store_subkey(key, subkey, value, expiration_time)
+
+
+def bound_key_storage(dht, refusals: RecordRefusals | None = None) -> None:
+    """Give a freshly created DHTNode a BoundedKeyStorage (hivemind takes no storage argument), keeping what it stored while joining."""
+    bounded = BoundedKeyStorage(refusals if refusals is not None else RecordRefusals())
+    for key, (value, expiration) in dht.protocol.storage.items():
+        if isinstance(value, DictionaryDHTValue):
+            for subkey, (item, item_expiration) in value.items():
+                bounded.store_subkey(key, subkey, item, item_expiration)
+        else:
+            bounded.store(key, value, expiration)
+    dht.protocol.storage = bounded
+
+
 class SignedRecord(NamedTuple):
     """An encoded envelope and the DHT expiration it must be stored with (rule 4)."""
 
@@ -164,14 +208,15 @@ class RecordWriter:
         return await store_value(dht, key, record.data, record.expiration, self.identity.node_id, timeout)
 
 
-async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int,
+async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int | None,
                        on_refusal: Callable[[str, ProtocolRejection], None] | None = None, once: RefusedOnce | None = None) -> list:
     """Verified envelopes of `kind` stored under `key` (each signed by the node id it is stored under).
 
     One line to read what `RecordWriter.store` wrote under any key. The DHT's validator already
     refused what is malformed; this second check also holds when a value comes from a DHT node
     that runs without it (a test's plain DHTNode), and refuses a genuine record stored under a
-    key of another kind. `on_refusal(owner, rejection)` is called for each refused value, only
+    key of another kind. At most `limit` values are checked, drawn at random (None: all).
+    `on_refusal(owner, rejection)` is called for each refused value, only
     the first time that value is read when `once` is given."""
     from node.transport.batches import decode_verified
     from node.transport.dht import read_key

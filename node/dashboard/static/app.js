@@ -126,6 +126,10 @@ function renderNodeInfo(swarm) {
   document.getElementById("node-round").textContent = node.round !== undefined ? `round ${node.round}, policy version ${node.policy_version}` : "";
 }
 
+// The table shows at most this many rows (the server keeps the history of as many peers, sources.MAX_PEERS_KEPT):
+// a browser table of thousands of rows is unreadable anyway; `swarm-node peers --json` lists them all.
+const MAX_PEER_ROWS = 256;
+
 function renderPeers(peers, now) {
   const datasetKeys = byDatasetKeys(peers);
   const head = el("tr", {});
@@ -134,7 +138,7 @@ function renderPeers(peers, now) {
   document.getElementById("peer-head").replaceChildren(head);
   const body = document.getElementById("peer-rows");
   body.replaceChildren();
-  for (const row of peers) {
+  for (const row of peers.slice(0, MAX_PEER_ROWS)) {
     const tr = el("tr", { "data-peer-row": "", "data-node-id": row.node_id });
     for (const [, cell, cls] of PEER_COLUMNS) tr.append(el("td", { class: cls || "" }, cell(row, now)));
     for (const key of datasetKeys) tr.append(el("td", { class: "text" }, Object.entries(row[key] || {}).map(([d, v]) => `${d} ${percent(v)}`).join(" · ")));
@@ -142,7 +146,9 @@ function renderPeers(peers, now) {
     body.append(tr);
   }
   if (!peers.length) body.append(el("tr", {}, el("td", { class: "text empty-note", colspan: PEER_COLUMNS.length }, "no live peer seen yet")));
-  document.getElementById("peer-count").textContent = `${peers.length} live`;
+  document.getElementById("peer-count").textContent = peers.length > MAX_PEER_ROWS
+    ? `${peers.length} live, the first ${MAX_PEER_ROWS} shown (curves: the ${MAX_PEER_ROWS} seen last); swarm-node peers --json lists all`
+    : `${peers.length} live`;
   document.getElementById("peers-section").dataset.peerCount = String(peers.length);
 }
 
