@@ -1,37 +1,23 @@
-"""Shared fixtures: a tiny node config that builds its default model in seconds."""
+"""Shared fixtures: a tiny node config that builds its default model in seconds, swarm and pipeline
+configs, and the processes a test starts (stopped when it ends). Helpers live in tests/helpers/."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from node.config import dump_config, load_config
 from node.transport.protobuf_shim import import_hivemind_isolated
 
 # hivemind and libp2p register the same protobuf names; tests import both, so hivemind's
 # go into a private pool before anything imports it (as the node itself does).
 import_hivemind_isolated()
 
-REPO = Path(__file__).resolve().parents[1]
-# How long a CLI subprocess may take before a test calls it hung. A hang guard, never a speed check:
-# on a machine shared with other work, importing torch alone has taken minutes.
-CLI_TIMEOUT_S = 900
-
-TINY_OVERRIDES = [
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=5",
-    "model.default.warmup_batch_size=8",
-    "swarm.local_questions=2",
-    "rollout.completions_per_question=4",
-    "rollout.max_new_tokens=4",
-    "tasks.heldout_size=8",
-]
+from tests.helpers.common import REPO, TINY_OVERRIDES  # noqa: E402 - after the protobuf isolation
+from tests.helpers.pipeline import PIPELINE_OVERRIDES  # noqa: E402
+from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +30,6 @@ def model_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def tiny_config(model_cache, tmp_path):
-    from node.config import load_config
 
     def make(*extra: str, state_dir: Path | None = None):
         return load_config(REPO / "configs" / "isolated.yaml", [*TINY_OVERRIDES, *extra], state_dir=str(state_dir or tmp_path / "state"))
@@ -58,5 +43,54 @@ def cli_env(model_cache) -> dict[str, str]:
     return env
 
 
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "node.cli", *args]
+# swarms of real processes on 127.0.0.1 ---------------------------------------------------
+
+
+@pytest.fixture
+def swarm_yaml(model_cache, tmp_path):
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "swarm.yaml", SWARM_OVERRIDES)
+    ensure_default_model(config, progress=False)  # build once, before several nodes race to
+    path = tmp_path / "swarm.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
+@pytest.fixture
+def evaluating_swarm_yaml(model_cache, tmp_path):
+    """The swarm config, evaluating held-out every 2 rounds: what the dashboard's curves show."""
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "eval_every=2"])
+    ensure_default_model(config, progress=False)
+    path = tmp_path / "swarm.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
+@pytest.fixture
+def nodes():
+    started: list[SwarmProcess] = []
+    yield started
+    for node in started:
+        node.close()
+
+
+@pytest.fixture
+def pipeline_yaml(model_cache, tmp_path):
+    from node.model import ensure_default_model
+
+    config = load_config(REPO / "configs" / "pipeline.yaml", PIPELINE_OVERRIDES)
+    ensure_default_model(config, progress=False)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(dump_config(config))
+    return path
+
+
+@pytest.fixture
+def procs():
+    started: list[SwarmProcess] = []
+    yield started
+    for proc in started:
+        proc.close()

@@ -17,7 +17,7 @@ import torch
 
 from node.averaging.pairing import Frame, PairAverager
 from node.transport.dht import shutdown_dht
-from tests.test_averaging_pairing import assert_untouched, averagers, ordered_identities, snapshot, swarm, weights
+from tests.helpers.averaging import assert_untouched, averagers, ordered_identities, snapshot, swarm, weights
 
 
 class Fault(enum.Enum):

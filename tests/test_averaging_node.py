@@ -11,8 +11,8 @@ import torch
 from node.averaging.outer import float_parameters
 from node.config import load_config
 from node.loop import Node
-from tests.conftest import REPO
-from tests.swarm_helpers import SWARM_OVERRIDES
+from tests.helpers.common import REPO
+from tests.helpers.swarm import SWARM_OVERRIDES
 
 
 def test_two_nodes_apply_the_noloco_rule(model_cache, tmp_path):

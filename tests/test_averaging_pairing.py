@@ -1,89 +1,18 @@
 """The weight exchange between real, honest peers on 127.0.0.1 (in-process DHT nodes, one p2pd each).
 
-The swarm helpers here are shared with test_averaging_faults.py.
+Its peers come from tests/helpers/averaging.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
 
 from node.averaging.pairing import PairAverager, pair_partner
 from node.transport.dht import shutdown_dht
-
-PREFIX = "swarm-node/v1/test-swarm/avg/aaaaaaaaaaaaaaaa"
-OTHER_PREFIX = "swarm-node/v1/test-swarm/avg/bbbbbbbbbbbbbbbb"
-FAST = dict(poll_interval=0.1, settle_s=0.5, gather_s=1.0, dht_timeout=3.0)
-
-
-def ordered_identities(directory, count: int) -> list[str]:
-    """`count` p2p identity files, sorted by the peer id they give: the first one is the caller of a pair."""
-    from hivemind.p2p import P2P, PeerID
-
-    paths = [str(directory / f"identity-{i}.key") for i in range(count)]
-    for path in paths:
-        P2P.generate_identity(path)
-    return sorted(paths, key=lambda path: PeerID.from_identity(open(path, "rb").read()).to_base58())
-
-
-@asynccontextmanager
-async def swarm(count: int, identities: list[str] | None = None):
-    """`count` DHT nodes: the first on 127.0.0.1:0, the others joined to its real addresses."""
-    from hivemind.dht.node import DHTNode
-
-    def options(i: int) -> dict:
-        return dict(identity_path=identities[i], check_if_identity_free=False) if identities else {}
-
-    nodes = []
-    try:
-        nodes.append(await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **options(0)))
-        addresses = [str(a) for a in await nodes[0].get_visible_maddrs()]
-        nodes += await asyncio.gather(*(DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses, **options(i)) for i in range(1, count)))
-        yield nodes
-    finally:
-        await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))
-
-
-def make_writer():
-    """A fresh node identity signing averaging announcements for the test swarm."""
-    from node.transport.records import RecordWriter
-    from protocol import NodeIdentity
-
-    return RecordWriter(NodeIdentity.generate(), "test-swarm")
-
-
-@asynccontextmanager
-async def averagers(nodes, prefixes=None, cls=PairAverager, **kwargs):
-    started = []
-    try:
-        for node, prefix in zip(nodes, prefixes or [PREFIX] * len(nodes)):
-            averager = cls(node, prefix, **{**FAST, "writer": make_writer(), **kwargs})
-            await averager.start()
-            started.append(averager)
-        yield started
-    finally:
-        await asyncio.gather(*(a.stop(timeout=5) for a in started))
-
-
-def weights(seed: int, rows: int = 16, cols: int = 8) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    base = torch.Generator().manual_seed(1234)  # shared init: peers stay close, as after regular averaging
-    return {
-        "w": torch.randn(rows, cols, generator=base) + 0.05 * torch.randn(rows, cols, generator=generator),
-        "b": torch.randn(cols, generator=base) + 0.05 * torch.randn(cols, generator=generator),
-    }
-
-
-def snapshot(named):
-    return {k: v.clone() for k, v in named.items()}
-
-
-def assert_untouched(named, before):
-    for name in before:
-        assert torch.equal(named[name], before[name]), f"{name} was modified"
+from tests.helpers.averaging import OTHER_PREFIX, PREFIX, assert_untouched, averagers, make_writer, snapshot, swarm, weights
 
 
 def test_two_peers_get_exactly_the_mean_fp32():

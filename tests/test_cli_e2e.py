@@ -9,7 +9,7 @@ import time
 import pytest
 
 from node.config import dump_config
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 
 REQUIRED_KEYS = {"round", "reward_mean", "accuracy", "tokens_per_s", "step_s", "policy_version"}
 

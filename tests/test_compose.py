@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from node.cli import config_from_args, build_parser
-from tests.conftest import REPO
+from tests.helpers.common import REPO
 
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]

@@ -3,7 +3,7 @@ import subprocess
 import pytest
 
 from node.config import ConfigError, NodeConfig, dump_config, load_config
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY_OVERRIDES
-from tests.swarm_helpers import SWARM_OVERRIDES, read_rows, wait_for
+from tests.helpers.common import REPO, TINY_OVERRIDES
+from tests.helpers.swarm import SWARM_OVERRIDES, read_rows, wait_for
 
 BASE_IMAGE = "localhost/swarm-node-base:bookworm"
 IMAGE = "localhost/swarm-node:test"

@@ -11,8 +11,8 @@ from node.transport.batches import BatchReceiver
 from protocol import NodeIdentity, Refusal
 from protocol.shards import (HEARTBEAT_SHARDS, MAX_ROLLOUT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count,
                              rollout_write_levels, shard_of)
-from tests.conftest import REPO
-from tests.swarm_helpers import SWARM_OVERRIDES
+from tests.helpers.common import REPO
+from tests.helpers.swarm import SWARM_OVERRIDES
 
 CROWD = 64
 CROWD_OVERRIDES = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.client_mode=true", "swarm.reachability=direct", "swarm.heartbeat_ttl_s=60",

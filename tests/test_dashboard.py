@@ -12,38 +12,20 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from node.config import dump_config, load_config
 from node.dashboard.server import MAX_REQUEST_BYTES, DashboardServer
 from node.dashboard.sources import DashboardSources, MetricsTail, PeerHistory
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, wait_for
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
+from tests.helpers.swarm import SwarmProcess, wait_for
 
 PEER_ROW = dict(node_id="12D3KooWAbcdefghijklmnop", display_name="a-rather-long-node-name", round=123, policy_version=120, reward_mean=0.1234,
                 accuracy=0.4567, rollouts_published=1234, rollouts_received=5678, rollouts_accepted=5000, rollouts_rejected=12, outer_steps=3,
                 outer_steps_skipped=1, tokens_per_s=1234.5, uptime_s=3600.0, last_seen=0.0,
                 accuracy_by_dataset={"basic_arithmetic": 0.5, "fraction_simplification": 0.25})
-
-
-@pytest.fixture
-def swarm_yaml(model_cache, tmp_path):
-    from node.model import ensure_default_model
-
-    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "eval_every=2"])
-    ensure_default_model(config, progress=False)  # build once, before several nodes race to
-    path = tmp_path / "swarm.yaml"
-    path.write_text(dump_config(config))
-    return path
-
-
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.loads(response.read())
 
 
 # the peers table ---------------------------------------------------------------------------------
@@ -185,13 +167,13 @@ def chart_points(dom: str, chart: str) -> int:
     return int(points.group(1)) if points else 0
 
 
-def test_browser_renders_peers_and_curves_of_a_live_swarm(swarm_yaml, tmp_path, cli_env):
-    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env, extra=["--set", "swarm.dashboard_port=0", "--set", "name=node-a"])
+def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml, tmp_path, cli_env):
+    first = SwarmProcess(evaluating_swarm_yaml, tmp_path / "a", cli_env, extra=["--set", "swarm.dashboard_port=0", "--set", "name=node-a"])
     nodes = [first]
     viewer = viewer_log = None
     try:
         bootstrap = first.addresses()
-        nodes.append(SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "name=node-b"]))
+        nodes.append(SwarmProcess(evaluating_swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "name=node-b"]))
         url = wait_for(lambda: first.assert_running() or ((tmp_path / "a" / "dashboard.txt").exists() and (tmp_path / "a" / "dashboard.txt").read_text().strip()), 120, "node a's dashboard")
 
         def ready():

@@ -14,19 +14,13 @@ import msgpack
 from node.stats import RecordRefusals
 from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
 from protocol import shards as shard_keys
-from protocol import AveragingReady, MessageKind, NodeIdentity, PeerStats, decode_message, encode_message
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import SwarmProcess, read_rows, wait_for
-from tests.test_swarm import nodes, swarm_yaml  # noqa: F401 - fixtures
+from protocol import AveragingReady, MessageKind, NodeIdentity, decode_message, encode_message
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.messages import stats_message
+from tests.helpers.swarm import SwarmProcess, read_rows, wait_for
 
 SWARM = "test-swarm"
 log = logging.getLogger(__name__)
-
-
-def stats_message(identity: NodeIdentity, now: float) -> PeerStats:
-    return PeerStats(node_id=identity.node_id, display_name="x", software_version="0", protocol_version="1.1", model_name="m", model_parameters=1,
-                     round=1, policy_version=1, reward_mean=0.0, accuracy=0.0, rollouts_published=0, rollouts_received=0, rollouts_accepted=0,
-                     rollouts_rejected=0, tokens_per_s=0.0, uptime_s=0.0, last_seen=now, addresses=[], gossip_addresses=[], outer_steps=0, outer_steps_skipped=0)
 
 
 def heartbeat(identity: NodeIdentity, now: float, **fields) -> bytes:

@@ -17,7 +17,7 @@ from node.config import load_config
 from node.stats import SwarmStats
 from node.transport.dht import DHTTransport, dht_addresses_by_peer
 from protocol import NodeIdentity
-from tests.test_dht_records import stats_message
+from tests.helpers.messages import stats_message
 
 
 def transport(tmp_path, name: str, initial_peers: list[str]) -> DHTTransport:

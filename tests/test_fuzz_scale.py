@@ -27,7 +27,7 @@ from node.pipeline.client import unpack
 from node.transport.framing import FRAME_HEADER, FramingError, read_frame
 from protocol import DEFAULT_LIMITS, MESSAGE_TYPES, AveragingReady, ProtocolRejection, StageAnnouncement, StageLost, decode_message, encode_message
 from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PipelineFrame, StageCall, StageResult
-from tests.test_protocol import IDENTITY, SWARM, T0, make_batch, make_stats, signed
+from tests.helpers.messages import IDENTITY, SWARM, T0, make_batch, make_stats, signed
 
 Decode = Callable[[bytes], str]
 DECODERS: dict[str, Callable[[], tuple[Decode, list[bytes]]]] = {}  # name -> () -> (decode, seeds); see the module docstring

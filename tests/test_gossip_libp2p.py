@@ -26,7 +26,7 @@ from node.transport.protobuf_shim import import_hivemind_isolated
 import_hivemind_isolated()
 
 from node.transport.gossip_libp2p import MAX_MESSAGE_BYTES, THREAD_NAME_PREFIX, LibP2PGossip  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.helpers.common import REPO  # noqa: E402
 
 TOPIC = "swarm-node/test/rollouts"
 PROBE = b"probe/"  # mesh-readiness probes; a late one may still arrive by gossip, so tests skip them

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.conftest import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
-from tests.swarm_helpers import read_rows, wait_for
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.helpers.swarm import read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lab import Lab, Link, lab_unavailable, node_summary, start_swarm  # noqa: E402

@@ -74,3 +74,25 @@ def test_every_module_imports_only_its_own_layer_and_those_below():
                 upward += [f"{module} ({LAYERS[rank][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})"
                            for imported in sorted(project_imports(path, module)) if layer_of(imported) > rank]
     assert upward == []
+
+
+def test_test_modules_share_code_through_tests_helpers_only():
+    """A test module imports helpers (tests/helpers/) and fixtures (tests/conftest.py, by name), never another test module."""
+    crossing = []
+    for name in sorted(os.listdir(os.path.join(REPO, "tests"))):
+        if name.endswith(".py"):
+            path = os.path.join(REPO, "tests", name)
+            crossing += [f"{name} imports {imported}" for imported in sorted(imports_of(path)) if imported.startswith(("tests.test_", "tests.conftest"))]
+    assert crossing == []
+
+
+def imports_of(path: str) -> set[str]:
+    import ast
+
+    found = set()
+    for item in ast.walk(ast.parse(open(path).read())):
+        if isinstance(item, ast.ImportFrom) and item.module:
+            found.add(item.module)
+        elif isinstance(item, ast.Import):
+            found |= {alias.name for alias in item.names}
+    return found

@@ -7,7 +7,7 @@ import pytest
 
 from node.config import load_config
 from node.loop import Node
-from tests.conftest import REPO
+from tests.helpers.common import REPO
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_default_node_learns_in_isolation(model_cache, tmp_path):
 @pytest.mark.slow
 def test_swarm_of_three_runs_for_a_while(model_cache, tmp_path):
     """Three in-process swarm nodes share rollouts for 100 rounds with no refusals."""
-    from tests.swarm_helpers import SWARM_OVERRIDES
+    from tests.helpers.swarm import SWARM_OVERRIDES
 
     async def scenario():
         nodes = []

@@ -13,8 +13,8 @@ import pytest
 
 from node.config import dump_config, load_config
 from protocol import NodeIdentity
-from tests.conftest import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
-from tests.swarm_helpers import read_rows, wait_for
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.helpers.swarm import read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lab import Lab, lab_unavailable, router_wan_ip  # noqa: E402

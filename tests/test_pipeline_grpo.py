@@ -7,9 +7,9 @@ import json
 import subprocess
 
 from node.config import dump_config, load_config
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import read_rows, wait_for
-from tests.test_pipeline_e2e import START_S, Pipeline
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.swarm import read_rows, wait_for
+from tests.helpers.pipeline import START_S, Pipeline
 
 GRPO_OVERRIDES = [
     "model.default.hidden_size=32", "model.default.num_layers=2", "model.default.num_heads=2", "model.default.intermediate_size=64",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protocol import NodeIdentity, ProtocolRejection, Refusal, StageLost
-from tests.test_protocol import IDENTITY, decode, encode, signed
+from tests.helpers.messages import IDENTITY, decode, encode, signed
 
 GOLDEN_STAGE_LOST_1_4 = (  # as a 1.4 sender encoded it (minor 5 changed no field of a report)
     "92c4ab97920104aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"

@@ -17,8 +17,8 @@ from node.pipeline.tensors import to_wire
 from node.transport.framing import frame_bytes
 from protocol import NodeIdentity
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, StageCall
-from tests.conftest import REPO
-from tests.test_averaging_pairing import swarm
+from tests.helpers.common import REPO
+from tests.helpers.averaging import swarm
 
 OVERRIDES = [
     "model.default.hidden_size=32", "model.default.num_layers=3", "model.default.num_heads=2", "model.default.intermediate_size=64",

@@ -7,9 +7,8 @@ import re
 import signal
 import subprocess
 
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import read_rows, wait_for
-from tests.test_dashboard import get_json, swarm_yaml  # noqa: F401 - a fixture
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
+from tests.helpers.swarm import read_rows, wait_for
 
 
 def alive(pid: int) -> bool:
@@ -20,11 +19,11 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_simulate_starts_a_joined_swarm_with_a_dashboard_and_ctrl_c_stops_every_node(swarm_yaml, tmp_path, cli_env):  # noqa: F811
+def test_simulate_starts_a_joined_swarm_with_a_dashboard_and_ctrl_c_stops_every_node(evaluating_swarm_yaml, tmp_path, cli_env):
     root = tmp_path / "sim"
     out = tmp_path / "simulate.out"
     log = open(out, "w")
-    process = subprocess.Popen(cli("simulate", "--nodes", "3", "--dashboard-port", "0", "--state-dir", str(root), "--config", str(swarm_yaml)),
+    process = subprocess.Popen(cli("simulate", "--nodes", "3", "--dashboard-port", "0", "--state-dir", str(root), "--config", str(evaluating_swarm_yaml)),
                                stdout=log, stderr=subprocess.STDOUT, env=cli_env, cwd=REPO, start_new_session=True)
     pids: list[int] = []
     try:

@@ -7,28 +7,9 @@ import subprocess
 
 import pytest
 
-from node.config import dump_config, load_config
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import SWARM_OVERRIDES, SwarmProcess, read_rows, wait_for
-
-
-@pytest.fixture
-def swarm_yaml(model_cache, tmp_path):
-    from node.model import ensure_default_model
-
-    config = load_config(REPO / "configs" / "swarm.yaml", SWARM_OVERRIDES)
-    ensure_default_model(config, progress=False)  # build once, before several nodes race to
-    path = tmp_path / "swarm.yaml"
-    path.write_text(dump_config(config))
-    return path
-
-
-@pytest.fixture
-def nodes():
-    started: list[SwarmProcess] = []
-    yield started
-    for node in started:
-        node.close()
+from node.config import load_config
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, read_rows, wait_for
 
 
 def uses_peers(state_dir) -> bool:

@@ -17,8 +17,8 @@ from node.tasks import materialize
 from node.transport.dht import key_prefix
 from protocol import NodeIdentity, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec, encode_message
 from protocol.shards import rollout_key
-from tests.conftest import REPO
-from tests.swarm_helpers import SWARM_OVERRIDES
+from tests.helpers.common import REPO
+from tests.helpers.swarm import SWARM_OVERRIDES
 
 SWARM = "test-swarm"
 

@@ -5,7 +5,7 @@ import pytest
 from node.config import TasksConfig, DatasetConfig
 from node.tasks import TaskError, TaskSource, extract_answer, grade, materialize
 from protocol.specs import SpecError, TaskSpec
-from tests.conftest import REPO
+from tests.helpers.common import REPO
 
 ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False}
 

@@ -15,8 +15,8 @@ import pytest
 
 from node.config import dump_config, load_config
 from node.transport.dht import routable_gossip_addresses
-from tests.conftest import CLI_TIMEOUT_S, REPO, cli
-from tests.swarm_helpers import SWARM_OVERRIDES, read_rows, wait_for
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.swarm import SWARM_OVERRIDES, read_rows, wait_for
 
 
 def _netns_unavailable() -> str | None:

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import REPO, TINY_OVERRIDES, cli
+from tests.helpers.common import REPO, TINY_OVERRIDES, cli
 
 SWARM_OVERRIDES = [
     *TINY_OVERRIDES,
