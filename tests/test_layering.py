@@ -96,3 +96,16 @@ def imports_of(path: str) -> set[str]:
         elif isinstance(item, ast.Import):
             found |= {alias.name for alias in item.names}
     return found
+
+
+def test_no_two_modules_import_each_other():
+    """Not even inside functions: a pair that needs each other is one job split in two, or a third module missing below both."""
+    graph = {}
+    for top in ("node", "protocol"):
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in (n for n in files if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, REPO)[: -len(".py")].replace(os.sep, ".").removesuffix(".__init__")
+                graph[module] = {m for m in project_imports(path, module) if m != module}
+    mutual = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph.get(b, ())})
+    assert mutual == []

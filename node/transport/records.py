@@ -202,7 +202,7 @@ class RecordWriter:
     async def store(self, dht, key: str, message: Message | SignedRecord, timeout: float) -> bool:
         """Store `message` (signed here, or already signed by `sign`) under `key` and our subkey;
         False when the DHT did not take it within `timeout`."""
-        from node.transport.dht import store_value
+        from node.transport.kv import store_value
 
         record = message if isinstance(message, SignedRecord) else self.sign(message)
         return await store_value(dht, key, record.data, record.expiration, self.identity.node_id, timeout)
@@ -219,7 +219,7 @@ async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout:
     `on_refusal(owner, rejection)` is called for each refused value, only
     the first time that value is read when `once` is given."""
     from node.transport.batches import decode_verified
-    from node.transport.dht import read_key
+    from node.transport.kv import read_key
 
     now = time.time()
     envelopes = []
