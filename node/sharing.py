@@ -29,7 +29,6 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 from node.config import NodeConfig
@@ -39,6 +38,7 @@ from node.tasks import Question, TaskError, TaskSource, grade, materialize
 from node.trainer import is_uniform
 from node.transport.base import ExternalGroup
 from protocol import Refusal, TaskSpec
+from protocol.bounded import BoundedDict
 
 WEAKNESS_FLOOR = 0.05  # 'weakness' selection: a specialty the node has mastered is still drawn now and then
 RESCORES_PER_QUESTION = 2  # default re-scoring budget per external question: the drawn one and one replacement
@@ -91,7 +91,7 @@ class PeerRollouts:
         self.stats = stats
         self.own_accuracy = own_accuracy  # the node's per-specialty accuracy moving average (it updates it in place)
         self.mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
-        self.peer_rates: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.peer_rates: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_PEER_RATES)
         self.rescored_last_round = 0
         self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))  # counts each refused group
 
@@ -163,11 +163,9 @@ class PeerRollouts:
     def _correct_for_capability(self, group: RolloutGroup, pass_rate: float) -> None:
         label = self.tasks.label(group.spec)
         key = (group.source, label)
-        previous = self.peer_rates.pop(key, None)
+        previous = self.peer_rates.get(key)
         peer_rate = pass_rate if previous is None else (1 - PEER_RATE_WEIGHT) * previous + PEER_RATE_WEIGHT * pass_rate
         self.peer_rates[key] = peer_rate
-        while len(self.peer_rates) > MAX_PEER_RATES:
-            self.peer_rates.popitem(last=False)
         if self.config.swarm.capability_aware:
             group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)
         if self.config.swarm.imitation == "own_and_stronger_peers":

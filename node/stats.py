@@ -12,13 +12,14 @@ import hashlib
 import json
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from node.files import atomic_write_text
 from protocol import Refusal, RefusalCounter
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +44,13 @@ class RefusedOnce:
 
     def __init__(self, cap: int = 4096) -> None:
         self.cap = cap
-        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._digests: BoundedDict[bytes, None] = BoundedDict(cap)
 
     def first_time(self, *parts: bytes) -> bool:
         digest = hashlib.sha256(b"\x00".join(parts)).digest()[:16]
-        if digest in self._digests:
-            self._digests.move_to_end(digest)
-            return False
-        self._digests[digest] = None
-        while len(self._digests) > self.cap:
-            self._digests.popitem(last=False)
-        return True
+        seen = digest in self._digests
+        self._digests[digest] = None  # seen again: the newest, so a value read every round stays remembered
+        return not seen
 
 
 class RecordRefusals:
@@ -64,27 +61,22 @@ class RecordRefusals:
 
     def __init__(self, max_owners: int = MAX_TRACKED_PEERS) -> None:
         self.by_reason: Counter[str] = Counter()
-        self.by_owner: OrderedDict[str, Counter[str]] = OrderedDict()
+        self.by_owner: BoundedDict[str, Counter[str]] = BoundedDict(max_owners)
         self.max_owners = max_owners
         self.once = RefusedOnce()
-        self._logged: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._logged: BoundedDict[tuple[str, str], float] = BoundedDict(max_owners)
 
     def record(self, owner: str, reason: str, detail: str, record: tuple[bytes, ...] = ()) -> None:
         if record and not self.once.first_time(*record):
             return
         self.by_reason[reason] += 1
-        counts = self.by_owner.pop(owner, None) or Counter()
+        counts = self.by_owner.get(owner) or Counter()
         counts[reason] += 1
         self.by_owner[owner] = counts
-        while len(self.by_owner) > self.max_owners:
-            self.by_owner.popitem(last=False)
         now = time.monotonic()
         key = (owner, reason)
         if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._logged[key] = now
-            self._logged.move_to_end(key)
-            while len(self._logged) > self.max_owners:
-                self._logged.popitem(last=False)
             log.info("refused a DHT record claimed by %s: %s: %s", owner[:12], reason, detail)
 
     def snapshot(self) -> dict:
@@ -94,7 +86,7 @@ class RecordRefusals:
 class SwarmStats:
     def __init__(self) -> None:
         self.started = time.time()
-        self.peers: OrderedDict[str, PeerCounters] = OrderedDict()  # least recently seen first
+        self.peers: BoundedDict[str, PeerCounters] = BoundedDict(MAX_TRACKED_PEERS)  # least recently seen first
         self.refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)
         self.batches_published = 0
         self.questions_published = 0
@@ -112,14 +104,12 @@ class SwarmStats:
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
         self.records = RecordRefusals()  # DHT records refused by the validator (node/transport/records.py), by claimed owner
-        self._heartbeat_logged: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._heartbeat_logged: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_TRACKED_PEERS)
 
     def peer(self, peer_id: str) -> PeerCounters:
-        counters = self.peers.pop(peer_id, None) or PeerCounters()
+        counters = self.peers.get(peer_id) or PeerCounters()
         counters.last_seen = time.time()
         self.peers[peer_id] = counters
-        while len(self.peers) > MAX_TRACKED_PEERS:
-            self.peers.popitem(last=False)
         return counters
 
     def count_read(self, raw: object) -> None:
@@ -137,9 +127,6 @@ class SwarmStats:
         now = time.monotonic()
         if now - self._heartbeat_logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._heartbeat_logged[key] = now
-            self._heartbeat_logged.move_to_end(key)
-            while len(self._heartbeat_logged) > MAX_TRACKED_PEERS:
-                self._heartbeat_logged.popitem(last=False)
             log.info("refused a heartbeat stored as %s: %s", peer_id[:12], rejection)
 
     def rejected_by(self, peer_id: str) -> dict[str, int]:

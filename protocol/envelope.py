@@ -22,7 +22,6 @@ version can at least tell which version it was sent.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from protocol.messages import MESSAGE_TYPES, Message, MessageKind
 from protocol.refusals import ProtocolRejection, Refusal
 from protocol.validation import check_bytes, check_float, check_int, check_str, reject
 from protocol.version import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from protocol.bounded import BoundedDict
 
 SIGNING_CONTEXT = b"swarm-node/envelope\x00"
 MAX_SWARM_ID_CHARS = 64
@@ -144,7 +144,7 @@ class ReplayGuard:
 
     def __init__(self, max_senders: int = 4096) -> None:
         self.max_senders = max_senders
-        self._highest: OrderedDict[tuple[bytes, MessageKind], int] = OrderedDict()
+        self._highest: BoundedDict[tuple[bytes, MessageKind], int] = BoundedDict(max_senders)
 
     def check_and_record(self, envelope: Envelope) -> None:
         key = (envelope.sender, envelope.kind)
@@ -153,9 +153,6 @@ class ReplayGuard:
             reject(Refusal.REPLAY, f"{envelope.kind.value} seq {envelope.seq} from {envelope.sender_id}, "
                                    f"already saw {highest}")
         self._highest[key] = envelope.seq
-        self._highest.move_to_end(key)
-        while len(self._highest) > self.max_senders:
-            self._highest.popitem(last=False)
 
 
 def _pack(obj: Any) -> bytes:

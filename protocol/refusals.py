@@ -7,7 +7,9 @@ reason (`RefusalCounter`) and show the sentence in its dashboard instead of a tr
 from __future__ import annotations
 
 import enum
-from collections import Counter, OrderedDict
+from collections import Counter
+
+from protocol.bounded import BoundedDict
 
 
 class SentencedEnum(str, enum.Enum):
@@ -71,16 +73,14 @@ class RefusalCounter:
     def __init__(self, max_peers: int = 1024) -> None:
         self.max_peers = max_peers
         self._totals: Counter[Refusal] = Counter()
-        self._peers: OrderedDict[str, Counter[Refusal]] = OrderedDict()
+        self._peers: BoundedDict[str, Counter[Refusal]] = BoundedDict(max_peers)
 
     def record(self, peer_id: str, rejection: ProtocolRejection | Refusal) -> None:
         reason = rejection.reason if isinstance(rejection, ProtocolRejection) else rejection
         self._totals[reason] += 1
-        counts = self._peers.pop(peer_id, None) or Counter()
+        counts = self._peers.get(peer_id) or Counter()
         counts[reason] += 1
         self._peers[peer_id] = counts
-        while len(self._peers) > self.max_peers:
-            self._peers.popitem(last=False)
 
     def by_reason(self) -> dict[str, int]:
         return {reason.value: n for reason, n in self._totals.items()}

@@ -166,3 +166,23 @@ def test_averaging_round_memories_stay_bounded():
     reasons = {_parse_refusal(msgpack.packb({"reason": f"made up {i}"})) for i in range(FLOOD)}
     reasons |= {_parse_refusal(msgpack.packb({"reason": reason})) for reason in _KNOWN_REFUSALS}
     assert reasons == _KNOWN_REFUSALS | {"unknown"}
+
+
+def test_a_bounded_dict_forgets_the_least_recently_set_first():
+    import pytest
+
+    from protocol.bounded import BoundedDict
+
+    seen: BoundedDict[str, int] = BoundedDict(3)
+    for key, value in [("a", 1), ("b", 2), ("c", 3)]:
+        seen[key] = value
+    seen["a"] = 10  # set again: the newest now
+    seen["d"] = 4
+    assert list(seen.items()) == [("c", 3), ("a", 10), ("d", 4)]  # "b" went first, then would "c"
+    seen.update({"e": 5})
+    assert list(seen) == ["a", "d", "e"] and seen.setdefault("f", 6) == 6 and list(seen) == ["d", "e", "f"]
+    copied = seen.copy()
+    copied["g"] = 7
+    assert isinstance(copied, BoundedDict) and len(copied) == 3 and list(seen) == ["d", "e", "f"]
+    with pytest.raises(ValueError):
+        BoundedDict(0)

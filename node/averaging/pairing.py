@@ -92,6 +92,7 @@ from node.transport.records import RecordWriter, read_records
 from protocol import DEFAULT_LIMITS, AveragingReady, MessageKind
 from node.transport.framing import FRAME_HEADER, FramingError, OversizedFrame, open_stream, read_frame, write_frame
 from node.transport.protobuf_shim import import_hivemind_isolated
+from protocol.bounded import BoundedDict
 
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
 
@@ -160,7 +161,7 @@ class _RecentPeers:
 
     def __init__(self, cap: int = MAX_ROUND_PEERS) -> None:
         self.cap = cap
-        self._counts: dict[str, int] = {}
+        self._counts: BoundedDict[str, int] = BoundedDict(cap)
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._counts
@@ -173,10 +174,8 @@ class _RecentPeers:
 
     def bump(self, peer: str, by: int = 1) -> int:
         """Add `by` to peer's count (remembering it as the newest); its new count."""
-        count = self._counts.pop(peer, 0) + by
+        count = self._counts.get(peer, 0) + by
         self._counts[peer] = count
-        while len(self._counts) > self.cap:
-            del self._counts[next(iter(self._counts))]
         return count
 
 

@@ -22,12 +22,13 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from node.aio import cancel_and_wait
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +78,18 @@ class PeerHistory:
 
     def __init__(self, max_peers: int = MAX_PEERS_KEPT, max_points: int = MAX_HISTORY_PER_PEER) -> None:
         self.max_peers, self.max_points = max_peers, max_points
-        self._points: OrderedDict[str, deque] = OrderedDict()  # least recently seen first
+        self._points: BoundedDict[str, deque] = BoundedDict(self.max_peers)  # least recently seen first
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             node_id = row["node_id"]
-            points = self._points.pop(node_id, None) or deque(maxlen=self.max_points)
+            points = self._points.get(node_id) or deque(maxlen=self.max_points)
             # The same heartbeat read twice (polls are faster than heartbeats) is one point.
             if not points or points[-1]["time"] != row["last_seen"]:
                 point = {"time": row["last_seen"], **{k: row[k] for k in HISTORY_FIELDS if k in row}}
                 point.update({k: v for k, v in row.items() if k.endswith("_by_dataset") and isinstance(v, dict)})
                 points.append(point)
             self._points[node_id] = points
-            while len(self._points) > self.max_peers:
-                self._points.popitem(last=False)
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
         return {node_id: list(points) for node_id, points in self._points.items()}

@@ -39,6 +39,7 @@ from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class PipelineRouter:
         self.map = StageMap(self.pipeline.num_stages)
         self._map_read_at = -1e9
         self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
-        self.strikes: dict[str, int] = {}  # node id -> hops failed in a row
+        self.strikes: BoundedDict[str, int] = BoundedDict(4096)  # node id -> hops failed in a row
         self.hop_failures: Counter[str] = Counter()
         self.wrong_fingerprint = 0
 
@@ -141,8 +142,6 @@ class PipelineRouter:
         if self.strikes[node_id] >= STRIKES or failure.reason == "timeout":
             self.avoid[node_id] = time.monotonic() + self.pipeline.avoid_s
             self.strikes.pop(node_id, None)
-        while len(self.strikes) > 4096:
-            self.strikes.pop(next(iter(self.strikes)))
         log.info("hop failed: %s", failure)
 
     def succeeded(self, servers) -> None:

@@ -28,6 +28,7 @@ from node.transport.framing import FramingError, OversizedFrame, read_frame, wri
 from protocol import ProtocolRejection
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
 from protocol.refusals import PipelineRefusal, Refusal
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class StageHandler:
         self.torch_lock = asyncio.Lock()
         self.before_step: Callable[[], None] = lambda: None  # e.g. apply a finished averaging round between steps
         self.after_step: Callable[[int], None] = lambda step: None  # e.g. start an averaging round
-        self._last_refusal_log: dict[tuple[str, str], float] = {}
+        self._last_refusal_log: BoundedDict[tuple[str, str], float] = BoundedDict(1024)
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -128,6 +129,4 @@ class StageHandler:
         now = time.monotonic()
         if now - self._last_refusal_log.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
             self._last_refusal_log[key] = now
-            while len(self._last_refusal_log) > 1024:
-                self._last_refusal_log.pop(next(iter(self._last_refusal_log)))
             log.info("refused a pipeline call from %s: %s: %s", peer[:12], refused.reason.value, refused.detail)

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import logging
 import random
-from collections import OrderedDict
 
 from node.config import SwarmConfig
 from node.stats import SwarmStats
@@ -35,6 +34,7 @@ from protocol import (
     RolloutQuestion,
     decode_message,
 )
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class SeenEnvelopes:
     """
 
     def __init__(self) -> None:
-        self._by_sender: OrderedDict[str, OrderedDict[int, None]] = OrderedDict()
+        self._by_sender: BoundedDict[str, BoundedDict[int, None]] = BoundedDict(MAX_SENDERS_REMEMBERED)
 
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
@@ -114,13 +114,9 @@ class SeenEnvelopes:
         return min(self._by_sender.get(sender, {-1: None}))
 
     def add(self, sender: str, seq: int) -> None:
-        seqs = self._by_sender.pop(sender, None) or OrderedDict()
+        seqs = self._by_sender.get(sender) or BoundedDict(SEEN_PER_SENDER)
         self._by_sender[sender] = seqs
         seqs[seq] = None
-        while len(seqs) > SEEN_PER_SENDER:
-            seqs.popitem(last=False)
-        while len(self._by_sender) > MAX_SENDERS_REMEMBERED:
-            self._by_sender.popitem(last=False)
 
 
 class BatchReceiver:
@@ -132,8 +128,8 @@ class BatchReceiver:
         self.fingerprint = fingerprint
         self.stats = stats
         self.seen = SeenEnvelopes()
-        self.refused: OrderedDict[bytes, None] = OrderedDict()
-        self.processed: OrderedDict[bytes, None] = OrderedDict()  # digests of values decoded already
+        self.refused: BoundedDict[bytes, None] = BoundedDict(MAX_REFUSED_REMEMBERED)
+        self.processed: BoundedDict[bytes, None] = BoundedDict(MAX_PROCESSED_REMEMBERED)  # digests of values decoded already
 
     def receive(self, values: list[tuple[object, object]], now: float, budget: int | None = None) -> list[ExternalGroup]:
         """Peers' groups from the values not processed before, at most `budget` of them decoded (None: all)."""
@@ -151,8 +147,6 @@ class BatchReceiver:
         envelopes = []
         for subkey, raw, digest in fresh:
             self.processed[digest] = None
-            while len(self.processed) > MAX_PROCESSED_REMEMBERED:
-                self.processed.popitem(last=False)
             try:
                 envelope = decode_verified(raw, subkey, self.config.swarm_id, MessageKind.ROLLOUT_BATCH, now)
             except ProtocolRejection as exc:
@@ -192,7 +186,5 @@ class BatchReceiver:
         if digest in self.refused:
             return
         self.refused[digest] = None
-        while len(self.refused) > MAX_REFUSED_REMEMBERED:
-            self.refused.popitem(last=False)
         self.stats.reject(peer, rejection.reason)
         log.info("refused a value stored as %s: %s", peer[:12], rejection)

@@ -32,7 +32,6 @@ import dataclasses
 import logging
 import random
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +47,7 @@ from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection, Re
 from protocol.shards import (HEARTBEAT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count, rollout_write_levels,
                              shard_of)
 from protocol.version import PROTOCOL_MAJOR
+from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class DHTTransport(Transport):
         self.writer = RecordWriter(identity, config.swarm.swarm_id)
         self.receiver = BatchReceiver(config.swarm, identity.node_id, fingerprint, stats)
         self._heartbeat_task: asyncio.Task | None = None
-        self._dht_peers_seen: OrderedDict[str, list[str]] = OrderedDict()  # PeerID -> maddrs, least recently seen first
+        self._dht_peers_seen: BoundedDict[str, list[str]] = BoundedDict(MAX_DHT_PEERS_REMEMBERED)  # PeerID -> maddrs, least recently seen first
         self._last_rejoin = time.monotonic()
         self.dht_peers_rejoined = 0
         self.swarm_size = 1  # live nodes, this one included, estimated from the heartbeat shards last read
@@ -310,10 +310,7 @@ class DHTTransport(Transport):
             if stats.reachability not in ("", "direct"):
                 continue  # it cannot be dialed at its addresses; it keeps its own links to us up
             for peer_id, maddrs in dht_addresses_by_peer(stats.addresses).items():
-                self._dht_peers_seen.pop(peer_id, None)
                 self._dht_peers_seen[peer_id] = maddrs
-        while len(self._dht_peers_seen) > MAX_DHT_PEERS_REMEMBERED:
-            self._dht_peers_seen.popitem(last=False)
 
     async def rejoin_lost_peers(self) -> int:
         """Ping the bootstrap peers and peers seen in heartbeats that fell out of the DHT routing table.
