@@ -133,22 +133,9 @@ class Node:
         await self.transport.start()
         await self.policy.attach(self.transport, self.loaded, seed=self.stream_seed)
         if self.config.averaging.method != "none":
-            from node.averaging.fingerprint import averaging_prefix
-            from node.averaging.pairing import PairAverager
-            from node.averaging.service import OuterStepService
+            from node.averaging.service import start_averaging
 
-            averaging = self.config.averaging
-            averager = PairAverager(
-                self.transport.dht,
-                averaging_prefix(self.config.swarm.swarm_id, self.fingerprint),
-                group_size=2 if averaging.method == "noloco" else None,
-                mode=averaging.transfer_dtype,
-                max_relative_distance=averaging.max_relative_distance,
-                writer=self.transport.writer,
-            )
-            await averager.start()
-            self.averaging = OuterStepService(self.config, self.model, averager)
-            self.averaging.last_trigger_version = self.policy_version
+            self.averaging = await start_averaging(self.config, self.transport.dht, self.transport.writer, self.model, self.fingerprint, self.policy_version)
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
         if self.config.swarm.metrics_port is not None:

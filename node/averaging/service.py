@@ -98,3 +98,19 @@ class OuterStepService:
         if self._task is not None:
             await cancel_and_wait([self._task], "averaging service")
         await self.averager.stop()
+
+
+async def start_averaging(config: NodeConfig, dht, writer, module: torch.nn.Module, fingerprint: str, last_version: int) -> OuterStepService:
+    """NoLoCo (a pair per round) or DiLoCo (all live peers) averaging of `module` with the peers whose model has
+    the same `fingerprint`, over the node's DHT and p2p daemon, its announcements signed by `writer`; the first
+    exchange after `every_steps` updates past `last_version`. The whole model of a node and one pipeline stage alike."""
+    from node.averaging.fingerprint import averaging_prefix
+    from node.averaging.pairing import PairAverager
+
+    averaging = config.averaging
+    averager = PairAverager(dht, averaging_prefix(config.swarm.swarm_id, fingerprint), group_size=2 if averaging.method == "noloco" else None,
+                            mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance, writer=writer)
+    await averager.start()
+    service = OuterStepService(config, module, averager)
+    service.last_trigger_version = last_version
+    return service

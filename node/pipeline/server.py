@@ -311,18 +311,12 @@ class StageServer:
         """Replicas of one stage keep close with NoLoCo/DiLoCo averaging, keyed by the stage fingerprint."""
         if self.config.averaging.method == "none":
             return
-        from node.averaging.fingerprint import averaging_prefix
-        from node.averaging.pairing import PairAverager
-        from node.averaging.service import OuterStepService
+        from node.averaging.service import start_averaging
         from node.transport.records import RecordWriter
 
-        averaging = self.config.averaging
-        averager = PairAverager(self.dht, averaging_prefix(self.config.swarm.swarm_id, self.handler.fingerprint), group_size=2 if averaging.method == "noloco" else None,
-                                mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance,
-                                writer=RecordWriter(self.identity, self.config.swarm.swarm_id))
-        await averager.start()
-        self.averaging = OuterStepService(self.config, self.backend.stage, averager)
-        self.averaging.last_trigger_version = self.step
+        # the replicas of this stage average with each other: the stage's fingerprint keys them
+        self.averaging = await start_averaging(self.config, self.dht, RecordWriter(self.identity, self.config.swarm.swarm_id), self.backend.stage,
+                                               self.handler.fingerprint, self.step)
         self.handler.before_step = self.averaging.apply_if_done  # between steps, when no torch work runs (the handler holds the lock)
         self.handler.after_step = self.averaging.maybe_start
 
