@@ -12,7 +12,8 @@ import torch
 
 from node.averaging.pairing import PairAverager, pair_partner
 from node.transport.dht import shutdown_dht
-from tests.helpers.averaging import OTHER_PREFIX, PREFIX, assert_untouched, averagers, make_writer, snapshot, swarm, weights
+from tests.helpers.averaging import (OTHER_PREFIX, PREFIX, assert_untouched, averagers, make_writer, ordered_identities, snapshot, swarm, weights,
+                                     writer_losing_done_announcements)
 
 
 def test_two_peers_get_exactly_the_mean_fp32():
@@ -72,21 +73,15 @@ def test_four_peers_form_pairs():
     asyncio.run(scenario())
 
 
-def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
+def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline(tmp_path):
     """A peer ended its round but its "done" never reached the DHT (a store that timed out on a loaded
     machine; seen in the lab: two of four peers idled to the deadline). Its stale "free" still pairs
     it, in everyone's view, with a peer whose id is higher, who would wait forever for its call. That
     peer calls it after call_patience_s, gets FINISHED, gives it up, and pairs with the third peer."""
     async def scenario():
-        async with swarm(3) as nodes, averagers(nodes) as group:
-            stale = min(group, key=lambda avg: avg.peer_id)  # lowest id: its partner is the higher id, the side that waits for a call
-            real_announce = stale._announce
-
-            async def announce_free_only(round_id, state):
-                if state == "free":
-                    await real_announce(round_id, state)
-
-            stale._announce = announce_free_only
+        async with swarm(3, ordered_identities(tmp_path, 3)) as nodes, averagers(nodes, writers=[writer_losing_done_announcements()]) as group:
+            stale = group[0]  # lowest id: its partner is the higher id, the side that waits for a call
+            assert stale.peer_id == min(avg.peer_id for avg in group)
             ids = [avg.peer_id for avg in group]
             round_id = next(r for r in range(1000) if pair_partner(ids, stale.peer_id, r) is not None)  # a round in which it is not the odd one out
             assert await stale.average(weights(0), round_id, timeout=1.0) is None  # alone: it ends the round, still "free" in the DHT
@@ -100,21 +95,15 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline():
     asyncio.run(scenario())
 
 
-def test_all_mode_calls_a_lower_id_whose_free_announcement_went_stale():
+def test_all_mode_calls_a_lower_id_whose_free_announcement_went_stale(tmp_path):
     """All mode: the lowest id ended its round, but only its "free" reached the DHT. The two others wait
     for calls from lower ids, so without a call of their own they would idle to the deadline (as the
     lab's DiLoCo rounds at N = 16 did, there waiting on lower ids slow to call). They call it after the
     gather window and call_patience_s, get FINISHED, and average with each other."""
     async def scenario():
-        async with swarm(3) as nodes, averagers(nodes, group_size=None) as group:
-            stale = min(group, key=lambda avg: avg.peer_id)
-            real_announce = stale._announce
-
-            async def announce_free_only(round_id, state):
-                if state == "free":
-                    await real_announce(round_id, state)
-
-            stale._announce = announce_free_only
+        async with swarm(3, ordered_identities(tmp_path, 3)) as nodes, averagers(nodes, group_size=None, writers=[writer_losing_done_announcements()]) as group:
+            stale = group[0]
+            assert stale.peer_id == min(avg.peer_id for avg in group)
             assert await stale.average(weights(0), 3, timeout=1.0) is None
             others = [avg for avg in group if avg is not stale]
             results = await asyncio.gather(*(avg.average(weights(i + 1), 3, timeout=60) for i, avg in enumerate(others)))

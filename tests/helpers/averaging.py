@@ -52,12 +52,29 @@ def make_writer():
     return RecordWriter(NodeIdentity.generate(), "test-swarm")
 
 
+def writer_losing_done_announcements():
+    """A writer whose "done" announcements never reach the DHT (a store that timed out on a loaded machine),
+    while its "free" ones do: its peer stays "free" in everyone's view after its round ended."""
+    from node.transport.records import RecordWriter
+    from protocol import AveragingReady, NodeIdentity
+
+    class LosesDone(RecordWriter):
+        async def store(self, dht, key, message, timeout):
+            if isinstance(message, AveragingReady) and message.state == "done":
+                return False
+            return await super().store(dht, key, message, timeout)
+
+    return LosesDone(NodeIdentity.generate(), "test-swarm")
+
+
 @asynccontextmanager
-async def averagers(nodes, prefixes=None, cls=PairAverager, **kwargs):
+async def averagers(nodes, prefixes=None, cls=PairAverager, writers=None, **kwargs):
+    """A started averager on each DHT node (`writers[i]`, when given and not None, signs node i's announcements)."""
     started = []
     try:
-        for node, prefix in zip(nodes, prefixes or [PREFIX] * len(nodes)):
-            averager = cls(node, prefix, **{**FAST, "writer": make_writer(), **kwargs})
+        for i, (node, prefix) in enumerate(zip(nodes, prefixes or [PREFIX] * len(nodes))):
+            writer = (writers[i] if writers and i < len(writers) else None) or make_writer()
+            averager = cls(node, prefix, **{**FAST, "writer": writer, **kwargs})
             await averager.start()
             started.append(averager)
         yield started
