@@ -69,6 +69,10 @@ NODES = 4
 SPECIALTIES = ("add", "subtract")
 HELDOUT_PER_SPECIALTY = 200
 
+# Every sharing knob an arm does not set, pinned: an arm means the same whatever the config file ships
+# (configs/specialists.yaml turns imitation on for users).
+ARM_BASE = ["swarm.external_selection=uniform", "swarm.capability_aware=false", "swarm.imitation=none", "swarm.external_use=policy",
+            "trainer.imitation_coef=0.0", "trainer.importance_level=token"]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
 ARMS = {
@@ -128,7 +132,7 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
     exchange = InProcessExchange()
     nodes: list[Node] = []
     for i in range(NODES):
-        overrides = [*ARMS[arm], *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps), *args.set,
+        overrides = [*ARM_BASE, *ARMS[arm], *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps), *args.set,
                      "swarm.transport=dht", "swarm.swarm_id=sharing-bench", "checkpoint_every=1000000", "eval_every=0", "torch_threads=1",
                      f"seed={100 * seed + i}", f"name=node-{i}"]
         if setting == "sparse":
@@ -281,6 +285,8 @@ def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
         runs = [run for run in runs if run["rounds_limit"] is not None or run["budget_s"] == args.report_budget]
+    if args.report_arms:  # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
+        runs = [run for run in runs if run["arm"] in args.report_arms]
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
     for run in runs:  # the newest run of each (setting, arm, seed) counts
         by_key.setdefault((run["setting"], run["arm"]), {})[run["seed"]] = run
@@ -366,7 +372,56 @@ def report(args) -> None:
             common = sorted(set(sparse["paper_sapo"]) & set(sparse[silo_arm]))
             summary[name] = [statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"]) / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"]) for s in common]
             print(f"sparse: paper's 4/4 cumulative reward / {silo_arm}, per seed {[round(r, 3) for r in summary[name]]}", flush=True)
+    if "silo" in spec_arms:
+        summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
+
+
+def at_round(curve: list[dict], key: str, round_: float) -> float:
+    """The curve's value at `round_`, linearly interpolated between its evaluation points."""
+    for before, after in zip(curve, curve[1:]):
+        if after["round"] >= round_:
+            span = after["round"] - before["round"]
+            t = 0.0 if span <= 0 else (round_ - before["round"]) / span
+            return before[key] + t * (after[key] - before[key])
+    return curve[-1][key]
+
+
+def mean_at_round(run: dict, round_: float, which: str) -> float:
+    keys = [(run["weak"][i] if which == "weak" else next(label for label in SPECIALTIES if label != run["weak"][i]) if which == "own" else "all")
+            for i in range(NODES)]
+    return statistics.fmean(at_round(run["curves"][i], keys[i], round_) for i in range(NODES))
+
+
+def load_matched(spec_arms: dict) -> dict:
+    """Each arm against the silo of its seeds when their runs did not share the machine's load (CPU seconds a round
+    move with it): the arm's CPU cost a round relative to a silo run that overlapped it in time gives the rounds it
+    would have run in the silo's budget at the silo's load; its held-out at that round against the silo's at its end."""
+    def span(run):
+        return run["finished"] - run["wall_s"], run["finished"]
+
+    def cost(run):
+        return statistics.fmean(c / r for c, r in zip(run["compute_s"], run["rounds"]))
+
+    silo, out = spec_arms["silo"], {}
+    for arm, seeds in sorted(spec_arms.items()):
+        if arm == "silo":
+            continue
+        for seed, run in sorted(seeds.items()):
+            beside = [q for q in silo.values() if span(q)[0] < span(run)[1] and span(run)[0] < span(q)[1]]
+            if seed not in silo or not beside:
+                continue
+            ratio = cost(run) / statistics.fmean(cost(q) for q in beside)
+            rounds = statistics.fmean(silo[seed]["rounds"]) / ratio
+            row = {"cost_ratio_vs_silo_beside": ratio, "rounds_at_silo_budget": rounds}
+            for which in ("weak", "own", "all"):
+                row[which] = mean_at_round(run, rounds, which)
+                row[f"{which}_gain_points_vs_silo"] = 100 * (row[which] - mean_metric(silo[seed], silo[seed]["budget_s"], which))
+            out.setdefault(arm, {})[seed] = row
+            print(f"load-matched {arm} seed {seed}: a round costs {ratio:.2f}x a silo round beside it, so {rounds:.0f} rounds in the silo's budget; "
+                  f"there weak {row['weak']:.3f} ({row['weak_gain_points_vs_silo']:+.1f} points vs silo), own {row['own']:.3f} ({row['own_gain_points_vs_silo']:+.1f}), "
+                  f"both {row['all']:.3f} ({row['all_gain_points_vs_silo']:+.1f})", flush=True)
+    return out
 
 
 def plot(spec_arms: dict, path: Path) -> None:
@@ -409,6 +464,7 @@ def main() -> None:
     parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--report-arms", nargs="+", choices=list(ARMS), help="--report: only these arms (the silo among them)")
     parser.add_argument("--report-budget", type=float, default=None, help="--report: only runs of this --budget (they must share one axis)")
     args = parser.parse_args()
     try:
