@@ -429,13 +429,13 @@ def test_libp2p_chatter_goes_to_the_log_file_not_the_console(tmp_path):
     from rich.console import Console
 
     import node.transport.gossip_libp2p  # noqa: F401  (imports py-libp2p, which turns its loggers' propagation off)
-    from node.cli import _setup_logging
+    from node.runtime import setup_logging
 
     root = logging.getLogger()
     saved = (root.handlers[:], root.level)
     screen = io.StringIO()
     try:
-        _setup_logging(tmp_path, verbose=False, console=Console(file=screen, width=200))
+        setup_logging(tmp_path, verbose=False, console=Console(file=screen, width=200))
         logging.getLogger("libp2p.pubsub.gossipsub").warning("GRAFT flood detected from peer X")
         logging.getLogger("node.transport.dht").warning("heartbeat not published")
         logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: all attempts to connect failed")
