@@ -38,8 +38,6 @@ RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
 log = logging.getLogger(__name__)
 
 
-
-
 class Node:
     def __init__(self, config: NodeConfig, transport: Transport | None = None, rollout_backend: RolloutBackendFactory | None = None):
         self.config = config
