@@ -36,7 +36,9 @@ async def _hostile_scenario(tmp_path):
     from hivemind.dht.node import DHTNode
     from hivemind.utils import get_dht_time
 
-    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "swarm.window_s=120", "swarm.collect_windows=1"], state_dir=str(tmp_path / "honest"))
+    # The hostile values go under the window of the test's clock; the node reads that window and the one before, so a
+    # window boundary passing on a slow machine between the stores and the node's reads cannot hide them.
+    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "swarm.window_s=600", "swarm.collect_windows=2"], state_dir=str(tmp_path / "honest"))
     honest = Node(config)
     honest.load()
     await honest.transport.start()
