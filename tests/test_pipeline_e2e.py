@@ -37,6 +37,9 @@ def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, 
 
     # First stage: CheckFree+ copies stage 1's layers and its copy of the embedding.
     pipe.kill(servers[0])
+    # the newcomer reads the stage map when it starts: wait until the map shows the loss (and the spare on stage 2),
+    # as it would on a machine that is not starved
+    pipe.stage_rows(lambda rows: not rows[0]["servers"] and all(row["servers"] for row in rows[1:]))
     replacement = pipe.serve("auto")  # the least-served stage is the dead one
     event = pipe.serving(replacement)
     assert (event["method"], event["stage"]) == ("checkfree_plus", 0)
