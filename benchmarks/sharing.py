@@ -245,14 +245,18 @@ def gate(args) -> None:
 # report ----------------------------------------------------------------------------------------
 
 
-def at_compute(curve: list[dict], key: str, compute_s: float) -> float:
-    """The curve's value at `compute_s`, linearly interpolated between its evaluation points."""
+def interpolate(curve: list[dict], key: str, axis: str, x: float) -> float:
+    """The curve's `key` where its `axis` ("compute_s" or "round") is `x`, linearly interpolated between its evaluation points."""
     for before, after in zip(curve, curve[1:]):
-        if after["compute_s"] >= compute_s:
-            span = after["compute_s"] - before["compute_s"]
-            t = 0.0 if span <= 0 else (compute_s - before["compute_s"]) / span
+        if after[axis] >= x:
+            span = after[axis] - before[axis]
+            t = 0.0 if span <= 0 else (x - before[axis]) / span
             return before[key] + t * (after[key] - before[key])
     return curve[-1][key]
+
+
+def at_compute(curve: list[dict], key: str, compute_s: float) -> float:
+    return interpolate(curve, key, "compute_s", compute_s)
 
 
 def first_reach(run: dict, which: str, target: float) -> float | None:
@@ -377,20 +381,10 @@ def report(args) -> None:
     print(json.dumps(summary))
 
 
-def at_round(curve: list[dict], key: str, round_: float) -> float:
-    """The curve's value at `round_`, linearly interpolated between its evaluation points."""
-    for before, after in zip(curve, curve[1:]):
-        if after["round"] >= round_:
-            span = after["round"] - before["round"]
-            t = 0.0 if span <= 0 else (round_ - before["round"]) / span
-            return before[key] + t * (after[key] - before[key])
-    return curve[-1][key]
-
-
 def mean_at_round(run: dict, round_: float, which: str) -> float:
     keys = [(run["weak"][i] if which == "weak" else next(label for label in SPECIALTIES if label != run["weak"][i]) if which == "own" else "all")
             for i in range(NODES)]
-    return statistics.fmean(at_round(run["curves"][i], keys[i], round_) for i in range(NODES))
+    return statistics.fmean(interpolate(run["curves"][i], keys[i], "round", round_) for i in range(NODES))
 
 
 def load_matched(spec_arms: dict) -> dict:

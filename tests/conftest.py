@@ -46,51 +46,46 @@ def cli_env(model_cache) -> dict[str, str]:
 # swarms of real processes on 127.0.0.1 ---------------------------------------------------
 
 
-@pytest.fixture
-def swarm_yaml(model_cache, tmp_path):
+def config_file(tmp_path: Path, name: str, overrides: list[str]) -> Path:
+    """configs/<name> with `overrides`, its default model built, written to tmp_path for processes to load."""
     from node.model import ensure_default_model
 
-    config = load_config(REPO / "configs" / "swarm.yaml", SWARM_OVERRIDES)
-    ensure_default_model(config, progress=False)  # build once, before several nodes race to
-    path = tmp_path / "swarm.yaml"
+    config = load_config(REPO / "configs" / name, overrides)
+    ensure_default_model(config, progress=False)  # build once, before several processes race to
+    path = tmp_path / name
     path.write_text(dump_config(config))
     return path
+
+
+def started_processes():
+    """The processes a test starts (it appends them), closed when it ends."""
+    started: list[SwarmProcess] = []
+    yield started
+    for process in started:
+        process.close()
+
+
+@pytest.fixture
+def swarm_yaml(model_cache, tmp_path):
+    return config_file(tmp_path, "swarm.yaml", SWARM_OVERRIDES)
 
 
 @pytest.fixture
 def evaluating_swarm_yaml(model_cache, tmp_path):
     """The swarm config, evaluating held-out every 2 rounds: what the dashboard's curves show."""
-    from node.model import ensure_default_model
-
-    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "eval_every=2"])
-    ensure_default_model(config, progress=False)
-    path = tmp_path / "swarm.yaml"
-    path.write_text(dump_config(config))
-    return path
+    return config_file(tmp_path, "swarm.yaml", [*SWARM_OVERRIDES, "eval_every=2"])
 
 
 @pytest.fixture
 def nodes():
-    started: list[SwarmProcess] = []
-    yield started
-    for node in started:
-        node.close()
+    yield from started_processes()
 
 
 @pytest.fixture
 def pipeline_yaml(model_cache, tmp_path):
-    from node.model import ensure_default_model
-
-    config = load_config(REPO / "configs" / "pipeline.yaml", PIPELINE_OVERRIDES)
-    ensure_default_model(config, progress=False)
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(dump_config(config))
-    return path
+    return config_file(tmp_path, "pipeline.yaml", PIPELINE_OVERRIDES)
 
 
 @pytest.fixture
 def procs():
-    started: list[SwarmProcess] = []
-    yield started
-    for proc in started:
-        proc.close()
+    yield from started_processes()
