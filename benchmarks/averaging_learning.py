@@ -61,7 +61,7 @@ async def run_method(method: str, args, scratch: str, seed: int) -> dict:
     nodes: list[Node] = []
     try:
         for i in range(args.nodes):
-            peers = [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
+            peers = [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
             node = Node(load_config(args.config, [*common, *peers, f"seed={100 * seed + i}"], state_dir=f"{scratch}/{seed}/{method}/{i}"))
             node.load(fresh=True)
             await node.start_services()

@@ -139,12 +139,12 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
             overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
         if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
             overrides += ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.window_s=30"]
-            overrides += [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
+            overrides += [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
         node = Node(load_config(str(args.config), overrides, state_dir=f"{scratch}/{setting}-{arm}-{seed}/{i}"))
         node.load(fresh=True, progress=False)
         if args.transport == "inprocess":
             node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
-        await node.transport.start()
+        await node.start_services()
         nodes.append(node)
     return nodes
 
@@ -160,7 +160,7 @@ async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict
         return await train_in_lockstep(nodes, setting, arm, seed, args)
     finally:
         for node in nodes:
-            await node.transport.stop()
+            await node.stop_services()
             node.backend.close()
 
 

@@ -76,6 +76,7 @@ from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import expected_fingerprints, pipeline_limits  # noqa: E402
 from node.state import StateStore  # noqa: E402
 from node.transport.dht import shutdown_dht  # noqa: E402
+from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ class Bench:
         await self.wait_serving()
         limits = pipeline_limits(self.config, self.model.config, sum(p.numel() for p in self.model.parameters()))
         self.router = PipelineRouter(self.bootstrap, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint), limits,
-                                     seed=self.seed, reporter=LostReporter(self.bootstrap, self.config, NodeIdentity.generate(), self.fingerprint))
+                                     seed=self.seed, reporter=LostReporter(SwarmSession(self.config, self.bootstrap, "direct", NodeIdentity.generate()), self.fingerprint))
         shutil.rmtree(self.scratch / "driver", ignore_errors=True)
         self.driver = LMDriver(self.config, self.router, training_corpus(self.config, self.tokenizer), validation_corpus(self.config, self.tokenizer), StateStore(self.scratch / "driver"))
 
@@ -141,7 +142,8 @@ class Bench:
 
         dht = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.addresses)
         config = self.config.model_copy(update={"pipeline": self.config.pipeline.model_copy(update={"stage": stage})})
-        server = StageServer(config, NodeIdentity.generate(), dht, self.model, self.fingerprint, self.scratch / f"server-{stage}-{time.time_ns()}")
+        session = SwarmSession(config, dht, "direct", NodeIdentity.generate(), self.scratch / f"server-{stage}-{time.time_ns()}")
+        server = StageServer(session, self.model, self.fingerprint)
         self.servers[stage if key is None else key] = (server, asyncio.create_task(server.run()), dht)
         return server
 

@@ -52,6 +52,7 @@ from node.stats import SwarmStats  # noqa: E402
 from node.transport.batches import decode_verified  # noqa: E402
 from node.transport.dht import DHTTransport, read_peer_stats  # noqa: E402
 from node.transport.kv import read_key  # noqa: E402
+from node.transport.session import join_swarm  # noqa: E402
 from protocol.shards import rollout_key  # noqa: E402
 from protocol import MessageKind, NodeIdentity, PeerStats  # noqa: E402
 
@@ -70,25 +71,36 @@ def fake_heartbeat(identity: NodeIdentity):
     return build
 
 
+async def start_transport(config, identity: NodeIdentity, state: Path) -> DHTTransport:
+    """A transport over its own swarm session, started; `leave` stops both."""
+    transport = DHTTransport(await join_swarm(config, identity, state), SwarmStats(), "bench", heartbeat=fake_heartbeat(identity))
+    await transport.start()
+    return transport
+
+
+async def leave(transport: DHTTransport) -> None:
+    await transport.stop()
+    await transport.session.close()
+
+
 async def start_swarm(size: int, gossip: str, scratch: str) -> tuple[list[DHTTransport], list[float]]:
     transports, join_s = [], []
     for i in range(size):
-        peers = [f"swarm.initial_peers={json.dumps(transports[0].addresses)}"] if transports else []
+        peers = [f"swarm.initial_peers={json.dumps(transports[0].session.addresses)}"] if transports else []
         config = load_config(REPO / "configs" / "swarm.yaml", ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', f"swarm.gossip={gossip}", "swarm.swarm_id=bench", "swarm.heartbeat_interval_s=1", *peers])
         identity = NodeIdentity.generate()
         state = Path(scratch) / f"{gossip}-{size}-{i}"
         state.mkdir(parents=True)
-        transport = DHTTransport(config, identity, SwarmStats(), state, "bench", heartbeat=fake_heartbeat(identity))
         started = time.monotonic()
-        await transport.start()
+        transport = await start_transport(config, identity, state)
         if transports:
-            while not [p for p, _ in await read_peer_stats(transport.dht, config) if p.node_id != identity.node_id]:
+            while not [p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id]:
                 await asyncio.sleep(0.01)
             join_s.append(time.monotonic() - started)
         transports.append(transport)
     if gossip == "libp2p":
         for transport in transports:
-            await transport._connect_gossip_peers()
+            await transport.connect_gossip_peers()
         await asyncio.sleep(3.0)  # a few gossipsub heartbeats: the mesh forms
     return transports, join_s
 
@@ -104,7 +116,7 @@ async def wait_gossip(receiver: DHTTransport, publisher_id: str, seq: int) -> fl
 
 async def wait_dht(receiver: DHTTransport, publisher_id: str, seq: int, key: str) -> float:
     while True:
-        for subkey, raw in await read_key(receiver.dht, key, 10.0):
+        for subkey, raw in await read_key(receiver.session.dht, key, 10.0):
             if subkey == publisher_id:
                 envelope = decode_verified(raw, subkey, receiver.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time())
                 if envelope.seq >= seq:
@@ -133,7 +145,7 @@ async def measure(size: int, gossip: str, trials: int, groups, scratch: str) -> 
             await asyncio.sleep(0.05)
     finally:
         for transport in transports:
-            await transport.stop()
+            await leave(transport)
     return latencies_ms, join_s, int(statistics.median(sizes))
 
 
@@ -155,22 +167,21 @@ async def lab_worker(args) -> None:
     identity = NodeIdentity.generate()
     state = scratch / f"state-{args.index}"
     state.mkdir()
-    transport = DHTTransport(config, identity, SwarmStats(), state, "bench", heartbeat=fake_heartbeat(identity))
     started = time.monotonic()
-    await transport.start()
+    transport = await start_transport(config, identity, state)
     try:
         join_s = None
         if args.index == 0:
             write_atomic(scratch / "publisher", identity.node_id)
-            write_atomic(scratch / "addrs-0.json", json.dumps(transport.addresses))
+            write_atomic(scratch / "addrs-0.json", json.dumps(transport.session.addresses))
         else:
-            while not [p for p, _ in await read_peer_stats(transport.dht, config) if p.node_id != identity.node_id]:
+            while not [p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id]:
                 await asyncio.sleep(0.01)
             join_s = time.monotonic() - started
         write_atomic(scratch / f"ready-{args.index}", json.dumps({"join_s": join_s}))
         await asyncio.to_thread(wait_file, scratch / "all-ready")
         if args.gossip == "libp2p":
-            await transport._connect_gossip_peers()  # every peer has announced itself by now
+            await transport.connect_gossip_peers()  # every peer has announced itself by now
             await asyncio.sleep(3.0)  # a few gossipsub heartbeats: the mesh forms
         write_atomic(scratch / f"meshed-{args.index}", "")
         if args.index == 0:
@@ -178,14 +189,14 @@ async def lab_worker(args) -> None:
         else:
             await lab_receive(transport, scratch, wait_file(scratch / "publisher"), args.gossip)
     finally:
-        await transport.stop()
+        await leave(transport)
 
 
 async def lab_publish(transport: DHTTransport, scratch: Path, trials: int) -> None:
     groups = pickle.loads((scratch / "groups.pkl").read_bytes())
     for trial in range(trials):
         await asyncio.to_thread(wait_file, scratch / f"go-{trial}")
-        first_new_seq = transport.writer._seq + 1  # seqs only grow: anything from here on is this trial's batch
+        first_new_seq = transport.session.writer.last_seq + 1  # seqs only grow: anything from here on is this trial's batch
         bytes_before, wire_before = transport.stats.bytes_published, eth0_tx_bytes()
         started = time.time()
         await transport.publish(trial, 0, groups)
@@ -214,7 +225,7 @@ async def lab_receive(transport: DHTTransport, scratch: Path, publisher_id: str,
             else:  # back-to-back reads of this window's and the last window's record
                 window = int(time.time() // window_s)
                 for key in (rollout_key(transport.prefix, window - 1, 1, 0), rollout_key(transport.prefix, window, 1, 0)):
-                    for subkey, raw in await read_key(transport.dht, key, 10.0):
+                    for subkey, raw in await read_key(transport.session.dht, key, 10.0):
                         if subkey == publisher_id:
                             record(raw, subkey)
 

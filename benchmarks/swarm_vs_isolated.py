@@ -77,11 +77,11 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
     swarm: list[Node] = []
     try:
         for i in range(nodes):
-            peers = [f'swarm.initial_peers={json.dumps(swarm[0].transport.addresses)}'] if swarm else []
+            peers = [f'swarm.initial_peers={json.dumps(swarm[0].addresses)}'] if swarm else []
             own = (node_overrides or {}).get(i, [])
             node = Node(load_config(config_path, [*common, *own, *peers, f"seed={100 * seed + i}", f"name=bench-{i}"], state_dir=f"{scratch}/{seed}/{run_index}-{local}-{external}/{i}"))
             node.load(fresh=True)
-            await node.transport.start()
+            await node.start_services()
             swarm.append(node)
         rewards: list[list[float]] = [[] for _ in swarm]
         importance_weights: list[float] = []
@@ -104,7 +104,7 @@ async def run_mix(local: int, external: int, nodes: int, rounds: int, scratch: s
         return rewards, by_specialty, bytes_per_round, statistics.fmean(importance_weights) if importance_weights else None
     finally:
         for node in swarm:
-            await node.transport.stop()
+            await node.stop_services()
 
 
 def spread(values: list[float]) -> dict[str, float]:

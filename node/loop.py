@@ -39,12 +39,15 @@ log = logging.getLogger(__name__)
 
 
 class Node:
-    def __init__(self, config: NodeConfig, transport: Transport | None = None, rollout_backend: RolloutBackendFactory | None = None):
+    def __init__(self, config: NodeConfig, transport: Transport | None = None, rollout_backend: RolloutBackendFactory | None = None,
+                 on_addresses: Callable[[list[str]], None] | None = None):
         self.config = config
         # (model, tokenizer, policy version) -> backend; None: the one config.rollout.backend names. Tests script rollouts here.
         self.build_backend = rollout_backend or (lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version))
         self.store = StateStore(config.resolved_state_dir())
-        self.transport = transport  # built in load() when not given: it needs the model's fingerprint
+        self.transport = transport  # built when not given: the null one in load(), the swarm's once the session is open
+        self.session = None  # node.transport.session.SwarmSession: this node's one connection to the swarm (swarm.transport=dht)
+        self.on_addresses = on_addresses  # told where peers reach this node, at join and whenever it changes
         self.identity = None
         self.stream_seed = config.seed
         if config.swarm.transport != "none":
@@ -63,7 +66,6 @@ class Node:
         self.telemetry = Telemetry(config, self.stats)
         self.fingerprint = ""
         self.model_parameters = 0
-        self.announced_addresses: list[str] = []
         self._metrics_server: MetricsServer | None = None
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
         self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
@@ -87,25 +89,31 @@ class Node:
         self.store.truncate_metrics(self.round)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
-        if self.transport is None:
-            self.transport = self._build_transport()
-
-    def _build_transport(self) -> Transport:
-        if self.config.swarm.transport == "none":
+        if self.transport is None and self.config.swarm.transport == "none":
             from node.transport.null import NullTransport
 
-            return NullTransport()
-        from node.transport.dht import DHTTransport
+            self.transport = NullTransport()
 
-        return DHTTransport(self.config, self.identity, self.stats, self.store.root, self.fingerprint, heartbeat=self.peer_stats, announce=self._announce)
+    async def _join_swarm(self) -> None:
+        from node.transport.dht import DHTTransport
+        from node.transport.session import join_swarm
+
+        self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
+        self.transport = DHTTransport(self.session, self.stats, self.fingerprint, heartbeat=self.peer_stats, on_addresses=self._announce)
 
     def _announce(self, addresses: list[str]) -> None:
-        self.announced_addresses = addresses
         log.info("node %s listening on %s", self.identity.node_id, " ".join(addresses))
+        if self.on_addresses:
+            self.on_addresses(addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where peers reach this node (none in isolation)."""
+        return self.session.addresses if self.session is not None else []
 
     def peer_stats(self) -> PeerStats:
         """This node's heartbeat content (the transport signs it)."""
-        return self.telemetry.heartbeat(self.identity.node_id, self.model_parameters, self.round, self.policy_version, self.announced_addresses, self.averaging)
+        return self.telemetry.heartbeat(self.identity.node_id, self.model_parameters, self.round, self.policy_version, self.addresses, self.averaging)
 
     def _build_rollouts(self, policy_version: int) -> None:
         self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
@@ -128,12 +136,16 @@ class Node:
 
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
+        if self.transport is None:
+            await self._join_swarm()
         await self.transport.start()
-        await self.policy.attach(self.transport, self.loaded, seed=self.stream_seed)
+        await self.policy.attach(self.session, self.loaded, seed=self.stream_seed)
         if self.config.averaging.method != "none":
             from node.averaging.service import start_averaging
 
-            self.averaging = await start_averaging(self.config, self.transport.dht, self.transport.writer, self.model, self.fingerprint, self.policy_version)
+            if self.session is None:
+                raise RuntimeError("averaging needs the node's own swarm session: a node given its transport averages with nobody")
+            self.averaging = await start_averaging(self.config, self.session, self.model, self.fingerprint, self.policy_version)
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
         if self.config.swarm.metrics_port is not None:
@@ -151,7 +163,10 @@ class Node:
             await self._metrics_server.stop()
         if self.averaging is not None:
             await self.averaging.stop()
-        await self.transport.stop()
+        if self.transport is not None:
+            await self.transport.stop()
+        if self.session is not None:
+            await self.session.close()
 
     async def run_round(self) -> dict[str, Any]:
         round_ = self.round + 1

@@ -64,7 +64,7 @@ class LocalPolicy:
         loaded.parameters = sum(p.numel() for p in model.parameters())
         return loaded
 
-    async def attach(self, transport, policy: LoadedPolicy, seed: int) -> None:
+    async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
         """Nothing to join: the weights are here."""
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
@@ -99,13 +99,14 @@ class PipelinePolicy:
         log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, loaded.fingerprint, loaded.round)
         return loaded
 
-    async def attach(self, transport, policy: LoadedPolicy, seed: int) -> None:
-        """Route the model's stages through the swarm's stage servers, and wait until each stage is served."""
+    async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
+        """Route the model's stages through the swarm's stage servers (found over `session`, the node's
+        node.transport.session.SwarmSession), and wait until each stage is served."""
         from node.pipeline.driver import PipelineRouter
         from node.pipeline.stages import expected_fingerprints, pipeline_limits
 
         model_config = policy.model.config
-        router = PipelineRouter(transport.dht, self.config, policy.fingerprint, expected_fingerprints(self.config, model_config, policy.fingerprint),
+        router = PipelineRouter(session.dht, self.config, policy.fingerprint, expected_fingerprints(self.config, model_config, policy.fingerprint),
                                 pipeline_limits(self.config, model_config, policy.parameters), seed=seed)
         policy.model.attach(router, asyncio.get_running_loop())
         await router.wait_until_served()

@@ -105,13 +105,25 @@ def _built(name: str, config_key: str, seed: int):
     return _create(name, json.loads(config_key), seed)
 
 
-def _dataset(name: str, config_key: str, seed: int):
-    return _view(name, config_key, seed) if _prototype(name, config_key)[1] else _built(name, config_key, seed)
+def dataset_for(spec: TaskSpec):
+    """The reasoning-gym dataset a spec's question is drawn from (its name, config and seed), built once and cached."""
+    return _view(spec.dataset, spec.config_key, spec.seed) if _prototype(spec.dataset, spec.config_key)[1] else _built(spec.dataset, spec.config_key, spec.seed)
+
+
+def is_viewed(spec: TaskSpec) -> bool:
+    """Whether other seeds of the spec's dataset are re-seeded views of one built dataset (see `_prototype`)."""
+    return _prototype(spec.dataset, spec.config_key)[1]
+
+
+def forget_datasets() -> None:
+    """Drop every cached dataset: the next question builds them again (after reasoning-gym changed under us)."""
+    for cache in (_prototype, _view, _built):
+        cache.cache_clear()
 
 
 def materialize(spec: TaskSpec) -> Question:
     """Re-generate the question and its ground truth from the spec (deterministic)."""
-    dataset = _dataset(spec.dataset, spec.config_key, spec.seed)
+    dataset = dataset_for(spec)
     try:
         entry = dataset[spec.index]
     except Exception as exc:
@@ -139,7 +151,7 @@ def grade(question: Question, completion: str, finished: bool, format_reward: fl
     answer = extract_answer(completion)
     if answer is None:
         return Grade(0.0, False)
-    dataset = _dataset(question.spec.dataset, question.spec.config_key, question.spec.seed)
+    dataset = dataset_for(question.spec)
     try:
         correctness = float(dataset.score_answer(answer=answer, entry=question.entry))
     except Exception:  # a scorer that chokes on odd text (model output, a peer's) judges it wrong

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -69,3 +70,41 @@ class Telemetry:
         if averaging:
             gauges |= {f"averaging_{k}": v for k, v in averaging.counters().items() if k != "refusals"}
         return prometheus_text(gauges, self.stats)
+
+
+def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {"rounds": 0}
+    tenth = max(1, len(rows) // 10)
+    heldout = [(r["round"], r["heldout_accuracy"]) for r in rows if "heldout_accuracy" in r]
+    return {
+        "rounds": rows[-1]["round"],
+        "policy_version": rows[-1]["policy_version"],
+        "reward_mean_first_10pct": statistics.fmean(r["reward_mean"] for r in rows[:tenth]),
+        "reward_mean_last_10pct": statistics.fmean(r["reward_mean"] for r in rows[-tenth:]),
+        "accuracy_first_10pct": statistics.fmean(r["accuracy"] for r in rows[:tenth]),
+        "accuracy_last_10pct": statistics.fmean(r["accuracy"] for r in rows[-tenth:]),
+        "heldout_accuracy_first": heldout[0][1] if heldout else None,
+        "heldout_accuracy_last": heldout[-1][1] if heldout else None,
+        "tokens_per_s_mean": statistics.fmean(r["tokens_per_s"] for r in rows),
+        "step_s_mean": statistics.fmean(r["step_s"] for r in rows),
+        "external_questions_total": sum(r.get("external_questions", 0) for r in rows),
+        "wall_s": rows[-1]["time"] - rows[0]["time"] + rows[0]["step_s"],
+        "by_dataset": _by_dataset(rows, tenth),
+    }
+
+
+def _by_dataset(rows: list[dict[str, Any]], tenth: int) -> dict[str, dict[str, float | None]]:
+    """Per specialty of the task mix: reward of the node's own completions early and late, held-out accuracy first and last."""
+    labels = sorted({label for r in rows for label in r.get("reward_by_dataset", {})} | {label for r in rows for label in r.get("heldout_by_dataset", {})})
+
+    def mean_reward(part: list[dict[str, Any]], label: str) -> float | None:
+        values = [r["reward_by_dataset"][label] for r in part if label in r.get("reward_by_dataset", {})]
+        return statistics.fmean(values) if values else None
+
+    summary = {}
+    for label in labels:
+        heldout = [r["heldout_by_dataset"][label] for r in rows if label in r.get("heldout_by_dataset", {})]
+        summary[label] = {"reward_first_10pct": mean_reward(rows[:tenth], label), "reward_last_10pct": mean_reward(rows[-tenth:], label),
+                          "heldout_first": heldout[0] if heldout else None, "heldout_last": heldout[-1] if heldout else None}
+    return summary

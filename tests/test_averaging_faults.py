@@ -36,7 +36,7 @@ class FaultyAverager(PairAverager):
         self.fault = fault
         self.stalled = asyncio.Event()
 
-    def _outgoing(self, theta):
+    def outgoing(self, theta):
         if self.fault is Fault.NAN:
             return {k: v.clone().fill_(float("nan")) if k == "b" else v for k, v in theta.items()}
         if self.fault is Fault.WRONG_SHAPE:
@@ -47,22 +47,22 @@ class FaultyAverager(PairAverager):
             return {**theta, "w": torch.zeros(4096, theta["w"].shape[1])}  # beyond the size bound of our model
         return theta
 
-    async def _send_commit(self, writer):
-        sent = await super()._send_commit(writer)
+    async def send_commit(self, writer):
+        sent = await super().send_commit(writer)
         if self.fault is Fault.BREAK_AFTER_COMMIT:
             await asyncio.sleep(1.0)  # lets our COMMIT arrive before the reset (usually: the test accepts either)
             writer.close()
             raise ConnectionResetError("fault: the stream broke between the two COMMIT frames")
         return sent
 
-    async def _send_done(self, writer):
+    async def send_done(self, writer):
         if self.fault is not Fault.NO_DONE:
-            return await super()._send_done(writer)
+            return await super().send_done(writer)
         return 0  # its DONE is lost (closing the stream here instead would race with its own COMMIT in flight)
 
-    async def _send_weights(self, writer, payload):
+    async def send_weights(self, writer, payload):
         if self.fault is not Fault.STALL:
-            return await super()._send_weights(writer, payload)
+            return await super().send_weights(writer, payload)
         writer.write(struct.pack(">BQ", Frame.WEIGHTS, len(payload)) + payload[: len(payload) // 2])
         await writer.drain()
         self.stalled.set()

@@ -27,7 +27,7 @@ async def _scenario(tmp_path):
     pair: list[Node] = []
     try:
         for i in range(2):
-            peers = [f"swarm.initial_peers={json.dumps(pair[0].transport.addresses)}"] if pair else []
+            peers = [f"swarm.initial_peers={json.dumps(pair[0].addresses)}"] if pair else []
             node = Node(load_config(REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / str(i))))
             node.load()
             await node.start_services()
@@ -37,17 +37,17 @@ async def _scenario(tmp_path):
         # Uniform-reward groups are dropped (the default), so every policy version counted
         # towards H is a real gradient step: the two nodes cannot reach the outer step unchanged.
         for _ in range(300):
-            if all(node.averaging._task for node in pair):
+            if all(node.averaging.in_flight for node in pair):
                 break
             for node in pair:
-                if node.averaging._task is None:
+                if not node.averaging.in_flight:
                     await node.run_round()
-        assert all(node.averaging._task for node in pair), "no outer step started within 300 rounds"
-        sent = [node.averaging._theta_sent for node in pair]
+        assert all(node.averaging.in_flight for node in pair), "no outer step started within 300 rounds"
+        sent = [node.averaging.theta_sent for node in pair]
         moved = [not all(torch.equal(s[k], phi0[k]) for k in phi0) for s in sent]
         diag = f"policy versions {[n.policy_version for n in pair]}, rounds {[n.round for n in pair]}, moved from phi0 {moved}"
         assert not all(torch.equal(sent[0][k], sent[1][k]) for k in phi0), diag  # they trained apart
-        await asyncio.gather(*(node.averaging._task for node in pair))
+        await asyncio.gather(*(node.averaging.wait_exchange() for node in pair))
         outcomes = [node.averaging.apply_if_done() for node in pair]
         assert [o["outcome"] for o in outcomes] == ["averaged", "averaged"]
         mean = {k: (sent[0][k] + sent[1][k]) / 2 for k in phi0}
@@ -84,7 +84,7 @@ async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int =
     nodes: list[Node] = []
     try:
         for i in range(4):
-            peers = [f"swarm.initial_peers={json.dumps(nodes[0].transport.addresses)}"] if nodes else []
+            peers = [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
             node = Node(load_config(REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / method / str(i))))
             node.load()
             await node.start_services()
@@ -97,7 +97,7 @@ async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int =
             if min_outer_steps and done >= 24 and sum(n.averaging.stats.succeeded for n in nodes) >= min_outer_steps:
                 break
         if method != "none":
-            await asyncio.gather(*(n.averaging._task for n in nodes if n.averaging._task), return_exceptions=True)
+            await asyncio.gather(*(n.averaging.wait_exchange() for n in nodes))
             for node in nodes:
                 node.averaging.apply_if_done()
         succeeded = sum(n.averaging.stats.succeeded for n in nodes) if method != "none" else 0

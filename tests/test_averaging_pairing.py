@@ -147,15 +147,15 @@ def test_different_fingerprints_are_never_paired():
             assert results[0].partner_ids == [x2.peer_id] and results[1].partner_ids == [x1.peer_id]
             assert results[2] is None and other.rounds_to_deadline == 1
             assert other.failures == {"no_partner": 1} and other.refusals == {}
-            # even a deliberate call across models is turned away: no handler under the other prefix
+            # even a deliberate call across models is turned away: x1 serves no exchange under the other prefix
+            from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+            from node.transport.framing import open_stream
+
             other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=1.5))
             await asyncio.sleep(0.3)
-            from node.averaging.pairing import _Round
-
-            probe = _Round(round_id=1, theta=thetas[2], payload=b"", capacity=1, deadline=asyncio.get_running_loop().time() + 1)
-            other._max_payload = 1 << 20
-            assert not await other._call(probe, x1.peer_id)
-            assert other.failures["exchange_failed"] == 1
+            with pytest.raises((P2PDaemonError, P2PHandlerError)):
+                await open_stream(nodes[2].p2p, x1.peer_id, [], other.handler_name, 5)
             assert await other_round is None
 
     asyncio.run(scenario())

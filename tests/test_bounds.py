@@ -77,10 +77,12 @@ def test_refused_value_memory_stays_bounded(tmp_path):
     from node.config import load_config
     from node.transport.batches import MAX_REFUSED_REMEMBERED
     from node.transport.dht import DHTTransport
+    from node.transport.session import SwarmSession
     from protocol import NodeIdentity
 
     stats = SwarmStats()
-    transport = DHTTransport(load_config(None, ["swarm.transport=dht"]), NodeIdentity.generate(), stats, tmp_path, "f", heartbeat=None)
+    session = SwarmSession(load_config(None, ["swarm.transport=dht"]), dht=None, reachability="direct", identity=NodeIdentity.generate(), state_dir=tmp_path)
+    transport = DHTTransport(session, stats, "f", heartbeat=None)
     for i in range(FLOOD):
         transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
         transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))  # re-read: not counted again

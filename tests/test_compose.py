@@ -10,7 +10,8 @@ import shlex
 import pytest
 import yaml
 
-from node.cli import config_from_args, build_parser
+from node.cli import build_parser
+from node.commands import config_from_args
 from tests.helpers.common import REPO
 
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())

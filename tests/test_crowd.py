@@ -81,7 +81,7 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
             assert await crowd.publish() == (CROWD * 4, 0)  # a heartbeat and a batch at three shard levels each
             node = Node(load_config(REPO / "configs" / "swarm.yaml", [*CROWD_OVERRIDES, f'swarm.initial_peers=["{address}"]'], state_dir=str(tmp_path / "node")))
             node.load()
-            await node.transport.start()
+            await node.start_services()
             assert node.stats.swarm_size_estimate == CROWD + 1  # a swarm this small: every heartbeat shard was read
             rows, per_round = [], []
             for _ in range(3):
@@ -101,12 +101,12 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
                 await node.transport.collect(node.round)
                 if node.stats.refusals.by_reason().get(Refusal.WRONG_SHARD.value):
                     break
-            listed = await read_peer_rows(node.transport.dht, node.config)
+            listed = await read_peer_rows(node.session.dht, node.config)
             cli_seconds, cli_listed = await list_peers(address, node.config.swarm.swarm_id)
             return rows, per_round, count, listed, cli_listed, node.sharing.rescore_budget, node.stats.totals()
         finally:
             if node is not None:
-                await node.transport.stop()
+                await node.stop_services()
             await crowd.stop()
 
     rows, per_round, count, listed, cli_listed, budget, totals = asyncio.run(scenario())

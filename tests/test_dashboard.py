@@ -33,11 +33,11 @@ PEER_ROW = dict(node_id="12D3KooWAbcdefghijklmnop", display_name="a-rather-long-
 
 @pytest.mark.parametrize("width", [80, 60, 120, 200])
 def test_peers_table_fits_the_terminal_with_whole_headers(width):
-    from node.cli import PEER_COLUMNS, _peers_table
+    from node.dashboard.tables import PEER_COLUMNS, peers_table
 
     console = Console(width=width, file=io.StringIO(), record=True)
     rows = [dict(PEER_ROW, last_seen=time.time()), dict(PEER_ROW, node_id="12D3KooWzzzz", last_seen=time.time())]
-    console.print(_peers_table(rows, "test", console.width))
+    console.print(peers_table(rows, "test", console.width))
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= width
     assert "…" not in text  # nothing cut: neither headers ("no…") nor cells

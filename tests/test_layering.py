@@ -31,7 +31,7 @@ LAYERS = [
     ("network and policy", ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"]),
     ("components", ["node.policy", "node.local_rollouts", "node.sharing", "node.evaluation", "node.telemetry", "node.averaging", "node.pipeline"]),
     ("node", ["node.loop", "node.dashboard"]),
-    ("commands", ["node.cli", "node.runtime", "node.pipeline.commands", "node.dashboard.commands"]),
+    ("commands", ["node.cli", "node.commands", "node.runtime", "node.pipeline.commands", "node.dashboard.commands"]),
 ]
 
 

@@ -30,10 +30,10 @@ def test_swarm_of_three_runs_for_a_while(model_cache, tmp_path):
         nodes = []
         try:
             for i in range(3):
-                peers = [f'swarm.initial_peers=["{nodes[0].transport.addresses[0]}"]'] if nodes else []
+                peers = [f'swarm.initial_peers=["{nodes[0].addresses[0]}"]'] if nodes else []
                 node = Node(load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, *peers, f"seed={i}"], state_dir=str(tmp_path / str(i))))
                 node.load()
-                await node.transport.start()
+                await node.start_services()
                 nodes.append(node)
             for _ in range(100):
                 for node in nodes:
@@ -41,7 +41,7 @@ def test_swarm_of_three_runs_for_a_while(model_cache, tmp_path):
             return [node.stats.totals() for node in nodes]
         finally:
             for node in nodes:
-                await node.transport.stop()
+                await node.stop_services()
 
     for totals in asyncio.run(scenario()):
         assert totals["questions_used"] > 20 and totals["rejected"] == {}

@@ -14,6 +14,7 @@ from node.pipeline.client import HopFailed, call_stage
 from node.pipeline.server import StageServer
 from node.pipeline.stages import expected_fingerprints
 from node.pipeline.tensors import to_wire
+from node.transport.session import SwarmSession
 from node.transport.framing import frame_bytes
 from protocol import NodeIdentity
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, StageCall
@@ -66,7 +67,7 @@ def test_bad_calls_are_refused_counted_and_survived(config):
 
     async def scenario():
         async with swarm(2) as (server_node, caller_node):
-            server = StageServer(config, NodeIdentity.generate(), server_node, model, fingerprint, config.resolved_state_dir())
+            server = StageServer(SwarmSession(config, server_node, "direct", NodeIdentity.generate(), config.resolved_state_dir()), model, fingerprint)
             running = asyncio.create_task(server.run())
             try:
                 for _ in range(200):
@@ -154,7 +155,7 @@ def test_replicas_of_a_stage_average_with_noloco(config):
             servers, tasks = [], []
             try:
                 for node in (node_a, node_b):
-                    server = StageServer(config, NodeIdentity.generate(), node, model, fingerprint, config.resolved_state_dir())
+                    server = StageServer(SwarmSession(config, node, "direct", NodeIdentity.generate(), config.resolved_state_dir()), model, fingerprint)
                     servers.append(server)
                     tasks.append(asyncio.create_task(server.run()))
                     for _ in range(300):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from node.cli import summarize_metrics
+from node.telemetry import summarize_metrics
 from node.config import ConfigError, TasksConfig
 from node.loop import Node
 from node.tasks import TaskSource

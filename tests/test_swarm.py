@@ -151,13 +151,13 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
         pair = []
         try:
             for i in range(2):
-                peers = [f"swarm.initial_peers={json.dumps(pair[0].transport.addresses)}"] if pair else []
+                peers = [f"swarm.initial_peers={json.dumps(pair[0].addresses)}"] if pair else []
                 node = Node(load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, *peers, f"swarm.gossip={gossip}", f"seed={i}"], state_dir=str(tmp_path / str(i))))
                 node.load()
-                await node.transport.start()
+                await node.start_services()
                 pair.append(node)
             if gossip == "libp2p":
-                await pair[0].transport._connect_gossip_peers()  # do not wait for the next heartbeat
+                await pair[0].transport.connect_gossip_peers()  # do not wait for the next heartbeat
                 await asyncio.sleep(1.5)  # one gossipsub heartbeat builds the mesh
             for _ in range(4):
                 for node in pair:
@@ -166,7 +166,7 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
             return [node.stats.totals() for node in pair]
         finally:
             for node in pair:
-                await node.transport.stop()
+                await node.stop_services()
 
     totals = asyncio.run(scenario())
     assert all(t["batches_accepted"] >= 2 and t["rejected"] == {} for t in totals)

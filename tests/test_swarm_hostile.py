@@ -41,8 +41,8 @@ async def _hostile_scenario(tmp_path):
     config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "swarm.window_s=600", "swarm.collect_windows=2"], state_dir=str(tmp_path / "honest"))
     honest = Node(config)
     honest.load()
-    await honest.transport.start()
-    hostile = await DHTNode.create(initial_peers=honest.transport.addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    await honest.start_services()
+    hostile = await DHTNode.create(initial_peers=honest.addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         window = int(time.time() // config.swarm.window_s)
         key = rollout_key(key_prefix(SWARM), window, 1, 0)  # a lone node reads the one shard of a small swarm
@@ -106,7 +106,7 @@ async def _hostile_scenario(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(weights_before, honest.model.parameters()))  # still training
     finally:
         await hostile.shutdown()
-        await honest.transport.stop()
+        await honest.stop_services()
 
 
 def _liar_group(identity, spec, question, wrong):

@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_scorer_that_raises_grades_zero(monkeypatch):
     from node import tasks
 
     question = materialize(TaskSpec("basic_arithmetic", ARITH, 3, 5))
-    dataset = tasks._dataset(question.spec.dataset, question.spec.config_key, question.spec.seed)
+    dataset = tasks.dataset_for(question.spec)
 
     def explode(answer, entry):
         raise ValueError("cannot parse")
@@ -104,21 +105,21 @@ def test_a_seed_is_a_view_of_one_dataset_and_draws_what_a_fresh_dataset_draws():
     import reasoning_gym
     import yaml
 
-    from node.tasks import _dataset, _prototype
+    from node.tasks import dataset_for, is_viewed
 
     mix = yaml.safe_load((REPO / "configs" / "mix.yaml").read_text())["tasks"]["datasets"]
     for entry in mix:
         spec = TaskSpec(entry["name"], entry["config"], 0, 0)
-        assert _prototype(spec.dataset, spec.config_key)[1], f"{entry['name']} is rebuilt per seed"
+        assert is_viewed(spec), f"{entry['name']} is rebuilt per seed"
         for seed in (3, 123_457):
             fresh = reasoning_gym.create_dataset(entry["name"], seed=seed, size=2**31 - 1, **entry["config"])
-            viewed = _dataset(spec.dataset, spec.config_key, seed)
+            viewed = dataset_for(TaskSpec(entry["name"], entry["config"], seed, 0))
             for index in (0, 17, 40_001):
                 assert viewed[index] == fresh[index]
                 question = materialize(TaskSpec(entry["name"], entry["config"], seed, index))
                 assert grade(question, question.answer, True).correct
     spec = TaskSpec("spell_backward", {"min_word_len": 3, "max_word_len": 4}, 0, 0)
-    assert _dataset(spec.dataset, spec.config_key, 5).words is _dataset(spec.dataset, spec.config_key, 6).words
+    assert dataset_for(dataclasses.replace(spec, seed=5)).words is dataset_for(dataclasses.replace(spec, seed=6)).words
 
 
 def test_a_dataset_whose_constructor_uses_its_seed_is_built_per_seed(monkeypatch):
@@ -134,15 +135,13 @@ def test_a_dataset_whose_constructor_uses_its_seed_is_built_per_seed(monkeypatch
             return {"question": str(self.pool[(self.seed + index) % 1000]), "answer": "0"}
 
     monkeypatch.setattr(tasks.reasoning_gym, "create_dataset", lambda name, seed, size, **config: PoolDataset(seed))
-    tasks._prototype.cache_clear()
+    tasks.forget_datasets()
     try:
-        assert tasks._prototype("pool", "{}")[1] is False
-        assert tasks._dataset("pool", "{}", 5)[3] == PoolDataset(5)[3]
-        assert tasks._dataset("pool", "{}", 6).pool == PoolDataset(6).pool
+        assert tasks.is_viewed(TaskSpec("pool", {}, 5, 0)) is False
+        assert tasks.dataset_for(TaskSpec("pool", {}, 5, 0))[3] == PoolDataset(5)[3]
+        assert tasks.dataset_for(TaskSpec("pool", {}, 6, 0)).pool == PoolDataset(6).pool
     finally:
-        tasks._prototype.cache_clear()
-        tasks._built.cache_clear()
-        tasks._view.cache_clear()
+        tasks.forget_datasets()
 
 
 def test_score_answers_counts_accuracy_and_distinct_answers_per_specialty():

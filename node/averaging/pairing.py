@@ -342,19 +342,19 @@ class PairAverager:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # what travels (the seams a faulty peer in the tests overrides) ----------------------
+    # what travels: the public seams a subclass overrides to play a faulty peer (tests/test_averaging_faults.py) ----
 
-    def _outgoing(self, theta: Named) -> Named:
+    def outgoing(self, theta: Named) -> Named:
         """The weights we send for our snapshot."""
         return theta
 
-    async def _send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
+    async def send_weights(self, writer: asyncio.StreamWriter, payload: bytes) -> int:
         return await write_frame(writer, Frame.WEIGHTS, payload)
 
-    async def _send_commit(self, writer: asyncio.StreamWriter) -> int:
+    async def send_commit(self, writer: asyncio.StreamWriter) -> int:
         return await write_frame(writer, Frame.COMMIT)
 
-    async def _send_done(self, writer: asyncio.StreamWriter) -> int:
+    async def send_done(self, writer: asyncio.StreamWriter) -> int:
         return await write_frame(writer, Frame.DONE)
 
     # one round -----------------------------------------------------------------------
@@ -385,7 +385,7 @@ class PairAverager:
             self.failures["own_weights_not_finite"] += 1
             self.rounds_skipped += 1
             return None
-        payload = await asyncio.to_thread(lambda: encode_weights(self._outgoing(theta), self.mode).to_bytes())
+        payload = await asyncio.to_thread(lambda: encode_weights(self.outgoing(theta), self.mode).to_bytes())
         numel = sum(t.numel() for t in theta.values())
         self._max_payload = 4 * numel + 1024 * len(theta) + CONTROL_MAX_BYTES
         self._latest_round_id = round_id if self._latest_round_id is None else max(self._latest_round_id, round_id)
@@ -599,7 +599,7 @@ class PairAverager:
 
     async def _swap(self, rnd: _Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Named | None:
         """Send our weights while reading theirs, check theirs, trade verdicts; their weights if both passed."""
-        sending = asyncio.create_task(self._send_weights(writer, rnd.payload))
+        sending = asyncio.create_task(self.send_weights(writer, rnd.payload))
         try:
             try:
                 kind, body = await _read_frame(reader, self._max_payload)
@@ -629,7 +629,7 @@ class PairAverager:
             rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
             await self._read_partner_verdict(rnd, reader)
             return None
-        rnd.bytes_sent += await self._send_commit(writer)
+        rnd.bytes_sent += await self.send_commit(writer)
         kind, body = await _read_frame(reader, 0)
         rnd.bytes_received += FRAME_HEADER.size + len(body)
         if kind is not Frame.COMMIT:
@@ -642,7 +642,7 @@ class PairAverager:
         # nothing: the partner decides on our COMMIT, already sent. The wait ends just before the
         # round's deadline, which would otherwise cancel the exchange (silently) after we read COMMIT.
         try:
-            rnd.bytes_sent += await self._send_done(writer)
+            rnd.bytes_sent += await self.send_done(writer)
             kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining() - DEADLINE_MARGIN_S, 0.0)))
             rnd.bytes_received += FRAME_HEADER.size + len(body)
             confirmed = kind is Frame.DONE

@@ -49,6 +49,21 @@ class OuterStepService:
         self._task: asyncio.Task | None = None
         self._theta_sent: dict[str, torch.Tensor] | None = None
 
+    @property
+    def in_flight(self) -> bool:
+        """An exchange was started and not applied yet (it may have finished: `apply_if_done` applies it)."""
+        return self._task is not None
+
+    @property
+    def theta_sent(self) -> dict[str, torch.Tensor] | None:
+        """The weights the exchange in flight sent to its partners (None when none is)."""
+        return self._theta_sent
+
+    async def wait_exchange(self) -> None:
+        """Until the exchange in flight has finished (its outcome is applied by `apply_if_done`)."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
     def maybe_start(self, policy_version: int) -> bool:
         """Start an exchange when H updates have passed since the last one and none is in flight."""
         if self._task is not None or policy_version - self.last_trigger_version < self.config.every_steps:
@@ -100,16 +115,17 @@ class OuterStepService:
         await self.averager.stop()
 
 
-async def start_averaging(config: NodeConfig, dht, writer, module: torch.nn.Module, fingerprint: str, last_version: int) -> OuterStepService:
+async def start_averaging(config: NodeConfig, session, module: torch.nn.Module, fingerprint: str, last_version: int) -> OuterStepService:
     """NoLoCo (a pair per round) or DiLoCo (all live peers) averaging of `module` with the peers whose model has
-    the same `fingerprint`, over the node's DHT and p2p daemon, its announcements signed by `writer`; the first
-    exchange after `every_steps` updates past `last_version`. The whole model of a node and one pipeline stage alike."""
+    the same `fingerprint`, over the node's swarm session (node/transport/session.py: its DHT node and p2p daemon,
+    announcements signed by its writer); the first exchange after `every_steps` updates past `last_version`. The
+    whole model of a node and one pipeline stage alike."""
     from node.averaging.fingerprint import averaging_prefix
     from node.averaging.pairing import PairAverager
 
     averaging = config.averaging
-    averager = PairAverager(dht, averaging_prefix(config.swarm.swarm_id, fingerprint), group_size=2 if averaging.method == "noloco" else None,
-                            mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance, writer=writer)
+    averager = PairAverager(session.dht, averaging_prefix(config.swarm.swarm_id, fingerprint), group_size=2 if averaging.method == "noloco" else None,
+                            mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance, writer=session.writer)
     await averager.start()
     service = OuterStepService(config, module, averager)
     service.last_trigger_version = last_version

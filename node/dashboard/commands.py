@@ -46,17 +46,17 @@ async def _serve_viewer(config, host: str, port: int, state_dir: Path | None, co
     from node.dashboard.server import DashboardServer
     from node.dashboard.sources import DashboardSources, SwarmWatcher
     from node.stats import SwarmStats
-    from node.transport.dht import create_dht_node, shutdown_dht
+    from node.transport.session import watch_swarm
 
     stats = SwarmStats()  # the viewer's own refusals: heartbeats and records it refused while reading
-    dht = await create_dht_node(config, client_mode=True, refusals=stats.records)
+    session = await watch_swarm(config, refusals=stats.records)
 
     def swarm() -> dict[str, Any]:
         swarm_file = state_dir / "swarm.json" if state_dir else None
         counters = json.loads(swarm_file.read_text()) if swarm_file and swarm_file.exists() else stats.snapshot()
         return {"node": {"viewer": True, "swarm_id": config.swarm.swarm_id, "state_dir": str(state_dir) if state_dir else None}, "stats": counters, "averaging": None}
 
-    server = DashboardServer(host, port, DashboardSources(SwarmWatcher(dht, config, stats), state_dir / "metrics.jsonl" if state_dir else None, swarm))
+    server = DashboardServer(host, port, DashboardSources(SwarmWatcher(session.dht, config, stats), state_dir / "metrics.jsonl" if state_dir else None, swarm))
     stop = asyncio.Event()
     on_stop_signals(stop.set)
     try:
@@ -65,7 +65,7 @@ async def _serve_viewer(config, host: str, port: int, state_dir: Path | None, co
         await stop.wait()
     finally:
         await server.stop()
-        await shutdown_dht(dht)
+        await session.close()
     return 0
 
 

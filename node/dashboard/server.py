@@ -118,14 +118,13 @@ class DashboardServer:
 
 def node_sources(node) -> DashboardSources:
     """What a training node shows: its own metrics and counters, and the peers its DHT sees."""
-    dht = getattr(node.transport, "dht", None)
-    watcher = SwarmWatcher(dht, node.config) if dht is not None else None
+    watcher = SwarmWatcher(node.session.dht, node.config) if node.session is not None else None
 
     def swarm() -> dict[str, Any]:
         return {
             "node": {"node_id": node.identity.node_id if node.identity else None, "name": node.config.name, "swarm_id": node.config.swarm.swarm_id,
                      "isolated": node.config.swarm.transport == "none", "round": node.round, "policy_version": node.policy_version,
-                     "model": node.config.model.name_or_path, "addresses": node.announced_addresses},
+                     "model": node.config.model.name_or_path, "addresses": node.addresses},
             "stats": node.stats.snapshot(),
             "averaging": node.averaging.counters() if node.averaging else None,
         }

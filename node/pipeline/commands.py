@@ -57,12 +57,11 @@ def _config(args):
 
 
 async def _join(config, console: Console, role: str):
-    """Identity, DHT node and initial model: what both roles need first."""
+    """The swarm session and initial model: what both roles need first."""
     import torch
 
     from node.model import model_fingerprint, resolve_initial_policy
-    from node.files import atomic_write_text
-    from node.transport.dht import join_swarm
+    from node.transport.session import join_swarm
     from protocol import NodeIdentity
 
     if config.torch_threads:
@@ -72,22 +71,17 @@ async def _join(config, console: Console, role: str):
     torch.manual_seed(config.seed)
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
     fingerprint = model_fingerprint(model, tokenizer)
-    from node.transport.p2p_key import P2P_KEY_FILE
-
-    dht, reachability = await join_swarm(config, state_dir / P2P_KEY_FILE)
-    addresses = [str(a) for a in await dht.get_visible_maddrs()]
-    atomic_write_text(state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
-    console.print(f"{role} {identity.node_id} ({reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in {config.pipeline.num_stages} stages; "
-                  f"others can join with --initial-peers {' '.join(addresses)}", highlight=False)
-    return identity, dht, model, tokenizer, fingerprint
+    session = await join_swarm(config, identity, state_dir)
+    console.print(f"{role} {identity.node_id} ({session.reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in "
+                  f"{config.pipeline.num_stages} stages; others can join with --initial-peers {' '.join(session.addresses)}", highlight=False)
+    return session, model, tokenizer, fingerprint
 
 
 async def _serve(config, console: Console) -> int:
     from node.pipeline.server import StageServer
-    from node.transport.dht import shutdown_dht
 
-    identity, dht, model, _, fingerprint = await _join(config, console, "stage server")
-    server = StageServer(config, identity, dht, model, fingerprint, config.resolved_state_dir())
+    session, model, _, fingerprint = await _join(config, console, "stage server")
+    server = StageServer(session, model, fingerprint)
     task = asyncio.current_task()
     on_stop_signals(task.cancel)
     metrics = None
@@ -104,7 +98,7 @@ async def _serve(config, console: Console) -> int:
         await server.stop()
         if metrics is not None:
             await metrics.stop()
-        await shutdown_dht(dht)
+        await session.close()
     return 0
 
 
@@ -115,16 +109,15 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     from node.pipeline.stagemap import LostReporter
     from node.pipeline.stages import expected_fingerprints, pipeline_limits
     from node.state import StateStore
-    from node.transport.dht import shutdown_dht
 
     if config.pipeline.objective != "lm":
         return error("`drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo")
-    identity, dht, model, tokenizer, fingerprint = await _join(config, console, "driver")
+    session, model, tokenizer, fingerprint = await _join(config, console, "driver")
     fingerprints = expected_fingerprints(config, model.config, fingerprint)
     limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
     del model
-    router = PipelineRouter(dht, config, fingerprint, fingerprints, limits, seed=int(identity.node_id[:8], 16),
-                            reporter=LostReporter(dht, config, identity, fingerprint))
+    router = PipelineRouter(session.dht, config, fingerprint, fingerprints, limits, seed=int(session.identity.node_id[:8], 16),
+                            reporter=LostReporter(session, fingerprint))
     store = StateStore(config.resolved_state_dir())
     corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
     driver = LMDriver(config, router, corpus, validation, store)
@@ -139,7 +132,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     try:
         await driver.run(steps, stop, on_step=show)
     finally:
-        await shutdown_dht(dht)
+        await session.close()
     console.print(f"stopped at step {driver.step}; metrics in {store.root / 'metrics.jsonl'}", highlight=False)
     return 0
 

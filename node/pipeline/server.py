@@ -46,7 +46,6 @@ import torch
 from node.aio import cancel_and_wait
 from node.weights.codec import CodecError, EncodedWeights, decode_weights
 from node.weights.validation import WeightsRefused, validate_partner_weights
-from node.config import NodeConfig
 from node.pipeline.backend import StageBackend
 from node.pipeline.client import HopFailed, call_stage, handler_name
 from node.pipeline.driver import WAIT_LOG_EVERY_S
@@ -58,27 +57,30 @@ from node.pipeline.stages import (PipelineStage, StagePart, extra_parts_for, par
                                   stage_plan)
 from node.files import atomic_write_text
 from node.stats import prometheus_text
-from protocol import DEFAULT_LIMITS, NodeIdentity, StageAnnouncement
+from node.transport.session import SwarmSession
+from protocol import DEFAULT_LIMITS, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, StageCall, StageResult
 
 log = logging.getLogger(__name__)
 
 
 class StageServer:
-    def __init__(self, config: NodeConfig, identity: NodeIdentity, dht, initial_model, model_fingerprint: str, state_dir) -> None:
-        self.config = config
+    def __init__(self, session: SwarmSession, initial_model, model_fingerprint: str) -> None:
+        """Serve a stage of `initial_model`'s pipeline over `session` (node/transport/session.py), which the caller opened and closes."""
+        self.session = session
+        self.config = config = session.config
         self.pipeline = config.pipeline
-        self.identity = identity
-        self.dht = dht
+        self.identity = identity = session.identity
+        self.dht = session.dht
         self.initial_model = initial_model  # the initial policy: weights for a pipeline that has not trained yet, and the architecture
         self.hf_config = initial_model.config
         self.model_fingerprint = model_fingerprint
-        self.state_dir = state_dir
+        self.state_dir = session.state_dir
         self.plan = stage_plan(config, self.hf_config)
         self.protocol = handler_name(config.swarm.swarm_id, model_fingerprint)  # the p2p stream protocol of this model's calls
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
         self.handler = StageHandler(self.limits)
-        self.announcer = Announcer(dht, config, identity)
+        self.announcer = Announcer(session)
         self.p2p_maddrs: list[str] = []  # where drivers and other servers dial us (set when run() starts)
         self.index: int = -1
         self.recoveries = 0
@@ -312,11 +314,9 @@ class StageServer:
         if self.config.averaging.method == "none":
             return
         from node.averaging.service import start_averaging
-        from node.transport.records import RecordWriter
 
         # the replicas of this stage average with each other: the stage's fingerprint keys them
-        self.averaging = await start_averaging(self.config, self.dht, RecordWriter(self.identity, self.config.swarm.swarm_id), self.backend.stage,
-                                               self.handler.fingerprint, self.step)
+        self.averaging = await start_averaging(self.config, self.session, self.backend.stage, self.handler.fingerprint, self.step)
         self.handler.before_step = self.averaging.apply_if_done  # between steps, when no torch work runs (the handler holds the lock)
         self.handler.after_step = self.averaging.maybe_start
 

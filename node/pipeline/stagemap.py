@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from node.config import NodeConfig
 from node.transport.dht import key_prefix
-from protocol import MessageKind, NodeIdentity, StageAnnouncement, StageLost
+from protocol import MessageKind, StageAnnouncement, StageLost
 from protocol.messages import MAX_LOST_STAGES
 
 log = logging.getLogger(__name__)
@@ -170,38 +170,23 @@ async def read_stage_maps(dht, config: NodeConfig) -> dict[str, StageMap]:
 class LostReporter:
     """A driver's lost reports: signs and stores which stages it found with every server failing (one record, replaced)."""
 
-    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity, model_fingerprint: str) -> None:
-        from node.transport.records import RecordWriter
-
-        self.dht = dht
-        self.config = config
-        self.node_id = identity.node_id
+    def __init__(self, session, model_fingerprint: str) -> None:
+        self.session = session  # node.transport.session.SwarmSession: signs and stores
         self.model_fingerprint = model_fingerprint
-        self.key = lost_key(config.swarm.swarm_id)
-        self.writer = RecordWriter(identity, config.swarm.swarm_id)
+        self.key = lost_key(session.config.swarm.swarm_id)
 
     async def publish(self, stages: list[int]) -> bool:
-        report = StageLost(node_id=self.node_id, model_fingerprint=self.model_fingerprint, num_stages=self.config.pipeline.num_stages,
-                           stages=sorted(set(stages))[:MAX_LOST_STAGES])
-        ok = await self.writer.store(self.dht, self.key, report, self.config.swarm.dht_timeout_s)
-        if not ok:
-            log.warning("the DHT did not take our report that stages %s are lost", report.stages)
-        return ok
+        report = StageLost(node_id=self.session.identity.node_id, model_fingerprint=self.model_fingerprint,
+                           num_stages=self.session.config.pipeline.num_stages, stages=sorted(set(stages))[:MAX_LOST_STAGES])
+        return await self.session.store(self.key, report)
 
 
 class Announcer:
     """Signs and stores this node's stage announcements under its own subkey."""
 
-    def __init__(self, dht, config: NodeConfig, identity: NodeIdentity) -> None:
-        from node.transport.records import RecordWriter
-
-        self.dht = dht
-        self.config = config
-        self.key = stages_key(config.swarm.swarm_id)
-        self.writer = RecordWriter(identity, config.swarm.swarm_id)
+    def __init__(self, session) -> None:
+        self.session = session  # node.transport.session.SwarmSession: signs and stores
+        self.key = stages_key(session.config.swarm.swarm_id)
 
     async def publish(self, announcement: StageAnnouncement) -> bool:
-        ok = await self.writer.store(self.dht, self.key, announcement, self.config.swarm.dht_timeout_s)
-        if not ok:
-            log.warning("the DHT did not take our stage announcement")
-        return ok
+        return await self.session.store(self.key, announcement)

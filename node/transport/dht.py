@@ -42,8 +42,7 @@ from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from node.transport.kv import MAX_VALUES_PER_KEY, read_values
-from node.transport.p2p_key import P2P_KEY_FILE
-from protocol import MessageKind, NodeIdentity, PeerStats, ProtocolRejection, Refusal
+from protocol import MessageKind, PeerStats, ProtocolRejection, Refusal
 from protocol.shards import (HEARTBEAT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count, rollout_write_levels,
                              shard_of)
 from protocol.version import PROTOCOL_MAJOR
@@ -119,7 +118,7 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
                          f"answered: {tried}. Last error: {last_error}")
 
 
-async def join_swarm(config: NodeConfig, identity_path: Path, refusals=None):
+async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None):
     """Start a node's DHT node and measure its reachability (node/transport/reachability.py);
     a node found behind NAT restarts its daemon as one (same key, so the same peer id).
     Returns (dht, reachability)."""
@@ -171,7 +170,7 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
     A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
     signal that asked the node to stop, and a polite shutdown would then wait forever.
     """
-    links = getattr(dht, "links_task", None)  # join_swarm's link keeper of an outbound-only node
+    links = getattr(dht, "links_task", None)  # start_swarm_dht's link keeper of an outbound-only node
     if links is not None:
         await cancel_and_wait([links], "link keeper")
     try:
@@ -217,24 +216,22 @@ def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[s
 
 
 class DHTTransport(Transport):
-    def __init__(self, config: NodeConfig, identity: NodeIdentity, stats: SwarmStats, state_dir: Path, fingerprint: str, heartbeat: Callable[[], PeerStats], announce: Callable[[list[str]], None] | None = None):
-        self.config = config
-        self.identity = identity
+    """Rollout gossip and heartbeats over a swarm session (node/transport/session.py) someone else opened and
+    closes: this transport signs with the session's writer and reads through its DHT node, never its own."""
+
+    def __init__(self, session, stats: SwarmStats, fingerprint: str, heartbeat: Callable[[], PeerStats],
+                 on_addresses: Callable[[list[str]], None] | None = None):
+        self.session = session
+        self.config = session.config
+        self.identity = session.identity
         self.stats = stats
-        self.state_dir = state_dir
         self.fingerprint = fingerprint
         self.heartbeat = heartbeat
-        self.announce = announce
-        self.prefix = key_prefix(config.swarm.swarm_id)
-        self.dht = None
-        self.addresses: list[str] = []
+        self.on_addresses = on_addresses  # told the addresses peers dial us at, at start and whenever they change
+        self.prefix = session.prefix
         self.gossip = None
         self.gossip_addresses: list[str] = []
-        self.reachability = ""  # measured at start: "direct", "outbound-only", or "relayed" once a relay reserved us a slot
-        from node.transport.records import RecordWriter  # imports hivemind: only swarm nodes pay for it
-
-        self.writer = RecordWriter(identity, config.swarm.swarm_id)
-        self.receiver = BatchReceiver(config.swarm, identity.node_id, fingerprint, stats)
+        self.receiver = BatchReceiver(self.config.swarm, self.identity.node_id, fingerprint, stats)
         self._heartbeat_task: asyncio.Task | None = None
         self._dht_peers_seen: BoundedDict[str, list[str]] = BoundedDict(MAX_DHT_PEERS_REMEMBERED)  # PeerID -> maddrs, least recently seen first
         self._last_rejoin = time.monotonic()
@@ -249,12 +246,12 @@ class DHTTransport(Transport):
         return f"{self.prefix}/rollouts"
 
     async def start(self) -> None:
-        self.dht, self.reachability = await join_swarm(self.config, self.state_dir / P2P_KEY_FILE, refusals=self.stats.records)
-        await self._refresh_addresses()
+        if self.on_addresses:
+            self.on_addresses(self.session.addresses)
         if self.config.swarm.gossip == "libp2p":
             await self._start_gossip()
         await self.publish_heartbeat()
-        await self._connect_gossip_peers()
+        await self.connect_gossip_peers()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
     async def _start_gossip(self) -> None:
@@ -266,21 +263,21 @@ class DHTTransport(Transport):
                                    max_buffered=2 * self.config.swarm.max_batches_read_per_round)
         listening = await self.gossip.start()
         # Behind NAT nobody can dial the gossip host: it dials out, and gossipsub uses those links both ways.
-        self.gossip_addresses = routable_gossip_addresses(listening, self.addresses) if self.reachability == "direct" else []
+        self.gossip_addresses = routable_gossip_addresses(listening, self.session.addresses) if self.session.reachability == "direct" else []
         log.info("gossip listens at %s; advertised to peers as %s", listening, self.gossip_addresses)
         if any(a.split("/")[2:3] in (["0.0.0.0"], ["::"]) for a in self.gossip_addresses):
             log.warning("gossip advertises a wildcard address (%s): peers on other machines cannot dial it; "
                         "set swarm.announce_maddrs or listen on a routable IP", self.gossip_addresses)
         await self.gossip.subscribe(self.rollouts_topic)
 
-    async def _connect_gossip_peers(self) -> None:
+    async def connect_gossip_peers(self) -> None:
         """Read the next heartbeat shards (enough to keep a few hundred peers in view, all of them in a
         small swarm), estimate the swarm's size from them, dial the gossip addresses peers announce
         (new ones only), and remember their DHT addresses."""
         read = heartbeat_shards_to_read(self.swarm_size)
         shards = [(self._next_heartbeat_shard + k) % HEARTBEAT_SHARDS for k in range(read)]
         self._next_heartbeat_shard = (self._next_heartbeat_shard + read) % HEARTBEAT_SHARDS
-        live = await read_peer_stats(self.dht, self.config, self.stats, shards=shards)
+        live = await read_peer_stats(self.session.dht, self.config, self.stats, shards=shards)
         others = {stats.node_id for stats, _ in live} - {self.identity.node_id}
         self.swarm_size = 1 + (round(len(others) * HEARTBEAT_SHARDS / read) if read < HEARTBEAT_SHARDS else len(others))
         self.stats.swarm_size_estimate = self.swarm_size
@@ -291,19 +288,8 @@ class DHTTransport(Transport):
             await self.gossip.connect(addresses)
 
     async def _refresh_addresses(self) -> None:
-        """Where peers reach us, to addresses.txt: a node behind NAT gains /p2p-circuit addresses once a relay reserves it a slot."""
-        from node.files import atomic_write_text
-        from node.transport.reachability import has_relay_address
-
-        addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
-        if self.reachability == "outbound-only" and has_relay_address(addresses):
-            self.reachability = "relayed"
-            log.info("a relay reserved this node a slot: peers can now dial it at %s", [a for a in addresses if "/p2p-circuit" in a])
-        if addresses != self.addresses:
-            self.addresses = addresses
-            atomic_write_text(self.state_dir / "addresses.txt", "".join(a + "\n" for a in addresses))
-            if self.announce:
-                self.announce(addresses)
+        if await self.session.refresh_addresses() and self.on_addresses:
+            self.on_addresses(self.session.addresses)
 
     def _remember_dht_peers(self, peers: list[PeerStats]) -> None:
         for stats in peers:
@@ -323,26 +309,26 @@ class DHTTransport(Transport):
 
         candidates = dht_addresses_by_peer(self.config.swarm.initial_peers)
         candidates.update(self._dht_peers_seen)
-        candidates.pop(self.dht.peer_id.to_base58(), None)
-        lost = [(PeerID.from_base58(p), maddrs) for p, maddrs in candidates.items() if PeerID.from_base58(p) not in self.dht.protocol.routing_table]
+        candidates.pop(self.session.dht.peer_id.to_base58(), None)
+        lost = [(PeerID.from_base58(p), maddrs) for p, maddrs in candidates.items() if PeerID.from_base58(p) not in self.session.dht.protocol.routing_table]
         if len(lost) > REJOIN_PEERS_PER_PASS:
             lost = random.sample(lost, REJOIN_PEERS_PER_PASS)
         timeout = self.config.swarm.dht_timeout_s
 
         async def reach(peer_id, maddrs: list[str]) -> bool:
             try:
-                await asyncio.wait_for(self.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout)
+                await asyncio.wait_for(self.session.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout)
             except Exception as exc:  # unreachable (still cut off, or gone): normal, the ping below says so
                 log.debug("DHT peer %s not reachable at %s: %r", peer_id, maddrs, exc)
                 return False
-            return await asyncio.wait_for(self.dht.protocol.call_ping(peer_id), timeout) is not None
+            return await asyncio.wait_for(self.session.dht.protocol.call_ping(peer_id), timeout) is not None
 
         results = await asyncio.gather(*(reach(peer_id, maddrs) for peer_id, maddrs in lost), return_exceptions=True)
         back = sum(result is True for result in results)
         if back:
             self.dht_peers_rejoined += back
             log.info("%d DHT peer(s) that had dropped out of the routing table answered again; looking up the neighbourhood", back)
-            await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), timeout)
+            await asyncio.wait_for(self.session.dht.find_nearest_nodes([self.session.dht.node_id]), timeout)
         return back
 
     async def stop(self) -> None:
@@ -351,9 +337,6 @@ class DHTTransport(Transport):
         if self.gossip is not None:
             await self.gossip.stop()
             self.gossip = None
-        if self.dht is not None:
-            await shutdown_dht(self.dht)
-            self.dht = None
 
     def check_alive(self) -> None:
         """Raise if a background service died: the node must stop loudly, not limp on."""
@@ -367,22 +350,23 @@ class DHTTransport(Transport):
 
     async def _store(self, key: str, record) -> None:
         """Store a SignedRecord under our subkey (it expires records.RECORD_TTL_S after signing: readers judge freshness by its timestamp)."""
-        ok = await self.writer.store(self.dht, key, record, self.config.swarm.dht_timeout_s)
+        ok = await self.session.writer.store(self.session.dht, key, record, self.config.swarm.dht_timeout_s)
         if not ok:
             log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(record.data), self.config.swarm.dht_timeout_s)
 
     async def publish_heartbeat(self) -> None:
-        stats = dataclasses.replace(self.heartbeat(), gossip_addresses=self.gossip_addresses, reachability=self.reachability)
-        await self._store(peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.writer.sign(stats))
+        stats = dataclasses.replace(self.heartbeat(), addresses=self.session.addresses, gossip_addresses=self.gossip_addresses,
+                                    reachability=self.session.reachability)
+        await self._store(peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.session.writer.sign(stats))
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.swarm.heartbeat_interval_s)
             try:
-                if self.reachability != "direct":
+                if self.session.reachability != "direct":
                     await self._refresh_addresses()
                 await self.publish_heartbeat()
-                await self._connect_gossip_peers()
+                await self.connect_gossip_peers()
             except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
                 log.warning("heartbeat not published: %s", exc)
             if time.monotonic() - self._last_rejoin >= self.config.swarm.rejoin_interval_s:
@@ -403,7 +387,7 @@ class DHTTransport(Transport):
         window = int(now // swarm.window_s)
         count, shards = self.rollout_shards()
         keys = [(rollout_key(self.prefix, window - k, count, shard), shard) for k in range(swarm.collect_windows) for shard in shards]
-        reads = await asyncio.gather(*(read_values(self.dht, key, swarm.dht_timeout_s) for key, _ in keys))
+        reads = await asyncio.gather(*(read_values(self.session.dht, key, swarm.dht_timeout_s) for key, _ in keys))
         values: list[tuple[object, object]] = []
         for (key, shard), found in zip(keys, reads):
             if found is None:
@@ -426,7 +410,7 @@ class DHTTransport(Transport):
 
     async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
         window = int(time.time() // self.config.swarm.window_s)
-        record, keep = sign_rollout_batch(self.writer, self.fingerprint, round_, policy_version, groups)
+        record, keep = sign_rollout_batch(self.session.writer, self.fingerprint, round_, policy_version, groups)
         if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
             await self.gossip.publish(self.rollouts_topic, record.data)
         levels = rollout_write_levels(rollout_shard_count(self.swarm_size))
@@ -436,7 +420,7 @@ class DHTTransport(Transport):
         self.stats.bytes_published += len(record.data)
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
-        return await read_peer_stats(self.dht, self.config, self.stats)
+        return await read_peer_stats(self.session.dht, self.config, self.stats)
 
 
 def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:

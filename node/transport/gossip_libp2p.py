@@ -449,10 +449,8 @@ class LibP2PGossip(Gossip):
                     batch.append(subscription.receive_channel.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            batch.sort(key=lambda message: (message.from_id, int.from_bytes(message.seqno, "big")))
-            for message in batch:
-                if message.from_id != self._own_id_bytes:  # pubsub hands us our own messages too
-                    self._buffer(topic, message.data)
+            for data in in_sender_order(batch, self._own_id_bytes):
+                self._buffer(topic, data)
 
     def _buffer(self, topic: str, data: bytes) -> None:
         with self._inbox_lock:
@@ -509,3 +507,10 @@ def _settle(future: concurrent.futures.Future[T], result: Any = None, error: Bas
     else:
         future.set_result(result)
     return True
+
+
+def in_sender_order(messages, own_id: bytes) -> list[bytes]:
+    """The data of pubsub messages handed over together, each sender's in the order it sent them (by
+    sequence number), ours left out (pubsub hands a node its own messages too)."""
+    ordered = sorted(messages, key=lambda message: (message.from_id, int.from_bytes(message.seqno, "big")))
+    return [message.data for message in ordered if message.from_id != own_id]

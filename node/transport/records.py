@@ -192,6 +192,11 @@ class RecordWriter:
         self.swarm_id = swarm_id
         self._seq = 0
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last record signed (0: none yet); every later record's is higher."""
+        return self._seq
+
     def sign(self, message: Message) -> SignedRecord:
         """Encode and sign `message` (raises ProtocolRejection for what peers would refuse), with its expiration."""
         lifetime = RECORD_TTL_S[type(message).KIND]

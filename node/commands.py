@@ -1,0 +1,209 @@
+"""The node's own commands: `train` and `join` (one round loop, isolated or in a swarm), `peers`,
+`identity` and `stats`. Each is a thin runner over the components that do the work, on the command
+runtime (node/runtime.py: logging, signals, exit codes); node/cli.py only assembles the parsers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from node.config import NodeConfig, load_config
+from node.runtime import EXIT_OK, on_stop_signals, run_command, setup_logging, setup_viewer_logging
+
+log = logging.getLogger("node")
+
+
+# `swarm-node join` without --config: the built-in defaults turned into a swarm node.
+JOIN_PRESET = ["swarm.transport=dht", "swarm.local_questions=4", "swarm.external_questions=4", "state_dir=~/.swarm-node/swarm"]
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    overrides = list(args.set or [])
+    if args.command == "join":
+        overrides = (["swarm.transport=dht"] if args.config else JOIN_PRESET) + overrides
+        if args.initial_peers:
+            overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
+    return load_config(args.config, overrides, state_dir=args.state_dir, rounds=args.rounds)
+
+
+# train -----------------------------------------------------------------------------------
+
+
+async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
+    from node.display import RoundDisplay
+    from node.loop import Node
+
+    stop = asyncio.Event()
+
+    def request_stop() -> None:
+        if stop.is_set():  # second interrupt: leave now, the last checkpoint stands
+            raise KeyboardInterrupt
+        console.print("[yellow]finishing the round in flight, then saving (Ctrl-C again to quit at once)[/]")
+        stop.set()
+
+    def show_addresses(addresses: list[str]) -> None:
+        console.print("joined swarm " + config.swarm.swarm_id + "; others can join with --initial-peers " + " ".join(addresses), highlight=False)
+
+    on_stop_signals(request_stop)
+    node = Node(config, on_addresses=show_addresses)
+    await asyncio.to_thread(node.load, fresh)
+    if node.identity is not None:
+        console.print(f"node id {node.identity.node_id}", highlight=False)
+    start = f"resuming at round {node.round}" if node.round else "fresh start"
+    console.print(f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, {start}", highlight=False)
+    target = None if config.rounds is None else node.round + config.rounds
+    title = f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
+    with RoundDisplay(console, node.round, target, title=title) as display:
+        await node.run(config.rounds, stop, on_round=display.update)
+    console.print(f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    config = config_from_args(args)
+    setup_logging(config.resolved_state_dir(), args.verbose, console)
+    return run_command(_train(config, args.fresh, console),
+                       on_interrupt=lambda: console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"))
+
+
+# peers and identity ------------------------------------------------------------------------
+
+
+async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Console, stages: bool = False) -> int:
+    from node.dashboard.sources import read_peer_rows
+    from node.dashboard.tables import peers_table, stage_tables
+    from node.pipeline.stagemap import read_stage_maps
+    from node.transport.session import watch_swarm
+
+    session = await watch_swarm(config)
+    dht = session.dht
+    try:
+        while True:
+            stage_maps = await read_stage_maps(dht, config)
+            if as_json and stages:
+                print(json.dumps({fingerprint: stage_map.rows() for fingerprint, stage_map in stage_maps.items()}), flush=True)
+            elif as_json:
+                print(json.dumps(await read_peer_rows(dht, config)), flush=True)
+            else:
+                rows = await read_peer_rows(dht, config)
+                if watch:
+                    console.clear()
+                console.print(peers_table(rows, config.swarm.swarm_id, console.width))
+                for table in stage_tables(stage_maps):
+                    console.print(table)
+            if not watch:
+                return 0
+            await asyncio.sleep(2.0)
+    finally:
+        await session.close()
+
+
+def cmd_peers(args: argparse.Namespace, console: Console) -> int:
+    overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), f"swarm.bootstrap_attempts={args.join_attempts}"]
+    overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
+    if args.swarm_id:
+        overrides.append(f"swarm.swarm_id={args.swarm_id}")
+    config = load_config(None, overrides)
+    setup_viewer_logging()
+    return run_command(_peers(config, args.json, args.watch, console, stages=args.stages), interrupted=EXIT_OK)  # Ctrl-C ends --watch
+
+
+def cmd_identity(args: argparse.Namespace, console: Console) -> int:
+    from node.transport.p2p_key import P2P_KEY_FILE, load_or_create_p2p_key
+    from protocol import NodeIdentity
+
+    state_dir = Path(args.state_dir or "~/.swarm-node/swarm").expanduser()
+    identity = NodeIdentity.load_or_create(state_dir / "identity.key")
+    peer_id = load_or_create_p2p_key(state_dir / P2P_KEY_FILE)
+    if args.json:
+        print(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key_bytes.hex(), "key_file": str(state_dir / "identity.key"),
+                          "peer_id": peer_id, "p2p_key_file": str(state_dir / P2P_KEY_FILE)}))
+    else:
+        print(f"node id (signs records):       {identity.node_id}")
+        print(f"peer id (the /p2p/ addresses): {peer_id}")
+    return 0
+
+
+# stats -----------------------------------------------------------------------------------
+
+
+def _pipeline_stats(state_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A pipeline driver's rows (they count steps, not rounds) or a stage server's stage.json; None for a node."""
+    from node.pipeline.lm import summarize_steps
+
+    if rows and "round" not in rows[0]:
+        return summarize_steps(rows)
+    stage_file = state_dir / "stage.json"
+    if not rows and stage_file.exists():
+        recoveries = state_dir / "recoveries.jsonl"
+        events = [json.loads(line) for line in recoveries.read_text().splitlines()] if recoveries.exists() else []
+        return {"stage_server": json.loads(stage_file.read_text()), "weights_acquired": events}
+    return None
+
+
+def cmd_stats(args: argparse.Namespace, console: Console) -> int:
+    from node.state import StateStore
+
+    state_dir = Path(args.state_dir or NodeConfig().state_dir).expanduser()
+    store = StateStore(state_dir)
+    rows = store.read_metrics() if store.metrics_path.exists() else []
+    pipeline = _pipeline_stats(state_dir, rows)
+    if pipeline is not None:
+        summary = {"state_dir": str(state_dir), **pipeline}
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            table = Table(title=f"pipeline statistics: {state_dir}", show_header=False)
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for key, value in summary.items():
+                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+            console.print(table)
+        return 0
+    if not rows:
+        console.print(f"swarm-node: error: no metrics in {state_dir} (has a node trained there?)", highlight=False)
+        return 1
+    from node.telemetry import summarize_metrics
+
+    summary = {"state_dir": str(state_dir), **summarize_metrics(rows)}
+    swarm_file = state_dir / "swarm.json"
+    if swarm_file.exists():
+        summary["swarm"] = json.loads(swarm_file.read_text())
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    table = Table(title=f"node statistics: {state_dir}", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if key not in ("swarm", "by_dataset"):
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for key, value in summary.get("swarm", {}).get("totals", {}).items():
+        table.add_row(f"swarm.{key}", str(value))
+    console.print(table)
+    if summary["by_dataset"]:
+        specialties = Table(title="by specialty (reward of own completions; greedy held-out accuracy)")
+        columns = ("reward_first_10pct", "reward_last_10pct", "heldout_first", "heldout_last")
+        specialties.add_column("dataset")
+        for column in columns:
+            specialties.add_column(column.replace("_", " "), justify="right")
+        for label, values in summary["by_dataset"].items():
+            specialties.add_row(label, *("-" if values[c] is None else f"{values[c]:.3f}" for c in columns))
+        console.print(specialties)
+    peers = summary.get("swarm", {}).get("peers", {})
+    if peers:
+        per_peer = Table(title="rollouts received per peer")
+        for column in ("peer", "received", "accepted", "questions used", "rewards disagree", "rejected"):
+            per_peer.add_column(column)
+        for peer, counters in sorted(peers.items()):
+            rejected = ", ".join(f"{reason}={count}" for reason, count in counters["rejected"].items()) or "-"
+            per_peer.add_row(peer[:12], str(counters["batches_received"]), str(counters["batches_accepted"]), str(counters["questions_used"]), str(counters["claimed_rewards_disagree"]), rejected)
+        console.print(per_peer)
+    return 0

@@ -1,0 +1,73 @@
+"""The terminal view of what the dashboard shows: `swarm-node peers` prints these tables, from the
+same rows (node/dashboard/sources.py) that `/api/peers` and `/api/stages` serve."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rich.table import Table
+
+
+# (header, cell, priority): the table keeps the columns that fit the terminal, dropping the
+# highest priority number first; `--json` always has every field.
+PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
+    ("node", lambda r, now: r["node_id"][:12], -1),
+    ("name", lambda r, now: r["display_name"][:16], 1),
+    ("reach", lambda r, now: r.get("reachability") or "-", 2),  # direct / relayed / outbound-only (behind NAT)
+    ("round", lambda r, now: str(r["round"]), 0),
+    ("policy", lambda r, now: str(r["policy_version"]), 3),
+    ("reward", lambda r, now: f"{r['reward_mean']:.3f}", 0),
+    ("accuracy", lambda r, now: f"{r['accuracy']:.1%}", 0),
+    ("published", lambda r, now: str(r["rollouts_published"]), 5),
+    ("received", lambda r, now: str(r["rollouts_received"]), 4),
+    ("accepted", lambda r, now: str(r["rollouts_accepted"]), 2),
+    ("rejected", lambda r, now: str(r["rollouts_rejected"]), 2),
+    ("averaged", lambda r, now: f"{r['outer_steps']}/{r['outer_steps'] + r['outer_steps_skipped']}", 3),
+    ("weakest", lambda r, now: weakest_specialty(r.get("accuracy_by_dataset") or {}), 5),
+    ("tokens/s", lambda r, now: f"{r['tokens_per_s']:.0f}", 4),
+    ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
+    ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
+)
+
+
+def weakest_specialty(by_dataset: dict[str, float]) -> str:
+    """The specialty of the node's task mix it answers worst (a peer that solves it is worth sampling), or '-'."""
+    if len(by_dataset) < 2:
+        return "-"
+    label = min(by_dataset, key=by_dataset.get)
+    return f"{label[:14]} {by_dataset[label]:.0%}"
+
+
+def peers_table(rows: list[dict[str, Any]], swarm_id: str, width: int = 200) -> Table:
+    """The peers as a table no wider than `width`: columns that do not fit are left out (and named in the caption)."""
+    now = time.time()
+    cells = {header: [cell(row, now) for row in rows] for header, cell, _ in PEER_COLUMNS}
+    column_width = {header: max([len(header), *map(len, cells[header])]) for header in cells}
+    shown = [header for header, _, _ in PEER_COLUMNS]
+    table_width = lambda headers: sum(column_width[h] + 3 for h in headers) + 1  # noqa: E731 - padding 1+1 and a border per column
+    for header, _, _ in sorted(PEER_COLUMNS, key=lambda column: -column[2]):
+        if table_width(shown) <= width or len(shown) == 1:
+            break
+        shown.remove(header)
+    hidden = [header for header, _, _ in PEER_COLUMNS if header not in shown]
+    table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)", caption=f"not shown for width: {', '.join(hidden)} (see --json)" if hidden else None)
+    for header in shown:
+        table.add_column(header, justify="left" if header in ("node", "name") else "right", no_wrap=True, min_width=len(header))
+    for i in range(len(rows)):
+        table.add_row(*(cells[header][i] for header in shown))
+    return table
+
+
+def stage_tables(stage_maps) -> list[Table]:
+    """The stage map of each pipeline in the swarm: stage -> servers, throughput, steps, recoveries."""
+    tables = []
+    for fingerprint, stage_map in stage_maps.items():
+        table = Table(title=f"pipeline of model {fingerprint}: {stage_map.num_stages} stages, {len(stage_map.spares)} spare(s)")
+        for column in ("stage", "layers", "servers", "loading", "samples/s", "step", "grad norm", "recoveries"):
+            table.add_column(column, justify="left" if column in ("servers", "loading") else "right")
+        for row in stage_map.rows():
+            table.add_row(str(row["stage"]), row["layers"], " ".join(n[:8] for n in row["servers"]) or "[red]none[/]", " ".join(n[:8] for n in row["loading"]),
+                          f"{row['samples_per_s']:.1f}", str(row["step"]), f"{row['grad_norm']:.3f}", str(row["recoveries"]))
+        tables.append(table)
+    return tables

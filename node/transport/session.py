@@ -1,0 +1,100 @@
+"""A node's one connection to its swarm: its DHT node (and p2p daemon), the writer that signs its
+records, its reachability, and the addresses peers dial it at.
+
+Every command that talks to a swarm opens exactly one session and closes it when it leaves:
+`join_swarm` for a training node, a stage server and a pipeline driver (they sign records, and keep
+their p2p key in the state directory so that their address survives a restart), `watch_swarm` for
+the read-only viewers (`peers`, the dashboard). Components are handed the session, or only the part
+they use (a DHT node to read from, the writer to sign with), and never start a DHT node or a writer
+of their own: one identity, one sequence of record numbers, one place that knows how a node joins.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from node.config import NodeConfig
+from protocol import Message, NodeIdentity
+
+log = logging.getLogger(__name__)
+
+ADDRESSES_FILE = "addresses.txt"  # where peers reach this node, one multiaddr a line: for scripts and `--initial-peers`
+
+
+class SwarmSession:
+    """What `join_swarm` / `watch_swarm` return. `writer` is None for a viewer: it signs nothing."""
+
+    def __init__(self, config: NodeConfig, dht, reachability: str, identity: NodeIdentity | None = None, state_dir: Path | None = None) -> None:
+        from node.transport.dht import key_prefix
+        from node.transport.records import RecordWriter
+
+        self.config = config
+        self.dht = dht
+        self.reachability = reachability  # "direct", "outbound-only" (behind NAT), "relayed" once a relay reserved a slot
+        self.identity = identity
+        self.state_dir = state_dir
+        self.prefix = key_prefix(config.swarm.swarm_id)
+        self.writer = RecordWriter(identity, config.swarm.swarm_id) if identity is not None else None
+        self.addresses: list[str] = []
+
+    @property
+    def peer_id(self) -> str:
+        """The p2p daemon's id: the /p2p/ part of this node's addresses."""
+        return self.dht.peer_id.to_base58()
+
+    async def refresh_addresses(self) -> bool:
+        """Ask the daemon where peers reach us (a node behind NAT gains /p2p-circuit addresses once a relay
+        reserves it a slot) and keep them in the state directory's addresses file; True when they changed."""
+        from node.files import atomic_write_text
+        from node.transport.reachability import has_relay_address
+
+        addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
+        if self.reachability == "outbound-only" and has_relay_address(addresses):
+            self.reachability = "relayed"
+            log.info("a relay reserved this node a slot: peers can now dial it at %s", [a for a in addresses if "/p2p-circuit" in a])
+        if addresses == self.addresses:
+            return False
+        self.addresses = addresses
+        if self.state_dir is not None:
+            atomic_write_text(self.state_dir / ADDRESSES_FILE, "".join(a + "\n" for a in addresses))
+        return True
+
+    async def store(self, key: str, message: Message) -> bool:
+        """Sign `message` and store it under `key` and this node's subkey; False (and a warning) when the DHT did not take it in time."""
+        if self.writer is None:
+            raise RuntimeError("a viewer's swarm session signs nothing: open it with join_swarm to publish")
+        timeout = self.config.swarm.dht_timeout_s
+        ok = await self.writer.store(self.dht, key, message, timeout)
+        if not ok:
+            log.warning("the DHT did not take our %s under %s within %.0fs", type(message).__name__, key, timeout)
+        return ok
+
+    async def close(self) -> None:
+        from node.transport.dht import shutdown_dht
+
+        if self.dht is not None:
+            await shutdown_dht(self.dht)
+            self.dht = None
+
+
+async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path, refusals=None) -> SwarmSession:
+    """Join as a node that signs records: its daemon key is kept in `state_dir` (the same /p2p/ id after
+    a restart), its reachability measured, its addresses written to `state_dir`/addresses.txt.
+    Refused DHT records are counted in `refusals` (a stats.RecordRefusals) when given; raises
+    dht.SwarmJoinError when no initial peer answers."""
+    from node.transport.dht import start_swarm_dht
+    from node.transport.p2p_key import P2P_KEY_FILE
+
+    dht, reachability = await start_swarm_dht(config, state_dir / P2P_KEY_FILE, refusals=refusals)
+    session = SwarmSession(config, dht, reachability, identity, state_dir)
+    await session.refresh_addresses()
+    return session
+
+
+async def watch_swarm(config: NodeConfig, refusals=None) -> SwarmSession:
+    """Join as a read-only viewer: a DHT client with a throwaway daemon key, that signs and serves nothing."""
+    from node.transport.dht import create_dht_node
+
+    dht = await create_dht_node(config, client_mode=True, refusals=refusals)
+    return SwarmSession(config, dht, reachability="outbound-only")
