@@ -51,18 +51,32 @@ def spread(nodes: list[Node]) -> float:
 async def run_method(method: str, args, scratch: str, seed: int) -> dict:
     local, external, sharing_overrides = parse_mix(args.sharing)
     common = [
-        *args.set, *sharing_overrides,
-        "swarm.transport=dht", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.swarm_id=avg-bench",
-        f"swarm.local_questions={local}", f"swarm.external_questions={external}", f"swarm.generated_questions={local + external}",
+        *args.set,
+        *sharing_overrides,
+        "swarm.transport=dht",
+        'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "swarm.swarm_id=avg-bench",
+        f"swarm.local_questions={local}",
+        f"swarm.external_questions={external}",
+        f"swarm.generated_questions={local + external}",
         "swarm.gossip=dht",
-        f"averaging.method={method}", f"averaging.every_steps={args.every_steps}", "averaging.window_s=5", "averaging.timeout_s=10",
-        "checkpoint_every=1000000", "eval_every=0", "torch_threads=2",
+        f"averaging.method={method}",
+        f"averaging.every_steps={args.every_steps}",
+        "averaging.window_s=5",
+        "averaging.timeout_s=10",
+        "checkpoint_every=1000000",
+        "eval_every=0",
+        "torch_threads=2",
     ]
     nodes: list[Node] = []
     try:
         for i in range(args.nodes):
             peers = [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
-            node = Node(load_config(args.config, [*common, *peers, f"seed={100 * seed + i}"], state_dir=f"{scratch}/{seed}/{method}/{i}"))
+            node = Node(
+                load_config(
+                    args.config, [*common, *peers, f"seed={100 * seed + i}"], state_dir=f"{scratch}/{seed}/{method}/{i}"
+                )
+            )
             node.load(fresh=True)
             await node.start_services()
             nodes.append(node)
@@ -71,9 +85,14 @@ async def run_method(method: str, args, scratch: str, seed: int) -> dict:
             for i, node in enumerate(nodes):
                 rewards[i].append((await node.run_round())["reward_mean"])
             if round_ % args.eval_every == 0:
-                accuracy = statistics.fmean(await asyncio.gather(*(asyncio.to_thread(n.evaluator.accuracy) for n in nodes)))
+                accuracy = statistics.fmean(
+                    await asyncio.gather(*(asyncio.to_thread(n.evaluator.accuracy) for n in nodes))
+                )
                 curve.append((round_, accuracy))
-                print(f"  seed {seed} {method:6s} round {round_}: held-out {accuracy:.3f}, spread {spread(nodes):.4f}", flush=True)
+                print(
+                    f"  seed {seed} {method:6s} round {round_}: held-out {accuracy:.3f}, spread {spread(nodes):.4f}",
+                    flush=True,
+                )
         counters = [n.averaging.counters() for n in nodes] if method != "none" else []
         tenth = max(1, args.rounds // 10)
         heldout = await asyncio.gather(*(asyncio.to_thread(n.evaluator.by_dataset) for n in nodes))
@@ -81,7 +100,9 @@ async def run_method(method: str, args, scratch: str, seed: int) -> dict:
         return {
             "heldout_curve": curve,
             "heldout_final": statistics.fmean(overall for overall, _ in heldout),
-            "heldout_by_specialty": {label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels},
+            "heldout_by_specialty": {
+                label: statistics.fmean(by_dataset.get(label, 0.0) for _, by_dataset in heldout) for label in labels
+            },
             "reward_last_10pct": statistics.fmean(statistics.fmean(r[-tenth:]) for r in rewards),
             "spread_final": spread(nodes),
             "bytes_sent_per_node": statistics.fmean(c["bytes_sent"] for c in counters) if counters else 0,
@@ -103,8 +124,12 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "configs" / "swarm.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides for every node")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--sharing", default="8/0", metavar="L/E[@KEY=VALUE...]",
-                        help="SAPO mix every method runs with (8/0: no rollout sharing; 4/4: the paper's), as in swarm_vs_isolated.py")
+    parser.add_argument(
+        "--sharing",
+        default="8/0",
+        metavar="L/E[@KEY=VALUE...]",
+        help="SAPO mix every method runs with (8/0: no rollout sharing; 4/4: the paper's), as in swarm_vs_isolated.py",
+    )
     args = parser.parse_args()
     try:
         parse_mix(args.sharing)
@@ -123,9 +148,13 @@ def main() -> None:
                 r = asyncio.run(run_method(method, args, scratch, seed))
                 runs[method].append(r)
                 by_specialty = " ".join(f"{label} {value:.2f}" for label, value in r["heldout_by_specialty"].items())
-                print(f"seed {seed} {method:6s}: held-out {r['heldout_final']:.3f} ({by_specialty}), reward last 10% {r['reward_last_10pct']:.3f}, "
-                      f"spread {r['spread_final']:.4f}, bytes sent/node {r['bytes_sent_per_node']:.0f}, "
-                      f"outer steps {r['outer_steps_succeeded']} done / {r['outer_steps_skipped']} skipped", flush=True)
+                print(
+                    f"seed {seed} {method:6s}: held-out {r['heldout_final']:.3f} ({by_specialty}), reward last 10% "
+                    f"{r['reward_last_10pct']:.3f}, "
+                    f"spread {r['spread_final']:.4f}, bytes sent/node {r['bytes_sent_per_node']:.0f}, "
+                    f"outer steps {r['outer_steps_succeeded']} done / {r['outer_steps_skipped']} skipped",
+                    flush=True,
+                )
     results = {}
     for method, per_seed in runs.items():
         finals = [r["heldout_final"] for r in per_seed]
@@ -134,7 +163,10 @@ def main() -> None:
             "heldout_final": statistics.fmean(finals),
             "heldout_final_per_seed": finals,
             "heldout_final_spread": value_spread(finals),
-            "heldout_by_specialty": {label: statistics.fmean(r["heldout_by_specialty"].get(label, 0.0) for r in per_seed) for label in per_seed[0]["heldout_by_specialty"]},
+            "heldout_by_specialty": {
+                label: statistics.fmean(r["heldout_by_specialty"].get(label, 0.0) for r in per_seed)
+                for label in per_seed[0]["heldout_by_specialty"]
+            },
             "reward_last_10pct": statistics.fmean(r["reward_last_10pct"] for r in per_seed),
             "spread_final": statistics.fmean(r["spread_final"] for r in per_seed),
             "bytes_sent_per_node": statistics.fmean(r["bytes_sent_per_node"] for r in per_seed),
@@ -142,10 +174,27 @@ def main() -> None:
             "outer_steps_skipped": sum(r["outer_steps_skipped"] for r in per_seed),
         }
         r = results[method]
-        print(f"{method:6s}: held-out {r['heldout_final']:.3f} (per seed {', '.join(f'{v:.3f}' for v in finals)}), reward last 10% {r['reward_last_10pct']:.3f}, "
-              f"spread {r['spread_final']:.4f}", flush=True)
-    print(json.dumps({"benchmark": "averaging_learning", "config": Path(args.config).name, "sharing": args.sharing, "nodes": args.nodes, "rounds": args.rounds,
-                      "every_steps": args.every_steps, "seeds": args.seeds, "results": results, "minutes": (time.monotonic() - started) / 60}))
+        print(
+            f"{method:6s}: held-out {r['heldout_final']:.3f} (per seed {', '.join(f'{v:.3f}' for v in finals)}), "
+            f"reward last 10% {r['reward_last_10pct']:.3f}, "
+            f"spread {r['spread_final']:.4f}",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "averaging_learning",
+                "config": Path(args.config).name,
+                "sharing": args.sharing,
+                "nodes": args.nodes,
+                "rounds": args.rounds,
+                "every_steps": args.every_steps,
+                "seeds": args.seeds,
+                "results": results,
+                "minutes": (time.monotonic() - started) / 60,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -54,20 +54,51 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="node-memory-"))
     # `join`'s preset already means the DHT transport with 4 external questions; said here too so
     # that the benchmark measures that configuration whatever the preset becomes.
-    common = ["--set", "torch_threads=1", "--set", "swarm.transport=dht", "--set", "swarm.external_questions=4",
-              "--set", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "--set", "swarm.swarm_id=memory-bench", "--set", "checkpoint_every=10"]
+    common = [
+        "--set",
+        "torch_threads=1",
+        "--set",
+        "swarm.transport=dht",
+        "--set",
+        "swarm.external_questions=4",
+        "--set",
+        'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "--set",
+        "swarm.swarm_id=memory-bench",
+        "--set",
+        "checkpoint_every=10",
+    ]
     exe = [sys.executable, "-m", "node.cli"]
     procs = []
     try:
-        first = subprocess.Popen(exe + ["join", "--state-dir", str(scratch / "a"), *common], stdout=open(scratch / "a.out", "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        first = subprocess.Popen(
+            exe + ["join", "--state-dir", str(scratch / "a"), *common],
+            stdout=open(scratch / "a.out", "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
         procs.append(first)
         addresses = scratch / "a" / "addresses.txt"
         for _ in range(600):
             if addresses.exists() and addresses.read_text().strip():
                 break
             time.sleep(1)
-        second = subprocess.Popen(exe + ["join", "--state-dir", str(scratch / "b"), "--initial-peers", *addresses.read_text().split()[:1], *common],
-                                  stdout=open(scratch / "b.out", "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        second = subprocess.Popen(
+            exe
+            + [
+                "join",
+                "--state-dir",
+                str(scratch / "b"),
+                "--initial-peers",
+                *addresses.read_text().split()[:1],
+                *common,
+            ],
+            stdout=open(scratch / "b.out", "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
         procs.append(second)
         started = time.monotonic()
         samples: dict[str, list[tuple[float, int]]] = {"a": [], "b": []}
@@ -80,7 +111,10 @@ def main() -> None:
                     if proc.poll() is not None:
                         raise SystemExit(f"node {name} exited with {proc.returncode}; see {scratch / (name + '.out')}")
                     samples[name].append((elapsed, rss_bytes(proc.pid)))
-                print(f"{elapsed / 60:5.1f} min: " + ", ".join(f"{n} {samples[n][-1][1] / 2**20:.0f} MiB" for n in "ab"), flush=True)
+                print(
+                    f"{elapsed / 60:5.1f} min: " + ", ".join(f"{n} {samples[n][-1][1] / 2**20:.0f} MiB" for n in "ab"),
+                    flush=True,
+                )
         except KeyboardInterrupt:
             stopped_early = round((time.monotonic() - started) / 60, 2)
             print(f"stopped early after {stopped_early} min; reporting the samples taken so far", flush=True)
@@ -88,13 +122,34 @@ def main() -> None:
             raise SystemExit("no sample was taken")
         result = {}
         for name in "ab":
-            at5 = next(rss for t, rss in samples[name] if t >= 300) if any(t >= 300 for t, _ in samples[name]) else samples[name][0][1]
+            at5 = (
+                next(rss for t, rss in samples[name] if t >= 300)
+                if any(t >= 300 for t, _ in samples[name])
+                else samples[name][0][1]
+            )
             end = samples[name][-1][1]
             rounds = sum(1 for _ in open(scratch / name / "metrics.jsonl"))
-            result[name] = {"rss_5min_mib": round(at5 / 2**20, 1), "rss_end_mib": round(end / 2**20, 1), "ratio": round(end / at5, 4), "rounds": rounds}
-            print(f"node {name}: RSS at 5 min {at5 / 2**20:.0f} MiB, at {samples[name][-1][0] / 60:.0f} min {end / 2**20:.0f} MiB (x{end / at5:.3f}), {rounds} rounds")
+            result[name] = {
+                "rss_5min_mib": round(at5 / 2**20, 1),
+                "rss_end_mib": round(end / 2**20, 1),
+                "ratio": round(end / at5, 4),
+                "rounds": rounds,
+            }
+            print(
+                f"node {name}: RSS at 5 min {at5 / 2**20:.0f} MiB, at {samples[name][-1][0] / 60:.0f} min "
+                f"{end / 2**20:.0f} MiB (x{end / at5:.3f}), {rounds} rounds"
+            )
         minutes = stopped_early if stopped_early is not None else args.minutes
-        print(json.dumps({"benchmark": "node_memory", "minutes": minutes, "nodes": result, "max_ratio": max(r["ratio"] for r in result.values())}))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "node_memory",
+                    "minutes": minutes,
+                    "nodes": result,
+                    "max_ratio": max(r["ratio"] for r in result.values()),
+                }
+            )
+        )
     finally:
         for proc in procs:
             if proc.poll() is None:

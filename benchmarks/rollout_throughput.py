@@ -32,9 +32,18 @@ def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature
     torch.manual_seed(seed)
     rows = [tokenizer.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
     input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    new = out[:, input_ids.shape[1]:]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new = out[:, input_ids.shape[1] :]
     tokens = 0
     for row in new.tolist():
         for token in row:
@@ -67,31 +76,57 @@ def main() -> None:
         ours, theirs = [], []
         node.backend.generate(prompts, rollout.completions_per_question, seed=-1 % 2**31)  # warm-up, untimed
         with torch.no_grad():
-            generate_tokens_hf(node.model, node.tokenizer, prompts, rollout.completions_per_question, rollout.max_new_tokens, rollout.temperature, rollout.top_p, 0)
+            generate_tokens_hf(
+                node.model,
+                node.tokenizer,
+                prompts,
+                rollout.completions_per_question,
+                rollout.max_new_tokens,
+                rollout.temperature,
+                rollout.top_p,
+                0,
+            )
         for repeat in range(args.repeats):
             start = time.perf_counter()
             groups = node.backend.generate(prompts, rollout.completions_per_question, seed=repeat)
             ours.append(sum(len(c.completion_ids) for g in groups for c in g) / (time.perf_counter() - start))
             start = time.perf_counter()
             with torch.no_grad():
-                tokens = generate_tokens_hf(node.model, node.tokenizer, prompts, rollout.completions_per_question, rollout.max_new_tokens, rollout.temperature, rollout.top_p, repeat)
+                tokens = generate_tokens_hf(
+                    node.model,
+                    node.tokenizer,
+                    prompts,
+                    rollout.completions_per_question,
+                    rollout.max_new_tokens,
+                    rollout.temperature,
+                    rollout.top_p,
+                    repeat,
+                )
             theirs.append(tokens / (time.perf_counter() - start))
         ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
-        print(f"backend tokens/s {ours_tps:.0f}, model.generate tokens/s {hf_tps:.0f}, ratio {ours_tps / hf_tps:.2f} "
-              f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens})")
+        print(
+            f"backend tokens/s {ours_tps:.0f}, model.generate tokens/s {hf_tps:.0f}, ratio {ours_tps / hf_tps:.2f} "
+            f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens})"
+        )
 
         rows = [asyncio.run(node.run_round()) for _ in range(args.rounds)]
-        split = {key: statistics.median(r[key] for r in rows) for key in ("generation_s", "scoring_s", "update_s", "step_s")}
+        split = {
+            key: statistics.median(r[key] for r in rows) for key in ("generation_s", "scoring_s", "update_s", "step_s")
+        }
         split["other_s"] = split["step_s"] - split["generation_s"] - split["scoring_s"] - split["update_s"]
         print("round time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-    print(json.dumps({
-        "benchmark": "rollout_throughput",
-        "backend_tokens_per_s": ours_tps,
-        "generate_tokens_per_s": hf_tps,
-        "ratio_backend_vs_generate": ours_tps / hf_tps,
-        "sequences_per_batch": len(prompts) * rollout.completions_per_question,
-        "round_split_s": split,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "rollout_throughput",
+                "backend_tokens_per_s": ours_tps,
+                "generate_tokens_per_s": hf_tps,
+                "ratio_backend_vs_generate": ours_tps / hf_tps,
+                "sequences_per_batch": len(prompts) * rollout.completions_per_question,
+                "round_split_s": split,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

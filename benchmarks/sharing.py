@@ -71,8 +71,14 @@ HELDOUT_PER_SPECIALTY = 200
 
 # Every sharing knob an arm does not set, pinned: an arm means the same whatever the config file ships
 # (configs/specialists.yaml turns imitation on for users).
-ARM_BASE = ["swarm.external_selection=uniform", "swarm.capability_aware=false", "swarm.imitation=none", "swarm.external_use=policy",
-            "trainer.imitation_coef=0.0", "trainer.importance_level=token"]
+ARM_BASE = [
+    "swarm.external_selection=uniform",
+    "swarm.capability_aware=false",
+    "swarm.imitation=none",
+    "swarm.external_use=policy",
+    "trainer.imitation_coef=0.0",
+    "trainer.importance_level=token",
+]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
 ARMS = {
@@ -81,13 +87,36 @@ ARMS = {
     "sapo_cap": [*SWARM_4_4, "swarm.capability_aware=true"],
     "sapo_cap_seq": [*SWARM_4_4, "swarm.capability_aware=true", "trainer.importance_level=sequence"],
     "sapo_cap_unweighted": [*SWARM_4_4, "swarm.capability_aware=true", "swarm.importance_weighting=false"],
-    "gen8_cap": ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.capability_aware=true"],
+    "gen8_cap": [
+        "swarm.local_questions=4",
+        "swarm.external_questions=4",
+        "swarm.generated_questions=8",
+        "swarm.capability_aware=true",
+    ],
     "sapo_imitate": [*SWARM_IMITATE, "trainer.imitation_coef=4.0"],
-    "silo_imitate_peers": ["swarm.local_questions=8", "swarm.external_questions=4", "swarm.generated_questions=8", "swarm.external_selection=weakness",
-                           "swarm.imitation=own_and_stronger_peers", "swarm.external_use=demonstrations_only", "trainer.imitation_coef=4.0"],
-    "silo_imitate": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "swarm.imitation=own", "trainer.imitation_coef=4.0"],
+    "silo_imitate_peers": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=4",
+        "swarm.generated_questions=8",
+        "swarm.external_selection=weakness",
+        "swarm.imitation=own_and_stronger_peers",
+        "swarm.external_use=demonstrations_only",
+        "trainer.imitation_coef=4.0",
+    ],
+    "silo_imitate": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "swarm.imitation=own",
+        "trainer.imitation_coef=4.0",
+    ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
-    "paper_silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8", "trainer.drop_uniform_groups=false"],
+    "paper_silo": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "trainer.drop_uniform_groups=false",
+    ],
     "paper_sapo": [*SWARM_4_4, "trainer.drop_uniform_groups=false"],
 }
 SWARM_ARMS = {name for name, overrides in ARMS.items() if "swarm.external_questions=4" in overrides}
@@ -107,7 +136,7 @@ def parse_warmup_steps(items: list[str]) -> dict[str, int]:
     steps: dict[str, int] = {}
     for item in items:
         label, sep, value = item.rpartition("=")
-        for key in ([label] if sep else [*SPECIALTIES, "both"]):
+        for key in [label] if sep else [*SPECIALTIES, "both"]:
             steps[key] = int(value)
     missing = {*SPECIALTIES, "both"} - set(steps)
     if missing:
@@ -125,16 +154,30 @@ def weak_specialty(setting: str, node: int) -> str | None:
 
 def heldout_questions(config) -> list:
     """200 fixed questions per specialty, from the held-out seed (no training stream draws from it)."""
-    return [materialize(TaskSpec(d.name, d.config, config.tasks.heldout_seed, i)) for d in config.tasks.datasets for i in range(HELDOUT_PER_SPECIALTY)]
+    return [
+        materialize(TaskSpec(d.name, d.config, config.tasks.heldout_seed, i))
+        for d in config.tasks.datasets
+        for i in range(HELDOUT_PER_SPECIALTY)
+    ]
 
 
 async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> list[Node]:
     exchange = InProcessExchange()
     nodes: list[Node] = []
     for i in range(NODES):
-        overrides = [*ARM_BASE, *ARMS[arm], *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps), *args.set,
-                     "swarm.transport=dht", "swarm.swarm_id=sharing-bench", "checkpoint_every=1000000", "eval_every=0", "torch_threads=1",
-                     f"seed={100 * seed + i}", f"name=node-{i}"]
+        overrides = [
+            *ARM_BASE,
+            *ARMS[arm],
+            *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps),
+            *args.set,
+            "swarm.transport=dht",
+            "swarm.swarm_id=sharing-bench",
+            "checkpoint_every=1000000",
+            "eval_every=0",
+            "torch_threads=1",
+            f"seed={100 * seed + i}",
+            f"name=node-{i}",
+        ]
         if setting == "sparse":
             overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
         if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
@@ -178,7 +221,9 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     step = args.budget / args.points
     started = time.monotonic()
     while True:
-        active = [i for i in range(NODES) if (compute[i] < args.budget if args.rounds is None else rounds[i] < args.rounds)]
+        active = [
+            i for i in range(NODES) if (compute[i] < args.budget if args.rounds is None else rounds[i] < args.rounds)
+        ]
         if not active:
             break
         for i in active:
@@ -200,22 +245,36 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
         if args.rounds is None and sum(rounds) % (NODES * 50) == 0:
-            print(f"  {setting} {arm} seed {seed}: rounds {rounds}, compute {[round(c) for c in compute]} s, {time.monotonic() - started:.0f} s wall", flush=True)
+            print(
+                f"  {setting} {arm} seed {seed}: rounds {rounds}, compute {[round(c) for c in compute]} s, "
+                f"{time.monotonic() - started:.0f} s wall",
+                flush=True,
+            )
     if args.rounds is not None:
         for i, node in enumerate(nodes):
             curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
     return {
-        "setting": setting, "arm": arm, "seed": seed, "transport": args.transport, "budget_s": args.budget, "rounds_limit": args.rounds,
-        "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps}, "overrides": args.set,
+        "setting": setting,
+        "arm": arm,
+        "seed": seed,
+        "transport": args.transport,
+        "budget_s": args.budget,
+        "rounds_limit": args.rounds,
+        "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps},
+        "overrides": args.set,
         "weak": [weak_specialty(setting, i) for i in range(NODES)],
-        "rounds": rounds, "compute_s": compute, "curves": curves,
-        "reward_per_round": [statistics.fmean(r) for r in rewards], "cumulative_reward": [sum(r) for r in rewards],
+        "rounds": rounds,
+        "compute_s": compute,
+        "curves": curves,
+        "reward_per_round": [statistics.fmean(r) for r in rewards],
+        "cumulative_reward": [sum(r) for r in rewards],
         "groups_used_per_update": statistics.fmean(g for per_node in groups_used for g in per_node),
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
         "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
-        "wall_s": time.monotonic() - started, "finished": time.time(),
+        "wall_s": time.monotonic() - started,
+        "finished": time.time(),
     }
 
 
@@ -239,14 +298,27 @@ def gate(args) -> None:
             completions = node.backend.generate([node.tasks.prompt(q) for q in weak_questions], 8, seed=1)
             scored = [node.local.score_group(q, c, "local")[1] for q, c in zip(weak_questions, completions)]
             sampled = sum(scored) / (8 * len(scored))
-            print(json.dumps({"gate": True, "warmup_steps": args.warmup_steps, "node": i, "heldout": held, "weak": weak, "sampled_success_weak": sampled}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "gate": True,
+                        "warmup_steps": args.warmup_steps,
+                        "node": i,
+                        "heldout": held,
+                        "weak": weak,
+                        "sampled_success_weak": sampled,
+                    }
+                ),
+                flush=True,
+            )
 
 
 # report ----------------------------------------------------------------------------------------
 
 
 def interpolate(curve: list[dict], key: str, axis: str, x: float) -> float:
-    """The curve's `key` where its `axis` ("compute_s" or "round") is `x`, linearly interpolated between its evaluation points."""
+    """The curve's `key` where its `axis` ("compute_s" or "round") is `x`, linearly interpolated between its evaluation
+    points."""
     for before, after in zip(curve, curve[1:]):
         if after[axis] >= x:
             span = after[axis] - before[axis]
@@ -268,7 +340,13 @@ def first_reach(run: dict, which: str, target: float) -> float | None:
 def node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
     """'weak': the node's weak specialty; 'own': the one it was warm-started on; 'all': both."""
     weak = run["weak"][node]
-    key = weak if which == "weak" and weak else next(label for label in SPECIALTIES if label != weak) if which == "own" and weak else "all"
+    key = (
+        weak
+        if which == "weak" and weak
+        else next(label for label in SPECIALTIES if label != weak)
+        if which == "own" and weak
+        else "all"
+    )
     return at_compute(run["curves"][node], key, compute_s)
 
 
@@ -282,26 +360,48 @@ def mean_curve(run: dict, which: str, points: int = 20) -> tuple[list[float], li
 
 
 def spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values), "per_seed": values}
+    return {
+        "mean": statistics.fmean(values),
+        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "per_seed": values,
+    }
 
 
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
         runs = [run for run in runs if run["rounds_limit"] is not None or run["budget_s"] == args.report_budget]
-    if args.report_arms:  # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
+    # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
+    if args.report_arms:
         runs = [run for run in runs if run["arm"] in args.report_arms]
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
     for run in runs:  # the newest run of each (setting, arm, seed) counts
         by_key.setdefault((run["setting"], run["arm"]), {})[run["seed"]] = run
     summary: dict = {"benchmark": "sharing"}
-    silo_round_s = statistics.fmean(c / r for run in by_key.get(("specialists", "silo"), {}).values() for c, r in zip(run["compute_s"], run["rounds"])) if ("specialists", "silo") in by_key else None
+    silo_round_s = (
+        statistics.fmean(
+            c / r
+            for run in by_key.get(("specialists", "silo"), {}).values()
+            for c, r in zip(run["compute_s"], run["rounds"])
+        )
+        if ("specialists", "silo") in by_key
+        else None
+    )
 
     # specialists: held-out on the weak specialty at equal compute, and the speed-up
-    spec_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "specialists" and seeds[next(iter(seeds))]["rounds_limit"] is None}
+    spec_arms = {
+        arm: seeds
+        for (setting, arm), seeds in by_key.items()
+        if setting == "specialists" and seeds[next(iter(seeds))]["rounds_limit"] is None
+    }
     if "silo" in spec_arms:
         silo = spec_arms["silo"]
-        print(f"specialists: weak-specialty held-out (mean of {NODES} nodes) at equal node compute; silo round {silo_round_s:.3f} s of compute")
+        print(
+            f"specialists: weak-specialty held-out (mean of {NODES} nodes) at equal node compute; silo round "
+            f"{silo_round_s:.3f} s of compute"
+        )
         table = {}
         for arm, seeds in sorted(spec_arms.items()):
             common = sorted(set(seeds) & set(silo))
@@ -313,12 +413,21 @@ def report(args) -> None:
             row["weak_final"] = spread([mean_metric(seeds[s], budget, "weak") for s in common])
             row["own_final"] = spread([mean_metric(seeds[s], budget, "own") for s in common])
             row["both_final"] = spread([mean_metric(seeds[s], budget, "all") for s in common])
-            row["both_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "all") - mean_metric(silo[s], budget, "all")) for s in common])
-            row["weak_gain_points_vs_silo"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common])
+            row["both_gain_points_vs_silo"] = spread(
+                [100 * (mean_metric(seeds[s], budget, "all") - mean_metric(silo[s], budget, "all")) for s in common]
+            )
+            row["weak_gain_points_vs_silo"] = spread(
+                [100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common]
+            )
             if arm in SWARM_ARMS and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
                 control = spec_arms["silo_imitate"]
-                row["weak_gain_points_vs_silo_imitate"] = spread([100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(control[s], budget, "weak")) for s in common])
+                row["weak_gain_points_vs_silo_imitate"] = spread(
+                    [
+                        100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(control[s], budget, "weak"))
+                        for s in common
+                    ]
+                )
             charge = args.network_charge * silo_round_s if arm in SWARM_ARMS else 0.0
             speedups, speedups_net = [], []
             for s in common:
@@ -332,20 +441,43 @@ def report(args) -> None:
                 speedups_net.append(silo_reach / (reach * (1 + charge * rounds_per_s)) if reach else 0.0)
             row["speedup"] = spread(speedups)
             row["speedup_with_network"] = spread(speedups_net)
-            row["sampled_reward_ratio_vs_silo"] = spread([statistics.fmean(seeds[s]["reward_per_round"]) / statistics.fmean(silo[s]["reward_per_round"]) for s in common])
+            row["sampled_reward_ratio_vs_silo"] = spread(
+                [
+                    statistics.fmean(seeds[s]["reward_per_round"]) / statistics.fmean(silo[s]["reward_per_round"])
+                    for s in common
+                ]
+            )
             row["groups_used_per_update"] = statistics.fmean(seeds[s]["groups_used_per_update"] for s in common)
-            weights = [seeds[s]["importance_weight_mean"] for s in common if seeds[s]["importance_weight_mean"] is not None]
+            weights = [
+                seeds[s]["importance_weight_mean"] for s in common if seeds[s]["importance_weight_mean"] is not None
+            ]
             row["importance_weight_mean"] = statistics.fmean(weights) if weights else None
             rescored = [seeds[s]["rescored_per_round"] for s in common if seeds[s]["rescored_per_round"] is not None]
             row["rescored_per_round"] = statistics.fmean(rescored) if rescored else None
             row["rounds_per_node"] = statistics.fmean(r for s in common for r in seeds[s]["rounds"])
             table[arm] = row
-            print(f"  {arm:13s} seeds {common}: weak {row['weak_start']['mean']:.3f} -> {row['weak_final']['mean']:.3f} "
-                  f"({row['weak_gain_points_vs_silo']['mean']:+.1f} points vs silo, per seed {[round(v, 1) for v in row['weak_gain_points_vs_silo']['per_seed']]}), "
-                  f"own {row['own_final']['mean']:.3f}, both {row['both_final']['mean']:.3f} ({row['both_gain_points_vs_silo']['mean']:+.1f} points vs silo), S {row['speedup']['mean']:.2f}x ({row['speedup_with_network']['mean']:.2f}x with network), "
-                  f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update {row['groups_used_per_update']:.2f}, "
-                  f"rounds {row['rounds_per_node']:.0f}" + (f", importance weight {row['importance_weight_mean']:.3f}" if row["importance_weight_mean"] is not None else "")
-                  + (f", {row['weak_gain_points_vs_silo_imitate']['mean']:+.1f} points vs silo_imitate" if "weak_gain_points_vs_silo_imitate" in row else ""), flush=True)
+            print(
+                f"  {arm:13s} seeds {common}: weak {row['weak_start']['mean']:.3f} -> {row['weak_final']['mean']:.3f} "
+                f"({row['weak_gain_points_vs_silo']['mean']:+.1f} points vs silo, per seed "
+                f"{[round(v, 1) for v in row['weak_gain_points_vs_silo']['per_seed']]}), "
+                f"own {row['own_final']['mean']:.3f}, both {row['both_final']['mean']:.3f} "
+                f"({row['both_gain_points_vs_silo']['mean']:+.1f} points vs silo), S {row['speedup']['mean']:.2f}x "
+                f"({row['speedup_with_network']['mean']:.2f}x with network), "
+                f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update "
+                f"{row['groups_used_per_update']:.2f}, "
+                f"rounds {row['rounds_per_node']:.0f}"
+                + (
+                    f", importance weight {row['importance_weight_mean']:.3f}"
+                    if row["importance_weight_mean"] is not None
+                    else ""
+                )
+                + (
+                    f", {row['weak_gain_points_vs_silo_imitate']['mean']:+.1f} points vs silo_imitate"
+                    if "weak_gain_points_vs_silo_imitate" in row
+                    else ""
+                ),
+                flush=True,
+            )
         summary["specialists"] = table
         swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
         if swarm_rows:
@@ -364,26 +496,50 @@ def report(args) -> None:
         for arm, seeds in homo.items():
             common = sorted(set(seeds) & set(homo["silo"]))
             budget = min(seeds[s]["budget_s"] for s in common)
-            ratios[arm] = [mean_metric(seeds[s], budget, "all") / mean_metric(homo["silo"][s], budget, "all") for s in common]
-            print(f"homogeneous: {arm} held-out ratio to silo at equal compute, per seed {[round(r, 3) for r in ratios[arm]]}", flush=True)
+            ratios[arm] = [
+                mean_metric(seeds[s], budget, "all") / mean_metric(homo["silo"][s], budget, "all") for s in common
+            ]
+            print(
+                f"homogeneous: {arm} held-out ratio to silo at equal compute, per seed "
+                f"{[round(r, 3) for r in ratios[arm]]}",
+                flush=True,
+            )
         best = summary.get("best_arm")
         summary["homogeneous_ratio_per_seed"] = ratios.get(best) if best else None
         summary["homogeneous_ratios"] = ratios
     # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours
     sparse = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "sparse"}
-    for name, silo_arm in (("sapo_ratio_vs_paper_silo_per_seed", "paper_silo"), ("sapo_ratio_vs_our_silo_per_seed", "silo")):
+    for name, silo_arm in (
+        ("sapo_ratio_vs_paper_silo_per_seed", "paper_silo"),
+        ("sapo_ratio_vs_our_silo_per_seed", "silo"),
+    ):
         if "paper_sapo" in sparse and silo_arm in sparse:
             common = sorted(set(sparse["paper_sapo"]) & set(sparse[silo_arm]))
-            summary[name] = [statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"]) / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"]) for s in common]
-            print(f"sparse: paper's 4/4 cumulative reward / {silo_arm}, per seed {[round(r, 3) for r in summary[name]]}", flush=True)
+            summary[name] = [
+                statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"])
+                / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"])
+                for s in common
+            ]
+            print(
+                f"sparse: paper's 4/4 cumulative reward / {silo_arm}, per seed {[round(r, 3) for r in summary[name]]}",
+                flush=True,
+            )
     if "silo" in spec_arms:
         summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
 
 
 def mean_at_round(run: dict, round_: float, which: str) -> float:
-    keys = [(run["weak"][i] if which == "weak" else next(label for label in SPECIALTIES if label != run["weak"][i]) if which == "own" else "all")
-            for i in range(NODES)]
+    keys = [
+        (
+            run["weak"][i]
+            if which == "weak"
+            else next(label for label in SPECIALTIES if label != run["weak"][i])
+            if which == "own"
+            else "all"
+        )
+        for i in range(NODES)
+    ]
     return statistics.fmean(interpolate(run["curves"][i], keys[i], "round", round_) for i in range(NODES))
 
 
@@ -391,6 +547,7 @@ def load_matched(spec_arms: dict) -> dict:
     """Each arm against the silo of its seeds when their runs did not share the machine's load (CPU seconds a round
     move with it): the arm's CPU cost a round relative to a silo run that overlapped it in time gives the rounds it
     would have run in the silo's budget at the silo's load; its held-out at that round against the silo's at its end."""
+
     def span(run):
         return run["finished"] - run["wall_s"], run["finished"]
 
@@ -410,11 +567,18 @@ def load_matched(spec_arms: dict) -> dict:
             row = {"cost_ratio_vs_silo_beside": ratio, "rounds_at_silo_budget": rounds}
             for which in ("weak", "own", "all"):
                 row[which] = mean_at_round(run, rounds, which)
-                row[f"{which}_gain_points_vs_silo"] = 100 * (row[which] - mean_metric(silo[seed], silo[seed]["budget_s"], which))
+                row[f"{which}_gain_points_vs_silo"] = 100 * (
+                    row[which] - mean_metric(silo[seed], silo[seed]["budget_s"], which)
+                )
             out.setdefault(arm, {})[seed] = row
-            print(f"load-matched {arm} seed {seed}: a round costs {ratio:.2f}x a silo round beside it, so {rounds:.0f} rounds in the silo's budget; "
-                  f"there weak {row['weak']:.3f} ({row['weak_gain_points_vs_silo']:+.1f} points vs silo), own {row['own']:.3f} ({row['own_gain_points_vs_silo']:+.1f}), "
-                  f"both {row['all']:.3f} ({row['all_gain_points_vs_silo']:+.1f})", flush=True)
+            print(
+                f"load-matched {arm} seed {seed}: a round costs {ratio:.2f}x a silo round beside it, so {rounds:.0f} "
+                "rounds in the silo's budget; "
+                f"there weak {row['weak']:.3f} ({row['weak_gain_points_vs_silo']:+.1f} points vs silo), own "
+                f"{row['own']:.3f} ({row['own_gain_points_vs_silo']:+.1f}), "
+                f"both {row['all']:.3f} ({row['all_gain_points_vs_silo']:+.1f})",
+                flush=True,
+            )
     return out
 
 
@@ -447,19 +611,47 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--budget", type=float, default=300.0, help="CPU seconds of compute per node")
     parser.add_argument("--points", type=int, default=6, help="held-out evaluations along the budget")
-    parser.add_argument("--rounds", type=int, default=None, help="run this many rounds per node instead of a compute budget (the sparse setting's SAPO ratio)")
-    parser.add_argument("--warmup-steps", nargs="+", default=["260"], metavar="[LABEL=]STEPS", help="warm-start steps: one number, or per specialist and 'both'")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="run this many rounds per node instead of a compute budget (the sparse setting's SAPO ratio)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        nargs="+",
+        default=["260"],
+        metavar="[LABEL=]STEPS",
+        help="warm-start steps: one number, or per specialist and 'both'",
+    )
     parser.add_argument("--sparse-warmup-steps", type=int, default=60)
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--set", action="append", default=[], help="a config override for every node of every arm")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "sharing.jsonl")
-    parser.add_argument("--network-charge", type=float, default=0.081, help="network cost of a swarm round, as a fraction of a silo round")
-    parser.add_argument("--transport", choices=["inprocess", "dht"], default="inprocess", help="dht: the nodes talk through real p2p daemons on 127.0.0.1")
+    parser.add_argument(
+        "--network-charge",
+        type=float,
+        default=0.081,
+        help="network cost of a swarm round, as a fraction of a silo round",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["inprocess", "dht"],
+        default="inprocess",
+        help="dht: the nodes talk through real p2p daemons on 127.0.0.1",
+    )
     parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--report-arms", nargs="+", choices=list(ARMS), help="--report: only these arms (the silo among them)")
-    parser.add_argument("--report-budget", type=float, default=None, help="--report: only runs of this --budget (they must share one axis)")
+    parser.add_argument(
+        "--report-arms", nargs="+", choices=list(ARMS), help="--report: only these arms (the silo among them)"
+    )
+    parser.add_argument(
+        "--report-budget",
+        type=float,
+        default=None,
+        help="--report: only runs of this --budget (they must share one axis)",
+    )
     args = parser.parse_args()
     try:
         args.warmup_steps = parse_warmup_steps(args.warmup_steps)
@@ -481,9 +673,15 @@ def main() -> None:
                 result = asyncio.run(run_arm(args.setting, arm, seed, args, scratch))
                 append_result(args.results, result)
                 finals = [curve[-1] for curve in result["curves"]]
-                print(f"{args.setting} {arm} seed {seed}: rounds {result['rounds']}, final held-out "
-                      + ", ".join(f"node {i} {' '.join(f'{k} {v:.2f}' for k, v in f.items() if k not in ('compute_s', 'round'))}" for i, f in enumerate(finals))
-                      + f", {result['wall_s']:.0f} s wall", flush=True)
+                print(
+                    f"{args.setting} {arm} seed {seed}: rounds {result['rounds']}, final held-out "
+                    + ", ".join(
+                        f"node {i} {' '.join(f'{k} {v:.2f}' for k, v in f.items() if k not in ('compute_s', 'round'))}"
+                        for i, f in enumerate(finals)
+                    )
+                    + f", {result['wall_s']:.0f} s wall",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

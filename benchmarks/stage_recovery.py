@@ -34,7 +34,8 @@ readable. Reported per seed (`joiner_churn`): the longest stall (from when a ser
 available, i.e. the later of the kill and the newcomer's arrival, to the end of the first step
 after it), the announce TTL, the fraction of steps lost (from each kill to the end of the first
 step after it, less a normal step, counted in normal steps, plus the steps a checkpoint rollback
-replays, over all step slots), and the validation loss after the run. CheckFree and checkpoint-restart (the stage's newcomer, then every stage, loads
+replays, over all step slots), and the validation loss after the run. CheckFree and checkpoint-restart (the stage's
+newcomer, then every stage, loads
 the last checkpoint) on the same schedule.
 
     .venv/bin/python benchmarks/stage_recovery.py --seeds 3
@@ -91,7 +92,8 @@ def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) ->
     for step in range(2, steps + 1):
         failed = [stage for stage in range(STAGES) if rng.random() < p]
         if failed:
-            schedule[step] = failed[:1]  # one stage at a time: two neighbours lost together would need the paper's multi-failure rules
+            # one stage at a time: two neighbours lost together would need the paper's multi-failure rules
+            schedule[step] = failed[:1]
     return schedule
 
 
@@ -99,14 +101,32 @@ class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
         overrides = [
-            f"model.default.hidden_size={args.hidden}", "model.default.num_layers=8", f"model.default.num_heads={max(2, args.hidden // 32)}",
-            f"model.default.intermediate_size={args.hidden * 2}", "model.default.max_position_embeddings=128", "model.default.warmup_steps=0",
-            f"model.default.seed={seed}", 'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.swarm_id=stage-bench",
-            f"pipeline.num_stages={STAGES}", f"pipeline.micro_batch_size={args.micro_batch}", "pipeline.micro_batches=2",
-            "pipeline.sequence_length=64", "pipeline.corpus_sequences=2048", "pipeline.validation_sequences=32", "pipeline.eval_every=0",
-            "pipeline.announce_interval_s=0.5", "pipeline.announce_ttl_s=3", "pipeline.avoid_s=5", "pipeline.call_timeout_s=20",
-            f"pipeline.lr={args.lr}", f"pipeline.recovery={'random' if strategy == 'random' else 'checkfree'}", "pipeline.replica_sync_every=2",
-            f"pipeline.corpus_seed={seed + 7}", "pipeline.rebalance_grace_s=3", "torch_threads=1",
+            f"model.default.hidden_size={args.hidden}",
+            "model.default.num_layers=8",
+            f"model.default.num_heads={max(2, args.hidden // 32)}",
+            f"model.default.intermediate_size={args.hidden * 2}",
+            "model.default.max_position_embeddings=128",
+            "model.default.warmup_steps=0",
+            f"model.default.seed={seed}",
+            'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+            "swarm.swarm_id=stage-bench",
+            f"pipeline.num_stages={STAGES}",
+            f"pipeline.micro_batch_size={args.micro_batch}",
+            "pipeline.micro_batches=2",
+            "pipeline.sequence_length=64",
+            "pipeline.corpus_sequences=2048",
+            "pipeline.validation_sequences=32",
+            "pipeline.eval_every=0",
+            "pipeline.announce_interval_s=0.5",
+            "pipeline.announce_ttl_s=3",
+            "pipeline.avoid_s=5",
+            "pipeline.call_timeout_s=20",
+            f"pipeline.lr={args.lr}",
+            f"pipeline.recovery={'random' if strategy == 'random' else 'checkfree'}",
+            "pipeline.replica_sync_every=2",
+            f"pipeline.corpus_seed={seed + 7}",
+            "pipeline.rebalance_grace_s=3",
+            "torch_threads=1",
         ]
         self.config = load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(scratch / "driver"))
         self.dhts: list = []
@@ -131,10 +151,25 @@ class Bench:
                 await self.start_server(stage)
         await self.wait_serving()
         limits = pipeline_limits(self.config, self.model.config, sum(p.numel() for p in self.model.parameters()))
-        self.router = PipelineRouter(self.bootstrap, self.config, self.fingerprint, expected_fingerprints(self.config, self.model.config, self.fingerprint), limits,
-                                     seed=self.seed, reporter=LostReporter(SwarmSession(self.config, self.bootstrap, "direct", NodeIdentity.generate()), self.fingerprint))
+        self.router = PipelineRouter(
+            self.bootstrap,
+            self.config,
+            self.fingerprint,
+            expected_fingerprints(self.config, self.model.config, self.fingerprint),
+            limits,
+            seed=self.seed,
+            reporter=LostReporter(
+                SwarmSession(self.config, self.bootstrap, "direct", NodeIdentity.generate()), self.fingerprint
+            ),
+        )
         shutil.rmtree(self.scratch / "driver", ignore_errors=True)
-        self.driver = LMDriver(self.config, self.router, training_corpus(self.config, self.tokenizer), validation_corpus(self.config, self.tokenizer), StateStore(self.scratch / "driver"))
+        self.driver = LMDriver(
+            self.config,
+            self.router,
+            training_corpus(self.config, self.tokenizer),
+            validation_corpus(self.config, self.tokenizer),
+            StateStore(self.scratch / "driver"),
+        )
 
     async def start_server(self, stage: int | str, key: int | None = None) -> StageServer:
         """A fresh server of `stage` (an index, or "auto": it chooses), kept under `key` (default: the stage)."""
@@ -142,7 +177,9 @@ class Bench:
 
         dht = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.addresses)
         config = self.config.model_copy(update={"pipeline": self.config.pipeline.model_copy(update={"stage": stage})})
-        session = SwarmSession(config, dht, "direct", NodeIdentity.generate(), self.scratch / f"server-{stage}-{time.time_ns()}")
+        session = SwarmSession(
+            config, dht, "direct", NodeIdentity.generate(), self.scratch / f"server-{stage}-{time.time_ns()}"
+        )
         server = StageServer(session, self.model, self.fingerprint)
         self.servers[stage if key is None else key] = (server, asyncio.create_task(server.run()), dht)
         return server
@@ -170,11 +207,22 @@ class Bench:
         state = {"step": self.driver.step, "stages": {}}
         folder = self.scratch / "checkpoints"
         folder.mkdir(exist_ok=True)
-        for server, _, _ in self.servers.values():  # one file per stage (servers are kept by stage, or by arrival in churn mode)
+        for (
+            server,
+            _,
+            _,
+        ) in self.servers.values():  # one file per stage (servers are kept by stage, or by arrival in churn mode)
             stage = server.index
             path = folder / f"stage-{stage}.pt"
             backend = server.backend
-            torch.save({"stage": backend.stage.state_dict(), "optimizer": backend.optimizer.state_dict(), "step": backend.step}, path)
+            torch.save(
+                {
+                    "stage": backend.stage.state_dict(),
+                    "optimizer": backend.optimizer.state_dict(),
+                    "step": backend.step,
+                },
+                path,
+            )
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
             state["stages"][stage] = path
@@ -206,7 +254,8 @@ class Bench:
 
 
 def quiet_killed_daemons(loop, context) -> None:
-    """hivemind's control-connection tasks of a killed p2p daemon end in ConnectionResetError: expected here, not news."""
+    """hivemind's control-connection tasks of a killed p2p daemon end in ConnectionResetError: expected here, not
+    news."""
     if isinstance(context.get("exception"), (ConnectionResetError, BrokenPipeError)):
         return
     loop.default_exception_handler(context)
@@ -223,16 +272,29 @@ async def run(args, scratch: Path, seed: int, strategy: str, rate: float, target
     try:
         async with asyncio.timeout(args.run_timeout_s):
             await train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started)
-    except (TimeoutError, RuntimeError) as exc:  # too slow, or a stage server that never came up: a missed target, said so
+    except (
+        TimeoutError,
+        RuntimeError,
+    ) as exc:  # too slow, or a stage server that never came up: a missed target, said so
         timed_out = True
         print(f"seed {seed} rate {rate:.2f} {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
     finally:
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     reached = next((point for point in curve if target is not None and point["val_loss"] <= target), None)
-    return {"seed": seed, "strategy": strategy, "rate": rate, "curve": curve, "failures": sum(len(v) for k, v in schedule.items() if k <= bench.driver.step),
-            "steps_to_target": reached["executed"] if reached else None, "wall_s_to_target": reached["wall_s"] if reached else None,
-            "recovery_s": recoveries, "loss_spike": spikes, "checkpoint_io_s": bench.io_s, "timed_out": timed_out}
+    return {
+        "seed": seed,
+        "strategy": strategy,
+        "rate": rate,
+        "curve": curve,
+        "failures": sum(len(v) for k, v in schedule.items() if k <= bench.driver.step),
+        "steps_to_target": reached["executed"] if reached else None,
+        "wall_s_to_target": reached["wall_s"] if reached else None,
+        "recovery_s": recoveries,
+        "loss_spike": spikes,
+        "checkpoint_io_s": bench.io_s,
+        "timed_out": timed_out,
+    }
 
 
 async def train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started) -> None:
@@ -241,7 +303,8 @@ async def train(bench, args, strategy, schedule, target, curve, recoveries, spik
         bench.save_checkpoint()
     while executed < args.max_steps * 3:
         step = bench.driver.step + 1
-        if step in schedule and step not in fired:  # each scheduled failure happens once, even when a rollback replays its step
+        # each scheduled failure happens once, even when a rollback replays its step
+        if step in schedule and step not in fired:
             fired.add(step)
             failed_at = time.perf_counter()
             for stage in schedule[step]:
@@ -254,7 +317,9 @@ async def train(bench, args, strategy, schedule, target, curve, recoveries, spik
         executed += 1
         if failed_at is not None:
             # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
-            recoveries.append(time.perf_counter() - failed_at - (statistics.median(normal_step_s) if normal_step_s else 0.0))
+            recoveries.append(
+                time.perf_counter() - failed_at - (statistics.median(normal_step_s) if normal_step_s else 0.0)
+            )
             if last_loss is not None:
                 spikes.append(row["loss"] - last_loss)
             failed_at = None
@@ -265,7 +330,14 @@ async def train(bench, args, strategy, schedule, target, curve, recoveries, spik
             bench.save_checkpoint()
         if bench.driver.step % args.eval_every == 0:
             val = await bench.driver.validation_loss()
-            curve.append({"step": bench.driver.step, "executed": executed, "wall_s": time.perf_counter() - started, "val_loss": val})
+            curve.append(
+                {
+                    "step": bench.driver.step,
+                    "executed": executed,
+                    "wall_s": time.perf_counter() - started,
+                    "val_loss": val,
+                }
+            )
             if target is not None and val <= target:
                 break
         if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
@@ -273,7 +345,8 @@ async def train(bench, args, strategy, schedule, target, curve, recoveries, spik
 
 
 def churn_schedule(seed: int, steps: int, failures: int) -> tuple[list[int], random.Random]:
-    """Steps before which a server is killed (spread over the run, seeded), and the rng that picks victims and joiner delays."""
+    """Steps before which a server is killed (spread over the run, seeded), and the rng that picks victims and joiner
+    delays."""
     rng = random.Random(f"churn:{seed}")
     return sorted(rng.sample(range(4, steps), failures)), rng
 
@@ -313,7 +386,14 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
                 if due:
                     fired.add(bench.driver.step + 1)  # once, even when a rollback replays its step
                 victim_stage = rng.randrange(STAGES) if due else None
-                victim = next((k for k, (server, _, _) in bench.servers.items() if server.index == victim_stage and server.state == "serving"), None)
+                victim = next(
+                    (
+                        k
+                        for k, (server, _, _) in bench.servers.items()
+                        if server.index == victim_stage and server.state == "serving"
+                    ),
+                    None,
+                )
                 if victim is not None:
                     await bench.kill(victim)
                     pending = {"stage": victim_stage, "killed": time.perf_counter(), "delay": rng.uniform(0, 2 * ttl)}
@@ -327,21 +407,34 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
                 done = time.perf_counter()
                 step_s.append(row["step_s"])
                 if pending is not None and "available" in pending:
-                    stalls.append({"stage": pending["stage"], "joiner_delay_s": pending["delay"], "stall_s": done - max(pending["killed"], pending["available"]),
-                                   "outage_s": done - pending["killed"]})
+                    stalls.append(
+                        {
+                            "stage": pending["stage"],
+                            "joiner_delay_s": pending["delay"],
+                            "stall_s": done - max(pending["killed"], pending["available"]),
+                            "outage_s": done - pending["killed"],
+                        }
+                    )
                     pending = None
                 elif pending is None:
                     normal_step_s.append(row["step_s"])
                 if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
                     bench.save_checkpoint()
         final_val = await bench.driver.validation_loss()
-    except (TimeoutError, RuntimeError) as exc:  # too slow, or a newcomer that never came up: said so, and counted as not finished
+    except (
+        TimeoutError,
+        RuntimeError,
+    ) as exc:  # too slow, or a newcomer that never came up: said so, and counted as not finished
         final_val, timed_out = None, True
         print(f"seed {seed} churn {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
     finally:
         await asyncio.gather(*joiners, return_exceptions=True)
         for server, _, _ in bench.servers.values():
-            event = [json.loads(line) for line in (server.state_dir / "recoveries.jsonl").read_text().splitlines()] if (server.state_dir / "recoveries.jsonl").exists() else []
+            event = (
+                [json.loads(line) for line in (server.state_dir / "recoveries.jsonl").read_text().splitlines()]
+                if (server.state_dir / "recoveries.jsonl").exists()
+                else []
+            )
             methods += [(e["method"], e["stage"], e["cause"]) for e in event if e["method"] != "initial"]
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -350,10 +443,23 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
     # both strategies, whether the driver waited inside its step or the checkpoint was loaded before it).
     lost = (sum(max(0.0, s["outage_s"] - median) for s in stalls) / median if median else 0.0) + rolled_back
     executed = len(step_s)
-    return {"seed": seed, "strategy": strategy, "steps": bench.driver.step, "executed": executed, "wall_s": time.perf_counter() - started,
-            "failures": len(stalls), "announce_ttl_s": ttl, "longest_stall_s": max((s["stall_s"] for s in stalls), default=0.0), "stalls": stalls,
-            "steps_lost_fraction": lost / (executed + lost - rolled_back) if executed else None, "rolled_back_steps": rolled_back,
-            "val_loss": final_val, "checkpoint_io_s": bench.io_s, "timed_out": timed_out, "recoveries": methods}
+    return {
+        "seed": seed,
+        "strategy": strategy,
+        "steps": bench.driver.step,
+        "executed": executed,
+        "wall_s": time.perf_counter() - started,
+        "failures": len(stalls),
+        "announce_ttl_s": ttl,
+        "longest_stall_s": max((s["stall_s"] for s in stalls), default=0.0),
+        "stalls": stalls,
+        "steps_lost_fraction": lost / (executed + lost - rolled_back) if executed else None,
+        "rolled_back_steps": rolled_back,
+        "val_loss": final_val,
+        "checkpoint_io_s": bench.io_s,
+        "timed_out": timed_out,
+        "recoveries": methods,
+    }
 
 
 def mean(values):
@@ -366,16 +472,37 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.10, 0.16])
     parser.add_argument("--strategies", nargs="+", default=["checkfree", "checkpoint", "random"])
-    parser.add_argument("--max-steps", type=int, default=200, help="steps of the failure-free run (runs with failures may take up to twice as many)")
-    parser.add_argument("--steps-per-hour", type=int, default=25, help="how many steps stand for one hour of the paper's failure rates")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=200,
+        help="steps of the failure-free run (runs with failures may take up to twice as many)",
+    )
+    parser.add_argument(
+        "--steps-per-hour", type=int, default=25, help="how many steps stand for one hour of the paper's failure rates"
+    )
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--target-fraction", type=float, default=0.8, help="target = the failure-free run's validation loss at this fraction of --max-steps")
+    parser.add_argument(
+        "--target-fraction",
+        type=float,
+        default=0.8,
+        help="target = the failure-free run's validation loss at this fraction of --max-steps",
+    )
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--run-timeout-s", type=float, default=600.0, help="a run still short of the target after this long counts as missed")
-    parser.add_argument("--churn", action="store_true", help="joiner churn instead: kills on a seeded schedule, newcomers with --stage auto, no spares")
+    parser.add_argument(
+        "--run-timeout-s",
+        type=float,
+        default=600.0,
+        help="a run still short of the target after this long counts as missed",
+    )
+    parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="joiner churn instead: kills on a seeded schedule, newcomers with --stage auto, no spares",
+    )
     parser.add_argument("--churn-steps", type=int, default=60, help="churn: driver steps per seed")
     parser.add_argument("--churn-failures", type=int, default=6, help="churn: servers killed per seed (one at a time)")
     args = parser.parse_args()
@@ -388,14 +515,42 @@ def main() -> None:
             for strategy in [s for s in args.strategies if s in ("checkfree", "checkpoint")]:
                 result = asyncio.run(run_churn(args, Path(tempfile.mkdtemp(prefix="stage-churn-")), seed, strategy))
                 churn.append(result)
-                print(f"seed {seed} churn {strategy:10s}: {result['steps']} steps ({result['executed']} executed) in {result['wall_s']:.1f}s, "
-                      f"{result['failures']} failures, longest stall {result['longest_stall_s']:.2f}s (ttl {result['announce_ttl_s']}s), "
-                      f"steps lost {result['steps_lost_fraction']:.3f}, val loss {result['val_loss']}, stalls {[round(s['stall_s'], 2) for s in result['stalls']]}, "
-                      f"recoveries {result['recoveries']}", flush=True)
-        keys = ("seed", "strategy", "longest_stall_s", "announce_ttl_s", "steps_lost_fraction", "steps", "executed", "wall_s", "failures", "val_loss",
-                "checkpoint_io_s", "timed_out")
-        print(json.dumps({"benchmark": "stage_recovery", "seeds": args.seeds, "churn_steps": args.churn_steps, "churn_failures": args.churn_failures,
-                          "checkpoint_every": args.checkpoint_every, "joiner_churn": [{k: r[k] for k in keys} for r in churn]}))
+                print(
+                    f"seed {seed} churn {strategy:10s}: {result['steps']} steps ({result['executed']} executed) in "
+                    f"{result['wall_s']:.1f}s, "
+                    f"{result['failures']} failures, longest stall {result['longest_stall_s']:.2f}s (ttl "
+                    f"{result['announce_ttl_s']}s), "
+                    f"steps lost {result['steps_lost_fraction']:.3f}, val loss {result['val_loss']}, stalls "
+                    f"{[round(s['stall_s'], 2) for s in result['stalls']]}, "
+                    f"recoveries {result['recoveries']}",
+                    flush=True,
+                )
+        keys = (
+            "seed",
+            "strategy",
+            "longest_stall_s",
+            "announce_ttl_s",
+            "steps_lost_fraction",
+            "steps",
+            "executed",
+            "wall_s",
+            "failures",
+            "val_loss",
+            "checkpoint_io_s",
+            "timed_out",
+        )
+        print(
+            json.dumps(
+                {
+                    "benchmark": "stage_recovery",
+                    "seeds": args.seeds,
+                    "churn_steps": args.churn_steps,
+                    "churn_failures": args.churn_failures,
+                    "checkpoint_every": args.checkpoint_every,
+                    "joiner_churn": [{k: r[k] for k in keys} for r in churn],
+                }
+            )
+        )
         return
     results = []
     for seed in range(args.seeds):
@@ -405,38 +560,73 @@ def main() -> None:
         reached = next(p for p in base["curve"] if p["val_loss"] <= target)
         base.update(steps_to_target=reached["executed"], wall_s_to_target=reached["wall_s"], target=target)
         results.append(base)
-        print(f"seed {seed} none: target val loss {target:.4f} at step {reached['step']}, {reached['wall_s']:.1f}s", flush=True)
+        print(
+            f"seed {seed} none: target val loss {target:.4f} at step {reached['step']}, {reached['wall_s']:.1f}s",
+            flush=True,
+        )
         for rate in args.rates:
             for strategy in args.strategies:
-                result = asyncio.run(run(args, Path(tempfile.mkdtemp(prefix="stage-bench-")), seed, strategy, rate, target))
+                result = asyncio.run(
+                    run(args, Path(tempfile.mkdtemp(prefix="stage-bench-")), seed, strategy, rate, target)
+                )
                 result["target"] = target
                 results.append(result)
-                print(f"seed {seed} rate {rate:.2f} {strategy:10s}: failures {result['failures']}, steps {result['steps_to_target']}, "
-                      f"wall {result['wall_s_to_target'] and round(result['wall_s_to_target'], 1)}s, recovery {[round(r, 2) for r in result['recovery_s']]}, "
-                      f"spike {[round(s, 3) for s in result['loss_spike']]}, checkpoint io {result['checkpoint_io_s']:.2f}s", flush=True)
+                print(
+                    f"seed {seed} rate {rate:.2f} {strategy:10s}: failures {result['failures']}, steps "
+                    f"{result['steps_to_target']}, "
+                    f"wall {result['wall_s_to_target'] and round(result['wall_s_to_target'], 1)}s, recovery "
+                    f"{[round(r, 2) for r in result['recovery_s']]}, "
+                    f"spike {[round(s, 3) for s in result['loss_spike']]}, checkpoint io "
+                    f"{result['checkpoint_io_s']:.2f}s",
+                    flush=True,
+                )
 
     def table(key):
         out = {"none": mean(r[key] for r in results if r["strategy"] == "none")}
         for rate in args.rates:
             for strategy in args.strategies:
-                out[f"{strategy}@{rate:.2f}"] = mean(r[key] for r in results if r["strategy"] == strategy and r["rate"] == rate)
+                out[f"{strategy}@{rate:.2f}"] = mean(
+                    r[key] for r in results if r["strategy"] == strategy and r["rate"] == rate
+                )
         return out
 
     steps, wall = table("steps_to_target"), table("wall_s_to_target")
-    unreached = {f"{r['strategy']}@{r['rate']:.2f}": unreached for r in results if (unreached := r["steps_to_target"] is None)}
+    unreached = {
+        f"{r['strategy']}@{r['rate']:.2f}": unreached for r in results if (unreached := r["steps_to_target"] is None)
+    }
     print("\nmean over seeds            steps to target   wall s to target")
     for key in steps:
-        print(f"{key:26s} {steps[key] if steps[key] is None else round(steps[key], 1)!s:>16} {wall[key] if wall[key] is None else round(wall[key], 1)!s:>18}")
+        print(
+            f"{key:26s} {steps[key] if steps[key] is None else round(steps[key], 1)!s:>16} "
+            f"{wall[key] if wall[key] is None else round(wall[key], 1)!s:>18}"
+        )
     ratio = None
     if wall.get("checkfree@0.10") and wall.get("checkpoint@0.10"):
         ratio = wall["checkpoint@0.10"] / wall["checkfree@0.10"]
     recovery = {s: mean(x for r in results if r["strategy"] == s for x in r["recovery_s"]) for s in args.strategies}
     spike = {s: mean(x for r in results if r["strategy"] == s for x in r["loss_spike"]) for s in args.strategies}
     print(f"checkpoint / checkfree wall-clock to target at 10%: {ratio}")
-    print(f"recovery seconds (failure -> first step after): {recovery}; loss spike: {spike}; runs that missed the target: {sorted(unreached)}")
-    print(json.dumps({"benchmark": "stage_recovery", "steps_to_target": steps, "wall_s_to_target": wall, "checkfree_vs_checkpoint_wall_ratio": ratio, "recovery_s": recovery,
-                      "loss_spike": spike, "seeds": args.seeds, "max_steps": args.max_steps, "steps_per_hour": args.steps_per_hour,
-                      "checkpoint_every": args.checkpoint_every, "missed_target": sorted(unreached)}))
+    print(
+        f"recovery seconds (failure -> first step after): {recovery}; loss spike: {spike}; runs that missed the "
+        f"target: {sorted(unreached)}"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "stage_recovery",
+                "steps_to_target": steps,
+                "wall_s_to_target": wall,
+                "checkfree_vs_checkpoint_wall_ratio": ratio,
+                "recovery_s": recovery,
+                "loss_spike": spike,
+                "seeds": args.seeds,
+                "max_steps": args.max_steps,
+                "steps_per_hour": args.steps_per_hour,
+                "checkpoint_every": args.checkpoint_every,
+                "missed_target": sorted(unreached),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

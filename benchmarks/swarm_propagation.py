@@ -66,14 +66,38 @@ def percentile(values: list[float], q: float) -> float:
 
 def fake_heartbeat(identity: NodeIdentity):
     def build() -> PeerStats:
-        return PeerStats(identity.node_id, "bench", "0.1.0", "1.0", "default", 1, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, time.time(), [], [], 0, 0)
+        return PeerStats(
+            identity.node_id,
+            "bench",
+            "0.1.0",
+            "1.0",
+            "default",
+            1,
+            0,
+            0,
+            0.0,
+            0.0,
+            0,
+            0,
+            0,
+            0,
+            0.0,
+            0.0,
+            time.time(),
+            [],
+            [],
+            0,
+            0,
+        )
 
     return build
 
 
 async def start_transport(config, identity: NodeIdentity, state: Path) -> DHTTransport:
     """A transport over its own swarm session, started; `leave` stops both."""
-    transport = DHTTransport(await join_swarm(config, identity, state), SwarmStats(), "bench", heartbeat=fake_heartbeat(identity))
+    transport = DHTTransport(
+        await join_swarm(config, identity, state), SwarmStats(), "bench", heartbeat=fake_heartbeat(identity)
+    )
     await transport.start()
     return transport
 
@@ -87,14 +111,25 @@ async def start_swarm(size: int, gossip: str, scratch: str) -> tuple[list[DHTTra
     transports, join_s = [], []
     for i in range(size):
         peers = [f"swarm.initial_peers={json.dumps(transports[0].session.addresses)}"] if transports else []
-        config = load_config(REPO / "configs" / "swarm.yaml", ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', f"swarm.gossip={gossip}", "swarm.swarm_id=bench", "swarm.heartbeat_interval_s=1", *peers])
+        config = load_config(
+            REPO / "configs" / "swarm.yaml",
+            [
+                'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+                f"swarm.gossip={gossip}",
+                "swarm.swarm_id=bench",
+                "swarm.heartbeat_interval_s=1",
+                *peers,
+            ],
+        )
         identity = NodeIdentity.generate()
         state = Path(scratch) / f"{gossip}-{size}-{i}"
         state.mkdir(parents=True)
         started = time.monotonic()
         transport = await start_transport(config, identity, state)
         if transports:
-            while not [p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id]:
+            while not [
+                p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id
+            ]:
                 await asyncio.sleep(0.01)
             join_s.append(time.monotonic() - started)
         transports.append(transport)
@@ -108,7 +143,9 @@ async def start_swarm(size: int, gossip: str, scratch: str) -> tuple[list[DHTTra
 async def wait_gossip(receiver: DHTTransport, publisher_id: str, seq: int) -> float:
     while True:
         for raw in receiver.gossip.drain(receiver.rollouts_topic):
-            envelope = decode_verified(raw, None, receiver.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time())
+            envelope = decode_verified(
+                raw, None, receiver.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time()
+            )
             if envelope.sender_id == publisher_id and envelope.seq >= seq:
                 return time.monotonic()
         await asyncio.sleep(0.001)
@@ -118,7 +155,9 @@ async def wait_dht(receiver: DHTTransport, publisher_id: str, seq: int, key: str
     while True:
         for subkey, raw in await read_key(receiver.session.dht, key, 10.0):
             if subkey == publisher_id:
-                envelope = decode_verified(raw, subkey, receiver.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time())
+                envelope = decode_verified(
+                    raw, subkey, receiver.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time()
+                )
                 if envelope.seq >= seq:
                     return time.monotonic()
 
@@ -135,10 +174,14 @@ async def measure(size: int, gossip: str, trials: int, groups, scratch: str) -> 
             started = time.monotonic()
             first_new_seq = publisher.writer._seq + 1  # seqs only grow: anything from here on is this trial's batch
             if gossip == "libp2p":
-                waits = [asyncio.create_task(wait_gossip(r, publisher.identity.node_id, first_new_seq)) for r in receivers]
+                waits = [
+                    asyncio.create_task(wait_gossip(r, publisher.identity.node_id, first_new_seq)) for r in receivers
+                ]
             await publisher.publish(trial, 0, groups)
             if gossip == "dht":
-                waits = [asyncio.create_task(wait_dht(r, publisher.identity.node_id, first_new_seq, key)) for r in receivers]
+                waits = [
+                    asyncio.create_task(wait_dht(r, publisher.identity.node_id, first_new_seq, key)) for r in receivers
+                ]
             arrived = await asyncio.wait_for(asyncio.gather(*waits), 30)
             latencies_ms += [(t - started) * 1000 for t in arrived]
             sizes.append(publisher.stats.bytes_published - bytes_before)
@@ -149,15 +192,22 @@ async def measure(size: int, gossip: str, trials: int, groups, scratch: str) -> 
     return latencies_ms, join_s, int(statistics.median(sizes))
 
 
-
 # one node per process, in the lab --------------------------------------------------------------
 
 DELIVERY_TIMEOUT_S = 30.0
 
 
 def lab_config(ip: str, gossip: str, initial_peers: list[str]):
-    return load_config(REPO / "configs" / "swarm.yaml", [f'swarm.host_maddrs=["/ip4/{ip}/tcp/0"]', f"swarm.gossip={gossip}", "swarm.swarm_id=bench",
-                                                         "swarm.heartbeat_interval_s=1", f"swarm.initial_peers={json.dumps(initial_peers)}"])
+    return load_config(
+        REPO / "configs" / "swarm.yaml",
+        [
+            f'swarm.host_maddrs=["/ip4/{ip}/tcp/0"]',
+            f"swarm.gossip={gossip}",
+            "swarm.swarm_id=bench",
+            "swarm.heartbeat_interval_s=1",
+            f"swarm.initial_peers={json.dumps(initial_peers)}",
+        ],
+    )
 
 
 async def lab_worker(args) -> None:
@@ -175,7 +225,9 @@ async def lab_worker(args) -> None:
             write_atomic(scratch / "publisher", identity.node_id)
             write_atomic(scratch / "addrs-0.json", json.dumps(transport.session.addresses))
         else:
-            while not [p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id]:
+            while not [
+                p for p, _ in await read_peer_stats(transport.session.dht, config) if p.node_id != identity.node_id
+            ]:
                 await asyncio.sleep(0.01)
             join_s = time.monotonic() - started
         write_atomic(scratch / f"ready-{args.index}", json.dumps({"join_s": join_s}))
@@ -196,12 +248,22 @@ async def lab_publish(transport: DHTTransport, scratch: Path, trials: int) -> No
     groups = pickle.loads((scratch / "groups.pkl").read_bytes())
     for trial in range(trials):
         await asyncio.to_thread(wait_file, scratch / f"go-{trial}")
-        first_new_seq = transport.session.writer.last_seq + 1  # seqs only grow: anything from here on is this trial's batch
+        # seqs only grow: anything from here on is this trial's batch
+        first_new_seq = transport.session.writer.last_seq + 1
         bytes_before, wire_before = transport.stats.bytes_published, eth0_tx_bytes()
         started = time.time()
         await transport.publish(trial, 0, groups)
-        write_atomic(scratch / f"published-{trial}", json.dumps({"start": started, "seq": first_new_seq, "wire_before": wire_before,
-                                                                  "batch_bytes": transport.stats.bytes_published - bytes_before}))
+        write_atomic(
+            scratch / f"published-{trial}",
+            json.dumps(
+                {
+                    "start": started,
+                    "seq": first_new_seq,
+                    "wire_before": wire_before,
+                    "batch_bytes": transport.stats.bytes_published - bytes_before,
+                }
+            ),
+        )
     await asyncio.to_thread(wait_file, scratch / "stop")
     write_atomic(scratch / "published-end", json.dumps({"wire_before": eth0_tx_bytes()}))
 
@@ -210,8 +272,11 @@ async def lab_receive(transport: DHTTransport, scratch: Path, publisher_id: str,
     seen: set[int] = set()
     window_s = transport.config.swarm.window_s
     with open(scratch / f"arrivals-{transport.identity.node_id}.jsonl", "a") as out:
+
         def record(raw: bytes, subkey: str | None) -> None:
-            envelope = decode_verified(raw, subkey, transport.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time())
+            envelope = decode_verified(
+                raw, subkey, transport.config.swarm.swarm_id, MessageKind.ROLLOUT_BATCH, time.time()
+            )
             if envelope.sender_id == publisher_id and envelope.seq not in seen:
                 seen.add(envelope.seq)
                 out.write(json.dumps({"seq": envelope.seq, "t": time.time()}) + "\n")
@@ -224,7 +289,10 @@ async def lab_receive(transport: DHTTransport, scratch: Path, publisher_id: str,
                 await asyncio.sleep(0.001)
             else:  # back-to-back reads of this window's and the last window's record
                 window = int(time.time() // window_s)
-                for key in (rollout_key(transport.prefix, window - 1, 1, 0), rollout_key(transport.prefix, window, 1, 0)):
+                for key in (
+                    rollout_key(transport.prefix, window - 1, 1, 0),
+                    rollout_key(transport.prefix, window, 1, 0),
+                ):
                     for subkey, raw in await read_key(transport.session.dht, key, 10.0):
                         if subkey == publisher_id:
                             record(raw, subkey)
@@ -239,8 +307,25 @@ def lab_measure(size: int, gossip: str, args, groups_path: Path) -> dict:
     with Lab(size, host_link=False) as lab:
         for index in range(size):
             lab.shape(index, Link(mbit=args.mbit, loss=args.loss))
-        start_workers(lab, lambda index: [sys.executable, str(Path(__file__).resolve()), "--worker", "--index", str(index), "--ip", lab.ip(index),
-                                          "--gossip", gossip, "--scratch", str(scratch), "--trials", str(args.trials)], scratch)
+        start_workers(
+            lab,
+            lambda index: [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--index",
+                str(index),
+                "--ip",
+                lab.ip(index),
+                "--gossip",
+                gossip,
+                "--scratch",
+                str(scratch),
+                "--trials",
+                str(args.trials),
+            ],
+            scratch,
+        )
         join_s = [json.loads((scratch / f"ready-{index}").read_text())["join_s"] for index in range(1, size)]
         write_atomic(scratch / "all-ready", "")
         for index in range(size):
@@ -248,10 +333,19 @@ def lab_measure(size: int, gossip: str, args, groups_path: Path) -> dict:
         published = []
         for trial in range(args.trials):
             write_atomic(scratch / f"go-{trial}", "")
-            published.append(json.loads(wait_worker_file(lab, 0, scratch / f"published-{trial}", f"publishing trial {trial}")))
+            published.append(
+                json.loads(wait_worker_file(lab, 0, scratch / f"published-{trial}", f"publishing trial {trial}"))
+            )
             seq, deadline = published[-1]["seq"], time.monotonic() + DELIVERY_TIMEOUT_S
             while time.monotonic() < deadline:  # every receiver holds this trial's batch, or the deadline passed
-                if sum(1 for path in scratch.glob("arrivals-*.jsonl") if any(row["seq"] >= seq for row in read_rows(path))) >= size - 1:
+                if (
+                    sum(
+                        1
+                        for path in scratch.glob("arrivals-*.jsonl")
+                        if any(row["seq"] >= seq for row in read_rows(path))
+                    )
+                    >= size - 1
+                ):
                     break
                 time.sleep(0.02)
             time.sleep(0.05)
@@ -268,10 +362,18 @@ def lab_measure(size: int, gossip: str, args, groups_path: Path) -> dict:
             if got and got[0] - pub["start"] <= DELIVERY_TIMEOUT_S:
                 latencies_ms.append((got[0] - pub["start"]) * 1000)
                 delivered += 1
-        wire_bytes.append((published[trial + 1] if trial + 1 < len(published) else end)["wire_before"] - pub["wire_before"])
+        wire_bytes.append(
+            (published[trial + 1] if trial + 1 < len(published) else end)["wire_before"] - pub["wire_before"]
+        )
         batch_bytes.append(pub["batch_bytes"])
-    return {"latencies_ms": latencies_ms, "join_s": join_s, "delivered": f"{delivered}/{len(published) * (size - 1)}",
-            "wire_bytes_per_publish": int(statistics.median(wire_bytes)), "batch_bytes": int(statistics.median(batch_bytes)), "logs": str(scratch)}
+    return {
+        "latencies_ms": latencies_ms,
+        "join_s": join_s,
+        "delivered": f"{delivered}/{len(published) * (size - 1)}",
+        "wire_bytes_per_publish": int(statistics.median(wire_bytes)),
+        "batch_bytes": int(statistics.median(batch_bytes)),
+        "logs": str(scratch),
+    }
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -285,7 +387,13 @@ def main_lab(args, groups) -> None:
     if why:
         raise SystemExit(f"--lab: {why}")
     started = time.monotonic()
-    results: dict = {"propagation_ms": {}, "join_s": {}, "delivered": {}, "wire_bytes_per_publish": {}, "bytes_per_round": None}
+    results: dict = {
+        "propagation_ms": {},
+        "join_s": {},
+        "delivered": {},
+        "wire_bytes_per_publish": {},
+        "bytes_per_round": None,
+    }
     with tempfile.TemporaryDirectory() as scratch:
         groups_path = Path(scratch) / "groups.pkl"
         groups_path.write_bytes(pickle.dumps(groups))
@@ -294,25 +402,56 @@ def main_lab(args, groups) -> None:
                 run = lab_measure(size, gossip, args, groups_path)
                 label = "gossipsub" if gossip == "libp2p" else "dht_polling"
                 latencies = run["latencies_ms"]
-                results["propagation_ms"].setdefault(label, {})[str(size)] = {"median": statistics.median(latencies), "p90": percentile(latencies, 0.9)} if latencies else None
-                results["join_s"].setdefault(label, {})[str(size)] = {"median": statistics.median(run["join_s"]), "max": max(run["join_s"])}
+                results["propagation_ms"].setdefault(label, {})[str(size)] = (
+                    {"median": statistics.median(latencies), "p90": percentile(latencies, 0.9)} if latencies else None
+                )
+                results["join_s"].setdefault(label, {})[str(size)] = {
+                    "median": statistics.median(run["join_s"]),
+                    "max": max(run["join_s"]),
+                }
                 results["delivered"].setdefault(label, {})[str(size)] = run["delivered"]
                 results["wire_bytes_per_publish"].setdefault(label, {})[str(size)] = run["wire_bytes_per_publish"]
                 results["bytes_per_round"] = run["batch_bytes"]
-                median = f"{statistics.median(latencies):.1f} ms, p90 {percentile(latencies, 0.9):.1f} ms" if latencies else "nothing delivered"
-                print(f"lab {label:12s} N={size} @ {args.mbit} Mbit: publish->received median {median}; delivered {run['delivered']}; "
-                      f"join median {statistics.median(run['join_s']):.2f}s max {max(run['join_s']):.2f}s; publisher's eth0 sent {run['wire_bytes_per_publish']} bytes per publish "
-                      f"(logs {run['logs']})", flush=True)
-    print(json.dumps({"benchmark": "swarm_propagation", "lab": True, "mbit": args.mbit, "rtt_ms": None, "loss": args.loss, "trials": args.trials, **results,
-                      "minutes": round((time.monotonic() - started) / 60, 2)}))
+                median = (
+                    f"{statistics.median(latencies):.1f} ms, p90 {percentile(latencies, 0.9):.1f} ms"
+                    if latencies
+                    else "nothing delivered"
+                )
+                print(
+                    f"lab {label:12s} N={size} @ {args.mbit} Mbit: publish->received median {median}; delivered "
+                    f"{run['delivered']}; "
+                    f"join median {statistics.median(run['join_s']):.2f}s max {max(run['join_s']):.2f}s; publisher's "
+                    f"eth0 sent {run['wire_bytes_per_publish']} bytes per publish "
+                    f"(logs {run['logs']})",
+                    flush=True,
+                )
+    print(
+        json.dumps(
+            {
+                "benchmark": "swarm_propagation",
+                "lab": True,
+                "mbit": args.mbit,
+                "rtt_ms": None,
+                "loss": args.loss,
+                "trials": args.trials,
+                **results,
+                "minutes": round((time.monotonic() - started) / 60, 2),
+            }
+        )
+    )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--lab", action="store_true", help="one node per process, each in its own shaped network namespace (root)")
+    parser.add_argument(
+        "--lab", action="store_true", help="one node per process, each in its own shaped network namespace (root)"
+    )
     parser.add_argument("--mbit", type=float, default=50.0, help="--lab: link rate of every node, each way")
-    parser.add_argument("--loss", type=float, default=0.0, help="--lab: packet loss probability of every node, each way")
+    parser.add_argument(
+        "--loss", type=float, default=0.0, help="--lab: packet loss probability of every node, each way"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ip", help=argparse.SUPPRESS)
@@ -337,12 +476,25 @@ def main() -> None:
             for size in args.sizes:
                 latencies, join_s, batch_bytes = asyncio.run(measure(size, gossip, args.trials, groups, scratch))
                 label = "gossipsub" if gossip == "libp2p" else "dht_polling"
-                results["propagation_ms"].setdefault(label, {})[str(size)] = {"median": statistics.median(latencies), "p90": percentile(latencies, 0.9)}
-                results["join_s"].setdefault(label, {})[str(size)] = {"median": statistics.median(join_s), "max": max(join_s)}
+                results["propagation_ms"].setdefault(label, {})[str(size)] = {
+                    "median": statistics.median(latencies),
+                    "p90": percentile(latencies, 0.9),
+                }
+                results["join_s"].setdefault(label, {})[str(size)] = {
+                    "median": statistics.median(join_s),
+                    "max": max(join_s),
+                }
                 results["bytes_per_round"] = batch_bytes
-                print(f"{label:12s} N={size}: publish->received median {statistics.median(latencies):.1f} ms, p90 {percentile(latencies, 0.9):.1f} ms; "
-                      f"join median {statistics.median(join_s):.2f}s max {max(join_s):.2f}s; batch {batch_bytes} bytes", flush=True)
-    print(f"bytes published per node per round (8 questions x 8 completions, signed envelope): {results['bytes_per_round']}")
+                print(
+                    f"{label:12s} N={size}: publish->received median {statistics.median(latencies):.1f} ms, p90 "
+                    f"{percentile(latencies, 0.9):.1f} ms; "
+                    f"join median {statistics.median(join_s):.2f}s max {max(join_s):.2f}s; batch {batch_bytes} bytes",
+                    flush=True,
+                )
+    print(
+        "bytes published per node per round (8 questions x 8 completions, signed envelope): "
+        f"{results['bytes_per_round']}"
+    )
     print(json.dumps({"benchmark": "swarm_propagation", "trials": args.trials, **results}))
 
 

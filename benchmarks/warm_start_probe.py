@@ -36,7 +36,10 @@ def evaluate(backend: TransformersBackend, source: TaskSource, questions) -> dic
     """Greedy held-out accuracy, overall and per specialty, and distinct answers given / right."""
     completions = backend.generate([source.prompt(q) for q in questions], n=1, seed=0, greedy=True)
     overall, scores = source.score_answers(questions, [c[0].text for c in completions])
-    return {"heldout_accuracy": overall, "by_specialty": {label: dataclasses.asdict(score) for label, score in scores.items()}}
+    return {
+        "heldout_accuracy": overall,
+        "by_specialty": {label: dataclasses.asdict(score) for label, score in scores.items()},
+    }
 
 
 def main() -> None:
@@ -62,8 +65,12 @@ def main() -> None:
     questions = source.heldout()
     backend = TransformersBackend(config.rollout, model, tokenizer)
     shape = config.model.default
-    print(f"default model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (hidden {shape.hidden_size}, layers {shape.num_layers}), "
-          f"{args.steps} warm-start steps of {shape.warmup_batch_size}, lr {shape.warmup_lr}", flush=True)
+    print(
+        f"default model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (hidden "
+        f"{shape.hidden_size}, layers {shape.num_layers}), "
+        f"{args.steps} warm-start steps of {shape.warmup_batch_size}, lr {shape.warmup_lr}",
+        flush=True,
+    )
     curve = []
     started = time.monotonic()
 
@@ -74,12 +81,29 @@ def main() -> None:
         with torch.no_grad():
             point = {"step": step, "seconds": round(time.monotonic() - started), **evaluate(backend, source, questions)}
         curve.append(point)
-        specialties = ", ".join(f"{label} {v['accuracy']:.2f} ({v['distinct_given']}/{v['distinct_right']})" for label, v in point["by_specialty"].items())
-        print(f"step {step:5d} ({point['seconds']:5d}s): held-out {point['heldout_accuracy']:.3f}; accuracy (distinct answers given/right): {specialties}", flush=True)
+        specialties = ", ".join(
+            f"{label} {v['accuracy']:.2f} ({v['distinct_given']}/{v['distinct_right']})"
+            for label, v in point["by_specialty"].items()
+        )
+        print(
+            f"step {step:5d} ({point['seconds']:5d}s): held-out {point['heldout_accuracy']:.3f}; accuracy (distinct "
+            f"answers given/right): {specialties}",
+            flush=True,
+        )
 
     warm_start(model, tokenizer, config, progress=False, after_step=after_step)
-    print(json.dumps({"benchmark": "warm_start_probe", "config": Path(args.config).name, "overrides": args.set, "steps": args.steps,
-                      "parameters": sum(p.numel() for p in model.parameters()), "curve": curve}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "warm_start_probe",
+                "config": Path(args.config).name,
+                "overrides": args.set,
+                "steps": args.steps,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "curve": curve,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: flo
     while pending:
         left = deadline - loop.time()
         if left <= 0:
-            log.warning("%s: %d task(s) still running %.0f s after being cancelled; leaving them", what, len(pending), grace_s)
+            log.warning(
+                "%s: %d task(s) still running %.0f s after being cancelled; leaving them", what, len(pending), grace_s
+            )
             break
         for task in pending:
             task.cancel()

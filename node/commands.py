@@ -21,7 +21,12 @@ log = logging.getLogger("node")
 
 
 # `swarm-node join` without --config: the built-in defaults turned into a swarm node.
-JOIN_PRESET = ["swarm.transport=dht", "swarm.local_questions=4", "swarm.external_questions=4", "state_dir=~/.swarm-node/swarm"]
+JOIN_PRESET = [
+    "swarm.transport=dht",
+    "swarm.local_questions=4",
+    "swarm.external_questions=4",
+    "state_dir=~/.swarm-node/swarm",
+]
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -49,7 +54,10 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
         stop.set()
 
     def show_addresses(addresses: list[str]) -> None:
-        console.print("joined swarm " + config.swarm.swarm_id + "; others can join with --initial-peers " + " ".join(addresses), highlight=False)
+        console.print(
+            "joined swarm " + config.swarm.swarm_id + "; others can join with --initial-peers " + " ".join(addresses),
+            highlight=False,
+        )
 
     on_stop_signals(request_stop)
     node = Node(config, on_addresses=show_addresses)
@@ -57,20 +65,31 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     if node.identity is not None:
         console.print(f"node id {node.identity.node_id}", highlight=False)
     start = f"resuming at round {node.round}" if node.round else "fresh start"
-    console.print(f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, {start}", highlight=False)
+    console.print(
+        f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, {start}",
+        highlight=False,
+    )
     target = None if config.rounds is None else node.round + config.rounds
-    title = f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
+    title = (
+        f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
+    )
     with RoundDisplay(console, node.round, target, title=title) as display:
         await node.run(config.rounds, stop, on_round=display.update)
-    console.print(f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False)
+    console.print(
+        f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False
+    )
     return 0
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     config = config_from_args(args)
     setup_logging(config.resolved_state_dir(), args.verbose, console)
-    return run_command(_train(config, args.fresh, console),
-                       on_interrupt=lambda: console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"))
+    return run_command(
+        _train(config, args.fresh, console),
+        on_interrupt=lambda: console.print(
+            "[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"
+        ),
+    )
 
 
 # peers and identity ------------------------------------------------------------------------
@@ -88,7 +107,10 @@ async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Consol
         while True:
             stage_maps = await read_stage_maps(dht, config)
             if as_json and stages:
-                print(json.dumps({fingerprint: stage_map.rows() for fingerprint, stage_map in stage_maps.items()}), flush=True)
+                print(
+                    json.dumps({fingerprint: stage_map.rows() for fingerprint, stage_map in stage_maps.items()}),
+                    flush=True,
+                )
             elif as_json:
                 print(json.dumps(await read_peer_rows(dht, config)), flush=True)
             else:
@@ -106,13 +128,18 @@ async def _peers(config: NodeConfig, as_json: bool, watch: bool, console: Consol
 
 
 def cmd_peers(args: argparse.Namespace, console: Console) -> int:
-    overrides = ["swarm.transport=dht", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), f"swarm.bootstrap_attempts={args.join_attempts}"]
+    overrides = [
+        "swarm.transport=dht",
+        "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]),
+        f"swarm.bootstrap_attempts={args.join_attempts}",
+    ]
     overrides.append("swarm.initial_peers=" + json.dumps(args.initial_peers))
     if args.swarm_id:
         overrides.append(f"swarm.swarm_id={args.swarm_id}")
     config = load_config(None, overrides)
     setup_viewer_logging()
-    return run_command(_peers(config, args.json, args.watch, console, stages=args.stages), interrupted=EXIT_OK)  # Ctrl-C ends --watch
+    # Ctrl-C ends --watch
+    return run_command(_peers(config, args.json, args.watch, console, stages=args.stages), interrupted=EXIT_OK)
 
 
 def cmd_identity(args: argparse.Namespace, console: Console) -> int:
@@ -123,8 +150,17 @@ def cmd_identity(args: argparse.Namespace, console: Console) -> int:
     identity = NodeIdentity.load_or_create(state_dir / "identity.key")
     peer_id = load_or_create_p2p_key(state_dir / P2P_KEY_FILE)
     if args.json:
-        print(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key_bytes.hex(), "key_file": str(state_dir / "identity.key"),
-                          "peer_id": peer_id, "p2p_key_file": str(state_dir / P2P_KEY_FILE)}))
+        print(
+            json.dumps(
+                {
+                    "node_id": identity.node_id,
+                    "public_key": identity.public_key_bytes.hex(),
+                    "key_file": str(state_dir / "identity.key"),
+                    "peer_id": peer_id,
+                    "p2p_key_file": str(state_dir / P2P_KEY_FILE),
+                }
+            )
+        )
     else:
         print(f"node id (signs records):       {identity.node_id}")
         print(f"peer id (the /p2p/ addresses): {peer_id}")
@@ -164,7 +200,14 @@ def cmd_stats(args: argparse.Namespace, console: Console) -> int:
             table.add_column("metric")
             table.add_column("value", justify="right")
             for key, value in summary.items():
-                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+                table.add_row(
+                    key,
+                    f"{value:.4g}"
+                    if isinstance(value, float)
+                    else json.dumps(value)
+                    if isinstance(value, (dict, list))
+                    else str(value),
+                )
             console.print(table)
         return 0
     if not rows:
@@ -204,6 +247,13 @@ def cmd_stats(args: argparse.Namespace, console: Console) -> int:
             per_peer.add_column(column)
         for peer, counters in sorted(peers.items()):
             rejected = ", ".join(f"{reason}={count}" for reason, count in counters["rejected"].items()) or "-"
-            per_peer.add_row(peer[:12], str(counters["batches_received"]), str(counters["batches_accepted"]), str(counters["questions_used"]), str(counters["claimed_rewards_disagree"]), rejected)
+            per_peer.add_row(
+                peer[:12],
+                str(counters["batches_received"]),
+                str(counters["batches_accepted"]),
+                str(counters["questions_used"]),
+                str(counters["claimed_rewards_disagree"]),
+                rejected,
+            )
         console.print(per_peer)
     return 0

@@ -98,7 +98,16 @@ class TasksConfig(_Section):
     datasets: list[DatasetConfig] = [
         DatasetConfig(
             name="basic_arithmetic",
-            config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"},
+            config={
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "operators": ["+", "-"],
+                "allow_negation": False,
+                "allow_parentheses": False,
+                "format_style": "simple",
+            },
         ),
     ]
     """The task mix."""
@@ -186,7 +195,8 @@ class TrainerConfig(_Section):
     """alpha of the 'sequence' weight: larger damps samples this policy finds unlikely harder."""
     imitation_coef: float = Field(0.0, ge=0)
     """Weight of an imitation term in the policy loss (0: none): the mean token negative log-likelihood of the round's
-    demonstrations (swarm.imitation), each weighted by its group's imitation weight. A peer's right answer in a specialty
+    demonstrations (swarm.imitation), each weighted by its group's imitation weight. A peer's right answer in a
+    specialty
     this node rarely gets right is a demonstration the policy-gradient term, weighted by how unlikely this policy finds
     it, hardly learns from. Inside the loss, it shares the policy's optimizer step: a separate supervised step with an
     optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
@@ -279,18 +289,21 @@ class SwarmConfig(_Section):
     heartbeat_ttl_s: float = Field(30.0, gt=0)
     """A peer whose last heartbeat is older than this is considered gone."""
     rejoin_interval_s: float = Field(15.0, gt=0)
-    """How often the node pings bootstrap peers and peers seen in heartbeats that dropped out of its DHT routing table (a healed partition is otherwise never rejoined)."""
+    """How often the node pings bootstrap peers and peers seen in heartbeats that dropped out of its DHT routing table
+    (a healed partition is otherwise never rejoined)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus counters on http://127.0.0.1:PORT/metrics (None: off)."""
     metrics_host: str = "127.0.0.1"
     """Interface of the metrics endpoint."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
-    """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port, written to <state-dir>/dashboard.txt)."""
+    """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port,
+    written to <state-dir>/dashboard.txt)."""
     dashboard_host: str = "127.0.0.1"
     """Interface of the dashboard; it shows peers' ids and addresses, so only open it beyond this machine on purpose."""
     rollout_shards_read: int = Field(1, ge=1)
     """Rollout shards read per window and round (protocol/shards.py): up to 32 nodes there is one shard and a node
-    reads every batch; in a larger swarm it reads this many shards of about 32 writers each, drawn at random each round."""
+    reads every batch; in a larger swarm it reads this many shards of about 32 writers each, drawn at random each
+    round."""
     max_batches_read_per_round: int = Field(128, ge=1)
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
@@ -433,23 +446,35 @@ class NodeConfig(_Section):
         if unknown:
             raise ValueError(f"model.default.warmup_labels {unknown} are not specialties of the task mix {mix_labels}")
         if self.swarm.generated_questions is not None and self.swarm.generated_questions < self.swarm.local_questions:
-            raise ValueError(f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
-                             f"({self.swarm.local_questions}): a node trains on questions it generated")
+            raise ValueError(
+                f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
+                f"({self.swarm.local_questions}): a node trains on questions it generated"
+            )
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
         if self.swarm.imitation != "none" and self.trainer.imitation_coef == 0:
-            raise ValueError(f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's weight)")
+            raise ValueError(
+                f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
+                "weight)"
+            )
         if self.swarm.external_use == "demonstrations_only" and self.swarm.imitation != "own_and_stronger_peers":
-            raise ValueError("swarm.external_use 'demonstrations_only' uses peers' groups only as demonstrations: "
-                             "set swarm.imitation to 'own_and_stronger_peers' (and trainer.imitation_coef > 0)")
+            raise ValueError(
+                "swarm.external_use 'demonstrations_only' uses peers' groups only as demonstrations: "
+                "set swarm.imitation to 'own_and_stronger_peers' (and trainer.imitation_coef > 0)"
+            )
         if self.swarm.imitation == "own_and_stronger_peers" and self.swarm.external_questions == 0:
-            raise ValueError("swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0")
+            raise ValueError(
+                "swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0"
+            )
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":
                 raise ValueError("pipeline.objective grpo trains through stage servers: set swarm.transport to 'dht'")
             if self.trainer.kl_beta > 0 or self.rollout.backend != "transformers" or self.averaging.method != "none":
-                raise ValueError("pipeline.objective grpo needs trainer.kl_beta 0, rollout.backend transformers and averaging.method none "
-                                 "(the stage servers average their replicas themselves)")
+                raise ValueError(
+                    "pipeline.objective grpo needs trainer.kl_beta 0, rollout.backend transformers and "
+                    "averaging.method none "
+                    "(the stage servers average their replicas themselves)"
+                )
         return self
 
     def resolved_state_dir(self) -> Path:

@@ -27,7 +27,11 @@ class RoundDisplay:
         self.started = time.monotonic()
         self.last: dict[str, Any] | None = None
         self.last_heldout: float | None = None
-        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
+        self.live = (
+            Live(self._render(), console=console, refresh_per_second=4, transient=False)
+            if console.is_terminal
+            else None
+        )
 
     def __enter__(self) -> "RoundDisplay":
         if self.live:
@@ -77,6 +81,7 @@ class RoundDisplay:
             heldout = f" heldout={row['heldout_accuracy']:.3f}" if "heldout_accuracy" in row else ""
             self.console.print(
                 f"round {row['round']} reward={row['reward_mean']:.3f} accuracy={row['accuracy']:.3f}{heldout} "
-                f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']} eta={_eta(self.eta_s())}",
+                f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']} "
+                f"eta={_eta(self.eta_s())}",
                 highlight=False,
             )

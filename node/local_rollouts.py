@@ -30,8 +30,11 @@ class LocalRollouts:
         """The group with its locally computed rewards, and how many of its completions are correct."""
         return score_group(question, completions, source, self.config.tasks.format_reward)
 
-    def generate_and_score(self, questions: list[Question], seed: int) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
-        """One group per question, scored; the round's summary (rewards, accuracy, tokens, per specialty); the time spent."""
+    def generate_and_score(
+        self, questions: list[Question], seed: int
+    ) -> tuple[list[RolloutGroup], dict[str, float], RoundTimings]:
+        """One group per question, scored; the round's summary (rewards, accuracy, tokens, per specialty); the time
+        spent."""
         timings = RoundTimings()
         start = time.perf_counter()
         prompts = [self.tasks.prompt(q) for q in questions]

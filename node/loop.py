@@ -39,21 +39,33 @@ log = logging.getLogger(__name__)
 
 
 class Node:
-    def __init__(self, config: NodeConfig, transport: Transport | None = None, rollout_backend: RolloutBackendFactory | None = None,
-                 on_addresses: Callable[[list[str]], None] | None = None):
+    def __init__(
+        self,
+        config: NodeConfig,
+        transport: Transport | None = None,
+        rollout_backend: RolloutBackendFactory | None = None,
+        on_addresses: Callable[[list[str]], None] | None = None,
+    ):
         self.config = config
-        # (model, tokenizer, policy version) -> backend; None: the one config.rollout.backend names. Tests script rollouts here.
-        self.build_backend = rollout_backend or (lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version))
+        # (model, tokenizer, policy version) -> backend; None: the one config.rollout.backend names. Tests script
+        # rollouts here.
+        self.build_backend = rollout_backend or (
+            lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version)
+        )
         self.store = StateStore(config.resolved_state_dir())
         self.transport = transport  # built when not given: the null one in load(), the swarm's once the session is open
-        self.session = None  # node.transport.session.SwarmSession: this node's one connection to the swarm (swarm.transport=dht)
+        self.session = (
+            None  # node.transport.session.SwarmSession: this node's one connection to the swarm (swarm.transport=dht)
+        )
         self.on_addresses = on_addresses  # told where peers reach this node, at join and whenever it changes
         self.identity = None
         self.stream_seed = config.seed
         if config.swarm.transport != "none":
             self.identity = NodeIdentity.load_or_create(self.store.root / "identity.key")
             # Peers sharing a config must not draw the same questions and samples.
-            self.stream_seed = int(hashlib.sha256(f"{config.seed}:{self.identity.node_id}".encode()).hexdigest()[:15], 16)
+            self.stream_seed = int(
+                hashlib.sha256(f"{config.seed}:{self.identity.node_id}".encode()).hexdigest()[:15], 16
+            )
         self.tasks = TaskSource(config.tasks, seed=self.stream_seed)
         self.stats = SwarmStats()
         self.round = 0  # rounds completed
@@ -61,7 +73,9 @@ class Node:
         self.loaded: LoadedPolicy | None = None
         self.model = self.tokenizer = self.trainer = self.backend = None
         self.local: LocalRollouts | None = None  # its own rollouts: generated, scored, chosen (built with the backend)
-        self.sharing: PeerRollouts | None = None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
+        self.sharing: PeerRollouts | None = (
+            None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
+        )
         self.evaluator: HeldoutEvaluator | None = None  # built with the backend
         self.telemetry = Telemetry(config, self.stats)
         self.fingerprint = ""
@@ -99,7 +113,9 @@ class Node:
         from node.transport.session import join_swarm
 
         self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
-        self.transport = DHTTransport(self.session, self.stats, self.fingerprint, heartbeat=self.peer_stats, on_addresses=self._announce)
+        self.transport = DHTTransport(
+            self.session, self.stats, self.fingerprint, heartbeat=self.peer_stats, on_addresses=self._announce
+        )
 
     def _announce(self, addresses: list[str]) -> None:
         log.info("node %s listening on %s", self.identity.node_id, " ".join(addresses))
@@ -113,12 +129,21 @@ class Node:
 
     def peer_stats(self) -> PeerStats:
         """This node's heartbeat content (the transport signs it)."""
-        return self.telemetry.heartbeat(self.identity.node_id, self.model_parameters, self.round, self.policy_version, self.addresses, self.averaging)
+        return self.telemetry.heartbeat(
+            self.identity.node_id,
+            self.model_parameters,
+            self.round,
+            self.policy_version,
+            self.addresses,
+            self.averaging,
+        )
 
     def _build_rollouts(self, policy_version: int) -> None:
         self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
         self.local = LocalRollouts(self.config, self.tasks, self.backend)
-        self.sharing = PeerRollouts(self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse)
+        self.sharing = PeerRollouts(
+            self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse
+        )
         self.evaluator = HeldoutEvaluator(self.tasks, self.backend)
 
     @property
@@ -144,12 +169,18 @@ class Node:
             from node.averaging.service import start_averaging
 
             if self.session is None:
-                raise RuntimeError("averaging needs the node's own swarm session: a node given its transport averages with nobody")
-            self.averaging = await start_averaging(self.config, self.session, self.model, self.fingerprint, self.policy_version)
+                raise RuntimeError(
+                    "averaging needs the node's own swarm session: a node given its transport averages with nobody"
+                )
+            self.averaging = await start_averaging(
+                self.config, self.session, self.model, self.fingerprint, self.policy_version
+            )
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
         if self.config.swarm.metrics_port is not None:
-            self._metrics_server = MetricsServer(self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus)
+            self._metrics_server = MetricsServer(
+                self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus
+            )
             await self._metrics_server.start()
         if self.config.swarm.dashboard_port is not None:
             from node.dashboard.server import start_node_dashboard
@@ -175,7 +206,9 @@ class Node:
         outer_step = self.averaging.apply_if_done() if self.averaging else None
         generated = swarm.generated_questions or swarm.local_questions
         questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
-        local_groups, summary, timings = await asyncio.to_thread(self.local.generate_and_score, questions, self._generation_seed(round_))
+        local_groups, summary, timings = await asyncio.to_thread(
+            self.local.generate_and_score, questions, self._generation_seed(round_)
+        )
         shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
         if shared:
             await self.transport.publish(round_, self.policy_version, shared)
@@ -184,7 +217,8 @@ class Node:
             received = await self.transport.collect(round_)
             external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         start = time.perf_counter()
-        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)  # not the stream peers' groups are drawn from
+        # not the stream peers' groups are drawn from
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
         if swarm.imitation != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
@@ -207,13 +241,27 @@ class Node:
             "kl": stats.kl,
             "groups_used": stats.groups_used,
             "groups_dropped": stats.groups_dropped,
-            **({"importance_weight_mean": stats.importance_weight_mean} if stats.importance_weight_mean is not None else {}),
-            **({"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll} if stats.imitation_sequences else {}),
+            **(
+                {"importance_weight_mean": stats.importance_weight_mean}
+                if stats.importance_weight_mean is not None
+                else {}
+            ),
+            **(
+                {"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll}
+                if stats.imitation_sequences
+                else {}
+            ),
             **self.policy.round_report(self.trainer),
             "external_questions": len(external_groups),
             **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
-            **({"external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
-                "external_loss_scale_mean": sum(g.loss_scale for g in external_groups) / len(external_groups)} if external_groups and swarm.capability_aware else {}),
+            **(
+                {
+                    "external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
+                    "external_loss_scale_mean": sum(g.loss_scale for g in external_groups) / len(external_groups),
+                }
+                if external_groups and swarm.capability_aware
+                else {}
+            ),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": timings.generation_s,
@@ -244,7 +292,9 @@ class Node:
 
     # the loop ----------------------------------------------------------------------------
 
-    async def run(self, rounds: int | None, stop: asyncio.Event, on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+    async def run(
+        self, rounds: int | None, stop: asyncio.Event, on_round: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         """Run `rounds` more rounds (None: until `stop` is set); the state is saved on the way out."""
         target = None if rounds is None else self.round + rounds
         try:

@@ -17,7 +17,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from node.config import ModelConfig, NodeConfig
 
@@ -103,8 +110,12 @@ def default_model_key(config: NodeConfig) -> str:
     recipe = {
         "build": DEFAULT_MODEL_BUILD,
         # an empty warmup_labels (all specialties) leaves the key of models built before the setting existed
-        "shape": config.model.default.model_dump(mode="json", exclude=set() if config.model.default.warmup_labels else {"warmup_labels"}),
-        "tasks": [d.model_dump(mode="json", exclude={"label"}) for d in config.tasks.datasets],  # a label names, it does not train
+        "shape": config.model.default.model_dump(
+            mode="json", exclude=set() if config.model.default.warmup_labels else {"warmup_labels"}
+        ),
+        "tasks": [
+            d.model_dump(mode="json", exclude={"label"}) for d in config.tasks.datasets
+        ],  # a label names, it does not train
         "prompt": config.tasks.prompt_template,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -120,7 +131,11 @@ def ensure_default_model(config: NodeConfig, progress=None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
     model = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    log.info("building the default model (%.2fM parameters) with %d warm-start steps", sum(p.numel() for p in model.parameters()) / 1e6, config.model.default.warmup_steps)
+    log.info(
+        "building the default model (%.2fM parameters) with %d warm-start steps",
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        config.model.default.warmup_steps,
+    )
     warm_start(model, tokenizer, config, progress=progress)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:

@@ -49,9 +49,13 @@ class LocalPolicy:
             model, tokenizer = load_policy(checkpoint, config.model.dtype)
             state = self.store.load_trainer_state(checkpoint)
             model.eval()
-            trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version)
+            trainer = GRPOTrainer(
+                config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version
+            )
             trainer.optimizer.load_state_dict(state.optimizer)
-            log.info("resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version)
+            log.info(
+                "resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version
+            )
             loaded = LoadedPolicy(model, tokenizer, trainer, state.round, "", 0, rng=state.rng, outer_state=state.outer)
         else:
             torch.manual_seed(config.seed)
@@ -69,7 +73,15 @@ class LocalPolicy:
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
         trainer = policy.trainer
-        self.store.save(round_, policy.model, policy.tokenizer, trainer.optimizer, trainer.policy_version, self.config.checkpoint_keep, outer=outer_state)
+        self.store.save(
+            round_,
+            policy.model,
+            policy.tokenizer,
+            trainer.optimizer,
+            trainer.policy_version,
+            self.config.checkpoint_keep,
+            outer=outer_state,
+        )
 
     def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
         return {}
@@ -90,13 +102,34 @@ class PipelinePolicy:
         config, pipeline = self.config, self.config.pipeline
         torch.manual_seed(config.seed)
         initial, tokenizer = resolve_initial_policy(config)
-        model = RemoteCausalLM(initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch)
+        model = RemoteCausalLM(
+            initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch
+        )
         state = self.store.root / PIPELINE_STATE
         saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
         model.eval()
-        trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, saved["policy_version"], optimizer=RemoteOptimizer(model))
-        loaded = LoadedPolicy(model, tokenizer, trainer, saved["round"], model_fingerprint(initial, tokenizer), sum(p.numel() for p in initial.parameters()))
-        log.info("driving a policy split in %d stages (model %s), at round %d", pipeline.num_stages, loaded.fingerprint, loaded.round)
+        trainer = GRPOTrainer(
+            config.trainer,
+            model,
+            tokenizer.pad_token_id,
+            config.rollout.temperature,
+            saved["policy_version"],
+            optimizer=RemoteOptimizer(model),
+        )
+        loaded = LoadedPolicy(
+            model,
+            tokenizer,
+            trainer,
+            saved["round"],
+            model_fingerprint(initial, tokenizer),
+            sum(p.numel() for p in initial.parameters()),
+        )
+        log.info(
+            "driving a policy split in %d stages (model %s), at round %d",
+            pipeline.num_stages,
+            loaded.fingerprint,
+            loaded.round,
+        )
         return loaded
 
     async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
@@ -106,13 +139,22 @@ class PipelinePolicy:
         from node.pipeline.stages import expected_fingerprints, pipeline_limits
 
         model_config = policy.model.config
-        router = PipelineRouter(session.dht, self.config, policy.fingerprint, expected_fingerprints(self.config, model_config, policy.fingerprint),
-                                pipeline_limits(self.config, model_config, policy.parameters), seed=seed)
+        router = PipelineRouter(
+            session.dht,
+            self.config,
+            policy.fingerprint,
+            expected_fingerprints(self.config, model_config, policy.fingerprint),
+            pipeline_limits(self.config, model_config, policy.parameters),
+            seed=seed,
+        )
         policy.model.attach(router, asyncio.get_running_loop())
         await router.wait_until_served()
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
-        atomic_write_text(self.store.root / PIPELINE_STATE, json.dumps({"round": round_, "policy_version": policy.trainer.policy_version}))
+        atomic_write_text(
+            self.store.root / PIPELINE_STATE,
+            json.dumps({"round": round_, "policy_version": policy.trainer.policy_version}),
+        )
 
     def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
         return {"stage_grad_norms": trainer.optimizer.last_grad_norms}

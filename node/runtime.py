@@ -20,7 +20,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
-    """A command that keeps state: everything to <state_dir>/node.log, warnings (everything with --verbose) to the console."""
+    """A command that keeps state: everything to <state_dir>/node.log, warnings (everything with --verbose) to the
+    console."""
     state_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -30,7 +31,9 @@ def setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
     # py-libp2p logs remote peers' comings and goings as warnings and errors (a failed dial to a peer
     # that left, "GRAFT flood detected" while meshes form on a busy machine): for the log file, not
     # the console; the node reports what matters to it (a dead gossip service) under its own name
-    screen.addFilter(lambda record: verbose or record.levelno >= logging.CRITICAL or not record.name.startswith("libp2p"))
+    screen.addFilter(
+        lambda record: verbose or record.levelno >= logging.CRITICAL or not record.name.startswith("libp2p")
+    )
     root.handlers[:] = [file_handler, screen]
     import transformers
 
@@ -55,7 +58,9 @@ def error(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def run_command(main: Coroutine[Any, Any, int], on_interrupt: Callable[[], None] | None = None, interrupted: int = EXIT_INTERRUPTED) -> int:
+def run_command(
+    main: Coroutine[Any, Any, int], on_interrupt: Callable[[], None] | None = None, interrupted: int = EXIT_INTERRUPTED
+) -> int:
     """Run a command's coroutine to its exit code: a swarm it cannot join is an error message and EXIT_ERROR,
     an interrupt that reaches here (a second Ctrl-C) `interrupted`, after `on_interrupt` says what was kept."""
     from node.transport.dht import SwarmJoinError

@@ -42,8 +42,12 @@ from protocol.bounded import BoundedDict
 
 WEAKNESS_FLOOR = 0.05  # 'weakness' selection: a specialty the node has mastered is still drawn now and then
 RESCORES_PER_QUESTION = 2  # default re-scoring budget per external question: the drawn one and one replacement
-CAPABILITY_PRIOR = 0.5  # P_this of a specialty this node has not answered yet: an even chance, so omega ~ 1 for an average peer
-CAPABILITY_FLOOR = 0.02  # pass rates are floored here before a ratio is taken: one right answer in 50 is "weak", not "infinitely"
+CAPABILITY_PRIOR = (
+    0.5  # P_this of a specialty this node has not answered yet: an even chance, so omega ~ 1 for an average peer
+)
+CAPABILITY_FLOOR = (
+    0.02  # pass rates are floored here before a ratio is taken: one right answer in 50 is "weak", not "infinitely"
+)
 CAPABILITY_RATIO_BOUNDS = (0.1, 10.0)  # HACPO's clip of omega and of the discrepancy coefficient
 PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (HACPO averages over about 5 steps)
 MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
@@ -55,10 +59,18 @@ def weighted_sample(items: list, weights: list[float], count: int, rng: random.R
     return [items[i] for _, i in keyed[:count]]
 
 
-def score_group(question: Question, completions: list[Completion], source: str, format_reward: float) -> tuple[RolloutGroup, int]:
+def score_group(
+    question: Question, completions: list[Completion], source: str, format_reward: float
+) -> tuple[RolloutGroup, int]:
     """The group with its locally computed rewards, and how many of its completions are right."""
     grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
-    group = RolloutGroup(spec=question.spec, completions=completions, rewards=[g.reward for g in grades], source=source, correct=[g.correct for g in grades])
+    group = RolloutGroup(
+        spec=question.spec,
+        completions=completions,
+        rewards=[g.reward for g in grades],
+        source=source,
+        correct=[g.correct for g in grades],
+    )
     return group, sum(g.correct for g in grades)
 
 
@@ -83,8 +95,15 @@ def capability_correction(this_node: float | None, peer: float) -> tuple[float, 
 class PeerRollouts:
     """Receives, checks, chooses and re-scores peers' groups for one node (see the module docstring)."""
 
-    def __init__(self, config: NodeConfig, tasks: TaskSource, tokenizer, stats: SwarmStats, own_accuracy: Mapping[str, float],
-                 on_refusal: Callable[[ExternalGroup, Refusal, str], None] | None = None):
+    def __init__(
+        self,
+        config: NodeConfig,
+        tasks: TaskSource,
+        tokenizer,
+        stats: SwarmStats,
+        own_accuracy: Mapping[str, float],
+        on_refusal: Callable[[ExternalGroup, Refusal, str], None] | None = None,
+    ):
         self.config = config
         self.tasks = tasks
         self.tokenizer = tokenizer
@@ -93,7 +112,8 @@ class PeerRollouts:
         self.mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self.peer_rates: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_PEER_RATES)
         self.rescored_last_round = 0
-        self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))  # counts each refused group
+        # counts each refused group
+        self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))
 
     @property
     def rescore_budget(self) -> int:
@@ -105,12 +125,20 @@ class PeerRollouts:
         candidates = []
         for item in received:
             if (item.spec.dataset, item.spec.config_key) not in self.mix:
-                self.on_refusal(item, Refusal.BAD_SPEC, f"dataset {item.spec.dataset!r} with this config is not in this node's task mix")
+                self.on_refusal(
+                    item,
+                    Refusal.BAD_SPEC,
+                    f"dataset {item.spec.dataset!r} with this config is not in this node's task mix",
+                )
             elif not is_uniform(item.claimed_rewards):
                 candidates.append(item)
         rng = random.Random(seed)
         weights = [self.selection_weight(item.spec) for item in candidates]
-        order = weighted_sample(candidates, weights, len(candidates), rng) if self.config.swarm.external_selection == "weakness" else rng.sample(candidates, len(candidates))
+        order = (
+            weighted_sample(candidates, weights, len(candidates), rng)
+            if self.config.swarm.external_selection == "weakness"
+            else rng.sample(candidates, len(candidates))
+        )
         chosen: list[RolloutGroup] = []
         self.rescored_last_round = 0
         for item in order:
@@ -129,7 +157,8 @@ class PeerRollouts:
         return chosen
 
     def selection_weight(self, spec: TaskSpec) -> float:
-        """'weakness' selection: how often this node's own answers in the spec's specialty are wrong (unknown: as if always)."""
+        """'weakness' selection: how often this node's own answers in the spec's specialty are wrong (unknown: as if
+        always)."""
         accuracy = self.own_accuracy.get(self.tasks.label(spec))
         return max(WEAKNESS_FLOOR, 1.0 - accuracy) if accuracy is not None else 1.0
 
@@ -148,12 +177,25 @@ class PeerRollouts:
         prompt_ids = self.tokenizer.encode(self.tasks.prompt(question), add_special_tokens=False)
         completions = []
         for sent in item.completions:
-            ids = self.tokenizer.encode(sent.text, add_special_tokens=False) + ([eos_id] if sent.finish_reason == "stop" else [])
+            ids = self.tokenizer.encode(sent.text, add_special_tokens=False) + (
+                [eos_id] if sent.finish_reason == "stop" else []
+            )
             usable = self.config.swarm.importance_weighting and item.same_model and ids == list(sent.token_ids)
-            completions.append(Completion(prompt_ids, ids, sent.text, list(sent.logprobs) if usable and sent.logprobs is not None else None, sent.finish_reason, policy_version=-1))
+            completions.append(
+                Completion(
+                    prompt_ids,
+                    ids,
+                    sent.text,
+                    list(sent.logprobs) if usable and sent.logprobs is not None else None,
+                    sent.finish_reason,
+                    policy_version=-1,
+                )
+            )
         longest = max(len(c.completion_ids) for c in completions)
         if longest > self.config.swarm.max_external_tokens:
-            self.on_refusal(item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens")
+            self.on_refusal(
+                item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens"
+            )
             return None
         group, correct = score_group(question, completions, item.peer_id, self.config.tasks.format_reward)
         if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):

@@ -59,7 +59,16 @@ class StateStore:
         path = self.checkpoints / name
         return path if (path / "trainer.pt").exists() else None
 
-    def save(self, round_: int, model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, policy_version: int, keep: int, outer: dict | None = None) -> Path:
+    def save(
+        self,
+        round_: int,
+        model: torch.nn.Module,
+        tokenizer,
+        optimizer: torch.optim.Optimizer,
+        policy_version: int,
+        keep: int,
+        outer: dict | None = None,
+    ) -> Path:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
         try:
@@ -100,7 +109,13 @@ class StateStore:
 
     def load_trainer_state(self, checkpoint: Path) -> TrainerState:
         data = torch.load(checkpoint / "trainer.pt", weights_only=False)
-        return TrainerState(round=data["round"], policy_version=data["policy_version"], optimizer=data["optimizer"], rng=data["rng"], outer=data.get("outer"))
+        return TrainerState(
+            round=data["round"],
+            policy_version=data["policy_version"],
+            optimizer=data["optimizer"],
+            rng=data["rng"],
+            outer=data.get("outer"),
+        )
 
     # metrics ---------------------------------------------------------------
 
@@ -123,7 +138,8 @@ class StateStore:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("round", row.get("step")), int):  # a node's rounds, or a pipeline driver's steps
+            # a node's rounds, or a pipeline driver's steps
+            if isinstance(row, dict) and isinstance(row.get("round", row.get("step")), int):
                 rows.append(row)
         return rows
 

@@ -94,16 +94,25 @@ class SwarmStats:
         self.bytes_received = 0
         self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
         self.gossip_messages_dropped = 0  # lost by the gossip layer's bounded buffer between two rounds
-        self.values_read = 0  # rollout values that reached this node: DHT values read (again each round) and gossip messages
+        self.values_read = (
+            0  # rollout values that reached this node: DHT values read (again each round) and gossip messages
+        )
         self.bytes_read = 0  # their bytes: what the node received for rollouts, before any check
         self.values_decoded = 0  # new values decoded and verified: at most swarm.max_batches_read_per_round a round
-        self.values_left_unread = 0  # new values past the round's budget (swarm.max_batches_read_per_round), not decoded
-        self.rollout_reads_failed = 0  # rollout shard reads that failed or timed out (a key past p2pd's message limit fails whole)
-        self.swarm_size_estimate = 0  # live nodes, this one included, as the heartbeat shards last read show them (0: not measured)
+        self.values_left_unread = (
+            0  # new values past the round's budget (swarm.max_batches_read_per_round), not decoded
+        )
+        self.rollout_reads_failed = (
+            0  # rollout shard reads that failed or timed out (a key past p2pd's message limit fails whole)
+        )
+        self.swarm_size_estimate = (
+            0  # live nodes, this one included, as the heartbeat shards last read show them (0: not measured)
+        )
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
-        self.records = RecordRefusals()  # DHT records refused by the validator (node/transport/records.py), by claimed owner
+        # DHT records refused by the validator (node/transport/records.py), by claimed owner
+        self.records = RecordRefusals()
         self._heartbeat_logged: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_TRACKED_PEERS)
 
     def peer(self, peer_id: str) -> PeerCounters:
@@ -121,7 +130,8 @@ class SwarmStats:
         self.round_rejected[reason.value] += 1
 
     def reject_heartbeat(self, peer_id: str, rejection) -> None:
-        """A peer's heartbeat that failed the protocol's checks: counted, logged at most once a minute per peer and reason."""
+        """A peer's heartbeat that failed the protocol's checks: counted, logged at most once a minute per peer and
+        reason."""
         self.heartbeat_refusals.record(peer_id, rejection)
         key = (peer_id, rejection.reason.value)
         now = time.monotonic()
@@ -165,7 +175,12 @@ class SwarmStats:
         peers = {peer: {**asdict(c), "rejected": rejected.get(peer, {})} for peer, c in self.peers.items()}
         for peer, counts in rejected.items():  # peers that only ever sent refused values
             peers.setdefault(peer, {**asdict(PeerCounters()), "rejected": counts})
-        return {"totals": self.totals(), "peers": peers, "heartbeat_refusals": self.heartbeat_refusals.by_peer(), "dht_record_refusals": self.records.snapshot()["by_owner"]}
+        return {
+            "totals": self.totals(),
+            "peers": peers,
+            "heartbeat_refusals": self.heartbeat_refusals.by_peer(),
+            "dht_record_refusals": self.records.snapshot()["by_owner"],
+        }
 
     def save(self, path: Path) -> None:
         atomic_write_text(path, json.dumps(self.snapshot(), indent=1))
@@ -181,11 +196,30 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     for name, value in node_gauges.items():
         lines += [f"# TYPE swarm_node_{name} gauge", f"swarm_node_{name} {float(value)}"]
     totals = stats.totals()
-    for name in ("batches_published", "questions_published", "bytes_published", "bytes_received", "values_read", "bytes_read", "values_decoded",
-                 "values_left_unread", "gossip_messages_dropped", "rollout_reads_failed"):
+    for name in (
+        "batches_published",
+        "questions_published",
+        "bytes_published",
+        "bytes_received",
+        "values_read",
+        "bytes_read",
+        "values_decoded",
+        "values_left_unread",
+        "gossip_messages_dropped",
+        "rollout_reads_failed",
+    ):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
-    lines += ["# TYPE swarm_node_swarm_size_estimate gauge", f"swarm_node_swarm_size_estimate {totals['swarm_size_estimate']}"]
-    per_peer = ("batches_received", "batches_accepted", "questions_received", "questions_used", "claimed_rewards_disagree")
+    lines += [
+        "# TYPE swarm_node_swarm_size_estimate gauge",
+        f"swarm_node_swarm_size_estimate {totals['swarm_size_estimate']}",
+    ]
+    per_peer = (
+        "batches_received",
+        "batches_accepted",
+        "questions_received",
+        "questions_used",
+        "claimed_rewards_disagree",
+    )
     for name in per_peer:
         lines.append(f"# TYPE swarm_node_peer_{name}_total counter")
         for peer, counters in stats.peers.items():
@@ -197,11 +231,15 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     lines.append("# TYPE swarm_node_heartbeat_rejected_total counter")
     for peer, counts in stats.heartbeat_refusals.by_peer().items():
         for reason, count in counts.items():
-            lines.append(f'swarm_node_heartbeat_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}')
+            lines.append(
+                f'swarm_node_heartbeat_rejected_total{{peer="{_escape(peer)}",reason="{_escape(reason)}"}} {count}'
+            )
     lines.append("# TYPE swarm_node_dht_record_rejected_total counter")
     for owner, counts in stats.records.by_owner.items():
         for reason, count in counts.items():
-            lines.append(f'swarm_node_dht_record_rejected_total{{owner="{_escape(owner)}",reason="{_escape(reason)}"}} {count}')
+            lines.append(
+                f'swarm_node_dht_record_rejected_total{{owner="{_escape(owner)}",reason="{_escape(reason)}"}} {count}'
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -225,7 +263,14 @@ class MetricsServer:
                 body, status = self.render().encode(), b"200 OK"
             else:
                 body, status = b"not found: try /metrics\n", b"404 Not Found"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            writer.write(
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
             await writer.drain()
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a client that does not speak HTTP gets nothing

@@ -107,7 +107,11 @@ def _built(name: str, config_key: str, seed: int):
 
 def dataset_for(spec: TaskSpec):
     """The reasoning-gym dataset a spec's question is drawn from (its name, config and seed), built once and cached."""
-    return _view(spec.dataset, spec.config_key, spec.seed) if _prototype(spec.dataset, spec.config_key)[1] else _built(spec.dataset, spec.config_key, spec.seed)
+    return (
+        _view(spec.dataset, spec.config_key, spec.seed)
+        if _prototype(spec.dataset, spec.config_key)[1]
+        else _built(spec.dataset, spec.config_key, spec.seed)
+    )
 
 
 def is_viewed(spec: TaskSpec) -> bool:
@@ -192,7 +196,9 @@ class TaskSource:
         """A fixed evaluation set, disjoint in seed from every training stream."""
         return TaskSource(self.config, self.config.heldout_seed).batch(0, self.config.heldout_size)
 
-    def score_answers(self, questions: list[Question], completions: list[str]) -> tuple[float, dict[str, SpecialtyScore]]:
+    def score_answers(
+        self, questions: list[Question], completions: list[str]
+    ) -> tuple[float, dict[str, SpecialtyScore]]:
         """Accuracy of one completion per question (a greedy evaluation), overall and per specialty."""
         tallies: dict[str, tuple[list[bool], set, set]] = {}
         right = []
@@ -202,5 +208,8 @@ class TaskSource:
             correct.append(right[-1])
             given.add(extract_answer(completion))
             true.add(question.answer)
-        by_label = {label: SpecialtyScore(sum(correct) / len(correct), len(given), len(true)) for label, (correct, given, true) in sorted(tallies.items())}
+        by_label = {
+            label: SpecialtyScore(sum(correct) / len(correct), len(given), len(true))
+            for label, (correct, given, true) in sorted(tallies.items())
+        }
         return sum(right) / len(right), by_label

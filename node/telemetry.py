@@ -1,4 +1,5 @@
-"""What a node says about itself: moving averages of its rounds, its signed heartbeat's content, its Prometheus gauges."""
+"""What a node says about itself: moving averages of its rounds, its signed heartbeat's content, its Prometheus
+gauges."""
 
 from __future__ import annotations
 
@@ -33,11 +34,21 @@ class Telemetry:
         ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
         self.reward = ema(self.reward, row["reward_mean"])
         self.accuracy = ema(self.accuracy, row["accuracy"])
-        for label, accuracy in row.get("accuracy_by_dataset", {}).items():  # a specialty absent this round keeps its average
+        for label, accuracy in row.get(
+            "accuracy_by_dataset", {}
+        ).items():  # a specialty absent this round keeps its average
             self.accuracy_by_dataset[label] = ema(self.accuracy_by_dataset.get(label), accuracy)
         self.tokens_per_s = row["tokens_per_s"]
 
-    def heartbeat(self, node_id: str, model_parameters: int, round_: int, policy_version: int, addresses: list[str], averaging=None) -> PeerStats:
+    def heartbeat(
+        self,
+        node_id: str,
+        model_parameters: int,
+        round_: int,
+        policy_version: int,
+        addresses: list[str],
+        averaging=None,
+    ) -> PeerStats:
         """The heartbeat's content (the transport signs it and adds its gossip addresses)."""
         totals = self.stats.totals()
         return PeerStats(
@@ -51,7 +62,10 @@ class Telemetry:
             policy_version=policy_version,
             reward_mean=self.reward or 0.0,
             accuracy=self.accuracy or 0.0,
-            accuracy_by_dataset={label: min(1.0, max(0.0, value)) for label, value in list(self.accuracy_by_dataset.items())[:MAX_DATASETS_REPORTED]},
+            accuracy_by_dataset={
+                label: min(1.0, max(0.0, value))
+                for label, value in list(self.accuracy_by_dataset.items())[:MAX_DATASETS_REPORTED]
+            },
             rollouts_published=totals["batches_published"],
             rollouts_received=totals["batches_received"],
             rollouts_accepted=totals["batches_accepted"],
@@ -66,7 +80,13 @@ class Telemetry:
         )
 
     def prometheus(self, round_: int, policy_version: int, averaging=None) -> str:
-        gauges = {"round": round_, "policy_version": policy_version, "reward_mean": self.reward or 0.0, "accuracy": self.accuracy or 0.0, "tokens_per_s": self.tokens_per_s}
+        gauges = {
+            "round": round_,
+            "policy_version": policy_version,
+            "reward_mean": self.reward or 0.0,
+            "accuracy": self.accuracy or 0.0,
+            "tokens_per_s": self.tokens_per_s,
+        }
         if averaging:
             gauges |= {f"averaging_{k}": v for k, v in averaging.counters().items() if k != "refusals"}
         return prometheus_text(gauges, self.stats)
@@ -95,8 +115,12 @@ def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _by_dataset(rows: list[dict[str, Any]], tenth: int) -> dict[str, dict[str, float | None]]:
-    """Per specialty of the task mix: reward of the node's own completions early and late, held-out accuracy first and last."""
-    labels = sorted({label for r in rows for label in r.get("reward_by_dataset", {})} | {label for r in rows for label in r.get("heldout_by_dataset", {})})
+    """Per specialty of the task mix: reward of the node's own completions early and late, held-out accuracy first and
+    last."""
+    labels = sorted(
+        {label for r in rows for label in r.get("reward_by_dataset", {})}
+        | {label for r in rows for label in r.get("heldout_by_dataset", {})}
+    )
 
     def mean_reward(part: list[dict[str, Any]], label: str) -> float | None:
         values = [r["reward_by_dataset"][label] for r in part if label in r.get("reward_by_dataset", {})]
@@ -105,6 +129,10 @@ def _by_dataset(rows: list[dict[str, Any]], tenth: int) -> dict[str, dict[str, f
     summary = {}
     for label in labels:
         heldout = [r["heldout_by_dataset"][label] for r in rows if label in r.get("heldout_by_dataset", {})]
-        summary[label] = {"reward_first_10pct": mean_reward(rows[:tenth], label), "reward_last_10pct": mean_reward(rows[-tenth:], label),
-                          "heldout_first": heldout[0] if heldout else None, "heldout_last": heldout[-1] if heldout else None}
+        summary[label] = {
+            "reward_first_10pct": mean_reward(rows[:tenth], label),
+            "reward_last_10pct": mean_reward(rows[-tenth:], label),
+            "heldout_first": heldout[0] if heldout else None,
+            "heldout_last": heldout[-1] if heldout else None,
+        }
     return summary

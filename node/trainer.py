@@ -100,7 +100,9 @@ def policy_loss(
     return (per_token * mask).sum(), info
 
 
-def completion_logprobs(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(
+    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each completion token given its prompt: [batch, max_completion], mask.
 
     Sequences are right-padded with positions 0..n-1, the same positions the sampler used.
@@ -146,14 +148,25 @@ class _Sample:
 class GRPOTrainer:
     """Owns the optimizer (and the optional frozen reference) of one policy."""
 
-    def __init__(self, config: TrainerConfig, model: torch.nn.Module, pad_id: int, temperature: float, policy_version: int = 0, optimizer=None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: torch.nn.Module,
+        pad_id: int,
+        temperature: float,
+        policy_version: int = 0,
+        optimizer=None,
+    ):
         self.config = config
         self.model = model
         self.pad_id = pad_id
         self.temperature = temperature
         self.policy_version = policy_version
-        # A policy split across stage servers brings its own optimizer (node/pipeline/remote_model.py): each stage steps itself.
-        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        # A policy split across stage servers brings its own optimizer (node/pipeline/remote_model.py): each stage steps
+        # itself.
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
         self.reference = None
         if config.kl_beta > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -165,7 +178,9 @@ class GRPOTrainer:
                 stats.groups_dropped += 1
                 continue
             stats.groups_used += 1
-            for completion, advantage in zip(group.completions, group_advantages(group.rewards, self.config.advantage_eps, group.baseline_scale)):
+            for completion, advantage in zip(
+                group.completions, group_advantages(group.rewards, self.config.advantage_eps, group.baseline_scale)
+            ):
                 if not completion.completion_ids:
                     continue  # nothing to score; never divides the loss by zero tokens
                 samples.append(
@@ -186,7 +201,9 @@ class GRPOTrainer:
         width = max(len(s.completion_ids) for s in batch)
         if all(s.on_policy for s in batch):
             return _pad_rows([s.behaviour_logprobs for s in batch], width), None
-        recomputed, _ = completion_logprobs(self.model, [(s.prompt_ids, s.completion_ids) for s in batch], self.pad_id, self.temperature)
+        recomputed, _ = completion_logprobs(
+            self.model, [(s.prompt_ids, s.completion_ids) for s in batch], self.pad_id, self.temperature
+        )
         old = recomputed.clone()
         weights = torch.ones_like(old)
         for i, sample in enumerate(batch):
@@ -211,15 +228,22 @@ class GRPOTrainer:
         samples = self._samples(groups, stats)
         total_tokens = sum(len(s.completion_ids) for s in samples)
         stats.tokens = total_tokens
-        demonstrations = self._demonstrations([*groups, *demonstration_groups]) if self.config.imitation_coef > 0 else []
+        demonstrations = (
+            self._demonstrations([*groups, *demonstration_groups]) if self.config.imitation_coef > 0 else []
+        )
         if total_tokens == 0 and not demonstrations:
             return stats  # every group uniform or empty: no update, policy version unchanged
         self.model.train()
         micro = self.config.micro_batch_size
         batches = [samples[i : i + micro] for i in range(0, len(samples), micro)]
         frozen = [self._old_logprobs(batch) for batch in batches]
-        weighted = [weights[i, : len(s.completion_ids)] for batch, (_, weights) in zip(batches, frozen) if weights is not None
-                    for i, s in enumerate(batch) if not s.on_policy and s.behaviour_logprobs is not None]
+        weighted = [
+            weights[i, : len(s.completion_ids)]
+            for batch, (_, weights) in zip(batches, frozen)
+            if weights is not None
+            for i, s in enumerate(batch)
+            if not s.on_policy and s.behaviour_logprobs is not None
+        ]
         if weighted:
             stats.importance_weight_mean = torch.cat(weighted).mean().item()
         loss_sum = clipped = kl_sum = 0.0
@@ -236,7 +260,17 @@ class GRPOTrainer:
                 if any(s.loss_scale != 1.0 for s in batch):
                     scales = torch.tensor([s.loss_scale for s in batch], dtype=logprobs.dtype)[:, None]
                     weights = scales if weights is None else weights * scales
-                loss, info = policy_loss(logprobs, old, advantages, mask, self.config.eps_low, self.config.eps_high, weights, ref, self.config.kl_beta)
+                loss, info = policy_loss(
+                    logprobs,
+                    old,
+                    advantages,
+                    mask,
+                    self.config.eps_low,
+                    self.config.eps_high,
+                    weights,
+                    ref,
+                    self.config.kl_beta,
+                )
                 (loss / total_tokens).backward()
                 loss_sum += loss.item()
                 clipped += info["clipped_tokens"].item()
@@ -246,10 +280,14 @@ class GRPOTrainer:
                 stats.imitation_sequences = len(demonstrations)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update refused")
+                raise FloatingPointError(
+                    f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update "
+                    "refused"
+                )
             self.optimizer.step()
             stats.grad_norm = grad_norm.item()
-            stage_norms = getattr(self.optimizer, "last_grad_norms", None)  # a pipeline's stages clip and report their own norms
+            # a pipeline's stages clip and report their own norms
+            stage_norms = getattr(self.optimizer, "last_grad_norms", None)
             if stage_norms:
                 stats.grad_norm = math.sqrt(sum(n * n for n in stage_norms.values()))
         self.model.eval()
@@ -264,18 +302,22 @@ class GRPOTrainer:
         return stats
 
     def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion]]:
-        """The round's right answers marked for imitation, with their weights: the heaviest, up to imitation_max_sequences."""
+        """The round's right answers marked for imitation, with their weights: the heaviest, up to
+        imitation_max_sequences."""
         weighted = sorted(((g.imitation_weight, c) for g in groups for c in g.demonstrations()), key=lambda wc: -wc[0])
         return weighted[: self.config.imitation_max_sequences]
 
     def _imitation_backward(self, demonstrations: list[tuple[float, Completion]]) -> float:
-        """Accumulate imitation_coef x the weighted mean token NLL of the demonstrations into .grad; the unweighted mean NLL."""
+        """Accumulate imitation_coef x the weighted mean token NLL of the demonstrations into .grad; the unweighted
+        mean NLL."""
         total_tokens = sum(len(c.completion_ids) for _, c in demonstrations)
         nll_sum = 0.0
         micro = self.config.micro_batch_size
         for start in range(0, len(demonstrations), micro):
             batch = demonstrations[start : start + micro]
-            logprobs, mask = completion_logprobs(self.model, [(c.prompt_ids, c.completion_ids) for _, c in batch], self.pad_id, self.temperature)
+            logprobs, mask = completion_logprobs(
+                self.model, [(c.prompt_ids, c.completion_ids) for _, c in batch], self.pad_id, self.temperature
+            )
             weights = torch.tensor([w for w, _ in batch], dtype=logprobs.dtype)[:, None]
             token_nll = -(logprobs * mask)
             ((token_nll * weights).sum() * self.config.imitation_coef / total_tokens).backward()

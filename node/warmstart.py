@@ -42,13 +42,17 @@ def supervised_batch(tokenizer, prompts: list[str], answers: list[str]) -> dict[
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = None, after_step: Callable[[int], None] | None = None) -> None:
+def warm_start(
+    model, tokenizer, config: NodeConfig, progress: bool | None = None, after_step: Callable[[int], None] | None = None
+) -> None:
     settings = config.model.default
     if settings.warmup_steps == 0:
         return
     tasks = config.tasks
     if settings.warmup_labels:
-        tasks = tasks.model_copy(update={"datasets": [d for d in tasks.datasets if d.display_label in settings.warmup_labels]})
+        tasks = tasks.model_copy(
+            update={"datasets": [d for d in tasks.datasets if d.display_label in settings.warmup_labels]}
+        )
     source = TaskSource(tasks, seed=WARMSTART_SEED_OFFSET + settings.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.warmup_lr, weight_decay=0.01)
     warmup = max(1, settings.warmup_steps // 10)
@@ -61,7 +65,13 @@ def warm_start(model, tokenizer, config: NodeConfig, progress: bool | None = Non
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
-    bar = Progress(TextColumn("warm start"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn())
+    bar = Progress(
+        TextColumn("warm start"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeRemainingColumn(),
+    )
     show_bar = progress if progress is not None else bar.console.is_terminal
     task_id = bar.add_task("warm start", total=settings.warmup_steps, loss=float("nan"))
     if show_bar:

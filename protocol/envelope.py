@@ -55,8 +55,15 @@ class Envelope:
     message: Message  # the validated payload
 
 
-def encode_message(message: Message, *, identity: NodeIdentity, swarm_id: str, seq: int,
-                   timestamp: float | None = None, limits: Limits = DEFAULT_LIMITS) -> bytes:
+def encode_message(
+    message: Message,
+    *,
+    identity: NodeIdentity,
+    swarm_id: str,
+    seq: int,
+    timestamp: float | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
     """Sign and encode `message`. Raises ProtocolRejection for anything a receiver with the
     same `limits` would refuse (checked with the receiver's own validators), including a
     result larger than `limits.max_message_bytes`: never silently truncated or dropped."""
@@ -68,16 +75,23 @@ def encode_message(message: Message, *, identity: NodeIdentity, swarm_id: str, s
     check_str(swarm_id, "swarm_id", MAX_SWARM_ID_CHARS)
     check_int(seq, "seq")
     timestamp = check_float(float(time.time() if timestamp is None else timestamp), "timestamp", lo=0.0)
-    body = _pack([[PROTOCOL_MAJOR, PROTOCOL_MINOR], kind.value, swarm_id, identity.public_key_bytes, seq,
-                  timestamp, payload])
+    body = _pack(
+        [[PROTOCOL_MAJOR, PROTOCOL_MINOR], kind.value, swarm_id, identity.public_key_bytes, seq, timestamp, payload]
+    )
     data = _pack([body, identity.sign(SIGNING_CONTEXT + body)])
     if len(data) > limits.max_message_bytes:
         reject(Refusal.TOO_LARGE, f"{kind.value} encodes to {len(data)} bytes, limit {limits.max_message_bytes}")
     return data
 
 
-def decode_message(data: bytes, *, swarm_id: str, limits: Limits = DEFAULT_LIMITS, now: float | None = None,
-                   expected_sender: bytes | None = None) -> Envelope:
+def decode_message(
+    data: bytes,
+    *,
+    swarm_id: str,
+    limits: Limits = DEFAULT_LIMITS,
+    now: float | None = None,
+    expected_sender: bytes | None = None,
+) -> Envelope:
     """Decode and authenticate `data`; raises ProtocolRejection and nothing else.
 
     Cheap checks come first and the payload's own validation last, so garbage costs
@@ -105,7 +119,10 @@ def decode_message(data: bytes, *, swarm_id: str, limits: Limits = DEFAULT_LIMIT
     if major != PROTOCOL_MAJOR:
         reject(Refusal.UNKNOWN_VERSION, f"protocol {major}.{minor}, this node speaks {PROTOCOL_MAJOR}.x")
     if len(body) < BODY_FIELDS or (len(body) > BODY_FIELDS and minor <= PROTOCOL_MINOR):
-        reject(Refusal.BAD_STRUCTURE, f"an envelope body of version {major}.{minor} has {BODY_FIELDS} fields, got {len(body)}")
+        reject(
+            Refusal.BAD_STRUCTURE,
+            f"an envelope body of version {major}.{minor} has {BODY_FIELDS} fields, got {len(body)}",
+        )
     _, kind, sent_swarm, sender, seq, timestamp, payload = body[:BODY_FIELDS]
     if check_str(kind, "kind", limits.max_name_chars) not in _KINDS:
         reject(Refusal.UNKNOWN_KIND, f"kind {kind!r}")
@@ -128,8 +145,16 @@ def decode_message(data: bytes, *, swarm_id: str, limits: Limits = DEFAULT_LIMIT
     claimed = message.claimed_node_id()
     if claimed is not None and claimed != sender_id:
         reject(Refusal.SENDER_MISMATCH, f"message claims node {claimed}, signed by {sender_id}")
-    return Envelope(version=(major, minor), kind=MessageKind(kind), swarm_id=sent_swarm, sender=sender,
-                    sender_id=sender_id, seq=seq, timestamp=timestamp, message=message)
+    return Envelope(
+        version=(major, minor),
+        kind=MessageKind(kind),
+        swarm_id=sent_swarm,
+        sender=sender,
+        sender_id=sender_id,
+        seq=seq,
+        timestamp=timestamp,
+        message=message,
+    )
 
 
 class ReplayGuard:
@@ -150,8 +175,10 @@ class ReplayGuard:
         key = (envelope.sender, envelope.kind)
         highest = self._highest.get(key)
         if highest is not None and envelope.seq <= highest:
-            reject(Refusal.REPLAY, f"{envelope.kind.value} seq {envelope.seq} from {envelope.sender_id}, "
-                                   f"already saw {highest}")
+            reject(
+                Refusal.REPLAY,
+                f"{envelope.kind.value} seq {envelope.seq} from {envelope.sender_id}, already saw {highest}",
+            )
         self._highest[key] = envelope.seq
 
 
@@ -164,15 +191,26 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes, limits: Limits) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,
-                               object_pairs_hook=_unique_keys, **limits.msgpack_limits())
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_refuse_ext,
+            object_pairs_hook=_unique_keys,
+            **limits.msgpack_limits(),
+        )
     except ProtocolRejection:
         raise
     except (ValueError, msgpack.UnpackException) as exc:  # FormatError, StackError, ExtraData, bad UTF-8, caps
         text = str(exc)
-        reason = (Refusal.STRING_TOO_LONG if "max_str_len" in text
-                  else Refusal.TOO_MANY_ITEMS if "max_array_len" in text or "max_map_len" in text
-                  else Refusal.NOT_MSGPACK)
+        reason = (
+            Refusal.STRING_TOO_LONG
+            if "max_str_len" in text
+            else Refusal.TOO_MANY_ITEMS
+            if "max_array_len" in text or "max_map_len" in text
+            else Refusal.NOT_MSGPACK
+        )
         reject(reason, text or type(exc).__name__)
 
 

@@ -40,7 +40,8 @@ class NodeIdentity:
     def __init__(self, private_key: Ed25519PrivateKey) -> None:
         self._key = private_key
         self.public_key_bytes: bytes = private_key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
         self.node_id: str = node_id_from_public_key(self.public_key_bytes)
 
     @classmethod
@@ -72,16 +73,19 @@ class NodeIdentity:
         with os.fdopen(fd, "rb") as file:
             mode = os.fstat(file.fileno()).st_mode
             if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise PermissionError(f"node key {path} is accessible by group/others "
-                                      f"(mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}")
+                raise PermissionError(
+                    f"node key {path} is accessible by group/others "
+                    f"(mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}"
+                )
             data = file.read()
         return cls(_parse_private_key(data, path))
 
     @classmethod
     def _create(cls, path: Path) -> "NodeIdentity":
         identity = cls.generate()
-        pem = identity._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption())
+        pem = identity._key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         write_private_file(path, pem)
         return identity
 

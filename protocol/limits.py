@@ -30,8 +30,13 @@ class Limits:
         more items, and none of its strings more bytes, than that; a character is at most
         4 UTF-8 bytes.
         """
-        items = max(self.max_questions, self.max_completions_per_question, self.max_tokens_per_completion,
-                    self.max_addresses, MAX_CONFIG_BYTES)
+        items = max(
+            self.max_questions,
+            self.max_completions_per_question,
+            self.max_tokens_per_completion,
+            self.max_addresses,
+            MAX_CONFIG_BYTES,
+        )
         return {
             "max_str_len": max(4 * self.max_string_chars, 4 * self.max_name_chars, MAX_CONFIG_BYTES),
             "max_bin_len": self.max_message_bytes,

@@ -17,7 +17,16 @@ from typing import Any, ClassVar, Self
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.refusals import Refusal
 from protocol.specs import SpecError, TaskSpec
-from protocol.validation import check_addresses, check_fields, check_float, check_int, check_list, check_str, reject, since_minor
+from protocol.validation import (
+    check_addresses,
+    check_fields,
+    check_float,
+    check_int,
+    check_list,
+    check_str,
+    reject,
+    since_minor,
+)
 from protocol.version import PROTOCOL_MINOR
 
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
@@ -65,9 +74,12 @@ class RolloutCompletion:
     finish_reason: str  # "stop": end of sequence sampled; "length": max_new_tokens reached
 
     def to_wire(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": list(self.token_ids),
-                "logprobs": None if self.logprobs is None else list(self.logprobs),
-                "finish_reason": self.finish_reason}
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "logprobs": None if self.logprobs is None else list(self.logprobs),
+            "finish_reason": self.finish_reason,
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
@@ -84,8 +96,12 @@ class RolloutCompletion:
                 check_float(logprob, "logprob", hi=0.0)
         if check_str(f["finish_reason"], "finish_reason", limits.max_name_chars) not in FINISH_REASONS:
             reject(Refusal.BAD_VALUE, f"finish_reason {f['finish_reason']!r} is not one of {FINISH_REASONS}")
-        return cls(text=check_str(f["text"], "text", limits.max_string_chars), token_ids=token_ids,
-                   logprobs=logprobs, finish_reason=f["finish_reason"])
+        return cls(
+            text=check_str(f["text"], "text", limits.max_string_chars),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=f["finish_reason"],
+        )
 
 
 @dataclass(frozen=True)
@@ -97,8 +113,11 @@ class RolloutQuestion:
     claimed_rewards: list[float]  # sender's reward per completion (finite); advisory, the receiver re-scores
 
     def to_wire(self) -> dict[str, Any]:
-        return {"spec": self.spec.to_wire(), "completions": [c.to_wire() for c in self.completions],
-                "claimed_rewards": list(self.claimed_rewards)}
+        return {
+            "spec": self.spec.to_wire(),
+            "completions": [c.to_wire() for c in self.completions],
+            "claimed_rewards": list(self.claimed_rewards),
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
@@ -116,8 +135,11 @@ class RolloutQuestion:
             reject(Refusal.BAD_STRUCTURE, f"{len(rewards)} claimed rewards for {len(completions)} completions")
         for reward in rewards:
             check_float(reward, "claimed reward")
-        return cls(spec=spec, completions=[RolloutCompletion.from_wire(c, limits, minor=minor) for c in completions],
-                   claimed_rewards=rewards)
+        return cls(
+            spec=spec,
+            completions=[RolloutCompletion.from_wire(c, limits, minor=minor) for c in completions],
+            claimed_rewards=rewards,
+        )
 
 
 @dataclass(frozen=True)
@@ -132,17 +154,23 @@ class RolloutBatch:
     questions: list[RolloutQuestion]  # 0..max_questions questions
 
     def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "policy_version": self.policy_version,
-                "model_fingerprint": self.model_fingerprint, "questions": [q.to_wire() for q in self.questions]}
+        return {
+            "round": self.round,
+            "policy_version": self.policy_version,
+            "model_fingerprint": self.model_fingerprint,
+            "questions": [q.to_wire() for q in self.questions],
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
         questions = check_list(f["questions"], "questions", limits.max_questions)
-        return cls(round=check_int(f["round"], "round"),
-                   policy_version=check_int(f["policy_version"], "policy_version"),
-                   model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
-                   questions=[RolloutQuestion.from_wire(q, limits, minor=minor) for q in questions])
+        return cls(
+            round=check_int(f["round"], "round"),
+            policy_version=check_int(f["policy_version"], "policy_version"),
+            model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+            questions=[RolloutQuestion.from_wire(q, limits, minor=minor) for q in questions],
+        )
 
     def claimed_node_id(self) -> str | None:
         return None
@@ -181,9 +209,17 @@ class PeerStats:
     # Unverifiable by the reader: a node that claims "direct" and is not only costs its callers a failed dial.
     reachability: str = since_minor(5, str)
 
-    _COUNTS: ClassVar[tuple[str, ...]] = ("model_parameters", "round", "policy_version", "rollouts_published",
-                                          "rollouts_received", "rollouts_accepted", "rollouts_rejected",
-                                          "outer_steps", "outer_steps_skipped")
+    _COUNTS: ClassVar[tuple[str, ...]] = (
+        "model_parameters",
+        "round",
+        "policy_version",
+        "rollouts_published",
+        "rollouts_received",
+        "rollouts_accepted",
+        "rollouts_rejected",
+        "outer_steps",
+        "outer_steps_skipped",
+    )
     _NAMES: ClassVar[tuple[str, ...]] = ("display_name", "software_version", "protocol_version", "model_name")
     _RATES: ClassVar[tuple[str, ...]] = ("tokens_per_s", "uptime_s", "last_seen")
 
@@ -205,19 +241,29 @@ class PeerStats:
         values["reward_mean"] = check_float(f["reward_mean"], "reward_mean")
         values["accuracy"] = check_float(f["accuracy"], "accuracy", lo=0.0, hi=1.0)
         values["addresses"] = check_addresses(f["addresses"], "addresses", limits.max_addresses, limits.max_name_chars)
-        values["gossip_addresses"] = check_addresses(f["gossip_addresses"], "gossip_addresses", limits.max_addresses, limits.max_name_chars)
+        values["gossip_addresses"] = check_addresses(
+            f["gossip_addresses"], "gossip_addresses", limits.max_addresses, limits.max_name_chars
+        )
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
             if values["reachability"] not in REACHABILITY:
-                reject(Refusal.BAD_VALUE, f"reachability must be one of {sorted(REACHABILITY)}, got {values['reachability']!r}")
+                reject(
+                    Refusal.BAD_VALUE,
+                    f"reachability must be one of {sorted(REACHABILITY)}, got {values['reachability']!r}",
+                )
         if "accuracy_by_dataset" in f:  # absent from a minor 0/1 sender
             by_dataset = f["accuracy_by_dataset"]
             if type(by_dataset) is not dict:
                 reject(Refusal.BAD_STRUCTURE, f"accuracy_by_dataset must be a map, got {type(by_dataset).__name__}")
             if len(by_dataset) > MAX_DATASETS_REPORTED:
-                reject(Refusal.TOO_MANY_ITEMS, f"accuracy_by_dataset has {len(by_dataset)} items, limit {MAX_DATASETS_REPORTED}")
-            values["accuracy_by_dataset"] = {check_str(k, "dataset label", limits.max_name_chars): check_float(v, "dataset accuracy", lo=0.0, hi=1.0)
-                                             for k, v in by_dataset.items()}
+                reject(
+                    Refusal.TOO_MANY_ITEMS,
+                    f"accuracy_by_dataset has {len(by_dataset)} items, limit {MAX_DATASETS_REPORTED}",
+                )
+            values["accuracy_by_dataset"] = {
+                check_str(k, "dataset label", limits.max_name_chars): check_float(v, "dataset accuracy", lo=0.0, hi=1.0)
+                for k, v in by_dataset.items()
+            }
         return cls(**values)
 
     def claimed_node_id(self) -> str | None:
@@ -283,15 +329,26 @@ class StageAnnouncement:
         replicas = check_list(f["replicas"], "replicas", MAX_REPLICAS_LISTED)
         for replica in replicas:
             check_node_id(replica, "replica", limits)
-        return cls(node_id=f["node_id"], p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128),
-                   model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
-                   num_stages=num_stages, stage=stage,
-                   stage_fingerprint=check_str(f["stage_fingerprint"], "stage_fingerprint", MAX_FINGERPRINT_CHARS),
-                   layer_start=start, layer_end=end, parts=parts, state=f["state"], step=check_int(f["step"], "step"),
-                   grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
-                   samples_per_s=check_float(f["samples_per_s"], "samples_per_s", lo=0.0),
-                   recoveries=check_int(f["recoveries"], "recoveries"), replicas=replicas,
-                   p2p_maddrs=check_addresses(f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars))
+        return cls(
+            node_id=f["node_id"],
+            p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128),
+            model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+            num_stages=num_stages,
+            stage=stage,
+            stage_fingerprint=check_str(f["stage_fingerprint"], "stage_fingerprint", MAX_FINGERPRINT_CHARS),
+            layer_start=start,
+            layer_end=end,
+            parts=parts,
+            state=f["state"],
+            step=check_int(f["step"], "step"),
+            grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
+            samples_per_s=check_float(f["samples_per_s"], "samples_per_s", lo=0.0),
+            recoveries=check_int(f["recoveries"], "recoveries"),
+            replicas=replicas,
+            p2p_maddrs=check_addresses(
+                f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars
+            ),
+        )
 
     def claimed_node_id(self) -> str | None:
         return self.node_id
@@ -319,18 +376,30 @@ class StageLost:
     stages: list[int]  # the stages found lost, each in [0, S), no repeats, at most MAX_LOST_STAGES; [] withdraws
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "model_fingerprint": self.model_fingerprint, "num_stages": self.num_stages, "stages": list(self.stages)}
+        return {
+            "node_id": self.node_id,
+            "model_fingerprint": self.model_fingerprint,
+            "num_stages": self.num_stages,
+            "stages": list(self.stages),
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
         check_node_id(f["node_id"], "node_id", limits)
         num_stages = check_int(f["num_stages"], "num_stages", lo=1, hi=MAX_STAGES)
-        stages = [check_int(stage, "stages", lo=0, hi=num_stages - 1) for stage in check_list(f["stages"], "stages", MAX_LOST_STAGES)]
+        stages = [
+            check_int(stage, "stages", lo=0, hi=num_stages - 1)
+            for stage in check_list(f["stages"], "stages", MAX_LOST_STAGES)
+        ]
         if len(set(stages)) != len(stages):
             reject(Refusal.BAD_VALUE, f"stages {stages} repeat a stage")
-        return cls(node_id=f["node_id"], model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
-                   num_stages=num_stages, stages=stages)
+        return cls(
+            node_id=f["node_id"],
+            model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
+            num_stages=num_stages,
+            stages=stages,
+        )
 
     def claimed_node_id(self) -> str | None:
         return self.node_id
@@ -354,22 +423,35 @@ class AveragingReady:
     p2p_maddrs: list[str] = since_minor(3, list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"p2p_peer_id": self.p2p_peer_id, "round": self.round, "state": self.state, "p2p_maddrs": list(self.p2p_maddrs)}
+        return {
+            "p2p_peer_id": self.p2p_peer_id,
+            "round": self.round,
+            "state": self.state,
+            "p2p_maddrs": list(self.p2p_maddrs),
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
         f = check_fields(obj, cls, minor)
         if check_str(f["state"], "state", 16) not in AVERAGING_STATES:
             reject(Refusal.BAD_VALUE, f"state {f['state']!r} is not one of {AVERAGING_STATES}")
-        return cls(p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128), round=check_int(f["round"], "round"), state=f["state"],
-                   p2p_maddrs=check_addresses(f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars))
+        return cls(
+            p2p_peer_id=check_str(f["p2p_peer_id"], "p2p_peer_id", 128),
+            round=check_int(f["round"], "round"),
+            state=f["state"],
+            p2p_maddrs=check_addresses(
+                f.get("p2p_maddrs", []), "p2p_maddrs", limits.max_addresses, limits.max_name_chars
+            ),
+        )
 
     def claimed_node_id(self) -> str | None:
         return None
 
 
 Message = RolloutBatch | PeerStats | StageAnnouncement | AveragingReady | StageLost
-MESSAGE_TYPES: dict[MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement] | type[AveragingReady] | type[StageLost]] = {
+MESSAGE_TYPES: dict[
+    MessageKind, type[RolloutBatch] | type[PeerStats] | type[StageAnnouncement] | type[AveragingReady] | type[StageLost]
+] = {
     MessageKind.ROLLOUT_BATCH: RolloutBatch,
     MessageKind.PEER_STATS: PeerStats,
     MessageKind.STAGE_ANNOUNCEMENT: StageAnnouncement,

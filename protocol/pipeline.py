@@ -92,7 +92,10 @@ class WireTensor:
         dtype = check_str(f["dtype"], f"{name}.dtype", 16)
         if dtype not in DTYPE_BYTES:
             reject(Refusal.BAD_VALUE, f"{name}.dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        shape = [check_int(d, f"{name}.shape", hi=limits.max_dim) for d in check_list(f["shape"], f"{name}.shape", limits.max_rank)]
+        shape = [
+            check_int(d, f"{name}.shape", hi=limits.max_dim)
+            for d in check_list(f["shape"], f"{name}.shape", limits.max_rank)
+        ]
         elements = math.prod(shape)
         if elements > limits.max_elements:
             reject(Refusal.TOO_LARGE, f"{name} has {elements} elements, limit {limits.max_elements}")
@@ -100,7 +103,10 @@ class WireTensor:
         if type(data) is not bytes:
             reject(Refusal.BAD_STRUCTURE, f"{name}.data must be bytes")
         if len(data) != elements * DTYPE_BYTES[dtype]:
-            reject(Refusal.BAD_STRUCTURE, f"{name}.data has {len(data)} bytes, shape {shape} of {dtype} needs {elements * DTYPE_BYTES[dtype]}")
+            reject(
+                Refusal.BAD_STRUCTURE,
+                f"{name}.data has {len(data)} bytes, shape {shape} of {dtype} needs {elements * DTYPE_BYTES[dtype]}",
+            )
         return cls(dtype=dtype, shape=shape, data=data)
 
 
@@ -109,7 +115,9 @@ def _tensors_from_wire(obj: Any, limits: PipelineLimits) -> dict[str, WireTensor
         reject(Refusal.BAD_STRUCTURE, "tensors must be a map of name -> tensor")
     if len(obj) > limits.max_tensors:
         reject(Refusal.TOO_MANY_ITEMS, f"{len(obj)} tensors, limit {limits.max_tensors}")
-    return {check_str(name, "tensor name", 32): WireTensor.from_wire(value, limits, name) for name, value in obj.items()}
+    return {
+        check_str(name, "tensor name", 32): WireTensor.from_wire(value, limits, name) for name, value in obj.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -129,9 +137,19 @@ class StageCall:
     extra: dict[str, Any] = field(default_factory=dict)  # reserved; must be empty in version 1
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": self.v, "op": self.op, "stage": self.stage, "stage_fingerprint": self.stage_fingerprint, "call_id": self.call_id,
-                "parts": list(self.parts), "train": self.train, "tensors": {k: t.to_wire() for k, t in self.tensors.items()},
-                "scale": self.scale, "lr_scale": self.lr_scale, "extra": dict(self.extra)}
+        return {
+            "v": self.v,
+            "op": self.op,
+            "stage": self.stage,
+            "stage_fingerprint": self.stage_fingerprint,
+            "call_id": self.call_id,
+            "parts": list(self.parts),
+            "train": self.train,
+            "tensors": {k: t.to_wire() for k, t in self.tensors.items()},
+            "scale": self.scale,
+            "lr_scale": self.lr_scale,
+            "extra": dict(self.extra),
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: PipelineLimits = DEFAULT_PIPELINE_LIMITS) -> Self:
@@ -150,12 +168,19 @@ class StageCall:
             reject(Refusal.BAD_STRUCTURE, "train must be a boolean")
         if type(f["extra"]) is not dict or f["extra"]:
             reject(Refusal.BAD_STRUCTURE, "extra must be an empty map in pipeline version 1")
-        return cls(v=f["v"], op=f["op"], stage=check_int(f["stage"], "stage", hi=4096),
-                   stage_fingerprint=check_str(f["stage_fingerprint"], "stage_fingerprint", MAX_FINGERPRINT_CHARS),
-                   call_id=check_str(f["call_id"], "call_id", MAX_CALL_ID_CHARS), parts=parts, train=f["train"],
-                   tensors=_tensors_from_wire(f["tensors"], limits),
-                   scale=check_float(f["scale"], "scale", lo=0.0, hi=1e6),
-                   lr_scale=check_float(f["lr_scale"], "lr_scale", lo=0.0, hi=100.0), extra={})
+        return cls(
+            v=f["v"],
+            op=f["op"],
+            stage=check_int(f["stage"], "stage", hi=4096),
+            stage_fingerprint=check_str(f["stage_fingerprint"], "stage_fingerprint", MAX_FINGERPRINT_CHARS),
+            call_id=check_str(f["call_id"], "call_id", MAX_CALL_ID_CHARS),
+            parts=parts,
+            train=f["train"],
+            tensors=_tensors_from_wire(f["tensors"], limits),
+            scale=check_float(f["scale"], "scale", lo=0.0, hi=1e6),
+            lr_scale=check_float(f["lr_scale"], "lr_scale", lo=0.0, hi=100.0),
+            extra={},
+        )
 
 
 @dataclass(frozen=True)
@@ -170,8 +195,14 @@ class StageResult:
     lr_scale: float  # the stage's current learning-rate factor (1.1 after a CheckFree recovery)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": self.v, "tensors": {k: t.to_wire() for k, t in self.tensors.items()}, "weights": self.weights,
-                "step": self.step, "grad_norm": self.grad_norm, "lr_scale": self.lr_scale}
+        return {
+            "v": self.v,
+            "tensors": {k: t.to_wire() for k, t in self.tensors.items()},
+            "weights": self.weights,
+            "step": self.step,
+            "grad_norm": self.grad_norm,
+            "lr_scale": self.lr_scale,
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, limits: PipelineLimits = DEFAULT_PIPELINE_LIMITS) -> Self:
@@ -181,9 +212,14 @@ class StageResult:
         weights = f["weights"]
         if weights is not None and (type(weights) is not bytes or len(weights) > limits.max_weights_bytes):
             reject(Refusal.BAD_STRUCTURE, "weights must be bytes within the limit, or nil")
-        return cls(v=f["v"], tensors=_tensors_from_wire(f["tensors"], limits), weights=weights,
-                   step=check_int(f["step"], "step"), grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
-                   lr_scale=check_float(f["lr_scale"], "lr_scale", lo=0.0, hi=100.0))
+        return cls(
+            v=f["v"],
+            tensors=_tensors_from_wire(f["tensors"], limits),
+            weights=weights,
+            step=check_int(f["step"], "step"),
+            grad_norm=check_float(f["grad_norm"], "grad_norm", lo=0.0),
+            lr_scale=check_float(f["lr_scale"], "lr_scale", lo=0.0, hi=100.0),
+        )
 
 
 def refusal_body(reason: PipelineRefusal | Refusal | str, detail: str = "") -> dict[str, str]:
@@ -200,5 +236,18 @@ def parse_refusal(obj: Any) -> tuple[str, str]:
     return obj["reason"][:32], detail[:500] if type(detail) is str else ""
 
 
-__all__ = ["DEFAULT_PIPELINE_LIMITS", "DTYPE_BYTES", "OPS", "PARTS", "PIPELINE_VERSION", "PipelineFrame", "PipelineLimits",
-           "ProtocolRejection", "StageCall", "StageResult", "WireTensor", "parse_refusal", "refusal_body"]
+__all__ = [
+    "DEFAULT_PIPELINE_LIMITS",
+    "DTYPE_BYTES",
+    "OPS",
+    "PARTS",
+    "PIPELINE_VERSION",
+    "PipelineFrame",
+    "PipelineLimits",
+    "ProtocolRejection",
+    "StageCall",
+    "StageResult",
+    "WireTensor",
+    "parse_refusal",
+    "refusal_body",
+]

@@ -22,7 +22,9 @@ from protocol.validation import check_int, check_str, reject
 
 OBSERVED_ADDRESS_HANDLER = "swarm-node/v1/observed-address"
 OBSERVED_VERSION = 1
-MAX_OBSERVED_BYTES = 512  # a multiaddr with a /p2p-circuit hop is ~200 characters; the frame is bounded before it is read
+MAX_OBSERVED_BYTES = (
+    512  # a multiaddr with a /p2p-circuit hop is ~200 characters; the frame is bounded before it is read
+)
 MAX_OBSERVED_CHARS = 256
 
 

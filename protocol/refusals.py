@@ -39,13 +39,22 @@ class Refusal(SentencedEnum):
     BAD_SIGNATURE = ("bad_signature", "The signature does not match the sender's key and the signed bytes.")
     SENDER_MISMATCH = ("sender_mismatch", "The signing key is not the one the message claims or the receiver expected.")
     REPLAY = ("replay", "The sequence number is not newer than one already seen from this sender.")
-    STALE = ("stale", "The message is too old (or too far in the future), or refers to a round or policy that is too old.")
+    STALE = (
+        "stale",
+        "The message is too old (or too far in the future), or refers to a round or policy that is too old.",
+    )
     TOO_MANY_ITEMS = ("too_many_items", "A list in the message has more items than the receiver allows.")
     STRING_TOO_LONG = ("string_too_long", "A string in the message is longer than the receiver allows.")
     BAD_VALUE = ("bad_value", "A value is out of range: a non-finite float, a negative count, an unknown option.")
     BAD_SPEC = ("bad_spec", "A task spec is malformed or out of bounds.")
-    UNSCORABLE = ("unscorable", "A task spec is well-formed but the receiver cannot materialize and score its question.")
-    WRONG_SHARD = ("wrong_shard", "The record is stored under a DHT shard its signer does not belong to (protocol/shards.py).")
+    UNSCORABLE = (
+        "unscorable",
+        "A task spec is well-formed but the receiver cannot materialize and score its question.",
+    )
+    WRONG_SHARD = (
+        "wrong_shard",
+        "The record is stored under a DHT shard its signer does not belong to (protocol/shards.py).",
+    )
 
 
 class ProtocolRejection(Exception):
@@ -96,7 +105,10 @@ class PipelineRefusal(SentencedEnum):
     NOT_READY = ("not_ready", "The server is still loading or recovering its stage.")
     MISSING_PART = ("missing_part", "The call asks for a part (embed, layers, head) this server does not hold.")
     BAD_TENSOR = ("bad_tensor", "An input tensor has the wrong name, dtype or shape, or values that are not finite.")
-    UNKNOWN_CALL = ("unknown_call", "A backward for a forward this server does not hold (never made, already used, or expired).")
+    UNKNOWN_CALL = (
+        "unknown_call",
+        "A backward for a forward this server does not hold (never made, already used, or expired).",
+    )
     UNKNOWN_SESSION = ("unknown_session", "An inference step for a session this server does not hold.")
     BUSY = ("busy", "The server holds as many pending forwards or sessions as it allows.")
     FAILED = ("failed", "The server could not compute the call (its own error, logged there).")

@@ -41,7 +41,8 @@ MAX_ROLLOUT_SHARDS = 1024  # 32k nodes at PEERS_PER_ROLLOUT_SHARD; a larger esti
 def shard_of(node_id: str, count: int) -> int:
     """The shard a node id belongs to among `count` (a power of two): the first 8 bytes of its SHA-256, modulo count.
 
-    Hashing spreads ids that are themselves hashes of keys evenly, and nests: shard_of(id, c) == shard_of(id, 2c) % c."""
+    Hashing spreads ids that are themselves hashes of keys evenly, and nests: shard_of(id, c) == shard_of(id, 2c) %
+    c."""
     if count < 1:
         raise ValueError(f"shard count must be at least 1, got {count}")
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:8], "big") % count
@@ -57,12 +58,14 @@ def rollout_shard_count(swarm_size: int) -> int:
 
 
 def rollout_write_levels(count: int) -> list[int]:
-    """The shard counts a writer whose estimate gives `count` stores its batch under: its own, and one level below and above."""
+    """The shard counts a writer whose estimate gives `count` stores its batch under: its own, and one level below and
+    above."""
     return sorted({max(1, count // 2), count, min(MAX_ROLLOUT_SHARDS, count * 2)})
 
 
 def heartbeat_shards_to_read(swarm_size: int) -> int:
-    """How many heartbeat shards a node reads per beat to keep about HEARTBEATS_READ_PER_BEAT peers in view (all of them in a small swarm)."""
+    """How many heartbeat shards a node reads per beat to keep about HEARTBEATS_READ_PER_BEAT peers in view (all of
+    them in a small swarm)."""
     per_shard = max(1, swarm_size) / HEARTBEAT_SHARDS
     return max(1, min(HEARTBEAT_SHARDS, -(-HEARTBEATS_READ_PER_BEAT // max(1, int(per_shard)))))
 

@@ -32,7 +32,11 @@ def model_cache(tmp_path_factory) -> Path:
 def tiny_config(model_cache, tmp_path):
 
     def make(*extra: str, state_dir: Path | None = None):
-        return load_config(REPO / "configs" / "isolated.yaml", [*TINY_OVERRIDES, *extra], state_dir=str(state_dir or tmp_path / "state"))
+        return load_config(
+            REPO / "configs" / "isolated.yaml",
+            [*TINY_OVERRIDES, *extra],
+            state_dir=str(state_dir or tmp_path / "state"),
+        )
 
     return make
 

@@ -118,7 +118,17 @@ def message(**overrides) -> bytes:
         (message(data=b"\0" * 7), "data bytes"),
         (message(scale=b"\0" * 4), "scale"),
         (message(name=""), "name"),
-        (msgpack.packb({"v": 1, "mode": "fp32", "tensors": [{"name": "w", "dtype": "float32", "shape": [1], "data": b"\0" * 4, "scale": None}] * 2}, use_bin_type=True), "duplicate"),
+        (
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "mode": "fp32",
+                    "tensors": [{"name": "w", "dtype": "float32", "shape": [1], "data": b"\0" * 4, "scale": None}] * 2,
+                },
+                use_bin_type=True,
+            ),
+            "duplicate",
+        ),
     ],
 )
 def test_malformed_bytes_are_refused(raw, match):

@@ -83,11 +83,15 @@ def honest_first(role: str, tmp_path) -> list[str]:
 def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, role, tmp_path):
     async def scenario():
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=Fault.STALL) as (faulty,):
+            async with (
+                averagers(nodes[:1]) as (honest,),
+                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.STALL) as (faulty,),
+            ):
                 assert (honest.peer_id < faulty.peer_id) == (role == "honest_calls")
                 theta = weights(1)
                 before = snapshot(theta)
-                timeout = 10.0  # long enough for the rendezvous on a loaded machine: the stall, not the DHT, must end the round
+                # long enough for the rendezvous on a loaded machine: the stall, not the DHT, must end the round
+                timeout = 10.0
 
                 async def kill_when_stalled():
                     await faulty.stalled.wait()
@@ -96,11 +100,17 @@ def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, rol
                         await shutdown_dht(nodes[1], timeout=5)
 
                 killer = asyncio.create_task(kill_when_stalled())
-                result, _ = await asyncio.gather(honest.average(theta, 3, timeout=timeout), faulty.average(weights(2), 3, timeout=timeout))
+                result, _ = await asyncio.gather(
+                    honest.average(theta, 3, timeout=timeout), faulty.average(weights(2), 3, timeout=timeout)
+                )
                 await asyncio.wait_for(killer, 10)
                 assert faulty.stalled.is_set()  # the exchange really started
                 assert result is None
-                if then == "hangs":  # only the round's deadline can end an exchange that stalls (a dead partner's reset may end it sooner)
+                if (
+                    then == "hangs"
+                    # only the round's deadline can end an exchange that stalls
+                    # (a dead partner's reset may end it sooner)
+                ):
                     assert honest.rounds_to_deadline == 1
                 assert_untouched(theta, before)
                 assert honest.rounds_skipped == 1 and honest.failures["no_partner"] == 1
@@ -112,16 +122,27 @@ def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, rol
 def test_hostile_partners_are_refused_and_counted(role, tmp_path):
     async def scenario():
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            cases = [(Fault.NAN, "not_finite"), (Fault.WRONG_SHAPE, "wrong_shape"), (Fault.FAR_AWAY, "too_far"), (Fault.OVERSIZED, "malformed")]
+            cases = [
+                (Fault.NAN, "not_finite"),
+                (Fault.WRONG_SHAPE, "wrong_shape"),
+                (Fault.FAR_AWAY, "too_far"),
+                (Fault.OVERSIZED, "malformed"),
+            ]
             for round_id, (fault, reason) in enumerate(cases):
-                async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=fault) as (hostile,):
+                async with (
+                    averagers(nodes[:1]) as (honest,),
+                    averagers(nodes[1:], cls=FaultyAverager, fault=fault) as (hostile,),
+                ):
                     theta = weights(1)
                     before = snapshot(theta)
                     # a deadline no loaded machine reaches: the round must end because the partner was given up
-                    result, _ = await asyncio.gather(honest.average(theta, round_id, timeout=120), hostile.average(weights(2), round_id, timeout=120))
+                    result, _ = await asyncio.gather(
+                        honest.average(theta, round_id, timeout=120), hostile.average(weights(2), round_id, timeout=120)
+                    )
                     assert result is None, fault
                     assert honest.refusals == {reason: 1}, (fault, honest.refusals, honest.failures)
-                    assert honest.rounds_to_deadline == 0  # the refused partner is given up: no waiting for the deadline
+                    # the refused partner is given up: no waiting for the deadline
+                    assert honest.rounds_to_deadline == 0
                     assert_untouched(theta, before)
 
     asyncio.run(scenario())
@@ -131,8 +152,13 @@ def test_hostile_partners_are_refused_and_counted(role, tmp_path):
 def test_a_lost_done_frame_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
     async def scenario():
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=Fault.NO_DONE) as (broken,):
-                result, _ = await asyncio.gather(honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6))
+            async with (
+                averagers(nodes[:1]) as (honest,),
+                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.NO_DONE) as (broken,),
+            ):
+                result, _ = await asyncio.gather(
+                    honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6)
+                )
                 assert result is not None  # it averaged, and cannot know whether its partner did: counted, not silent
                 assert honest.failures["outcome_unconfirmed"] == 1
                 assert broken.failures["outcome_unconfirmed"] == 0  # the honest side's DONE did arrive
@@ -140,18 +166,23 @@ def test_a_lost_done_frame_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
     asyncio.run(scenario())
 
 
-
 @pytest.mark.parametrize("role", ROLES)
 def test_a_stream_broken_between_the_commit_frames_never_leaves_a_silent_disagreement(role, tmp_path):
     """The faulty side never reads our COMMIT, so it never averages. Our side averages iff its COMMIT
     arrived before the stream broke (p2pd may drop it with the reset): either both sides kept their own
     weights, or ours averaged alone and counted `outcome_unconfirmed`."""
+
     async def scenario():
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with averagers(nodes[:1]) as (honest,), averagers(nodes[1:], cls=FaultyAverager, fault=Fault.BREAK_AFTER_COMMIT) as (broken,):
+            async with (
+                averagers(nodes[:1]) as (honest,),
+                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.BREAK_AFTER_COMMIT) as (broken,),
+            ):
                 theta = weights(1)
                 before = snapshot(theta)
-                result, broken_result = await asyncio.gather(honest.average(theta, 5, timeout=6), broken.average(weights(2), 5, timeout=6))
+                result, broken_result = await asyncio.gather(
+                    honest.average(theta, 5, timeout=6), broken.average(weights(2), 5, timeout=6)
+                )
                 assert broken_result is None and broken.failures["exchange_failed"] >= 1
                 assert_untouched(theta, before)
                 if result is not None and result.partner_ids:

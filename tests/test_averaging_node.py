@@ -23,12 +23,26 @@ async def _scenario(tmp_path):
     # No rollout sharing here: with a tiny model most groups have uniform rewards and are dropped, so two
     # nodes that share rollouts often train on exactly the same few groups and end bit-identical (the
     # "trained apart" check below then failed ~1 run in 6). Each node trains on its own stream instead.
-    overrides = [*SWARM_OVERRIDES, "swarm.external_questions=0", "averaging.method=noloco", "averaging.every_steps=2", "averaging.transfer_dtype=fp32", "averaging.window_s=600", "averaging.timeout_s=90", "trainer.lr=1e-3"]  # generous deadline: a loaded machine must not skip the exchange
+    # generous deadline: a loaded machine must not skip the exchange
+    overrides = [
+        *SWARM_OVERRIDES,
+        "swarm.external_questions=0",
+        "averaging.method=noloco",
+        "averaging.every_steps=2",
+        "averaging.transfer_dtype=fp32",
+        "averaging.window_s=600",
+        "averaging.timeout_s=90",
+        "trainer.lr=1e-3",
+    ]
     pair: list[Node] = []
     try:
         for i in range(2):
             peers = [f"swarm.initial_peers={json.dumps(pair[0].addresses)}"] if pair else []
-            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / str(i))))
+            node = Node(
+                load_config(
+                    REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / str(i))
+                )
+            )
             node.load()
             await node.start_services()
             pair.append(node)
@@ -45,7 +59,10 @@ async def _scenario(tmp_path):
         assert all(node.averaging.in_flight for node in pair), "no outer step started within 300 rounds"
         sent = [node.averaging.theta_sent for node in pair]
         moved = [not all(torch.equal(s[k], phi0[k]) for k in phi0) for s in sent]
-        diag = f"policy versions {[n.policy_version for n in pair]}, rounds {[n.round for n in pair]}, moved from phi0 {moved}"
+        diag = (
+            f"policy versions {[n.policy_version for n in pair]}, rounds {[n.round for n in pair]}, "
+            f"moved from phi0 {moved}"
+        )
         assert not all(torch.equal(sent[0][k], sent[1][k]) for k in phi0), diag  # they trained apart
         await asyncio.gather(*(node.averaging.wait_exchange() for node in pair))
         outcomes = [node.averaging.apply_if_done() for node in pair]
@@ -58,7 +75,11 @@ async def _scenario(tmp_path):
         row = await pair[0].run_round()
         assert all(torch.isfinite(p).all() for p in pair[0].model.parameters()) and row["round"] > 0
         assert "swarm_node_averaging_succeeded 1.0" in pair[0].prometheus()
-        assert (pair[0].peer_stats().outer_steps, pair[0].peer_stats().outer_steps_skipped) == (1, 0)  # the heartbeat says so
+        # the heartbeat says so
+        assert (pair[0].peer_stats().outer_steps, pair[0].peer_stats().outer_steps_skipped) == (
+            1,
+            0,
+        )
     finally:
         for node in pair:
             await node.stop_services()
@@ -75,17 +96,33 @@ def _spread(nodes) -> float:
 
 
 async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int = 0) -> tuple[float, int, int]:
-    """(replica spread, outer steps that averaged, rounds run): `rounds` rounds, or fewer once `min_outer_steps` averaged.
+    """(replica spread, outer steps that averaged, rounds run): `rounds` rounds, or fewer once `min_outer_steps`
+    averaged.
 
     Pairing needs both partners' exchanges to meet inside one window: on a loaded machine that
     takes more rounds, so the loop runs until enough outer steps happened (bounded), not a fixed count."""
-    overrides = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.external_questions=0", f"averaging.method={method}", "averaging.every_steps=3",
-                 "averaging.window_s=10", "averaging.timeout_s=20", "trainer.lr=3e-3", "averaging.max_relative_distance=5"]
+    overrides = [
+        *SWARM_OVERRIDES,
+        "swarm.gossip=dht",
+        "swarm.external_questions=0",
+        f"averaging.method={method}",
+        "averaging.every_steps=3",
+        "averaging.window_s=10",
+        "averaging.timeout_s=20",
+        "trainer.lr=3e-3",
+        "averaging.max_relative_distance=5",
+    ]
     nodes: list[Node] = []
     try:
         for i in range(4):
             peers = [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
-            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*overrides, *peers, f"seed={i}"], state_dir=str(tmp_path / method / str(i))))
+            node = Node(
+                load_config(
+                    REPO / "configs" / "swarm.yaml",
+                    [*overrides, *peers, f"seed={i}"],
+                    state_dir=str(tmp_path / method / str(i)),
+                )
+            )
             node.load()
             await node.start_services()
             nodes.append(node)

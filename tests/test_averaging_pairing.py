@@ -12,8 +12,18 @@ import torch
 
 from node.averaging.pairing import PairAverager, pair_partner
 from node.transport.dht import shutdown_dht
-from tests.helpers.averaging import (OTHER_PREFIX, PREFIX, assert_untouched, averagers, make_writer, ordered_identities, snapshot, swarm, weights,
-                                     writer_losing_done_announcements)
+from tests.helpers.averaging import (
+    OTHER_PREFIX,
+    PREFIX,
+    assert_untouched,
+    averagers,
+    make_writer,
+    ordered_identities,
+    snapshot,
+    swarm,
+    weights,
+    writer_losing_done_announcements,
+)
 
 
 def test_two_peers_get_exactly_the_mean_fp32():
@@ -21,7 +31,9 @@ def test_two_peers_get_exactly_the_mean_fp32():
         async with swarm(2) as nodes, averagers(nodes) as (a, b):
             theta_a, theta_b = weights(1), weights(2)
             before_a, before_b = snapshot(theta_a), snapshot(theta_b)
-            result_a, result_b = await asyncio.gather(a.average(theta_a, 7, timeout=15), b.average(theta_b, 7, timeout=15))
+            result_a, result_b = await asyncio.gather(
+                a.average(theta_a, 7, timeout=15), b.average(theta_b, 7, timeout=15)
+            )
             assert result_a is not None and result_b is not None, (a.failures, b.failures)
             assert result_a.partner_ids == [b.peer_id] and result_b.partner_ids == [a.peer_id]
             for name in theta_a:
@@ -42,7 +54,9 @@ def test_two_peers_fp16_within_half_precision_error():
     async def scenario():
         async with swarm(2) as nodes, averagers(nodes, mode="fp16") as (a, b):
             theta_a, theta_b = weights(1), weights(2)
-            result_a, result_b = await asyncio.gather(a.average(theta_a, 1, timeout=15), b.average(theta_b, 1, timeout=15))
+            result_a, result_b = await asyncio.gather(
+                a.average(theta_a, 1, timeout=15), b.average(theta_b, 1, timeout=15)
+            )
             assert result_a is not None and result_b is not None
             for name in theta_a:
                 expected = (theta_a[name] + theta_b[name]) / 2
@@ -59,7 +73,9 @@ def test_four_peers_form_pairs():
         async with swarm(4) as nodes, averagers(nodes) as group:
             thetas = [weights(i) for i in range(4)]
             for round_id in (0, 1):
-                results = await asyncio.gather(*(avg.average(theta, round_id, timeout=20) for avg, theta in zip(group, thetas)))
+                results = await asyncio.gather(
+                    *(avg.average(theta, round_id, timeout=20) for avg, theta in zip(group, thetas))
+                )
                 assert all(r is not None for r in results), [a.failures for a in group]
                 by_id = {avg.peer_id: (theta, result) for avg, theta, result in zip(group, thetas, results)}
                 for peer, (theta, result) in by_id.items():
@@ -78,16 +94,24 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline(tmp
     machine; seen in the lab: two of four peers idled to the deadline). Its stale "free" still pairs
     it, in everyone's view, with a peer whose id is higher, who would wait forever for its call. That
     peer calls it after call_patience_s, gets FINISHED, gives it up, and pairs with the third peer."""
+
     async def scenario():
-        async with swarm(3, ordered_identities(tmp_path, 3)) as nodes, averagers(nodes, writers=[writer_losing_done_announcements()]) as group:
+        async with (
+            swarm(3, ordered_identities(tmp_path, 3)) as nodes,
+            averagers(nodes, writers=[writer_losing_done_announcements()]) as group,
+        ):
             stale = group[0]  # lowest id: its partner is the higher id, the side that waits for a call
             assert stale.peer_id == min(avg.peer_id for avg in group)
             ids = [avg.peer_id for avg in group]
-            round_id = next(r for r in range(1000) if pair_partner(ids, stale.peer_id, r) is not None)  # a round in which it is not the odd one out
-            assert await stale.average(weights(0), round_id, timeout=1.0) is None  # alone: it ends the round, still "free" in the DHT
+            # a round in which it is not the odd one out
+            round_id = next(r for r in range(1000) if pair_partner(ids, stale.peer_id, r) is not None)
+            # alone: it ends the round, still "free" in the DHT
+            assert await stale.average(weights(0), round_id, timeout=1.0) is None
             waiting = next(avg for avg in group if avg.peer_id == pair_partner(ids, stale.peer_id, round_id))
             third = next(avg for avg in group if avg is not waiting and avg is not stale)
-            results = await asyncio.gather(waiting.average(weights(1), round_id, timeout=30), third.average(weights(2), round_id, timeout=30))
+            results = await asyncio.gather(
+                waiting.average(weights(1), round_id, timeout=30), third.average(weights(2), round_id, timeout=30)
+            )
             assert all(r is not None for r in results), [avg.failures for avg in group]
             assert results[0].partner_ids == [third.peer_id] and results[1].partner_ids == [waiting.peer_id]
             assert waiting.failures["call_refused:finished"] == 1 and waiting.rounds_to_deadline == 0
@@ -100,13 +124,19 @@ def test_all_mode_calls_a_lower_id_whose_free_announcement_went_stale(tmp_path):
     for calls from lower ids, so without a call of their own they would idle to the deadline (as the
     lab's DiLoCo rounds at N = 16 did, there waiting on lower ids slow to call). They call it after the
     gather window and call_patience_s, get FINISHED, and average with each other."""
+
     async def scenario():
-        async with swarm(3, ordered_identities(tmp_path, 3)) as nodes, averagers(nodes, group_size=None, writers=[writer_losing_done_announcements()]) as group:
+        async with (
+            swarm(3, ordered_identities(tmp_path, 3)) as nodes,
+            averagers(nodes, group_size=None, writers=[writer_losing_done_announcements()]) as group,
+        ):
             stale = group[0]
             assert stale.peer_id == min(avg.peer_id for avg in group)
             assert await stale.average(weights(0), 3, timeout=1.0) is None
             others = [avg for avg in group if avg is not stale]
-            results = await asyncio.gather(*(avg.average(weights(i + 1), 3, timeout=60) for i, avg in enumerate(others)))
+            results = await asyncio.gather(
+                *(avg.average(weights(i + 1), 3, timeout=60) for i, avg in enumerate(others))
+            )
             assert all(r is not None and r.group_size == 2 for r in results), [avg.failures for avg in group]
             for avg in others:
                 assert avg.failures["call_refused:finished"] == 1 and avg.rounds_to_deadline == 0, avg.failures
@@ -133,7 +163,9 @@ def test_all_live_peers_mode_gives_everyone_the_same_mean():
             for name in thetas[0]:
                 for result in results:
                     assert torch.equal(result.mean_theta[name], results[0].mean_theta[name])  # bit-identical
-                torch.testing.assert_close(results[0].mean_theta[name], sum(t[name] for t in thetas) / 3, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(
+                    results[0].mean_theta[name], sum(t[name] for t in thetas) / 3, rtol=1e-6, atol=1e-6
+                )
 
     asyncio.run(scenario())
 
@@ -143,7 +175,9 @@ def test_different_fingerprints_are_never_paired():
         async with swarm(3) as nodes, averagers(nodes, prefixes=[PREFIX, PREFIX, OTHER_PREFIX]) as (x1, x2, other):
             thetas = [weights(i) for i in range(3)]
             # a deadline a loaded machine's rendezvous fits in; `other` waits it out alone
-            results = await asyncio.gather(*(avg.average(theta, 0, timeout=10) for avg, theta in zip((x1, x2, other), thetas)))
+            results = await asyncio.gather(
+                *(avg.average(theta, 0, timeout=10) for avg, theta in zip((x1, x2, other), thetas))
+            )
             assert results[0].partner_ids == [x2.peer_id] and results[1].partner_ids == [x1.peer_id]
             assert results[2] is None and other.rounds_to_deadline == 1
             assert other.failures == {"no_partner": 1} and other.refusals == {}
@@ -207,7 +241,9 @@ def test_a_stream_reaches_an_unconnected_peer_through_its_announced_addresses():
             with pytest.raises(P2PDaemonError):
                 await open_stream(caller.p2p, server_id, [], handler, dial_timeout=10)
             maddrs = [str(a) for a in await server.get_visible_maddrs()]
-            reader, writer = await open_stream(caller.p2p, server_id, ["not a multiaddr", *maddrs], handler, dial_timeout=10)
+            reader, writer = await open_stream(
+                caller.p2p, server_id, ["not a multiaddr", *maddrs], handler, dial_timeout=10
+            )
             writer.write(b"hello")
             await writer.drain()
             assert await reader.readexactly(5) == b"hello"

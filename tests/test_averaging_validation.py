@@ -82,7 +82,15 @@ def test_averaging_prefix_separates_models():
     tokenizer = build_char_tokenizer()
 
     def model(hidden: int):
-        config = ModelConfig(default={"hidden_size": hidden, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "max_position_embeddings": 64})
+        config = ModelConfig(
+            default={
+                "hidden_size": hidden,
+                "num_layers": 1,
+                "num_heads": 2,
+                "intermediate_size": 32,
+                "max_position_embeddings": 64,
+            }
+        )
         return build_default_model(config, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
 
     small, same, wider = model(16), model(16), model(32)

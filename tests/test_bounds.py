@@ -60,11 +60,32 @@ def test_pipeline_driver_and_server_memories_stay_bounded():
     from protocol.pipeline import DEFAULT_PIPELINE_LIMITS
     from protocol.refusals import PipelineRefusal
 
-    router = PipelineRouter(dht=None, config=load_config(None, ["pipeline.num_stages=2"]), model_fingerprint="m", stage_fingerprints=["a", "b"], limits=DEFAULT_PIPELINE_LIMITS)
+    router = PipelineRouter(
+        dht=None,
+        config=load_config(None, ["pipeline.num_stages=2"]),
+        model_fingerprint="m",
+        stage_fingerprints=["a", "b"],
+        limits=DEFAULT_PIPELINE_LIMITS,
+    )
     router.map = StageMap(2)
     for i in range(FLOOD):
-        server = StageAnnouncement(node_id=fake(i), p2p_peer_id="p", model_fingerprint="m", num_stages=2, stage=0, stage_fingerprint="a", layer_start=0,
-                                   layer_end=1, parts=["layers"], state="serving", step=0, grad_norm=0.0, samples_per_s=0.0, recoveries=0, replicas=[])
+        server = StageAnnouncement(
+            node_id=fake(i),
+            p2p_peer_id="p",
+            model_fingerprint="m",
+            num_stages=2,
+            stage=0,
+            stage_fingerprint="a",
+            layer_start=0,
+            layer_end=1,
+            parts=["layers"],
+            state="serving",
+            step=0,
+            grad_norm=0.0,
+            samples_per_s=0.0,
+            recoveries=0,
+            replicas=[],
+        )
         router.fail(HopFailed(server, "unreachable"))  # one strike each: remembered, not yet avoided
     assert len(router.strikes) <= 4096 and not router.avoid
     server_refusals = RefusalCounter(max_peers=256)  # what a StageServer keeps
@@ -81,11 +102,18 @@ def test_refused_value_memory_stays_bounded(tmp_path):
     from protocol import NodeIdentity
 
     stats = SwarmStats()
-    session = SwarmSession(load_config(None, ["swarm.transport=dht"]), dht=None, reachability="direct", identity=NodeIdentity.generate(), state_dir=tmp_path)
+    session = SwarmSession(
+        load_config(None, ["swarm.transport=dht"]),
+        dht=None,
+        reachability="direct",
+        identity=NodeIdentity.generate(),
+        state_dir=tmp_path,
+    )
     transport = DHTTransport(session, stats, "f", heartbeat=None)
     for i in range(FLOOD):
         transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
-        transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))  # re-read: not counted again
+        # re-read: not counted again
+        transport.receiver.refuse_once(fake(i), f"value {i}".encode(), ProtocolRejection(Refusal.BAD_SIGNATURE, "x"))
     assert len(transport.receiver.refused) == MAX_REFUSED_REMEMBERED
     assert stats.refusals.by_reason() == {"bad_signature": FLOOD} and len(stats.refusals.by_peer()) == MAX_TRACKED_PEERS
 
@@ -96,8 +124,18 @@ def test_replay_guard_stays_bounded():
 
     guard = ReplayGuard(max_senders=256)
     for i in range(FLOOD):
-        guard.check_and_record(Envelope(version=(1, 0), kind=MessageKind.PEER_STATS, swarm_id="s", sender=i.to_bytes(32, "big"),
-                                        sender_id=fake(i), seq=1, timestamp=0.0, message=None))
+        guard.check_and_record(
+            Envelope(
+                version=(1, 0),
+                kind=MessageKind.PEER_STATS,
+                swarm_id="s",
+                sender=i.to_bytes(32, "big"),
+                sender_id=fake(i),
+                seq=1,
+                timestamp=0.0,
+                message=None,
+            )
+        )
     assert len(guard._highest) == 256
 
 
@@ -124,7 +162,9 @@ def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
     from node.transport.gossip_libp2p import MAX_DIALS_PER_CONNECT, LibP2PGossip
 
     count = 1200
-    addresses = [f"/ip4/127.0.0.1/tcp/1/p2p/{ID.from_pubkey(create_new_key_pair().public_key).to_base58()}" for _ in range(count)]
+    addresses = [
+        f"/ip4/127.0.0.1/tcp/1/p2p/{ID.from_pubkey(create_new_key_pair().public_key).to_base58()}" for _ in range(count)
+    ]
 
     async def flood() -> tuple[int, int, int]:
         gossip = LibP2PGossip()
@@ -134,7 +174,7 @@ def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
             assert await gossip.connect(addresses) == 0  # the whole flood in one heartbeat
             after_one_call = len(peerstore.peer_ids())
             for start in range(0, count, MAX_DIALS_PER_CONNECT):
-                assert await gossip.connect(addresses[start:start + MAX_DIALS_PER_CONNECT]) == 0
+                assert await gossip.connect(addresses[start : start + MAX_DIALS_PER_CONNECT]) == 0
             assert gossip.running
             return after_one_call, len(peerstore.peer_ids()), peerstore.max_peers
         finally:
@@ -148,7 +188,14 @@ def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
 def test_averaging_round_memories_stay_bounded():
     import msgpack
 
-    from node.averaging.pairing import _KNOWN_REFUSALS, MAX_GROUP_PARTNERS, MAX_ROUND_PEERS, CallRefusal, _parse_refusal, _Round
+    from node.averaging.pairing import (
+        _KNOWN_REFUSALS,
+        MAX_GROUP_PARTNERS,
+        MAX_ROUND_PEERS,
+        CallRefusal,
+        _parse_refusal,
+        _Round,
+    )
 
     rnd = _Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))  # all mode
     for i in range(FLOOD):

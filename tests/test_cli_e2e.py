@@ -69,7 +69,14 @@ def test_train_three_rounds_then_resume(tiny_yaml, tmp_path, cli_env):
 
 
 def _start_and_wait(env, tiny_yaml, state, rows_needed, deadline_s=240):
-    process = subprocess.Popen(cli("train", "--config", str(tiny_yaml), "--state-dir", str(state)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO, start_new_session=True)
+    process = subprocess.Popen(
+        cli("train", "--config", str(tiny_yaml), "--state-dir", str(state)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + deadline_s
     while len(read_rows(state)) < rows_needed:
         assert process.poll() is None, process.stderr.read().decode()

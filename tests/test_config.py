@@ -13,7 +13,9 @@ def test_every_shipped_config_parses(path):
 
 
 def test_isolated_yaml_is_the_built_in_default():
-    assert load_config(REPO / "configs" / "isolated.yaml").model_dump(exclude={"state_dir"}) == NodeConfig().model_dump(exclude={"state_dir"})
+    assert load_config(REPO / "configs" / "isolated.yaml").model_dump(exclude={"state_dir"}) == NodeConfig().model_dump(
+        exclude={"state_dir"}
+    )
 
 
 def test_overrides_are_typed_and_nested():
@@ -63,7 +65,14 @@ def test_malformed_override_and_missing_file():
     ],
 )
 def test_cli_bad_config_exits_2_with_one_line(args, tmp_path, cli_env):
-    result = subprocess.run(cli(*args, "--state-dir", str(tmp_path / "s")), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        cli(*args, "--state-dir", str(tmp_path / "s")),
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("swarm-node: error:"), result.stderr

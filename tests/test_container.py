@@ -41,7 +41,9 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 def run(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
-    assert result.returncode == 0, f"{shlex.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{shlex.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 
@@ -54,10 +56,15 @@ def install_missing(commands: dict[str, str]) -> str | None:
         return f"{', '.join(missing)} missing and cannot be installed here (apt-get as root is needed)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=env, timeout=900)
-    installed = subprocess.run(["apt-get", "install", "-y", "-qq", *missing], capture_output=True, text=True, env=env, timeout=900)
+    installed = subprocess.run(
+        ["apt-get", "install", "-y", "-qq", *missing], capture_output=True, text=True, env=env, timeout=900
+    )
     still_missing = [command for command in commands if not shutil.which(command)]
     if still_missing:
-        return f"{', '.join(still_missing)} missing and `apt-get install {' '.join(missing)}` failed: {installed.stderr.strip()[-500:]}"
+        return (
+            f"{', '.join(still_missing)} missing and `apt-get install {' '.join(missing)}` failed: "
+            f"{installed.stderr.strip()[-500:]}"
+        )
     return None
 
 
@@ -69,12 +76,33 @@ def build_debian_base() -> None:
     """A Debian bookworm base with Python 3.11 and venv, the local stand-in for python:3.11-slim."""
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="swarm-node-rootfs-") as scratch:
         rootfs = Path(scratch) / "rootfs"
-        run("nice", "-n", "10", "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(rootfs), timeout=BUILD_TIMEOUT_S)
+        run(
+            "nice",
+            "-n",
+            "10",
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={BASE_PACKAGES}",
+            "bookworm",
+            str(rootfs),
+            timeout=BUILD_TIMEOUT_S,
+        )
         container = run("buildah", "from", "scratch").stdout.strip()
         try:
             mount = run("buildah", "mount", container).stdout.strip()
             # Downloaded packages and apt's lists would only make every layer above heavier.
-            packed = subprocess.Popen(["tar", "-C", str(rootfs), "--exclude=./var/cache/apt/archives/*.deb", "--exclude=./var/lib/apt/lists/*", "-c", "."], stdout=subprocess.PIPE)
+            packed = subprocess.Popen(
+                [
+                    "tar",
+                    "-C",
+                    str(rootfs),
+                    "--exclude=./var/cache/apt/archives/*.deb",
+                    "--exclude=./var/lib/apt/lists/*",
+                    "-c",
+                    ".",
+                ],
+                stdout=subprocess.PIPE,
+            )
             run("tar", "-C", mount, "-x", stdin=packed.stdout)
             assert packed.wait() == 0
             run("buildah", "umount", container)
@@ -113,15 +141,39 @@ def build_image() -> None:
     if HOST_CA_BUNDLE.exists():  # pip in the build trusts what this machine trusts (a registry proxy's CA, say)
         volumes.append(f"--volume={HOST_CA_BUNDLE}:/etc/ssl/certs/host-ca.crt:ro")
         trust = ["--cert", "/etc/ssl/certs/host-ca.crt"]
-    local = [*(option for folder in folders for option in ("--find-links", folder)), *(option for url in indexes for option in ("--extra-index-url", url))]
+    local = [
+        *(option for folder in folders for option in ("--find-links", folder)),
+        *(option for url in indexes for option in ("--extra-index-url", url)),
+    ]
     # torch from a local folder where one holds the CPU build, else from the Dockerfile's default source.
     has_local_torch = any(next(Path(folder).glob("torch-2.13.0+cpu-*.whl"), None) for folder in folders)
-    torch_source = shlex.join([*trust, *local]) if has_local_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
-    run("nice", "-n", "10", "buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "-t", IMAGE,
-        "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-        "--build-arg", f"TORCH_SOURCE={torch_source}",
-        "--build-arg", f"PIP_OPTIONS={shlex.join([*trust, *local])}",
-        *volumes, "-f", str(REPO / "Dockerfile"), str(REPO), timeout=BUILD_TIMEOUT_S)
+    torch_source = (
+        shlex.join([*trust, *local]) if has_local_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
+    )
+    run(
+        "nice",
+        "-n",
+        "10",
+        "buildah",
+        "bud",
+        "--isolation",
+        "chroot",
+        "--layers",
+        "--force-rm",
+        "-t",
+        IMAGE,
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "--build-arg",
+        f"TORCH_SOURCE={torch_source}",
+        "--build-arg",
+        f"PIP_OPTIONS={shlex.join([*trust, *local])}",
+        *volumes,
+        "-f",
+        str(REPO / "Dockerfile"),
+        str(REPO),
+        timeout=BUILD_TIMEOUT_S,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +221,12 @@ class Containers:
         self.logs.append(log)
         self.log_paths.append(log_path)
         # Its own process group: buildah and the node under it get the signal, nothing else.
-        process = subprocess.Popen(self.arguments(self.create(), volumes, command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            self.arguments(self.create(), volumes, command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.processes.append(process)
         return process
 
@@ -224,7 +281,9 @@ def test_the_image_trains_with_its_state_in_a_host_folder(image, containers, mod
     assert "Warning" not in result.stdout + result.stderr  # the first screen is clean in the image too
 
 
-def test_two_containers_join_each_other_and_train_on_each_others_rollouts(image, containers, model_cache_folder, tmp_path):
+def test_two_containers_join_each_other_and_train_on_each_others_rollouts(
+    image, containers, model_cache_folder, tmp_path
+):
     swarm = [*settings(SWARM_OVERRIDES), "--config", "/app/configs/swarm.yaml", "--state-dir", "/state/node"]
     states = {name: tmp_path / name for name in ("a", "b")}
     for folder in states.values():
@@ -235,11 +294,22 @@ def test_two_containers_join_each_other_and_train_on_each_others_rollouts(image,
 
     containers.start(volumes("a"), ["swarm-node", "join", *swarm], tmp_path / "a.out")
     addresses = states["a"] / "node" / "addresses.txt"
-    address = wait_for(lambda: containers.assert_running() or (addresses.exists() and addresses.read_text().split()), 300, "container a's address")[0]
+    address = wait_for(
+        lambda: containers.assert_running() or (addresses.exists() and addresses.read_text().split()),
+        300,
+        "container a's address",
+    )[0]
     containers.start(volumes("b"), ["swarm-node", "join", *swarm, "--initial-peers", address], tmp_path / "b.out")
     for name in ("a", "b"):
-        wait_for(lambda: containers.assert_running() or any(row.get("external_questions", 0) > 0 for row in read_rows(states[name] / "node")),
-                 300, f"container {name} to train on the other's rollouts", interval=1)
+        wait_for(
+            lambda: (
+                containers.assert_running()
+                or any(row.get("external_questions", 0) > 0 for row in read_rows(states[name] / "node"))
+            ),
+            300,
+            f"container {name} to train on the other's rollouts",
+            interval=1,
+        )
 
 
 def test_docker_compose_accepts_the_compose_file():

@@ -1,4 +1,5 @@
-"""Per-node cost flat in swarm size: shard keys, the read budget, and a real node next to a crowd of 64 peers on loopback."""
+"""Per-node cost flat in swarm size: shard keys, the read budget, and a real node next to a crowd of 64 peers on
+loopback."""
 
 from __future__ import annotations
 
@@ -9,17 +10,32 @@ from node.config import load_config
 from node.stats import SwarmStats
 from node.transport.batches import BatchReceiver
 from protocol import NodeIdentity, Refusal
-from protocol.shards import (HEARTBEAT_SHARDS, MAX_ROLLOUT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count,
-                             rollout_write_levels, shard_of)
+from protocol.shards import (
+    HEARTBEAT_SHARDS,
+    MAX_ROLLOUT_SHARDS,
+    heartbeat_shards_to_read,
+    peers_key,
+    rollout_key,
+    rollout_shard_count,
+    rollout_write_levels,
+    shard_of,
+)
 from tests.helpers.common import REPO
 from tests.helpers.swarm import SWARM_OVERRIDES
 
 CROWD = 64
-CROWD_OVERRIDES = [*SWARM_OVERRIDES, "swarm.gossip=dht", "swarm.client_mode=true", "swarm.reachability=direct", "swarm.heartbeat_ttl_s=60",
-                   "swarm.max_batches_read_per_round=16"]
+CROWD_OVERRIDES = [
+    *SWARM_OVERRIDES,
+    "swarm.gossip=dht",
+    "swarm.client_mode=true",
+    "swarm.reachability=direct",
+    "swarm.heartbeat_ttl_s=60",
+    "swarm.max_batches_read_per_round=16",
+]
 
 
 # --- shard keys (protocol/shards.py): every node must compute the same ones ---------------------------
+
 
 def test_shard_keys_are_pinned():
     node_id = "0123456789abcdef0123456789abcdef01234567"
@@ -41,11 +57,13 @@ def test_small_swarms_and_late_joiners_read_one_shard_with_every_batch():
     assert [rollout_shard_count(n) for n in (33, 65, 1025)] == [2, 4, 64]
     assert rollout_shard_count(10**9) == MAX_ROLLOUT_SHARDS  # an inflated estimate only thins what is read
     assert rollout_write_levels(1) == [1, 2] and rollout_write_levels(4) == [2, 4, 8]
-    assert heartbeat_shards_to_read(1) == HEARTBEAT_SHARDS and heartbeat_shards_to_read(256) == HEARTBEAT_SHARDS  # all heartbeats
+    # all heartbeats
+    assert heartbeat_shards_to_read(1) == HEARTBEAT_SHARDS and heartbeat_shards_to_read(256) == HEARTBEAT_SHARDS
     assert heartbeat_shards_to_read(1024) == 2 and heartbeat_shards_to_read(100_000) == 1
 
 
 # --- the round's read budget: a flood is bounded and counted -------------------------------------------
+
 
 def test_a_flood_is_decoded_up_to_the_budget_and_the_rest_counted():
     from benchmarks.crowd import Crowd
@@ -54,7 +72,10 @@ def test_a_flood_is_decoded_up_to_the_budget_and_the_rest_counted():
     config = load_config(REPO / "configs" / "swarm.yaml", CROWD_OVERRIDES)
     crowd = Crowd(config)  # its batches, signed by 120 throwaway identities, as if all were stored under one shard
     flooders = [NodeIdentity.generate() for _ in range(120)]
-    values = [(identity.node_id, RecordWriter(identity, "test-swarm").sign(crowd.batch(i)).data) for i, identity in enumerate(flooders)]
+    values = [
+        (identity.node_id, RecordWriter(identity, "test-swarm").sign(crowd.batch(i)).data)
+        for i, identity in enumerate(flooders)
+    ]
     stats = SwarmStats()
     receiver = BatchReceiver(config.swarm, "f" * 40, "fingerprint", stats)
     first = receiver.receive(values, time.time(), budget=16)
@@ -66,6 +87,7 @@ def test_a_flood_is_decoded_up_to_the_budget_and_the_rest_counted():
 
 
 # --- a node next to a crowd of 64 -----------------------------------------------------------------------
+
 
 def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_lists_everyone(model_cache, tmp_path):
     from benchmarks.crowd import Crowd, list_peers
@@ -79,7 +101,13 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
         try:
             crowd.grow(CROWD)
             assert await crowd.publish() == (CROWD * 4, 0)  # a heartbeat and a batch at three shard levels each
-            node = Node(load_config(REPO / "configs" / "swarm.yaml", [*CROWD_OVERRIDES, f'swarm.initial_peers=["{address}"]'], state_dir=str(tmp_path / "node")))
+            node = Node(
+                load_config(
+                    REPO / "configs" / "swarm.yaml",
+                    [*CROWD_OVERRIDES, f'swarm.initial_peers=["{address}"]'],
+                    state_dir=str(tmp_path / "node"),
+                )
+            )
             node.load()
             await node.start_services()
             assert node.stats.swarm_size_estimate == CROWD + 1  # a swarm this small: every heartbeat shard was read
@@ -89,9 +117,15 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
                 before = node.stats.totals()
                 rows.append(await node.run_round())
                 after = node.stats.totals()
-                per_round.append({name: after[name] - before[name] for name in ("values_read", "values_decoded", "values_left_unread")})
+                per_round.append(
+                    {
+                        name: after[name] - before[name]
+                        for name in ("values_read", "values_decoded", "values_left_unread")
+                    }
+                )
             count = rollout_shard_count(CROWD + 1)
-            # One crowd member stores its batch under every other shard of the window; whichever the node reads holds it.
+            # One crowd member stores its batch under every other shard of the window; whichever the node reads holds
+            # it.
             window = int(time.time() // node.config.swarm.window_s)
             flooder = NodeIdentity.generate()
             for shard in range(count):
@@ -134,6 +168,7 @@ def test_a_key_flooded_past_its_byte_bound_refuses_new_subkeys_and_stays_readabl
     key, far = DHTID.generate(source="k"), time.time() + 60
     assert storage.store_subkey(key, "a" * 40, b"x" * 400, far) and storage.store_subkey(key, "b" * 40, b"x" * 400, far)
     assert not storage.store_subkey(key, "c" * 40, b"x" * 400, far)  # would make 1,200 bytes: refused
-    assert storage.store_subkey(key, "a" * 40, b"y" * 500, far + 1)  # an owner's newer value in place of its own still fits
+    # an owner's newer value in place of its own still fits
+    assert storage.store_subkey(key, "a" * 40, b"y" * 500, far + 1)
     assert sorted(subkey for subkey, _ in storage.get(key).value.items()) == ["a" * 40, "b" * 40]
     assert refusals.by_reason == {"key_full": 1}

@@ -22,10 +22,24 @@ from node.dashboard.sources import DashboardSources, MetricsTail, PeerHistory
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
 from tests.helpers.swarm import SwarmProcess, wait_for
 
-PEER_ROW = dict(node_id="12D3KooWAbcdefghijklmnop", display_name="a-rather-long-node-name", round=123, policy_version=120, reward_mean=0.1234,
-                accuracy=0.4567, rollouts_published=1234, rollouts_received=5678, rollouts_accepted=5000, rollouts_rejected=12, outer_steps=3,
-                outer_steps_skipped=1, tokens_per_s=1234.5, uptime_s=3600.0, last_seen=0.0,
-                accuracy_by_dataset={"basic_arithmetic": 0.5, "fraction_simplification": 0.25})
+PEER_ROW = dict(
+    node_id="12D3KooWAbcdefghijklmnop",
+    display_name="a-rather-long-node-name",
+    round=123,
+    policy_version=120,
+    reward_mean=0.1234,
+    accuracy=0.4567,
+    rollouts_published=1234,
+    rollouts_received=5678,
+    rollouts_accepted=5000,
+    rollouts_rejected=12,
+    outer_steps=3,
+    outer_steps_skipped=1,
+    tokens_per_s=1234.5,
+    uptime_s=3600.0,
+    last_seen=0.0,
+    accuracy_by_dataset={"basic_arithmetic": 0.5, "fraction_simplification": 0.25},
+)
 
 
 # the peers table ---------------------------------------------------------------------------------
@@ -47,7 +61,7 @@ def test_peers_table_fits_the_terminal_with_whole_headers(width):
     if width >= 200:
         assert len(shown) == len(PEER_COLUMNS) and "not shown" not in text
     else:
-        hidden = text[text.index("not shown for width:"):]
+        hidden = text[text.index("not shown for width:") :]
         assert all(name in hidden for name, _, _ in PEER_COLUMNS if name not in shown)
 
 
@@ -58,7 +72,8 @@ def test_peer_history_is_bounded_and_keeps_by_dataset_fields():
     history = PeerHistory(max_peers=3, max_points=5)
     for t in range(10):
         history.add([dict(PEER_ROW, node_id="steady", last_seen=float(t), accuracy_by_dataset={"a": 0.5})])
-        history.add([dict(PEER_ROW, node_id="steady", last_seen=float(t))])  # the same heartbeat read twice is one point
+        # the same heartbeat read twice is one point
+        history.add([dict(PEER_ROW, node_id="steady", last_seen=float(t))])
     points = history.snapshot()["steady"]
     assert [p["time"] for p in points] == [5.0, 6.0, 7.0, 8.0, 9.0]
     assert points[-1]["accuracy_by_dataset"] == {"a": 0.5} and points[-1]["reward_mean"] == PEER_ROW["reward_mean"]
@@ -99,17 +114,34 @@ async def _request(port: int, raw: bytes) -> bytes:
 
 def test_server_routes_json_static_files_and_refuses_the_rest(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "loss": 1.0}).replace("1.0", "NaN") + "\n")
-    sources = DashboardSources(None, tmp_path / "metrics.jsonl", lambda: {"stats": {"totals": {"rejected": {"replay": 2}}}})
+    sources = DashboardSources(
+        None, tmp_path / "metrics.jsonl", lambda: {"stats": {"totals": {"rejected": {"replay": 2}}}}
+    )
 
     async def scenario():
         server = DashboardServer("127.0.0.1", 0, sources)
         await server.start()
         try:
             get = lambda path: _request(server.port, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")  # noqa: E731
-            replies = {path: await get(path) for path in (b"/", b"/static/app.js", b"/static/style.css", b"/api/peers", b"/api/metrics",
-                                                          b"/api/swarm", b"/api/stages", b"/api/history", b"/static/../server.py", b"/nowhere")}
+            replies = {
+                path: await get(path)
+                for path in (
+                    b"/",
+                    b"/static/app.js",
+                    b"/static/style.css",
+                    b"/api/peers",
+                    b"/api/metrics",
+                    b"/api/swarm",
+                    b"/api/stages",
+                    b"/api/history",
+                    b"/static/../server.py",
+                    b"/nowhere",
+                )
+            }
             replies["POST"] = await _request(server.port, b"POST /api/peers HTTP/1.1\r\n\r\n")
-            replies["huge"] = await _request(server.port, b"GET /" + b"a" * (2 * MAX_REQUEST_BYTES) + b" HTTP/1.1\r\n\r\n")
+            replies["huge"] = await _request(
+                server.port, b"GET /" + b"a" * (2 * MAX_REQUEST_BYTES) + b" HTTP/1.1\r\n\r\n"
+            )
             return replies
         finally:
             await server.stop()
@@ -117,13 +149,28 @@ def test_server_routes_json_static_files_and_refuses_the_rest(tmp_path):
     replies = asyncio.run(scenario())
     status = {path: reply.split(b"\r\n", 1)[0] for path, reply in replies.items()}
     body = {path: reply.split(b"\r\n\r\n", 1)[-1] for path, reply in replies.items()}
-    for path in (b"/", b"/static/app.js", b"/static/style.css", b"/api/peers", b"/api/metrics", b"/api/swarm", b"/api/stages", b"/api/history"):
+    for path in (
+        b"/",
+        b"/static/app.js",
+        b"/static/style.css",
+        b"/api/peers",
+        b"/api/metrics",
+        b"/api/swarm",
+        b"/api/stages",
+        b"/api/history",
+    ):
         assert status[path] == b"HTTP/1.1 200 OK", path
     assert b'id="peer-rows"' in body[b"/"] and b"renderStages" in body[b"/static/app.js"]
-    assert json.loads(body[b"/api/peers"]) == [] and json.loads(body[b"/api/stages"]) == [] and json.loads(body[b"/api/history"]) == {}
+    assert (
+        json.loads(body[b"/api/peers"]) == []
+        and json.loads(body[b"/api/stages"]) == []
+        and json.loads(body[b"/api/history"]) == {}
+    )
     assert json.loads(body[b"/api/metrics"]) == [{"round": 1, "loss": None}]  # NaN is not JSON: sent as null
     assert json.loads(body[b"/api/swarm"])["stats"]["totals"]["rejected"] == {"replay": 2}
-    assert status[b"/static/../server.py"].startswith(b"HTTP/1.1 404") and status[b"/nowhere"].startswith(b"HTTP/1.1 404")
+    assert status[b"/static/../server.py"].startswith(b"HTTP/1.1 404") and status[b"/nowhere"].startswith(
+        b"HTTP/1.1 404"
+    )
     assert status["POST"].startswith(b"HTTP/1.1 405")
     assert replies["huge"] == b""  # a request head over the limit gets nothing
 
@@ -141,14 +188,27 @@ def test_shipped_page_loads_nothing_from_elsewhere():
 def chromium_binary() -> str:
     binary = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if binary is None:
-        pytest.fail("no chromium on PATH: `make install` installs it (apt-get install chromium), or set CHROMIUM=/path/to/chromium")
+        pytest.fail(
+            "no chromium on PATH: `make install` installs it (apt-get install chromium), or set "
+            "CHROMIUM=/path/to/chromium"
+        )
     return binary
 
 
 def run_chromium(profile: Path, *args: str, timeout: float = 180) -> str:
     """Headless Chromium in its own process group (its zygote and renderers with it), killed as a group on timeout."""
-    command = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-               f"--user-data-dir={profile}", "--hide-scrollbars", "--window-size=1280,1400", *args]
+    command = [
+        chromium_binary(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--hide-scrollbars",
+        "--window-size=1280,1400",
+        *args,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = process.communicate(timeout=timeout)
@@ -168,33 +228,75 @@ def chart_points(dom: str, chart: str) -> int:
 
 
 def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml, tmp_path, cli_env):
-    first = SwarmProcess(evaluating_swarm_yaml, tmp_path / "a", cli_env, extra=["--set", "swarm.dashboard_port=0", "--set", "name=node-a"])
+    first = SwarmProcess(
+        evaluating_swarm_yaml,
+        tmp_path / "a",
+        cli_env,
+        extra=["--set", "swarm.dashboard_port=0", "--set", "name=node-a"],
+    )
     nodes = [first]
     viewer = viewer_log = None
     try:
         bootstrap = first.addresses()
-        nodes.append(SwarmProcess(evaluating_swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "name=node-b"]))
-        url = wait_for(lambda: first.assert_running() or ((tmp_path / "a" / "dashboard.txt").exists() and (tmp_path / "a" / "dashboard.txt").read_text().strip()), 120, "node a's dashboard")
+        nodes.append(
+            SwarmProcess(evaluating_swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "name=node-b"])
+        )
+        url = wait_for(
+            lambda: (
+                first.assert_running()
+                or (
+                    (tmp_path / "a" / "dashboard.txt").exists()
+                    and (tmp_path / "a" / "dashboard.txt").read_text().strip()
+                )
+            ),
+            120,
+            "node a's dashboard",
+        )
 
         def ready():
             for node in nodes:
                 node.assert_running()
-            peers, metrics, history = get_json(url + "api/peers"), get_json(url + "api/metrics"), get_json(url + "api/history")
-            return len(peers) == 2 and len(metrics) >= 3 and any("heldout_accuracy" in r for r in metrics) and sum(len(p) for p in history.values()) >= 3
+            peers, metrics, history = (
+                get_json(url + "api/peers"),
+                get_json(url + "api/metrics"),
+                get_json(url + "api/history"),
+            )
+            return (
+                len(peers) == 2
+                and len(metrics) >= 3
+                and any("heldout_accuracy" in r for r in metrics)
+                and sum(len(p) for p in history.values()) >= 3
+            )
+
         wait_for(ready, 300, "two peers, three metrics rows and some heartbeat history on the dashboard", interval=1)
 
         # /api/peers is what `swarm-node peers --json` prints (the same function): same peers, same fields.
-        listed = subprocess.run(cli("peers", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+        listed = subprocess.run(
+            cli("peers", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--json"),
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=CLI_TIMEOUT_S,
+        )
         assert listed.returncode == 0, listed.stderr
         from_cli, from_api = json.loads(listed.stdout.strip().splitlines()[-1]), get_json(url + "api/peers")
-        assert [r["node_id"] for r in from_cli] == [r["node_id"] for r in from_api] and [set(r) for r in from_cli] == [set(r) for r in from_api]
+        assert [r["node_id"] for r in from_cli] == [r["node_id"] for r in from_api] and [set(r) for r in from_cli] == [
+            set(r) for r in from_api
+        ]
         assert {r["display_name"] for r in from_api} == {"node-a", "node-b"}
 
         dom = run_chromium(tmp_path / "chromium-profile", "--virtual-time-budget=10000", "--dump-dom", url)
         assert len(re.findall(r"<tr[^>]*data-peer-row", dom)) == 2, dom[:3000]
         assert 'data-state="ok"' in dom
-        assert chart_points(dom, "node-reward") >= 3 and chart_points(dom, "node-accuracy") >= 3 and chart_points(dom, "peer-reward") >= 1
-        assert re.search(r'<path[^>]*data-series="reward_mean"[^>]*data-points="([3-9]|\d\d+)"', dom), "no reward curve with points"
+        assert (
+            chart_points(dom, "node-reward") >= 3
+            and chart_points(dom, "node-accuracy") >= 3
+            and chart_points(dom, "peer-reward") >= 1
+        )
+        assert re.search(r'<path[^>]*data-series="reward_mean"[^>]*data-points="([3-9]|\d\d+)"', dom), (
+            "no reward curve with points"
+        )
         assert re.search(r'<path[^>]*data-series="heldout_accuracy"', dom), "no held-out accuracy curve"
         assert 'data-pipeline-count="0"' in dom  # the stage map section is there, empty without stage servers
 
@@ -205,9 +307,31 @@ def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml,
 
         # The client-only viewer serves the same peers without training.
         viewer_log = open(tmp_path / "viewer.out", "w")
-        viewer = subprocess.Popen(cli("dashboard", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--port", "0", "--state-dir", str(tmp_path / "b")),
-                                  stdout=viewer_log, stderr=subprocess.STDOUT, env=cli_env, cwd=REPO, start_new_session=True)
-        viewer_url = wait_for(lambda: (m := re.search(r"(http://127\.0\.0\.1:\d+/)", (tmp_path / "viewer.out").read_text())) and m.group(1), 120, "the viewer's URL")
+        viewer = subprocess.Popen(
+            cli(
+                "dashboard",
+                "--initial-peers",
+                bootstrap[0],
+                "--swarm-id",
+                "test-swarm",
+                "--port",
+                "0",
+                "--state-dir",
+                str(tmp_path / "b"),
+            ),
+            stdout=viewer_log,
+            stderr=subprocess.STDOUT,
+            env=cli_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        viewer_url = wait_for(
+            lambda: (
+                (m := re.search(r"(http://127\.0\.0\.1:\d+/)", (tmp_path / "viewer.out").read_text())) and m.group(1)
+            ),
+            120,
+            "the viewer's URL",
+        )
         wait_for(lambda: len(get_json(viewer_url + "api/peers")) == 2, 120, "the viewer to list both peers", interval=1)
         assert get_json(viewer_url + "api/metrics") and get_json(viewer_url + "api/swarm")["node"]["viewer"] is True
         os.killpg(viewer.pid, signal.SIGINT)

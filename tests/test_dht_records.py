@@ -24,13 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def heartbeat(identity: NodeIdentity, now: float, **fields) -> bytes:
-    return encode_message(stats_message(identity, now), identity=identity, swarm_id=fields.get("swarm", SWARM), seq=1, timestamp=now)
+    return encode_message(
+        stats_message(identity, now), identity=identity, swarm_id=fields.get("swarm", SWARM), seq=1, timestamp=now
+    )
 
 
 def record(subkey, value: bytes, expiration: float, raw_value: bool = False, raw_subkey: bool = False):
     from hivemind.dht.validation import DHTRecord
 
-    return DHTRecord(key=b"k" * 20, subkey=subkey if raw_subkey else msgpack.packb(subkey), value=value if raw_value else msgpack.packb(value), expiration_time=expiration)
+    return DHTRecord(
+        key=b"k" * 20,
+        subkey=subkey if raw_subkey else msgpack.packb(subkey),
+        value=value if raw_value else msgpack.packb(value),
+        expiration_time=expiration,
+    )
 
 
 def test_validator_rules(monkeypatch):
@@ -58,7 +65,9 @@ def test_validator_rules(monkeypatch):
     assert validator.check(record(b"\xc1", good, now + 30, raw_subkey=True))[0] == "bad_subkey"
     assert validator.refusals.by_reason == {reason: 1 for reason in cases}
     assert validator.refusals.by_owner[other.node_id] == {"sender_mismatch": 1}
-    ready = encode_message(AveragingReady(p2p_peer_id="12D3Koo", round=3, state="free"), identity=me, swarm_id=SWARM, seq=2, timestamp=now)
+    ready = encode_message(
+        AveragingReady(p2p_peer_id="12D3Koo", round=3, state="free"), identity=me, swarm_id=SWARM, seq=2, timestamp=now
+    )
     assert validator.validate(record(me.node_id, ready, now + 60))
     monkeypatch.delitem(RECORD_TTL_S, MessageKind.AVERAGING_READY)  # a kind this node does not store in the DHT
     assert validator.check(record(me.node_id, ready, now + 60))[0] == "unknown_kind"
@@ -88,7 +97,10 @@ def test_a_replay_loses_to_the_owners_newer_record():
     time.sleep(0.01)
     new = writer.sign(stats_message(me, time.time()))
     for signed in (old, new):
-        assert signed.expiration == decode_message(signed.data, swarm_id=SWARM).timestamp + RECORD_TTL_S[MessageKind.PEER_STATS]
+        assert (
+            signed.expiration
+            == decode_message(signed.data, swarm_id=SWARM).timestamp + RECORD_TTL_S[MessageKind.PEER_STATS]
+        )
     validator = SwarmRecordValidator(SWARM)
     replay_at_most = record(me.node_id, old.data, old.expiration)
     assert validator.validate(replay_at_most) and not validator.validate(record(me.node_id, old.data, new.expiration))
@@ -131,18 +143,25 @@ async def _poisoned_holder_scenario():
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
     honest_refusals, reader_refusals = RecordRefusals(), RecordRefusals()
     maddrs = ["/ip4/127.0.0.1/tcp/0"]
-    honest = await DHTNode.create(host_maddrs=maddrs, record_validator=SwarmRecordValidator(SWARM, refusals=honest_refusals))
+    honest = await DHTNode.create(
+        host_maddrs=maddrs, record_validator=SwarmRecordValidator(SWARM, refusals=honest_refusals)
+    )
     address = [str(a) for a in await honest.get_visible_maddrs()]
     holder = await DHTNode.create(initial_peers=address, host_maddrs=maddrs)  # no validator: stores anything
-    reader = await DHTNode.create(initial_peers=[str(a) for a in await holder.get_visible_maddrs()], host_maddrs=maddrs, client_mode=True,
-                                  record_validator=SwarmRecordValidator(SWARM, refusals=reader_refusals))
+    reader = await DHTNode.create(
+        initial_peers=[str(a) for a in await holder.get_visible_maddrs()],
+        host_maddrs=maddrs,
+        client_mode=True,
+        record_validator=SwarmRecordValidator(SWARM, refusals=reader_refusals),
+    )
     try:
         key = f"{key_prefix(SWARM)}/peers"
         me = NodeIdentity.generate()
         assert await RecordWriter(me, SWARM).store(honest, key, stats_message(me, time.time()), timeout=30)
         key_id = DHTID.generate(source=key)
         far = time.time() + 3600
-        holder.protocol.storage.store_subkey(key_id, "f" * 40, b"\xc1\xc1 not msgpack", far)  # straight into its storage
+        # straight into its storage
+        holder.protocol.storage.store_subkey(key_id, "f" * 40, b"\xc1\xc1 not msgpack", far)
         holder.protocol.storage.store_subkey(key_id, "e" * 40, msgpack.packb(b"junk"), far)
         started = time.monotonic()
         envelopes = await read_records(reader, key, SWARM, MessageKind.PEER_STATS, timeout=60, limit=256)
@@ -157,13 +176,21 @@ async def _poisoned_holder_scenario():
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", SWARM, "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        cli("peers", "--initial-peers", address, "--swarm-id", SWARM, "--json"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]:
-    """A client-mode DHT peer with the project's source in hand writes poison straight into the honest node's storage."""
+    """A client-mode DHT peer with the project's source in hand writes poison straight into the honest node's
+    storage."""
     from hivemind.dht.node import DHTNode
     from hivemind.dht.routing import DHTID
     from hivemind.p2p import PeerID
@@ -175,7 +202,8 @@ async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]
     target = PeerID.from_base58(address.rsplit("/p2p/", 1)[1])
     me = NodeIdentity.generate()
     prefix = key_prefix(SWARM)
-    peers_key = shard_keys.peers_key(prefix, shard_keys.shard_of(honest_id, shard_keys.HEARTBEAT_SHARDS))  # where the honest node's heartbeat lives
+    # where the honest node's heartbeat lives
+    peers_key = shard_keys.peers_key(prefix, shard_keys.shard_of(honest_id, shard_keys.HEARTBEAT_SHARDS))
     window = int(time.time() // 2)
     keys = [peers_key] + [shard_keys.rollout_key(prefix, window + k, count, 0) for k in range(4) for count in (1, 2)]
     accepted: dict[str, int] = {}
@@ -189,13 +217,29 @@ async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]
                 "undecodable": [(key, b"\xc1\xc1 not msgpack", "f" * 40) for key in keys],
                 "plain_value": [(key, msgpack.packb(b"blind"), None) for key in keys],
                 "forged_owner": [(peers_key, msgpack.packb(heartbeat(me, time.time())), honest_id)],
-                "forged_ready": [(f"{key_prefix(SWARM)}/avg/x/ready/1", msgpack.packb(encode_message(AveragingReady(p2p_peer_id="x", round=1, state="free"), identity=me, swarm_id=SWARM, seq=3, timestamp=time.time())), honest_id)],
+                "forged_ready": [
+                    (
+                        f"{key_prefix(SWARM)}/avg/x/ready/1",
+                        msgpack.packb(
+                            encode_message(
+                                AveragingReady(p2p_peer_id="x", round=1, state="free"),
+                                identity=me,
+                                swarm_id=SWARM,
+                                seq=3,
+                                timestamp=time.time(),
+                            )
+                        ),
+                        honest_id,
+                    )
+                ],
             }
             if replay is not None:
                 attempts["replay_far_expiration"] = [(peers_key, msgpack.packb(replay), honest_id)]
             for name, items in attempts.items():
                 for key, value, subkey in items:
-                    result = await attacker.protocol.call_store(target, [DHTID.generate(source=key)], [value], far, subkeys=[subkey])
+                    result = await attacker.protocol.call_store(
+                        target, [DHTID.generate(source=key)], [value], far, subkeys=[subkey]
+                    )
                     accepted[name] = accepted.get(name, 0) + sum(bool(ok) for ok in result or [])
             await asyncio.sleep(0.5)
     finally:
@@ -207,17 +251,40 @@ def test_a_record_level_attacker_cannot_blind_the_swarm(swarm_yaml, tmp_path, cl
     honest = SwarmProcess(swarm_yaml, tmp_path / "honest", cli_env)
     nodes.append(honest)
     address = honest.addresses()[0]
-    honest_id = wait_for(lambda: (honest.state_dir / "identity.key").exists() and NodeIdentity.load_or_create(honest.state_dir / "identity.key").node_id, 60, "identity")
+    honest_id = wait_for(
+        lambda: (
+            (honest.state_dir / "identity.key").exists()
+            and NodeIdentity.load_or_create(honest.state_dir / "identity.key").node_id
+        ),
+        60,
+        "identity",
+    )
     wait_for(lambda: honest.assert_running() or len(read_rows(honest.state_dir)) >= 2, 180, "the honest node to train")
     rounds_before = len(read_rows(honest.state_dir))
 
     accepted = asyncio.run(attack(address, honest_id, seconds=8))
     assert accepted and not any(accepted.values()), accepted  # the honest node stored none of it
 
-    listed = wait_for(lambda: [p for p in peers_json(cli_env, address) if p["node_id"] == honest_id], 60, "peers to list the honest node", interval=1)
+    listed = wait_for(
+        lambda: [p for p in peers_json(cli_env, address) if p["node_id"] == honest_id],
+        60,
+        "peers to list the honest node",
+        interval=1,
+    )
     assert listed
-    wait_for(lambda: honest.assert_running() or len(read_rows(honest.state_dir)) >= rounds_before + 3, 180, "the honest node to keep training")
-    swarm = wait_for(lambda: (honest.state_dir / "swarm.json").exists() and json.loads((honest.state_dir / "swarm.json").read_text())["totals"]["dht_records_rejected"], 60, "refusals in swarm.json")
+    wait_for(
+        lambda: honest.assert_running() or len(read_rows(honest.state_dir)) >= rounds_before + 3,
+        180,
+        "the honest node to keep training",
+    )
+    swarm = wait_for(
+        lambda: (
+            (honest.state_dir / "swarm.json").exists()
+            and json.loads((honest.state_dir / "swarm.json").read_text())["totals"]["dht_records_rejected"]
+        ),
+        60,
+        "refusals in swarm.json",
+    )
     assert {"not_msgpack", "no_subkey", "sender_mismatch"} <= set(swarm), swarm
     if "replay_far_expiration" in accepted:
         assert "expiration_too_late" in swarm

@@ -23,7 +23,9 @@ from tests.helpers.messages import stats_message
 async def started(tmp_path, name: str, initial_peers: list[str]) -> DHTTransport:
     """A node's transport over its own swarm session, started (stop both with `leave`)."""
     config = load_config(None, ["swarm.gossip=dht", "swarm.host_maddrs=[\"/ip4/127.0.0.1/tcp/0\"]"])
-    config = config.model_copy(update={"swarm": config.swarm.model_copy(update={"initial_peers": initial_peers, "swarm_id": "rejoin-test"})})
+    config = config.model_copy(
+        update={"swarm": config.swarm.model_copy(update={"initial_peers": initial_peers, "swarm_id": "rejoin-test"})}
+    )
     identity = NodeIdentity.generate()
     state = tmp_path / name
     state.mkdir()
@@ -48,7 +50,8 @@ def forget(node: DHTTransport, other: DHTTransport) -> None:
 def test_dht_addresses_by_peer_skips_what_it_cannot_dial():
     good = "/ip4/10.0.0.1/tcp/4000/p2p/12D3KooWHVpdP9fpGTpE8P7vbEVjZCir9ZeA5MPcqSBqPMDj5DQ9"
     assert dht_addresses_by_peer([good, "/ip4/10.0.0.1/tcp/4000", "garbage", good.replace("10.0.0.1", "10.0.0.2")]) == {
-        "12D3KooWHVpdP9fpGTpE8P7vbEVjZCir9ZeA5MPcqSBqPMDj5DQ9": [good, good.replace("10.0.0.1", "10.0.0.2")]}
+        "12D3KooWHVpdP9fpGTpE8P7vbEVjZCir9ZeA5MPcqSBqPMDj5DQ9": [good, good.replace("10.0.0.1", "10.0.0.2")]
+    }
 
 
 def test_peers_dropped_from_the_routing_table_are_found_again(tmp_path):
@@ -68,12 +71,21 @@ def test_peers_dropped_from_the_routing_table_are_found_again(tmp_path):
                 forget(left, c)
                 forget(c, left)
             assert all(c.session.dht.peer_id not in n.session.dht.protocol.routing_table for n in (a, b))
-            assert a.session.dht.peer_id not in c.session.dht.protocol.routing_table and b.session.dht.peer_id not in c.session.dht.protocol.routing_table
+            assert (
+                a.session.dht.peer_id not in c.session.dht.protocol.routing_table
+                and b.session.dht.peer_id not in c.session.dht.protocol.routing_table
+            )
 
             assert await c.rejoin_lost_peers() >= 2  # a (its bootstrap peer) and b (seen in a heartbeat)
-            assert a.session.dht.peer_id in c.session.dht.protocol.routing_table and b.session.dht.peer_id in c.session.dht.protocol.routing_table
+            assert (
+                a.session.dht.peer_id in c.session.dht.protocol.routing_table
+                and b.session.dht.peer_id in c.session.dht.protocol.routing_table
+            )
             # c's pings put it back into their tables too (hivemind adds a pinging server node)
-            assert c.session.dht.peer_id in a.session.dht.protocol.routing_table and c.session.dht.peer_id in b.session.dht.protocol.routing_table
+            assert (
+                c.session.dht.peer_id in a.session.dht.protocol.routing_table
+                and c.session.dht.peer_id in b.session.dht.protocol.routing_table
+            )
             assert c.dht_peers_rejoined >= 2
             assert await c.rejoin_lost_peers() == 0  # nobody is lost any more: nothing to do
         finally:

@@ -25,12 +25,23 @@ from node.weights.codec import CodecError, EncodedWeights, encode_weights
 from node.averaging.pairing import CONTROL_MAX_BYTES, EXCHANGE_VERSION, Frame, PairAverager, _parse_refusal, _Round
 from node.pipeline.client import unpack
 from node.transport.framing import FRAME_HEADER, FramingError, read_frame
-from protocol import DEFAULT_LIMITS, MESSAGE_TYPES, AveragingReady, ProtocolRejection, StageAnnouncement, StageLost, decode_message, encode_message
+from protocol import (
+    DEFAULT_LIMITS,
+    MESSAGE_TYPES,
+    AveragingReady,
+    ProtocolRejection,
+    StageAnnouncement,
+    StageLost,
+    decode_message,
+    encode_message,
+)
 from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PipelineFrame, StageCall, StageResult
 from tests.helpers.messages import IDENTITY, SWARM, T0, make_batch, make_stats, signed
 
 Decode = Callable[[bytes], str]
-DECODERS: dict[str, Callable[[], tuple[Decode, list[bytes]]]] = {}  # name -> () -> (decode, seeds); see the module docstring
+DECODERS: dict[
+    str, Callable[[], tuple[Decode, list[bytes]]]
+] = {}  # name -> () -> (decode, seeds); see the module docstring
 
 
 def fuzzed(name: str):
@@ -59,7 +70,7 @@ def mutations(seeds: list[bytes], rng: random.Random):
             base[at:at] = rng.randbytes(rng.randrange(1, 32))
         elif kind == 4:
             other = rng.choice(seeds)
-            base = base[: rng.randrange(len(base) + 1)] + other[rng.randrange(len(other) + 1):]
+            base = base[: rng.randrange(len(base) + 1)] + other[rng.randrange(len(other) + 1) :]
         else:
             base += rng.randbytes(rng.randrange(1, 16))
         yield bytes(base)
@@ -67,11 +78,34 @@ def mutations(seeds: list[bytes], rng: random.Random):
 
 def _odd_value(rng: random.Random):
     """A value of a random type and size, including the edges decoders must refuse."""
-    return rng.choice([
-        None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-1000, 1000), float("nan"), float("inf"), -0.0, 1e308,
-        "", "x" * rng.randrange(1, 5000), "\u202e\x00", b"", rng.randbytes(rng.randrange(1, 300)), [], [None] * rng.randrange(1, 300),
-        {}, {"k": 1}, [[[[[]]]]], {1: 2},
-    ])
+    return rng.choice(
+        [
+            None,
+            True,
+            False,
+            0,
+            -1,
+            2**63 - 1,
+            -(2**63),
+            2**64 - 1,
+            rng.randrange(-1000, 1000),
+            float("nan"),
+            float("inf"),
+            -0.0,
+            1e308,
+            "",
+            "x" * rng.randrange(1, 5000),
+            "\u202e\x00",
+            b"",
+            rng.randbytes(rng.randrange(1, 300)),
+            [],
+            [None] * rng.randrange(1, 300),
+            {},
+            {"k": 1},
+            [[[[[]]]]],
+            {1: 2},
+        ]
+    )
 
 
 def _restructure(value, rng: random.Random):
@@ -106,7 +140,9 @@ def structural_mutations(seeds: list[bytes], rng: random.Random):
     kind selector, is kept as it is)."""
     while True:
         seed = rng.choice(seeds)
-        prefix, body = (seed[:1], seed[1:]) if seed[:1] < b"\x80" and len(seed) > 1 and _unpackable(seed[1:]) else (b"", seed)
+        prefix, body = (
+            (seed[:1], seed[1:]) if seed[:1] < b"\x80" and len(seed) > 1 and _unpackable(seed[1:]) else (b"", seed)
+        )
         value = msgpack.unpackb(body, raw=False, strict_map_key=False)
         yield prefix + msgpack.packb(_restructure(value, rng), use_bin_type=True)
 
@@ -125,6 +161,7 @@ def _frame(kind: int, body: bytes = b"") -> bytes:
 
 def _read_one_frame(data: bytes, kinds, limit) -> tuple[str | None, tuple | None]:
     """(refusal name, None) or (None, (kind, body)) for the first frame of `data` read as a stream."""
+
     async def read():
         reader = asyncio.StreamReader()
         reader.feed_data(data)
@@ -153,12 +190,16 @@ def _weights(data: bytes) -> str:
 def _weights_seeds() -> list[bytes]:
     import torch
 
-    return [encode_weights({"w": torch.randn(4, 3), "b": torch.randn(3)}, mode).to_bytes() for mode in ("fp32", "fp16", "int8", "int4")]
+    return [
+        encode_weights({"w": torch.randn(4, 3), "b": torch.randn(3)}, mode).to_bytes()
+        for mode in ("fp32", "fp16", "int8", "int4")
+    ]
 
 
 @fuzzed("envelope")
 def _envelope():
     """The signed envelope as read from the DHT or gossip (most mutations die at the signature)."""
+
     def decode(data: bytes) -> str:
         try:
             decode_message(data, swarm_id=SWARM, limits=DEFAULT_LIMITS, now=T0)
@@ -166,7 +207,10 @@ def _envelope():
         except ProtocolRejection as exc:
             return exc.reason.value
 
-    return decode, [encode_message(message, identity=IDENTITY, swarm_id=SWARM, seq=1, timestamp=T0) for message in (make_stats(), make_batch())]
+    return decode, [
+        encode_message(message, identity=IDENTITY, swarm_id=SWARM, seq=1, timestamp=T0)
+        for message in (make_stats(), make_batch())
+    ]
 
 
 @fuzzed("signed_messages")
@@ -175,18 +219,43 @@ def _signed_messages():
     signature (payload structure, values, claimed node id) sees it. Input: one byte picking the kind,
     then the raw payload."""
     kinds = list(MESSAGE_TYPES)
-    announcement = StageAnnouncement(node_id=IDENTITY.node_id, p2p_peer_id="12D3KooWStage", model_fingerprint="m", num_stages=2, stage=0,
-                                     stage_fingerprint="a" * 16, layer_start=0, layer_end=1, parts=["layers"], state="serving", step=3,
-                                     grad_norm=0.5, samples_per_s=1.5, recoveries=0, replicas=[])
+    announcement = StageAnnouncement(
+        node_id=IDENTITY.node_id,
+        p2p_peer_id="12D3KooWStage",
+        model_fingerprint="m",
+        num_stages=2,
+        stage=0,
+        stage_fingerprint="a" * 16,
+        layer_start=0,
+        layer_end=1,
+        parts=["layers"],
+        state="serving",
+        step=3,
+        grad_norm=0.5,
+        samples_per_s=1.5,
+        recoveries=0,
+        replicas=[],
+    )
     lost = StageLost(node_id=IDENTITY.node_id, model_fingerprint="m", num_stages=4, stages=[1, 2])
-    examples = {type(m).KIND: m for m in (make_batch(), make_stats(), announcement, AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free"), lost)}
+    examples = {
+        type(m).KIND: m
+        for m in (
+            make_batch(),
+            make_stats(),
+            announcement,
+            AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free"),
+            lost,
+        )
+    }
     assert set(examples) == set(kinds), "a new message kind needs an example here"
 
     def decode(data: bytes) -> str:
         if not data:
             return "empty"
         try:
-            decode_message(signed(None, kind=kinds[data[0] % len(kinds)].value, raw_payload=data[1:]), swarm_id=SWARM, now=T0)
+            decode_message(
+                signed(None, kind=kinds[data[0] % len(kinds)].value, raw_payload=data[1:]), swarm_id=SWARM, now=T0
+            )
             return "accepted"
         except ProtocolRejection as exc:
             return exc.reason.value
@@ -212,8 +281,20 @@ def _call_seeds() -> list[bytes]:
 
     from node.pipeline.tensors import to_wire
 
-    call = StageCall(v=1, op="forward", stage=1, stage_fingerprint="a" * 16, call_id="c", parts=["layers"], train=True,
-                     tensors={"hidden": to_wire(torch.randn(2, 3, 4)), "position_ids": to_wire(torch.arange(3).expand(2, 3).contiguous())}, scale=1.0)
+    call = StageCall(
+        v=1,
+        op="forward",
+        stage=1,
+        stage_fingerprint="a" * 16,
+        call_id="c",
+        parts=["layers"],
+        train=True,
+        tensors={
+            "hidden": to_wire(torch.randn(2, 3, 4)),
+            "position_ids": to_wire(torch.arange(3).expand(2, 3).contiguous()),
+        },
+        scale=1.0,
+    )
     return [msgpack.packb(call.to_wire(), use_bin_type=True)]
 
 
@@ -230,6 +311,7 @@ def _pipeline_result():
 @fuzzed("pipeline_frames")
 def _pipeline_frames():
     """The pipeline stream's framing (node/transport/framing.py with PipelineFrame types)."""
+
     def decode(data: bytes) -> str:
         refused, _ = _read_one_frame(data, PipelineFrame, lambda kind: 4096)
         return refused or "accepted"
@@ -246,11 +328,14 @@ def _weights_codec():
 def _averaging_frames():
     """The weight exchange's first frame as an acceptor reads it, and its body as the exchange parses it:
     HELLO (the acceptor's checks), REFUSE (the reason), WEIGHTS (the codec)."""
-    acceptor = types.SimpleNamespace(prefix="swarm/v1/averaging/m", _latest_round_id=1)  # all that the HELLO check reads
+    # all that the HELLO check reads
+    acceptor = types.SimpleNamespace(prefix="swarm/v1/averaging/m", _latest_round_id=1)
     hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": acceptor.prefix, "round": 1})
 
     def decode(data: bytes) -> str:
-        refused, frame = _read_one_frame(data, Frame, lambda kind: 1 << 16 if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES)
+        refused, frame = _read_one_frame(
+            data, Frame, lambda kind: 1 << 16 if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES
+        )
         if refused:
             return refused
         kind, body = frame
@@ -264,8 +349,14 @@ def _averaging_frames():
             return f"weights:{_weights(body)}"
         return kind.name.lower()
 
-    seeds = [_frame(Frame.HELLO, hello), _frame(Frame.REFUSE, msgpack.packb({"reason": "busy", "detail": ""})), _frame(Frame.ACCEPT),
-             _frame(Frame.COMMIT), _frame(Frame.DONE), *(_frame(Frame.WEIGHTS, w) for w in _weights_seeds()[1:3])]
+    seeds = [
+        _frame(Frame.HELLO, hello),
+        _frame(Frame.REFUSE, msgpack.packb({"reason": "busy", "detail": ""})),
+        _frame(Frame.ACCEPT),
+        _frame(Frame.COMMIT),
+        _frame(Frame.DONE),
+        *(_frame(Frame.WEIGHTS, w) for w in _weights_seeds()[1:3]),
+    ]
     return decode, seeds
 
 
@@ -282,7 +373,8 @@ def run_decoders(count: int, seed: int = 0) -> dict[str, Counter]:
             structured = [s for s in seeds if _unpackable(s) or (len(s) > 1 and _unpackable(s[1:]))]
             structural = structural_mutations(structured, rng) if structured else byte_level
             # Half and half where the seeds are msgpack: flipped bits mostly stop at the unpacker.
-            counts[name] = Counter(decode(next(structural if i % 2 else byte_level)) for i in range(count))  # any other exception fails the test
+            # any other exception fails the test
+            counts[name] = Counter(decode(next(structural if i % 2 else byte_level)) for i in range(count))
     finally:
         _LOOP.close()
     return counts
@@ -290,7 +382,15 @@ def run_decoders(count: int, seed: int = 0) -> dict[str, Counter]:
 
 def test_fuzz_every_decoder_short():
     counts = run_decoders(2000)
-    assert set(counts) >= {"envelope", "signed_messages", "pipeline_call", "pipeline_result", "pipeline_frames", "weights_codec", "averaging_frames"}
+    assert set(counts) >= {
+        "envelope",
+        "signed_messages",
+        "pipeline_call",
+        "pipeline_result",
+        "pipeline_frames",
+        "weights_codec",
+        "averaging_frames",
+    }
     for name, outcomes in counts.items():
         assert sum(outcomes.values()) == 2000
         assert set(outcomes) - {"accepted"}, f"{name}: nothing was refused"

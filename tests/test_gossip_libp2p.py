@@ -59,7 +59,7 @@ async def wait_for_mesh(nodes: list[LibP2PGossip], topic: str) -> None:
             await node.publish(topic, PROBE + str(i).encode())
         await asyncio.sleep(0.05)
         for i, node in enumerate(nodes):
-            heard[i].update(int(m[len(PROBE):]) for m in node.drain(topic) if m.startswith(PROBE))
+            heard[i].update(int(m[len(PROBE) :]) for m in node.drain(topic) if m.startswith(PROBE))
 
 
 @asynccontextmanager
@@ -155,7 +155,10 @@ def test_receive_restores_each_senders_order_and_skips_our_own():
     from node.transport.gossip_libp2p import in_sender_order
 
     arrivals = [(b"a", 2), (b"b", 1), (b"a", 1), (b"us", 1), (b"a", 3)]
-    messages = [rpc_pb2.Message(from_id=sender, seqno=seqno.to_bytes(8, "big"), data=sender + b"/%d" % seqno) for sender, seqno in arrivals]
+    messages = [
+        rpc_pb2.Message(from_id=sender, seqno=seqno.to_bytes(8, "big"), data=sender + b"/%d" % seqno)
+        for sender, seqno in arrivals
+    ]
     assert in_sender_order(messages, own_id=b"us") == [b"a/1", b"a/2", b"a/3", b"b/1"]
 
 
@@ -291,7 +294,11 @@ def test_hivemind_and_libp2p_protobufs_coexist_in_this_process():
     from hivemind.proto import crypto_pb2 as hivemind_crypto
     from libp2p.crypto.pb import crypto_pb2 as libp2p_crypto
 
-    assert hivemind_crypto.PublicKey.DESCRIPTOR.full_name == libp2p_crypto.PublicKey.DESCRIPTOR.full_name == "crypto.pb.PublicKey"
+    assert (
+        hivemind_crypto.PublicKey.DESCRIPTOR.full_name
+        == libp2p_crypto.PublicKey.DESCRIPTOR.full_name
+        == "crypto.pb.PublicKey"
+    )
     for module in (hivemind_crypto, libp2p_crypto):
         key = module.PublicKey(key_type=module.KeyType.Value("Ed25519"), data=b"\x01" * 32)
         assert module.PublicKey.FromString(key.SerializeToString()) == key
@@ -470,7 +477,9 @@ def test_the_peerstore_cleanup_survives_peers_that_went_away():
         gossip = LibP2PGossip()
         await gossip.start()
         try:
-            return gossip._host.get_peerstore().maybe_delete_peer_record.__qualname__.startswith("tolerate_expired_peers")
+            return gossip._host.get_peerstore().maybe_delete_peer_record.__qualname__.startswith(
+                "tolerate_expired_peers"
+            )
         finally:
             await gossip.stop()
 

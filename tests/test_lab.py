@@ -44,8 +44,24 @@ SEND = textwrap.dedent("""
 
 def send(lab: Lab, source: int, target: int, nbytes: int, connect_timeout: float = 5.0) -> tuple[int, float] | None:
     """Bytes the sink on `target` counted and the seconds it took, or None when no connection could be made."""
-    result = subprocess.run(["ip", "netns", "exec", lab.ns(source), sys.executable, "-c", SEND, lab.ip(target), "9000", str(nbytes), str(connect_timeout)],
-                            capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.ns(source),
+            sys.executable,
+            "-c",
+            SEND,
+            lab.ip(target),
+            "9000",
+            str(nbytes),
+            str(connect_timeout),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
     if result.returncode != 0:
         return None
     received, seconds = result.stdout.split()
@@ -88,7 +104,9 @@ def test_shaped_links_partitions_and_teardown(tmp_path):
         pids = [p.popen.pid for p in lab.processes.values()]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in listed for ns in namespaces), listed
-    assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text() for pid in pids)
+    assert not any(
+        Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text() for pid in pids
+    )
 
 
 @needs_lab
@@ -108,10 +126,15 @@ def test_a_lab_killed_with_sigkill_is_removed_by_the_next_one(tmp_path):
         tag, sleeper = owner.stdout.readline().split()
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=CLI_TIMEOUT_S)
-        assert f"{tag}-n1" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # left behind
+        # left behind
+        assert f"{tag}-n1" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert tag in cleanup_stale()
         assert f"{tag}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        wait_for(lambda: not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text(), 30, "the orphaned process to be killed")
+        wait_for(
+            lambda: not Path(f"/proc/{sleeper}").exists() or "zombie" in Path(f"/proc/{sleeper}/status").read_text(),
+            30,
+            "the orphaned process to be killed",
+        )
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -124,28 +147,68 @@ def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_pa
     from node.config import load_config
     from node.model import ensure_default_model
 
-    sets = [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.swarm_id=lab-test", "swarm.window_s=2", "swarm.heartbeat_interval_s=1", "swarm.external_questions=2",
-            "checkpoint_every=1", "torch_threads=1"]
-    ensure_default_model(load_config(REPO / "configs" / "swarm.yaml", sets))  # built once, before three nodes race to build it
+    sets = [
+        *TINY_OVERRIDES,
+        "swarm.transport=dht",
+        "swarm.swarm_id=lab-test",
+        "swarm.window_s=2",
+        "swarm.heartbeat_interval_s=1",
+        "swarm.external_questions=2",
+        "checkpoint_every=1",
+        "torch_threads=1",
+    ]
+    # built once, before three nodes race to build it
+    ensure_default_model(load_config(REPO / "configs" / "swarm.yaml", sets))
     with Lab(3, host_link=False) as lab:
         for index in range(3):
             lab.shape(index, Link(mbit=20, loss=0.02))
         bootstrap = start_swarm(lab, tmp_path, sets, env=cli_env, start_timeout_s=CLI_TIMEOUT_S)
         for index in range(3):
-            wait_for(lambda: node_summary(tmp_path / f"n{index}")["external_questions"] > 0, 300, f"node {index} to train on its peers' rollouts", interval=1)
-        before = wait_for(lambda: read_rows(tmp_path / "n2") and (tmp_path / "n2" / "checkpoints" / "LATEST").exists() and read_rows(tmp_path / "n2")[-1]["round"],
-                          300, "node 2 to checkpoint", interval=1)
+            wait_for(
+                lambda: node_summary(tmp_path / f"n{index}")["external_questions"] > 0,
+                300,
+                f"node {index} to train on its peers' rollouts",
+                interval=1,
+            )
+        before = wait_for(
+            lambda: (
+                read_rows(tmp_path / "n2")
+                and (tmp_path / "n2" / "checkpoints" / "LATEST").exists()
+                and read_rows(tmp_path / "n2")[-1]["round"]
+            ),
+            300,
+            "node 2 to checkpoint",
+            interval=1,
+        )
         lab.kill(2)
         lab.restart(2, env=cli_env)
-        wait_for(lambda: read_rows(tmp_path / "n2")[-1]["round"] > before + 1, 300, "node 2 to resume and train on", interval=1)
+        wait_for(
+            lambda: read_rows(tmp_path / "n2")[-1]["round"] > before + 1,
+            300,
+            "node 2 to resume and train on",
+            interval=1,
+        )
         rounds = [r["round"] for r in read_rows(tmp_path / "n2")]
-        assert rounds == sorted(set(rounds)) and rounds[0] == 1  # resumed: no round counted twice, none restarted from 1
+        # resumed: no round counted twice, none restarted from 1
+        assert rounds == sorted(set(rounds)) and rounds[0] == 1
 
         last: list[str] = []
 
         def listed() -> set[str]:
-            result = subprocess.run(["ip", "netns", "exec", lab.ns(0), *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "lab-test", "--json")],
-                                    capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+            result = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    lab.ns(0),
+                    *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "lab-test", "--json"),
+                ],
+                capture_output=True,
+                text=True,
+                env=cli_env,
+                cwd=REPO,
+                timeout=CLI_TIMEOUT_S,
+            )
             last[:] = [f"exit {result.returncode}", result.stdout[-2000:], result.stderr[-2000:]]
             return {row["display_name"] for row in json.loads(result.stdout)} if result.returncode == 0 else set()
 
@@ -160,7 +223,14 @@ def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_pa
 def test_a_dead_bootstrap_peer_in_the_lab_gives_the_clear_error_after_its_retries(model_cache, tmp_path, cli_env):
     with Lab(2, host_link=False) as lab:  # node 1's address: nobody listens there
         dead = "/ip4/198.18.1.2/tcp/31337/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
-        argv = node_argv(lab, 0, tmp_path / "n0", dead, [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.bootstrap_attempts=2", "swarm.p2pd_startup_timeout_s=10"], fresh=True)
+        argv = node_argv(
+            lab,
+            0,
+            tmp_path / "n0",
+            dead,
+            [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.bootstrap_attempts=2", "swarm.p2pd_startup_timeout_s=10"],
+            fresh=True,
+        )
         process = lab.run(0, argv, tmp_path / "n0.out", cli_env)
         assert process.wait(timeout=CLI_TIMEOUT_S) == 1
         out = (tmp_path / "n0.out").read_text()
@@ -175,8 +245,29 @@ def test_noloco_pairs_form_between_namespaces(tmp_path):
     bare peer id; before announcements carried their daemon's addresses, half the peers of every
     round failed here ("routing: not found"), while every loopback test passed. A long settle time
     keeps a slow machine from ending a round early: only a failed exchange can fail this test."""
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "averaging_sync.py"), "--lab", "--sizes", "4", "--rounds", "2", "--floats", "1000",
-                             "--methods", "noloco", "--mbit", "100", "--settle-s", "60"], capture_output=True, text=True, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "averaging_sync.py"),
+            "--lab",
+            "--sizes",
+            "4",
+            "--rounds",
+            "2",
+            "--floats",
+            "1000",
+            "--methods",
+            "noloco",
+            "--mbit",
+            "100",
+            "--settle-s",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["complete"]["noloco"]["4"] == "8/8", result.stdout[-3000:]

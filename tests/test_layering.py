@@ -9,7 +9,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def imported_after(modules: list[str]) -> set[str]:
     code = f"import sys; import {', '.join(modules)}; print(' '.join(sorted(sys.modules)))"
-    return set(subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True).stdout.split())
+    return set(
+        subprocess.run(
+            [sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True
+        ).stdout.split()
+    )
 
 
 def test_the_record_validator_transports_and_stats_load_no_model_library():
@@ -28,8 +32,22 @@ LAYERS = [
     ("wire", ["protocol"]),
     ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
     ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights"]),
-    ("network and policy", ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"]),
-    ("components", ["node.policy", "node.local_rollouts", "node.sharing", "node.evaluation", "node.telemetry", "node.averaging", "node.pipeline"]),
+    (
+        "network and policy",
+        ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"],
+    ),
+    (
+        "components",
+        [
+            "node.policy",
+            "node.local_rollouts",
+            "node.sharing",
+            "node.evaluation",
+            "node.telemetry",
+            "node.averaging",
+            "node.pipeline",
+        ],
+    ),
     ("node", ["node.loop", "node.dashboard"]),
     ("commands", ["node.cli", "node.commands", "node.runtime", "node.pipeline.commands", "node.dashboard.commands"]),
 ]
@@ -37,8 +55,16 @@ LAYERS = [
 
 def layer_of(module: str) -> int:
     """The layer of the longest prefix of `module` in LAYERS."""
-    best = max(((len(prefix), rank) for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-                if module == prefix or (module.startswith(prefix + ".") and prefix != "node")), default=None)  # "node": its __init__ only
+    # "node": its __init__ only
+    best = max(
+        (
+            (len(prefix), rank)
+            for rank, (_, prefixes) in enumerate(LAYERS)
+            for prefix in prefixes
+            if module == prefix or (module.startswith(prefix + ".") and prefix != "node")
+        ),
+        default=None,
+    )
     assert best is not None, f"{module} is in no layer of tests/test_layering.py: LAYERS"
     return best[1]
 
@@ -71,18 +97,26 @@ def test_every_module_imports_only_its_own_layer_and_those_below():
                 path = os.path.join(folder, name)
                 module = os.path.relpath(path, REPO)[: -len(".py")].replace(os.sep, ".").removesuffix(".__init__")
                 rank = layer_of(module)
-                upward += [f"{module} ({LAYERS[rank][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})"
-                           for imported in sorted(project_imports(path, module)) if layer_of(imported) > rank]
+                upward += [
+                    f"{module} ({LAYERS[rank][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})"
+                    for imported in sorted(project_imports(path, module))
+                    if layer_of(imported) > rank
+                ]
     assert upward == []
 
 
 def test_test_modules_share_code_through_tests_helpers_only():
-    """A test module imports helpers (tests/helpers/) and fixtures (tests/conftest.py, by name), never another test module."""
+    """A test module imports helpers (tests/helpers/) and fixtures (tests/conftest.py, by name), never another test
+    module."""
     crossing = []
     for name in sorted(os.listdir(os.path.join(REPO, "tests"))):
         if name.endswith(".py"):
             path = os.path.join(REPO, "tests", name)
-            crossing += [f"{name} imports {imported}" for imported in sorted(imports_of(path)) if imported.startswith(("tests.test_", "tests.conftest"))]
+            crossing += [
+                f"{name} imports {imported}"
+                for imported in sorted(imports_of(path))
+                if imported.startswith(("tests.test_", "tests.conftest"))
+            ]
     assert crossing == []
 
 
@@ -99,7 +133,8 @@ def imports_of(path: str) -> set[str]:
 
 
 def test_no_two_modules_import_each_other():
-    """Not even inside functions: a pair that needs each other is one job split in two, or a third module missing below both."""
+    """Not even inside functions: a pair that needs each other is one job split in two, or a third module missing below
+    both."""
     graph = {}
     for top in ("node", "protocol"):
         for folder, _, files in os.walk(os.path.join(REPO, top)):

@@ -13,7 +13,11 @@ from tests.helpers.common import REPO
 @pytest.mark.slow
 def test_default_node_learns_in_isolation(model_cache, tmp_path):
     """The real default model (warm-started) gains held-out accuracy from RL alone."""
-    node = Node(load_config(REPO / "configs" / "isolated.yaml", ["eval_every=0", "checkpoint_every=100"], state_dir=str(tmp_path / "s")))
+    node = Node(
+        load_config(
+            REPO / "configs" / "isolated.yaml", ["eval_every=0", "checkpoint_every=100"], state_dir=str(tmp_path / "s")
+        )
+    )
     node.load()
     before = node.evaluator.accuracy()
     asyncio.run(node.run(400, asyncio.Event()))
@@ -31,7 +35,13 @@ def test_swarm_of_three_runs_for_a_while(model_cache, tmp_path):
         try:
             for i in range(3):
                 peers = [f'swarm.initial_peers=["{nodes[0].addresses[0]}"]'] if nodes else []
-                node = Node(load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, *peers, f"seed={i}"], state_dir=str(tmp_path / str(i))))
+                node = Node(
+                    load_config(
+                        REPO / "configs" / "swarm.yaml",
+                        [*SWARM_OVERRIDES, *peers, f"seed={i}"],
+                        state_dir=str(tmp_path / str(i)),
+                    )
+                )
                 node.load()
                 await node.start_services()
                 nodes.append(node)

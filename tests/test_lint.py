@@ -8,5 +8,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_ruff_finds_nothing():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "node", "protocol", "tests", "benchmarks", "docs"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "node", "protocol", "tests", "benchmarks", "docs"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -18,8 +18,16 @@ B, T, HIDDEN = 2, 5, 32
 
 
 def model():
-    config = Qwen2Config(vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
 
@@ -31,12 +39,24 @@ def backends(pipeline: PipelineConfig) -> tuple[torch.nn.Module, list[StageBacke
 
 
 def call(op: str, stage: int, call_id: str = "c", parts=("layers",), train: bool = True, **tensors) -> StageCall:
-    return StageCall(v=PIPELINE_VERSION, op=op, stage=stage, stage_fingerprint="fp", call_id=call_id, parts=list(parts), train=train,
-                     tensors={k: to_wire(v) for k, v in tensors.items()}, scale=1.0)
+    return StageCall(
+        v=PIPELINE_VERSION,
+        op=op,
+        stage=stage,
+        stage_fingerprint="fp",
+        call_id=call_id,
+        parts=list(parts),
+        train=train,
+        tensors={k: to_wire(v) for k, v in tensors.items()},
+        scale=1.0,
+    )
 
 
 def inputs(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"position_ids": torch.arange(T).expand(B, T).contiguous(), "attention_mask": torch.ones(B, T, dtype=torch.long)}
+    return {
+        "position_ids": torch.arange(T).expand(B, T).contiguous(),
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+    }
 
 
 def test_a_chain_of_backends_trains_like_the_whole_model():
@@ -54,7 +74,12 @@ def test_a_chain_of_backends_trains_like_the_whole_model():
     g = chain[1].backward("driver", call("backward", 1, grad=g))["grad"]
     assert chain[0].backward("driver", call("backward", 0, parts=("embed", "layers"), grad=g)) == {}
     reference.backward(grad)
-    torch.testing.assert_close(chain[1].stage.layers[0].mlp.up_proj.weight.grad, whole.model.layers[1].mlp.up_proj.weight.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        chain[1].stage.layers[0].mlp.up_proj.weight.grad,
+        whole.model.layers[1].mlp.up_proj.weight.grad,
+        atol=1e-4,
+        rtol=1e-4,
+    )
     assert all(b.apply_step(1.0, 1.0) for b in chain)
     assert [b.step for b in chain] == [1, 1, 1] and all(b.grad_norm > 0 for b in chain)
     assert chain[1].samples_per_s > 0 and chain[1].pending_forwards == 0
@@ -63,7 +88,9 @@ def test_a_chain_of_backends_trains_like_the_whole_model():
 def test_an_abandoned_step_drops_the_gradients():
     _, chain = backends(PipelineConfig())
     ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(2))
-    out = chain[0].forward("driver", call("forward", 0, parts=("embed", "layers"), input_ids=ids, **inputs(ids)))["output"]
+    out = chain[0].forward("driver", call("forward", 0, parts=("embed", "layers"), input_ids=ids, **inputs(ids)))[
+        "output"
+    ]
     chain[0].backward("driver", call("backward", 0, parts=("embed", "layers"), grad=torch.ones_like(out)))
     assert not chain[0].apply_step(0.0, 1.0)
     assert chain[0].step == 0 and all(p.grad is None for p in chain[0].stage.parameters())
@@ -83,11 +110,21 @@ def test_calls_the_backend_cannot_serve_are_refused_with_their_code():
     nan = hidden.clone()
     nan[0, 0, 0] = float("nan")
     assert refused(middle.forward, "p", call("forward", 1, hidden=nan, **extra)) is PipelineRefusal.BAD_TENSOR
-    assert refused(middle.forward, "p", call("forward", 1, hidden=torch.randn(3, T, HIDDEN), **extra)) is PipelineRefusal.BAD_TENSOR
-    assert refused(middle.backward, "p", call("backward", 1, call_id="never", grad=hidden)) is PipelineRefusal.UNKNOWN_CALL
+    assert (
+        refused(middle.forward, "p", call("forward", 1, hidden=torch.randn(3, T, HIDDEN), **extra))
+        is PipelineRefusal.BAD_TENSOR
+    )
+    assert (
+        refused(middle.backward, "p", call("backward", 1, call_id="never", grad=hidden)) is PipelineRefusal.UNKNOWN_CALL
+    )
     middle.forward("p", call("forward", 1, call_id="kept", hidden=hidden, **extra))
-    assert refused(middle.forward, "p", call("forward", 1, call_id="more", hidden=hidden, **extra)) is PipelineRefusal.BUSY
-    assert refused(middle.backward, "someone else", call("backward", 1, call_id="kept", grad=hidden)) is PipelineRefusal.UNKNOWN_CALL
+    assert (
+        refused(middle.forward, "p", call("forward", 1, call_id="more", hidden=hidden, **extra)) is PipelineRefusal.BUSY
+    )
+    assert (
+        refused(middle.backward, "someone else", call("backward", 1, call_id="kept", grad=hidden))
+        is PipelineRefusal.UNKNOWN_CALL
+    )
     assert middle.owned_parts() == {"layers"}
 
 
@@ -97,7 +134,9 @@ def test_inference_sessions_keep_their_cache_until_ended():
     middle = chain[1]
     middle.infer("p", call("infer", 1, call_id="s1", train=False, hidden=hidden, **inputs(hidden)))
     step = {"position_ids": torch.full((B, 1), T), "attention_mask": torch.ones(B, T + 1, dtype=torch.long)}
-    assert middle.infer("p", call("infer", 1, call_id="s1", train=False, hidden=torch.randn(B, 1, HIDDEN), **step))["output"].shape == (B, 1, HIDDEN)
+    assert middle.infer("p", call("infer", 1, call_id="s1", train=False, hidden=torch.randn(B, 1, HIDDEN), **step))[
+        "output"
+    ].shape == (B, 1, HIDDEN)
     with pytest.raises(BackendRefused):
         middle.infer("p", call("infer", 1, call_id="s2", train=False, hidden=hidden, **inputs(hidden)))
     middle.end_session("p", call("end_session", 1, call_id="s1"))

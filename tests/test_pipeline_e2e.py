@@ -15,6 +15,7 @@ from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.pipeline import START_S, Pipeline, assert_trains, recoveries
 from tests.helpers.swarm import read_rows, wait_for
 
+
 def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
     servers, acquired = pipe.serve_every_stage()
@@ -56,7 +57,11 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     second_of_1 = pipe.serve("1")  # a second replica of stage 1 copies the first
     driver = pipe.drive()
     pipe.steps(driver, 2)
-    assert pipe.serving(second_of_1)["method"] in ("replica_copy", "initial")  # before the first step there is nothing to copy but the start
+    # before the first step there is nothing to copy but the start
+    assert pipe.serving(second_of_1)["method"] in (
+        "replica_copy",
+        "initial",
+    )
 
     rows = pipe.stage_rows(lambda rows: [len(row["servers"]) for row in rows] == [1, 2, 1, 1])
     assert [row["layers"] for row in rows] == ["0-0", "1-1", "2-2", "3-3"] and all(row["step"] >= 1 for row in rows)
@@ -65,7 +70,8 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     pipe.kill(servers[1])
     rows = pipe.steps(driver, 3)
     assert_trains(rows)
-    assert not any(e["stage"] == 1 and e["replaced"] for row in rows for e in row.get("recovery", []))  # nobody had to rebuild it
+    # nobody had to rebuild it
+    assert not any(e["stage"] == 1 and e["replaced"] for row in rows for e in row.get("recovery", []))
     restarted = pipe.serve("1")
     event = pipe.serving(restarted)
     assert (event["method"], event["stage"]) == ("replica_copy", 1)
@@ -89,8 +95,16 @@ def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):
     assert [s["stage"] for s in event["sources"]] == [2]
     pipe.recovered(driver, 3)
     assert_trains(pipe.steps(driver, 2))
-    summary = json.loads(subprocess.run(cli("stats", "--state-dir", str(driver.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO,
-                                        timeout=CLI_TIMEOUT_S).stdout)
+    summary = json.loads(
+        subprocess.run(
+            cli("stats", "--state-dir", str(driver.state_dir), "--json"),
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=CLI_TIMEOUT_S,
+        ).stdout
+    )
     assert summary["stages_recovered"] >= 1 and summary["steps"] >= 12
 
 
@@ -119,13 +133,15 @@ def test_a_newcomer_rebuilds_the_stage_that_died_and_the_driver_resumes(pipeline
     assert f"stopped at step {before[-1]['step']}" in driver.output()
     restarted = pipe.drive()
     rows = pipe.steps(restarted, 1)
-    assert rows[len(before)]["step"] == before[-1]["step"] + 1  # metrics.jsonl continues where the stopped driver left off
+    # metrics.jsonl continues where the stopped driver left off
+    assert rows[len(before)]["step"] == before[-1]["step"] + 1
 
 
 def test_two_adjacent_stages_lost_at_once(pipeline_yaml, tmp_path, cli_env, procs):
     """Stages 1 and 2 die together. Defined behaviour: the driver waits and says for which stages, publishes them lost
     (`peers --stages` shows the hole); a newcomer rebuilds stage 1 from the nearest live stages on each side (0 and 3,
-    CheckFree from a neighbour's neighbour, with a warning), the next rebuilds stage 2 from 1 and 3, and training goes on."""
+    CheckFree from a neighbour's neighbour, with a warning), the next rebuilds stage 2 from 1 and 3, and training goes
+    on."""
     pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
     servers, _ = pipe.serve_every_stage()
     driver = pipe.drive()
@@ -133,8 +149,12 @@ def test_two_adjacent_stages_lost_at_once(pipeline_yaml, tmp_path, cli_env, proc
 
     pipe.kill(servers[1])
     pipe.kill(servers[2])
-    wait_for(lambda: driver.assert_running() or "for stage(s) 1, 2" in (driver.state_dir / "node.log").read_text(), START_S,
-             "the driver to say it waits for stages 1 and 2", interval=0.5)
+    wait_for(
+        lambda: driver.assert_running() or "for stage(s) 1, 2" in (driver.state_dir / "node.log").read_text(),
+        START_S,
+        "the driver to say it waits for stages 1 and 2",
+        interval=0.5,
+    )
     rows = pipe.stage_rows(lambda rows: not rows[1]["servers"] and not rows[2]["servers"])
     assert [row["lost"] for row in rows] == [False, True, True, False]
     assert rows[0]["servers"] and rows[3]["servers"]

@@ -12,12 +12,28 @@ from tests.helpers.swarm import read_rows, wait_for
 from tests.helpers.pipeline import START_S, Pipeline
 
 GRPO_OVERRIDES = [
-    "model.default.hidden_size=32", "model.default.num_layers=2", "model.default.num_heads=2", "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128", "model.default.warmup_steps=60", "model.default.warmup_batch_size=8",
-    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.swarm_id=test-pipeline-grpo", "swarm.local_questions=2", "swarm.external_questions=0",
-    "swarm.gossip=dht", "swarm.bootstrap_backoff_s=0.5", "rollout.completions_per_question=4", "rollout.max_new_tokens=6",
-    "tasks.format_reward=0.1", "tasks.heldout_size=8", "eval_every=2", "pipeline.num_stages=2", "pipeline.announce_interval_s=0.5",
-    "pipeline.announce_ttl_s=4", "torch_threads=1",
+    "model.default.hidden_size=32",
+    "model.default.num_layers=2",
+    "model.default.num_heads=2",
+    "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=128",
+    "model.default.warmup_steps=60",
+    "model.default.warmup_batch_size=8",
+    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "swarm.swarm_id=test-pipeline-grpo",
+    "swarm.local_questions=2",
+    "swarm.external_questions=0",
+    "swarm.gossip=dht",
+    "swarm.bootstrap_backoff_s=0.5",
+    "rollout.completions_per_question=4",
+    "rollout.max_new_tokens=6",
+    "tasks.format_reward=0.1",
+    "tasks.heldout_size=8",
+    "eval_every=2",
+    "pipeline.num_stages=2",
+    "pipeline.announce_interval_s=0.5",
+    "pipeline.announce_ttl_s=4",
+    "torch_threads=1",
 ]
 
 
@@ -40,8 +56,26 @@ def test_grpo_rounds_run_through_the_pipeline(model_cache, tmp_path, cli_env):
         for server in servers:
             pipe.serving(server)
         driver_dir = tmp_path / "grpo-driver"
-        result = subprocess.run(cli("join", "--config", str(path), "--state-dir", str(driver_dir), "--rounds", "6", "--initial-peers", *pipe.live_peers(),
-                                    "--set", "pipeline.objective=grpo"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=START_S * 2)
+        result = subprocess.run(
+            cli(
+                "join",
+                "--config",
+                str(path),
+                "--state-dir",
+                str(driver_dir),
+                "--rounds",
+                "6",
+                "--initial-peers",
+                *pipe.live_peers(),
+                "--set",
+                "pipeline.objective=grpo",
+            ),
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=START_S * 2,
+        )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         rows = read_rows(driver_dir)
         assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -50,9 +84,20 @@ def test_grpo_rounds_run_through_the_pipeline(model_cache, tmp_path, cli_env):
         assert "heldout_accuracy" in rows[1]  # greedy evaluation through the pipeline too
         assert not (driver_dir / "checkpoints").exists()  # no policy weights on the driver: the stages hold them
         for server in servers:
-            stage = wait_for(lambda: (state := stage_json(server)) and state["step"] == rows[-1]["policy_version"] and state, 30, "the stage to report its last step")
+            stage = wait_for(
+                lambda: (state := stage_json(server)) and state["step"] == rows[-1]["policy_version"] and state,
+                30,
+                "the stage to report its last step",
+            )
             assert {"infer", "forward", "backward", "step"} <= set(stage["calls"])
-        stats = subprocess.run(cli("stats", "--state-dir", str(driver_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+        stats = subprocess.run(
+            cli("stats", "--state-dir", str(driver_dir), "--json"),
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=CLI_TIMEOUT_S,
+        )
         assert stats.returncode == 0 and json.loads(stats.stdout)["rounds"] == 6
     finally:
         for proc in procs:

@@ -45,16 +45,19 @@ def test_golden_stage_lost():
     assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_5)).message == make_report()
 
 
-@pytest.mark.parametrize("payload, reason", [
-    ({**make_report().to_wire(), "stages": [4]}, Refusal.BAD_VALUE),  # outside [0, S)
-    ({**make_report().to_wire(), "stages": [-1]}, Refusal.BAD_VALUE),
-    ({**make_report().to_wire(), "stages": [1, 1]}, Refusal.BAD_VALUE),  # a repeated stage
-    ({**make_report().to_wire(), "stages": list(range(65))}, Refusal.TOO_MANY_ITEMS),
-    ({**make_report().to_wire(), "stages": [True]}, Refusal.BAD_STRUCTURE),  # a boolean is not a stage index
-    ({**make_report().to_wire(), "num_stages": 0}, Refusal.BAD_VALUE),
-    ({**make_report().to_wire(), "node_id": "not-hex"}, Refusal.BAD_VALUE),
-    ({k: v for k, v in make_report().to_wire().items() if k != "stages"}, Refusal.BAD_STRUCTURE),
-])
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        ({**make_report().to_wire(), "stages": [4]}, Refusal.BAD_VALUE),  # outside [0, S)
+        ({**make_report().to_wire(), "stages": [-1]}, Refusal.BAD_VALUE),
+        ({**make_report().to_wire(), "stages": [1, 1]}, Refusal.BAD_VALUE),  # a repeated stage
+        ({**make_report().to_wire(), "stages": list(range(65))}, Refusal.TOO_MANY_ITEMS),
+        ({**make_report().to_wire(), "stages": [True]}, Refusal.BAD_STRUCTURE),  # a boolean is not a stage index
+        ({**make_report().to_wire(), "num_stages": 0}, Refusal.BAD_VALUE),
+        ({**make_report().to_wire(), "node_id": "not-hex"}, Refusal.BAD_VALUE),
+        ({k: v for k, v in make_report().to_wire().items() if k != "stages"}, Refusal.BAD_STRUCTURE),
+    ],
+)
 def test_malformed_reports_are_refused(payload, reason):
     with pytest.raises(ProtocolRejection) as refused:
         decode(signed(payload, kind="stage_lost"))

@@ -12,20 +12,30 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from node.pipeline.recovery import MissingSource, RecoveryImpossible, checkfree_weights, choose_method, load_stage
 from node.pipeline.stagemap import StageMap
-from node.pipeline.stages import PipelineStage, StagePart, StagePlan, checkfree_plus_extra_parts, part_tensors, split_model
+from node.pipeline.stages import (
+    PipelineStage,
+    StagePart,
+    StagePlan,
+    checkfree_plus_extra_parts,
+    part_tensors,
+    split_model,
+)
 from protocol import StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, StageResult
 
 
-@pytest.mark.parametrize("args, expected", [
-    ((1, 4, True, True, "checkfree", True), ("replica_copy", [1])),  # a live replica beats everything
-    ((1, 4, False, False, "checkfree", True), ("initial", [])),  # nothing trained yet: the initial model
-    ((1, 4, False, True, "random", True), ("random", [])),  # the benchmark's baseline
-    ((2, 4, False, True, "checkfree", True), ("checkfree", [1, 3])),
-    ((0, 4, False, True, "checkfree", True), ("checkfree_plus", [1])),
-    ((3, 4, False, True, "checkfree", True), ("checkfree_plus", [2])),
-    ((1, 2, False, True, "checkfree", True), ("checkfree_plus", [0])),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((1, 4, True, True, "checkfree", True), ("replica_copy", [1])),  # a live replica beats everything
+        ((1, 4, False, False, "checkfree", True), ("initial", [])),  # nothing trained yet: the initial model
+        ((1, 4, False, True, "random", True), ("random", [])),  # the benchmark's baseline
+        ((2, 4, False, True, "checkfree", True), ("checkfree", [1, 3])),
+        ((0, 4, False, True, "checkfree", True), ("checkfree_plus", [1])),
+        ((3, 4, False, True, "checkfree", True), ("checkfree_plus", [2])),
+        ((1, 2, False, True, "checkfree", True), ("checkfree_plus", [0])),
+    ],
+)
 def test_choose_method(args, expected):
     assert choose_method(*args) == expected
 
@@ -33,15 +43,30 @@ def test_choose_method(args, expected):
 def test_two_adjacent_lost_stages_are_rebuilt_from_the_nearest_live_stages():
     assert choose_method(1, 5, False, True, "checkfree", True, live_stages={0, 3, 4}) == ("checkfree", [0, 3])
     assert choose_method(2, 5, False, True, "checkfree", True, live_stages={0, 3, 4}) == ("checkfree", [0, 3])
-    assert choose_method(2, 5, False, True, "checkfree", True, live_stages={0, 1, 3, 4}) == ("checkfree", [1, 3])  # once 1 is back
+    # once 1 is back
+    assert choose_method(2, 5, False, True, "checkfree", True, live_stages={0, 1, 3, 4}) == (
+        "checkfree",
+        [1, 3],
+    )
 
 
-@pytest.mark.parametrize("args, live, why", [
-    ((0, 1, False, True, "checkfree", True), None, "one-stage"),
-    ((0, 4, False, True, "checkfree", False), None, "only CheckFree+"),
-    ((1, 4, False, True, "checkfree", True), {2, 3}, "none is live below"),  # stages 0 and 1 lost: stage 1 has nothing below
-    ((0, 4, False, True, "checkfree", True), {2, 3}, "stage 1, which has no live server"),  # its CheckFree+ partner is lost too
-])
+@pytest.mark.parametrize(
+    "args, live, why",
+    [
+        ((0, 1, False, True, "checkfree", True), None, "one-stage"),
+        ((0, 4, False, True, "checkfree", False), None, "only CheckFree+"),
+        (
+            (1, 4, False, True, "checkfree", True),
+            {2, 3},
+            "none is live below",
+        ),  # stages 0 and 1 lost: stage 1 has nothing below
+        (
+            (0, 4, False, True, "checkfree", True),
+            {2, 3},
+            "stage 1, which has no live server",
+        ),  # its CheckFree+ partner is lost too
+    ],
+)
 def test_choose_method_says_why_it_cannot(args, live, why):
     with pytest.raises(RecoveryImpossible, match=why):
         choose_method(*args, live_stages=live)
@@ -54,7 +79,9 @@ def test_checkfree_weights_favour_the_neighbour_with_the_larger_gradient():
     torch.testing.assert_close(merged["w"], torch.full((3,), a / (a + b)))
     merged, _, _ = checkfree_weights(prev, nxt, 0.0, 0.0)  # no gradient yet: the plain mean
     torch.testing.assert_close(merged["w"], torch.full((3,), 0.5))
-    merged, _, _ = checkfree_weights({"w": torch.zeros(2, dtype=torch.bfloat16)}, {"w": torch.ones(2, dtype=torch.bfloat16)}, 1.0, 1.0)
+    merged, _, _ = checkfree_weights(
+        {"w": torch.zeros(2, dtype=torch.bfloat16)}, {"w": torch.ones(2, dtype=torch.bfloat16)}, 1.0, 1.0
+    )
     assert merged["w"].dtype is torch.bfloat16
 
 
@@ -66,33 +93,65 @@ def test_checkfree_weights_refuse_neighbours_of_another_shape():
 
 
 def model():
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
 
 
 def announce(stage: int, name: str, parts: list[str]) -> StageAnnouncement:
-    return StageAnnouncement(node_id=name * 40, p2p_peer_id=name, model_fingerprint="m", num_stages=4, stage=stage, stage_fingerprint=f"fp{stage}",
-                             layer_start=stage, layer_end=stage + 1, parts=parts, state="serving", step=7, grad_norm=0.5, samples_per_s=1.0,
-                             recoveries=0, replicas=[])
+    return StageAnnouncement(
+        node_id=name * 40,
+        p2p_peer_id=name,
+        model_fingerprint="m",
+        num_stages=4,
+        stage=stage,
+        stage_fingerprint=f"fp{stage}",
+        layer_start=stage,
+        layer_end=stage + 1,
+        parts=parts,
+        state="serving",
+        step=7,
+        grad_norm=0.5,
+        samples_per_s=1.0,
+        recoveries=0,
+        replicas=[],
+    )
 
 
 class LiveStages:
-    """Stand-ins for live servers: `fetch` answers a weights call from a stage in memory, with its step and grad norm."""
+    """Stand-ins for live servers: `fetch` answers a weights call from a stage in memory, with its step and grad
+    norm."""
 
     def __init__(self, stages: list[PipelineStage], grad_norms: dict[int, float]) -> None:
         self.stages, self.grad_norms, self.calls = stages, grad_norms, []
 
     async def fetch(self, source: StageAnnouncement, parts: list[str]):
         self.calls.append((source.stage, parts))
-        result = StageResult(v=PIPELINE_VERSION, tensors={}, weights=b"", step=7, grad_norm=self.grad_norms.get(source.stage, 0.0), lr_scale=1.0)
+        result = StageResult(
+            v=PIPELINE_VERSION,
+            tensors={},
+            weights=b"",
+            step=7,
+            grad_norm=self.grad_norms.get(source.stage, 0.0),
+            lr_scale=1.0,
+        )
         return part_tensors(self.stages[source.stage], parts), result
 
 
 def load(method, sources, target, view, live):
     fresh = lambda: PipelineStage.from_config(target.config, target.plan, target.index)  # noqa: E731
-    return asyncio.run(load_stage(target, method, sources, [], view, live.fetch, random.Random(0), fresh, recovered_lr_scale=1.1))
+    return asyncio.run(
+        load_stage(target, method, sources, [], view, live.fetch, random.Random(0), fresh, recovered_lr_scale=1.1)
+    )
 
 
 def test_load_stage_by_checkfree_averages_the_nearest_live_neighbours():
@@ -101,7 +160,9 @@ def test_load_stage_by_checkfree_averages_the_nearest_live_neighbours():
     view = StageMap.from_announcements(4, [announce(0, "a", ["embed", "layers"]), announce(3, "d", ["layers", "head"])])
     target = PipelineStage.from_model(model(), StagePlan(4, 4), 1, (StagePart.EMBED,))
     event = load("checkfree", [0, 3], target, view, live)  # stages 1 and 2 lost together
-    expected, a, b = checkfree_weights(stages[0].part_state_dict(StagePart.LAYERS), stages[3].part_state_dict(StagePart.LAYERS), 0.2, 0.6)
+    expected, a, b = checkfree_weights(
+        stages[0].part_state_dict(StagePart.LAYERS), stages[3].part_state_dict(StagePart.LAYERS), 0.2, 0.6
+    )
     for name, tensor in target.part_state_dict(StagePart.LAYERS).items():
         torch.testing.assert_close(tensor, expected[name])
     assert [s["stage"] for s in event.sources] == [0, 3] and event.lr_scale == 1.1 and event.step == 7
@@ -115,7 +176,9 @@ def test_load_stage_by_checkfree_plus_copies_the_partner_and_its_embedding_copy(
     view = StageMap.from_announcements(4, [announce(1, "b", ["embed", "layers"])])
     target = PipelineStage.from_config(stages[0].config, StagePlan(4, 4), 0)
     event = load("checkfree_plus", [1], target, view, live)
-    torch.testing.assert_close(target.part_state_dict(StagePart.EMBED)["weight"], stages[1].part_state_dict(StagePart.EMBED)["weight"])
+    torch.testing.assert_close(
+        target.part_state_dict(StagePart.EMBED)["weight"], stages[1].part_state_dict(StagePart.EMBED)["weight"]
+    )
     for name, tensor in target.part_state_dict(StagePart.LAYERS).items():
         torch.testing.assert_close(tensor, stages[1].part_state_dict(StagePart.LAYERS)[name])
     assert event.method == "checkfree_plus" and [s["stage"] for s in event.sources] == [1]

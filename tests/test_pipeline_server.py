@@ -22,9 +22,17 @@ from tests.helpers.common import REPO
 from tests.helpers.averaging import swarm
 
 OVERRIDES = [
-    "model.default.hidden_size=32", "model.default.num_layers=3", "model.default.num_heads=2", "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=64", "model.default.warmup_steps=0", "swarm.swarm_id=test-pipeline",
-    "pipeline.num_stages=3", "pipeline.stage=1", "pipeline.announce_interval_s=0.3", "pipeline.max_batch_size=8",
+    "model.default.hidden_size=32",
+    "model.default.num_layers=3",
+    "model.default.num_heads=2",
+    "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=64",
+    "model.default.warmup_steps=0",
+    "swarm.swarm_id=test-pipeline",
+    "pipeline.num_stages=3",
+    "pipeline.stage=1",
+    "pipeline.announce_interval_s=0.3",
+    "pipeline.max_batch_size=8",
 ]
 
 
@@ -33,17 +41,37 @@ def config(model_cache, tmp_path):
     return load_config(REPO / "configs" / "pipeline.yaml", OVERRIDES, state_dir=str(tmp_path / "server"))
 
 
-def hidden_call(fingerprint: str, hidden: torch.Tensor, *, stage: int = 1, call_id: str = "c1", parts=("layers",), train: bool = True, positions=None, mask=None) -> StageCall:
+def hidden_call(
+    fingerprint: str,
+    hidden: torch.Tensor,
+    *,
+    stage: int = 1,
+    call_id: str = "c1",
+    parts=("layers",),
+    train: bool = True,
+    positions=None,
+    mask=None,
+) -> StageCall:
     batch, length = hidden.shape[:2]
     positions = torch.arange(length).expand(batch, length).contiguous() if positions is None else positions
     mask = torch.ones((batch, length), dtype=torch.long) if mask is None else mask
-    return StageCall(v=PIPELINE_VERSION, op="forward", stage=stage, stage_fingerprint=fingerprint, call_id=call_id, parts=list(parts), train=train,
-                     tensors={"hidden": to_wire(hidden), "position_ids": to_wire(positions), "attention_mask": to_wire(mask)}, scale=1.0)
+    return StageCall(
+        v=PIPELINE_VERSION,
+        op="forward",
+        stage=stage,
+        stage_fingerprint=fingerprint,
+        call_id=call_id,
+        parts=list(parts),
+        train=train,
+        tensors={"hidden": to_wire(hidden), "position_ids": to_wire(positions), "attention_mask": to_wire(mask)},
+        scale=1.0,
+    )
 
 
 async def raw_call(p2p, peer_id, handler: str, data: bytes) -> tuple[int, dict]:
     """One frame out, the server's answer back; a server that never answers fails here within 60 s
     (a suite run beside a CPU hog once hung this test to the 600 s guard with no sign of which call)."""
+
     async def exchange():
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
         try:
@@ -67,7 +95,11 @@ def test_bad_calls_are_refused_counted_and_survived(config):
 
     async def scenario():
         async with swarm(2) as (server_node, caller_node):
-            server = StageServer(SwarmSession(config, server_node, "direct", NodeIdentity.generate(), config.resolved_state_dir()), model, fingerprint)
+            server = StageServer(
+                SwarmSession(config, server_node, "direct", NodeIdentity.generate(), config.resolved_state_dir()),
+                model,
+                fingerprint,
+            )
             running = asyncio.create_task(server.run())
             try:
                 for _ in range(200):
@@ -79,7 +111,9 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 assert announcement.stage_fingerprint == stage_fps[1]
 
                 async def call(stage_call: StageCall):
-                    return await call_stage(caller_node.p2p, server.protocol, announcement, stage_call, server.limits, 30)
+                    return await call_stage(
+                        caller_node.p2p, server.protocol, announcement, stage_call, server.limits, 30
+                    )
 
                 good = torch.randn(2, 5, 32)
                 result = await call(hidden_call(stage_fps[1], good))
@@ -95,26 +129,54 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 nan[0, 0, 0] = float("nan")
                 assert await refused(hidden_call(stage_fps[1], nan, call_id="nan")) == "bad_tensor"
                 assert await refused(hidden_call(stage_fps[1], torch.randn(2, 5, 31), call_id="narrow")) == "bad_tensor"
-                assert await refused(hidden_call(stage_fps[1], good, mask=torch.ones((2, 4), dtype=torch.long), call_id="mask")) == "bad_tensor"
-                assert await refused(hidden_call(stage_fps[1], torch.randn(9, 5, 32), call_id="big-batch")) == "bad_tensor"
+                assert (
+                    await refused(
+                        hidden_call(stage_fps[1], good, mask=torch.ones((2, 4), dtype=torch.long), call_id="mask")
+                    )
+                    == "bad_tensor"
+                )
+                assert (
+                    await refused(hidden_call(stage_fps[1], torch.randn(9, 5, 32), call_id="big-batch")) == "bad_tensor"
+                )
                 assert await refused(hidden_call(stage_fps[0], good, stage=0)) == "wrong_stage"
                 assert await refused(hidden_call("0" * 16, good)) == "wrong_stage"
                 assert await refused(hidden_call(stage_fps[1], good, parts=("embed", "layers"))) == "missing_part"
-                backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fps[1], call_id="never", parts=["layers"], train=False,
-                                     tensors={"grad": to_wire(good)}, scale=1.0)
+                backward = StageCall(
+                    v=PIPELINE_VERSION,
+                    op="backward",
+                    stage=1,
+                    stage_fingerprint=stage_fps[1],
+                    call_id="never",
+                    parts=["layers"],
+                    train=False,
+                    tensors={"grad": to_wire(good)},
+                    scale=1.0,
+                )
                 assert await refused(backward) == "unknown_call"
 
                 peer = server_node.peer_id
-                kind, body = await raw_call(caller_node.p2p, peer, server.protocol, frame_bytes(PipelineFrame.CALL, b"\xc1\xc1 not msgpack"))
+                kind, body = await raw_call(
+                    caller_node.p2p, peer, server.protocol, frame_bytes(PipelineFrame.CALL, b"\xc1\xc1 not msgpack")
+                )
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "not_msgpack"
-                oversize = (PipelineFrame.CALL).to_bytes(1, "big") + (server.limits.frame_limit() + 1).to_bytes(8, "big")
+                oversize = (PipelineFrame.CALL).to_bytes(1, "big") + (server.limits.frame_limit() + 1).to_bytes(
+                    8, "big"
+                )
                 kind, body = await raw_call(caller_node.p2p, peer, server.protocol, oversize)
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "too_large"
                 kind, body = await raw_call(caller_node.p2p, peer, server.protocol, frame_bytes(99, b""))
                 assert kind == PipelineFrame.REFUSE and body["reason"] == "bad_structure"
 
                 counts = server.handler.stats.refusals.by_reason()
-                assert counts == {"bad_tensor": 4, "wrong_stage": 2, "missing_part": 1, "unknown_call": 1, "not_msgpack": 1, "too_large": 1, "bad_structure": 1}
+                assert counts == {
+                    "bad_tensor": 4,
+                    "wrong_stage": 2,
+                    "missing_part": 1,
+                    "unknown_call": 1,
+                    "not_msgpack": 1,
+                    "too_large": 1,
+                    "bad_structure": 1,
+                }
                 caller = caller_node.peer_id.to_base58()
                 assert sum(server.handler.stats.refusals.by_peer()[caller].values()) == 11
                 metrics = server.prometheus()  # the node's one renderer (node/stats.py), labels escaped
@@ -124,11 +186,30 @@ def test_bad_calls_are_refused_counted_and_survived(config):
                 # Still serving: a full forward/backward/step works after all of it.
                 result = await call(hidden_call(stage_fps[1], good, call_id="after"))
                 grad = torch.ones(2, 5, 32)
-                backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fps[1], call_id="after", parts=["layers"], train=False,
-                                     tensors={"grad": to_wire(grad)}, scale=1.0)
+                backward = StageCall(
+                    v=PIPELINE_VERSION,
+                    op="backward",
+                    stage=1,
+                    stage_fingerprint=stage_fps[1],
+                    call_id="after",
+                    parts=["layers"],
+                    train=False,
+                    tensors={"grad": to_wire(grad)},
+                    scale=1.0,
+                )
                 result = await call(backward)
                 assert result.tensors["grad"].shape == [2, 5, 32]
-                step = StageCall(v=PIPELINE_VERSION, op="step", stage=1, stage_fingerprint=stage_fps[1], call_id="step-1", parts=[], train=False, tensors={}, scale=1.0)
+                step = StageCall(
+                    v=PIPELINE_VERSION,
+                    op="step",
+                    stage=1,
+                    stage_fingerprint=stage_fps[1],
+                    call_id="step-1",
+                    parts=[],
+                    train=False,
+                    tensors={},
+                    scale=1.0,
+                )
                 result = await call(step)
                 assert result.step == 1 and result.grad_norm > 0
                 assert not running.done()
@@ -140,12 +221,23 @@ def test_bad_calls_are_refused_counted_and_survived(config):
 
 
 def test_replicas_of_a_stage_average_with_noloco(config):
-    """A second server of stage 1 copies the first, then the two keep close by NoLoCo pairs keyed by the stage fingerprint."""
+    """A second server of stage 1 copies the first, then the two keep close by NoLoCo pairs keyed by the stage
+    fingerprint."""
     from node.config import load_config
     from node.model import model_fingerprint, resolve_initial_policy
 
-    config = load_config(REPO / "configs" / "pipeline.yaml", [*OVERRIDES, "averaging.method=noloco", "averaging.every_steps=1", "averaging.window_s=1",
-                                                              "averaging.timeout_s=5", "averaging.max_relative_distance=10"], state_dir=config.state_dir)
+    config = load_config(
+        REPO / "configs" / "pipeline.yaml",
+        [
+            *OVERRIDES,
+            "averaging.method=noloco",
+            "averaging.every_steps=1",
+            "averaging.window_s=1",
+            "averaging.timeout_s=5",
+            "averaging.max_relative_distance=10",
+        ],
+        state_dir=config.state_dir,
+    )
     model, tokenizer = resolve_initial_policy(config)
     fingerprint = model_fingerprint(model, tokenizer)
     stage_fp = expected_fingerprints(config, model.config, fingerprint)[1]
@@ -155,11 +247,16 @@ def test_replicas_of_a_stage_average_with_noloco(config):
             servers, tasks = [], []
             try:
                 for node in (node_a, node_b):
-                    server = StageServer(SwarmSession(config, node, "direct", NodeIdentity.generate(), config.resolved_state_dir()), model, fingerprint)
+                    server = StageServer(
+                        SwarmSession(config, node, "direct", NodeIdentity.generate(), config.resolved_state_dir()),
+                        model,
+                        fingerprint,
+                    )
                     servers.append(server)
                     tasks.append(asyncio.create_task(server.run()))
                     for _ in range(300):
-                        if server.state == "serving" and server.averaging is not None:  # averaging starts once the weights are in
+                        # averaging starts once the weights are in
+                        if server.state == "serving" and server.averaging is not None:
                             break
                         await asyncio.sleep(0.1)
                 assert all(s.state == "serving" and s.averaging is not None for s in servers)
@@ -168,18 +265,46 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                         call_id = f"s{step}-{k}"
                         announcement = server.announcement()
                         hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(step * 2 + k))
-                        await call_stage(caller.p2p, server.protocol, announcement, hidden_call(stage_fp, hidden, call_id=call_id), server.limits, 30)
-                        backward = StageCall(v=PIPELINE_VERSION, op="backward", stage=1, stage_fingerprint=stage_fp, call_id=call_id, parts=["layers"],
-                                             train=False, tensors={"grad": to_wire(torch.ones(2, 5, 32))}, scale=1.0)
+                        await call_stage(
+                            caller.p2p,
+                            server.protocol,
+                            announcement,
+                            hidden_call(stage_fp, hidden, call_id=call_id),
+                            server.limits,
+                            30,
+                        )
+                        backward = StageCall(
+                            v=PIPELINE_VERSION,
+                            op="backward",
+                            stage=1,
+                            stage_fingerprint=stage_fp,
+                            call_id=call_id,
+                            parts=["layers"],
+                            train=False,
+                            tensors={"grad": to_wire(torch.ones(2, 5, 32))},
+                            scale=1.0,
+                        )
                         await call_stage(caller.p2p, server.protocol, announcement, backward, server.limits, 30)
-                        step_call = StageCall(v=PIPELINE_VERSION, op="step", stage=1, stage_fingerprint=stage_fp, call_id=f"step-{step}", parts=[],
-                                              train=False, tensors={}, scale=1.0)
+                        step_call = StageCall(
+                            v=PIPELINE_VERSION,
+                            op="step",
+                            stage=1,
+                            stage_fingerprint=stage_fp,
+                            call_id=f"step-{step}",
+                            parts=[],
+                            train=False,
+                            tensors={},
+                            scale=1.0,
+                        )
                         await call_stage(caller.p2p, server.protocol, announcement, step_call, server.limits, 30)
                     if all(s.averaging.stats.succeeded >= 1 for s in servers):
                         break
                     await asyncio.sleep(0.3)
                 assert all(s.averaging.stats.succeeded >= 1 for s in servers), [s.averaging.counters() for s in servers]
-                assert [s.counters()["averaging"]["succeeded"] for s in servers] == [s.averaging.stats.succeeded for s in servers]  # shown in stage.json
+                # shown in stage.json
+                assert [s.counters()["averaging"]["succeeded"] for s in servers] == [
+                    s.averaging.stats.succeeded for s in servers
+                ]
             finally:
                 for task in tasks:
                     task.cancel()

@@ -6,22 +6,51 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from node.pipeline.stages import (PipelineStage, StagePart, StagePlan, cache_keyword, checkfree_plus_extra_parts, layers_shape_signature, run_stages,
-                                  split_model, stage_fingerprint)
+from node.pipeline.stages import (
+    PipelineStage,
+    StagePart,
+    StagePlan,
+    cache_keyword,
+    checkfree_plus_extra_parts,
+    layers_shape_signature,
+    run_stages,
+    split_model,
+    stage_fingerprint,
+)
 
 VOCAB, B, T = 100, 3, 10
 
 
 def qwen(layers: int = 6) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
-                                        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)).eval()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    ).eval()
 
 
 def llama() -> LlamaForCausalLM:
     torch.manual_seed(1)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                                        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    ).eval()
 
 
 def right_padded():
@@ -54,7 +83,9 @@ def test_llama_splits_too():
     model = llama()
     ids, mask, positions = right_padded()
     whole = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    torch.testing.assert_close(run_stages(split_model(model, 2), ids, mask, positions)[mask.bool()], whole[mask.bool()], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        run_stages(split_model(model, 2), ids, mask, positions)[mask.bool()], whole[mask.bool()], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_split_gradients_equal_the_whole_model():
@@ -70,7 +101,12 @@ def test_split_gradients_equal_the_whole_model():
     loss_of(run_stages(stages, ids, mask, positions)).backward()
     whole = dict(model.named_parameters())
     # Tied embedding: its whole-model gradient is the sum of the untied copies' gradients.
-    torch.testing.assert_close(stages[0].embed_tokens.weight.grad + stages[-1].lm_head.weight.grad, whole["model.embed_tokens.weight"].grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        stages[0].embed_tokens.weight.grad + stages[-1].lm_head.weight.grad,
+        whole["model.embed_tokens.weight"].grad,
+        atol=1e-6,
+        rtol=1e-5,
+    )
     torch.testing.assert_close(stages[-1].norm.weight.grad, whole["model.norm.weight"].grad, atol=1e-6, rtol=1e-5)
     for stage in stages:
         for local, layer in zip(stage.plan.layer_range(stage.index), stage.layers):
@@ -86,12 +122,15 @@ def test_kv_cached_decoding_equals_the_whole_model():
     caches = [s.new_cache() for s in stages]
     split = run_stages(stages, ids, mask, positions, caches=caches)
     torch.testing.assert_close(split[:, -1], out.logits[:, -1], atol=1e-5, rtol=1e-5)
-    keyword = cache_keyword(type(model).forward)  # `cache` in current transformers, `past_key_values` before (the output field alike)
+    # `cache` in current transformers, `past_key_values` before (the output field alike)
+    keyword = cache_keyword(type(model).forward)
     past, next_position = getattr(out, keyword), positions[:, -1:] + 1
     for step in range(4):
         tokens = torch.randint(0, VOCAB, (B, 1), generator=torch.Generator().manual_seed(10 + step))
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=next_position, use_cache=True, **{keyword: past})
+        out = model(
+            input_ids=tokens, attention_mask=mask, position_ids=next_position, use_cache=True, **{keyword: past}
+        )
         past = getattr(out, keyword)
         split = run_stages(stages, tokens, mask, next_position, caches=caches)
         torch.testing.assert_close(split, out.logits, atol=1e-5, rtol=1e-5)
@@ -112,7 +151,8 @@ def test_parts_round_trip_and_refuse_mismatches():
     stages = split_model(model, 3, checkfree_plus_extra_parts(3))
     assert stages[1].parts == (StagePart.LAYERS, StagePart.EMBED, StagePart.HEAD)  # S = 3: stage 1 is both neighbours
     assert layers_shape_signature(stages[0]) == layers_shape_signature(stages[2])
-    stages[1].load_part_state_dict(StagePart.LAYERS, stages[0].part_state_dict(StagePart.LAYERS))  # CheckFree+: a neighbour's layers fit
+    # CheckFree+: a neighbour's layers fit
+    stages[1].load_part_state_dict(StagePart.LAYERS, stages[0].part_state_dict(StagePart.LAYERS))
     torch.testing.assert_close(stages[1].layers[0].mlp.up_proj.weight, stages[0].layers[0].mlp.up_proj.weight)
     stages[1].load_part_state_dict(StagePart.EMBED, stages[0].part_state_dict(StagePart.EMBED))
     bad = stages[0].part_state_dict(StagePart.LAYERS)
@@ -147,5 +187,8 @@ def test_plan_edges_and_fingerprints():
     plan = StagePlan(4, 2)
     from_model = PipelineStage.from_model(model, plan, 1)
     from_config = PipelineStage.from_config(model.config, plan, 1)
-    assert stage_fingerprint("m", plan, 1, from_model) == stage_fingerprint("m", plan, 1, from_config)  # what drivers check servers against
-    assert stage_fingerprint("m", plan, 1, from_model) != stage_fingerprint("m", plan, 0, PipelineStage.from_model(model, plan, 0))
+    # what drivers check servers against
+    assert stage_fingerprint("m", plan, 1, from_model) == stage_fingerprint("m", plan, 1, from_config)
+    assert stage_fingerprint("m", plan, 1, from_model) != stage_fingerprint(
+        "m", plan, 0, PipelineStage.from_model(model, plan, 0)
+    )

@@ -12,9 +12,24 @@ import sys
 import msgpack
 import pytest
 
-from protocol import (DEFAULT_LIMITS, PROTOCOL_MAJOR, PROTOCOL_MINOR, Limits, NodeIdentity,
-                      PeerStats, ProtocolRejection, Refusal, RefusalCounter, ReplayGuard, RolloutCompletion, RolloutQuestion, node_id_from_public_key, verify_signature)
+from protocol import (
+    DEFAULT_LIMITS,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Limits,
+    NodeIdentity,
+    PeerStats,
+    ProtocolRejection,
+    Refusal,
+    RefusalCounter,
+    ReplayGuard,
+    RolloutCompletion,
+    RolloutQuestion,
+    node_id_from_public_key,
+    verify_signature,
+)
 from tests.helpers.messages import IDENTITY, OTHER, SWARM, T0, decode, encode, make_batch, make_stats, signed
+
 
 def _reframe_with_long_header() -> bytes:
     body, signature = msgpack.unpackb(encode(make_batch()))
@@ -235,10 +250,18 @@ GOLDEN_STATS = (  # this minor's encoding (6)
 
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
+
 def test_golden_rollout_batch():
     assert encode(make_batch()).hex() == GOLDEN_BATCH
     assert decode(bytes.fromhex(GOLDEN_BATCH)).message == make_batch()
-    for older in (GOLDEN_BATCH_1_0, GOLDEN_BATCH_1_1, GOLDEN_BATCH_1_2, GOLDEN_BATCH_1_3, GOLDEN_BATCH_1_4, GOLDEN_BATCH_1_5):
+    for older in (
+        GOLDEN_BATCH_1_0,
+        GOLDEN_BATCH_1_1,
+        GOLDEN_BATCH_1_2,
+        GOLDEN_BATCH_1_3,
+        GOLDEN_BATCH_1_4,
+        GOLDEN_BATCH_1_5,
+    ):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
 
@@ -258,7 +281,11 @@ def test_reachability_is_one_of_its_words_and_required_from_minor_5():
     assert PeerStats.from_wire(wire, minor=4).reachability == ""  # an older sender omits it
     with pytest.raises(ProtocolRejection, match="lacks reachability"):
         PeerStats.from_wire(wire, minor=5)
-    for bad, reason in (("public", Refusal.BAD_VALUE), (1, Refusal.BAD_STRUCTURE), ("x" * 300, Refusal.STRING_TOO_LONG)):
+    for bad, reason in (
+        ("public", Refusal.BAD_VALUE),
+        (1, Refusal.BAD_STRUCTURE),
+        ("x" * 300, Refusal.STRING_TOO_LONG),
+    ):
         with pytest.raises(ProtocolRejection) as caught:
             PeerStats.from_wire({**wire, "reachability": bad})
         assert caught.value.reason is reason, bad
@@ -277,8 +304,13 @@ def test_a_field_of_a_later_minor_is_required_from_its_senders_and_checked():
     assert PeerStats.from_wire(wire, minor=1).accuracy_by_dataset == {}  # an older sender omits it
     with pytest.raises(ProtocolRejection, match="lacks accuracy_by_dataset"):
         PeerStats.from_wire(wire, minor=2)
-    for bad, reason in (({"x": 1.5}, Refusal.BAD_VALUE), ({"x": 1}, Refusal.BAD_STRUCTURE), ([0.5], Refusal.BAD_STRUCTURE),
-                        ({f"d{i}": 0.5 for i in range(33)}, Refusal.TOO_MANY_ITEMS), ({"x" * 300: 0.5}, Refusal.STRING_TOO_LONG)):
+    for bad, reason in (
+        ({"x": 1.5}, Refusal.BAD_VALUE),
+        ({"x": 1}, Refusal.BAD_STRUCTURE),
+        ([0.5], Refusal.BAD_STRUCTURE),
+        ({f"d{i}": 0.5 for i in range(33)}, Refusal.TOO_MANY_ITEMS),
+        ({"x" * 300: 0.5}, Refusal.STRING_TOO_LONG),
+    ):
         with pytest.raises(ProtocolRejection) as caught:
             PeerStats.from_wire({**wire, "accuracy_by_dataset": bad}, minor=2)
         assert caught.value.reason is reason, bad
@@ -286,13 +318,22 @@ def test_a_field_of_a_later_minor_is_required_from_its_senders_and_checked():
 
 # --- round trips ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("message", [make_batch(), make_batch(questions=[]), make_stats(),
-                                     make_stats(addresses=[], reward_mean=-0.5)], ids=["batch", "empty", "stats", "bare"])
+
+@pytest.mark.parametrize(
+    "message",
+    [make_batch(), make_batch(questions=[]), make_stats(), make_stats(addresses=[], reward_mean=-0.5)],
+    ids=["batch", "empty", "stats", "bare"],
+)
 def test_round_trip(message):
     envelope = decode(encode(message, seq=9))
     assert envelope.message == message and type(envelope.message) is type(message)
-    assert (envelope.version, envelope.kind, envelope.swarm_id, envelope.seq, envelope.timestamp) == \
-           ((PROTOCOL_MAJOR, PROTOCOL_MINOR), message.KIND, SWARM, 9, T0)
+    assert (envelope.version, envelope.kind, envelope.swarm_id, envelope.seq, envelope.timestamp) == (
+        (PROTOCOL_MAJOR, PROTOCOL_MINOR),
+        message.KIND,
+        SWARM,
+        9,
+        T0,
+    )
     assert envelope.sender == IDENTITY.public_key_bytes and envelope.sender_id == IDENTITY.node_id
 
 
@@ -332,6 +373,7 @@ def test_encode_refuses_what_peers_would_refuse():
 
 # --- every refusal reason reachable, and counted --------------------------------------------------
 
+
 def _mutate(data: bytes, needle: bytes, replacement: bytes) -> bytes:
     assert data.count(needle) == 1 and len(needle) == len(replacement)
     return data.replace(needle, replacement)
@@ -361,32 +403,99 @@ CASES = {
     "wrong swarm": (Refusal.WRONG_SWARM, lambda: (encode(make_batch()), {"swarm_id": "other-swarm"})),
     "flipped signature": (Refusal.BAD_SIGNATURE, lambda: (encode(make_batch())[:-1] + b"\x01", {})),
     "flipped payload": (Refusal.BAD_SIGNATURE, lambda: (_mutate(encode(make_batch()), b"tiny-qwen", b"tiny-qwem"), {})),
-    "other key": (Refusal.BAD_SIGNATURE, lambda: (_mutate(encode(make_batch()), IDENTITY.public_key_bytes,
-                                                          OTHER.public_key_bytes), {})),
-    "expected other sender": (Refusal.SENDER_MISMATCH, lambda: (encode(make_batch()),
-                                                                {"expected_sender": OTHER.public_key_bytes})),
+    "other key": (
+        Refusal.BAD_SIGNATURE,
+        lambda: (_mutate(encode(make_batch()), IDENTITY.public_key_bytes, OTHER.public_key_bytes), {}),
+    ),
+    "expected other sender": (
+        Refusal.SENDER_MISMATCH,
+        lambda: (encode(make_batch()), {"expected_sender": OTHER.public_key_bytes}),
+    ),
     "stats claim another node": (Refusal.SENDER_MISMATCH, lambda: (encode(make_stats(OTHER)), {})),
     "stale": (Refusal.STALE, lambda: (encode(make_batch()), {"now": T0 + DEFAULT_LIMITS.max_clock_skew_s + 1})),
     "from the future": (Refusal.STALE, lambda: (encode(make_batch()), {"now": T0 - 301})),
-    "too many questions": (Refusal.TOO_MANY_ITEMS, lambda: (encode(make_batch(questions=make_batch().questions * 2)),
-                                                            {"limits": Limits(max_questions=1)})),
-    "too many addresses": (Refusal.TOO_MANY_ITEMS, lambda: (
-        signed({**make_stats().to_wire(), "addresses": ["/ip4/1.2.3.4"] * 17}, kind="peer_stats"), {})),
+    "too many questions": (
+        Refusal.TOO_MANY_ITEMS,
+        lambda: (encode(make_batch(questions=make_batch().questions * 2)), {"limits": Limits(max_questions=1)}),
+    ),
+    "too many addresses": (
+        Refusal.TOO_MANY_ITEMS,
+        lambda: (signed({**make_stats().to_wire(), "addresses": ["/ip4/1.2.3.4"] * 17}, kind="peer_stats"), {}),
+    ),
     "text too long": (Refusal.STRING_TOO_LONG, lambda: (encode(make_batch()), {"limits": Limits(max_string_chars=3)})),
     "name too long": (Refusal.STRING_TOO_LONG, lambda: (signed(_with_payload(model_fingerprint="x" * 65)), {})),
-    "nan reward": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
-        {**make_batch().questions[0].to_wire(), "claimed_rewards": [math.nan, 0.0]}])), {})),
-    "positive logprob": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
-        {**make_batch().questions[0].to_wire(), "completions": [{**make_batch().questions[0].completions[0].to_wire(),
-                                                                 "logprobs": [0.5, -1.0]}], "claimed_rewards": [1.0]}])), {})),
+    "nan reward": (
+        Refusal.BAD_VALUE,
+        lambda: (
+            signed(
+                _with_payload(questions=[{**make_batch().questions[0].to_wire(), "claimed_rewards": [math.nan, 0.0]}])
+            ),
+            {},
+        ),
+    ),
+    "positive logprob": (
+        Refusal.BAD_VALUE,
+        lambda: (
+            signed(
+                _with_payload(
+                    questions=[
+                        {
+                            **make_batch().questions[0].to_wire(),
+                            "completions": [
+                                {**make_batch().questions[0].completions[0].to_wire(), "logprobs": [0.5, -1.0]}
+                            ],
+                            "claimed_rewards": [1.0],
+                        }
+                    ]
+                )
+            ),
+            {},
+        ),
+    ),
     "negative round": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(round=-1)), {})),
-    "no completions": (Refusal.BAD_VALUE, lambda: (signed(_with_payload(questions=[
-        {**make_batch().questions[0].to_wire(), "completions": [], "claimed_rewards": []}])), {})),
-    "bad spec": (Refusal.BAD_SPEC, lambda: (signed(_with_payload(questions=[
-        {**make_batch().questions[0].to_wire(), "spec": {"dataset": "", "config": {}, "seed": 0, "index": 0}}])), {})),
-    "deep spec config": (Refusal.BAD_SPEC, lambda: (signed(_with_payload(questions=[
-        {**make_batch().questions[0].to_wire(),
-         "spec": {"dataset": "d", "config": {"a": _nested(1000)}, "seed": 0, "index": 0}}])), {})),
+    "no completions": (
+        Refusal.BAD_VALUE,
+        lambda: (
+            signed(
+                _with_payload(
+                    questions=[{**make_batch().questions[0].to_wire(), "completions": [], "claimed_rewards": []}]
+                )
+            ),
+            {},
+        ),
+    ),
+    "bad spec": (
+        Refusal.BAD_SPEC,
+        lambda: (
+            signed(
+                _with_payload(
+                    questions=[
+                        {
+                            **make_batch().questions[0].to_wire(),
+                            "spec": {"dataset": "", "config": {}, "seed": 0, "index": 0},
+                        }
+                    ]
+                )
+            ),
+            {},
+        ),
+    ),
+    "deep spec config": (
+        Refusal.BAD_SPEC,
+        lambda: (
+            signed(
+                _with_payload(
+                    questions=[
+                        {
+                            **make_batch().questions[0].to_wire(),
+                            "spec": {"dataset": "d", "config": {"a": _nested(1000)}, "seed": 0, "index": 0},
+                        }
+                    ]
+                )
+            ),
+            {},
+        ),
+    ),
 }
 
 
@@ -417,7 +526,8 @@ def test_every_reason_is_reachable_and_counted():
         guard.check_and_record(decode(encode(make_batch(), seq=5)))
     counter.record("peer-a", caught.value)
     counter.record("peer-b", Refusal.UNSCORABLE)  # the node's reason, when a spec cannot be materialized
-    counter.record("peer-b", Refusal.WRONG_SHARD)  # the DHT reader's reason (tests/test_crowd.py), from the key a value is stored under
+    # the DHT reader's reason (tests/test_crowd.py), from the key a value is stored under
+    counter.record("peer-b", Refusal.WRONG_SHARD)
     assert set(counter.by_reason()) == {reason.value for reason in Refusal}
     assert sum(counter.by_reason().values()) == len(CASES) + 3
     assert counter.by_peer()["peer-a"]["replay"] == 1
@@ -464,6 +574,7 @@ def test_decode_refuses_non_bytes():
 
 
 # --- identity -------------------------------------------------------------------------------------
+
 
 def test_node_id_derivation():
     key = IDENTITY.public_key_bytes
@@ -516,18 +627,43 @@ def test_announcements_carry_dialable_addresses_from_minor_3():
     from protocol import AveragingReady
     from protocol.messages import StageAnnouncement
 
-    ready = AveragingReady(p2p_peer_id="12D3KooWPeer", round=4, state="free", p2p_maddrs=["/ip4/198.18.1.2/tcp/4001/p2p/12D3KooWPeer"])
+    ready = AveragingReady(
+        p2p_peer_id="12D3KooWPeer", round=4, state="free", p2p_maddrs=["/ip4/198.18.1.2/tcp/4001/p2p/12D3KooWPeer"]
+    )
     assert AveragingReady.from_wire(ready.to_wire()) == ready
     older = {k: v for k, v in ready.to_wire().items() if k != "p2p_maddrs"}
-    assert AveragingReady.from_wire(older, minor=2).p2p_maddrs == []  # a 1.2 sender: nothing to dial, the call goes by peer id
+    # a 1.2 sender: nothing to dial, the call goes by peer id
+    assert AveragingReady.from_wire(older, minor=2).p2p_maddrs == []
     with pytest.raises(ProtocolRejection, match="lacks p2p_maddrs"):
         AveragingReady.from_wire(older, minor=3)
-    for bad, reason in ((["/ip4/1.2.3.4/tcp/1"] * 17, Refusal.TOO_MANY_ITEMS), (["x" * 300], Refusal.STRING_TOO_LONG), ("/ip4/1.2.3.4", Refusal.BAD_STRUCTURE)):
+    for bad, reason in (
+        (["/ip4/1.2.3.4/tcp/1"] * 17, Refusal.TOO_MANY_ITEMS),
+        (["x" * 300], Refusal.STRING_TOO_LONG),
+        ("/ip4/1.2.3.4", Refusal.BAD_STRUCTURE),
+    ):
         with pytest.raises(ProtocolRejection) as caught:
             AveragingReady.from_wire({**ready.to_wire(), "p2p_maddrs": bad})
         assert caught.value.reason is reason, bad
-    stage = StageAnnouncement(node_id=IDENTITY.node_id, p2p_peer_id="12D3KooWStage", model_fingerprint="m", num_stages=2, stage=1, stage_fingerprint="s",
-                              layer_start=2, layer_end=4, parts=["layers", "head"], state="serving", step=3, grad_norm=0.5, samples_per_s=1.0,
-                              recoveries=0, replicas=[], p2p_maddrs=["/ip4/198.18.1.3/tcp/4001"])
+    stage = StageAnnouncement(
+        node_id=IDENTITY.node_id,
+        p2p_peer_id="12D3KooWStage",
+        model_fingerprint="m",
+        num_stages=2,
+        stage=1,
+        stage_fingerprint="s",
+        layer_start=2,
+        layer_end=4,
+        parts=["layers", "head"],
+        state="serving",
+        step=3,
+        grad_norm=0.5,
+        samples_per_s=1.0,
+        recoveries=0,
+        replicas=[],
+        p2p_maddrs=["/ip4/198.18.1.3/tcp/4001"],
+    )
     assert StageAnnouncement.from_wire(stage.to_wire()) == stage
-    assert StageAnnouncement.from_wire({k: v for k, v in stage.to_wire().items() if k != "p2p_maddrs"}, minor=2).p2p_maddrs == []
+    assert (
+        StageAnnouncement.from_wire({k: v for k, v in stage.to_wire().items() if k != "p2p_maddrs"}, minor=2).p2p_maddrs
+        == []
+    )

@@ -7,18 +7,37 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import (Envelope, MessageKind, PeerStats, ProtocolRejection, RolloutBatch, RolloutCompletion,
-                      RolloutQuestion, TaskSpec, decode_message, encode_message)
+from protocol import (
+    Envelope,
+    MessageKind,
+    PeerStats,
+    ProtocolRejection,
+    RolloutBatch,
+    RolloutCompletion,
+    RolloutQuestion,
+    TaskSpec,
+    decode_message,
+    encode_message,
+)
 from protocol.envelope import SIGNING_CONTEXT
 from test_protocol import IDENTITY, SWARM, T0, encode, make_batch, make_stats, signed
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VALID = {"batch": encode(make_batch()), "stats": encode(make_stats(), seq=2)}
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
-           | st.binary(max_size=40))
-msgpack_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5)
-                              | st.dictionaries(st.text(max_size=10), inner, max_size=5), max_leaves=30)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40)
+)
+msgpack_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30,
+)
 
 
 def decodes_or_refuses(data: bytes) -> Envelope | None:
@@ -62,8 +81,9 @@ def test_one_field_replaced_in_a_signed_envelope(kind, draw, junk):
     payload = (make_batch() if kind is MessageKind.ROLLOUT_BATCH else make_stats()).to_wire()
     container = payload
     while True:
-        key = draw.draw(st.sampled_from(sorted(container)) if isinstance(container, dict)
-                        else st.integers(0, len(container) - 1))
+        key = draw.draw(
+            st.sampled_from(sorted(container)) if isinstance(container, dict) else st.integers(0, len(container) - 1)
+        )
         if not isinstance(container[key], (dict, list)) or not container[key] or draw.draw(st.booleans()):
             break
         container = container[key]
@@ -83,20 +103,62 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 short_text = st.text(max_size=30)
 completions = st.builds(
     lambda text, ids, with_logprobs, reason: RolloutCompletion(
-        text, ids, [-abs(float(i)) / 7 for i in ids] if with_logprobs else None, reason),
-    short_text, st.lists(st.integers(0, 2**31 - 1), max_size=20), st.booleans(), st.sampled_from(["stop", "length"]))
+        text, ids, [-abs(float(i)) / 7 for i in ids] if with_logprobs else None, reason
+    ),
+    short_text,
+    st.lists(st.integers(0, 2**31 - 1), max_size=20),
+    st.booleans(),
+    st.sampled_from(["stop", "length"]),
+)
 questions = st.builds(
     lambda spec, done, rewards: RolloutQuestion(spec, done, [rewards[i % len(rewards)] for i in range(len(done))]),
-    st.builds(TaskSpec, st.text(min_size=1, max_size=20), st.dictionaries(st.text(max_size=5), st.integers(-5, 5),
-                                                                          max_size=3),
-              st.integers(0, 2**62 - 1), st.integers(0, 2**62 - 1)),
-    st.lists(completions, min_size=1, max_size=4), st.lists(finite, min_size=1, max_size=4))
-batches = st.builds(RolloutBatch, st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1), st.text(max_size=64),
-                    st.lists(questions, max_size=3))
-stats = st.builds(lambda count, rate, unit, text, addresses: PeerStats(
-    IDENTITY.node_id, text, text, "1.0", text, count, count, count, -rate, unit, count, count, count, count,
-    rate, rate, rate, addresses, addresses[:2], count, count), st.integers(0, 2**63 - 1), finite.map(abs), st.floats(0, 1), short_text,
-    st.lists(short_text, max_size=16))
+    st.builds(
+        TaskSpec,
+        st.text(min_size=1, max_size=20),
+        st.dictionaries(st.text(max_size=5), st.integers(-5, 5), max_size=3),
+        st.integers(0, 2**62 - 1),
+        st.integers(0, 2**62 - 1),
+    ),
+    st.lists(completions, min_size=1, max_size=4),
+    st.lists(finite, min_size=1, max_size=4),
+)
+batches = st.builds(
+    RolloutBatch,
+    st.integers(0, 2**63 - 1),
+    st.integers(0, 2**63 - 1),
+    st.text(max_size=64),
+    st.lists(questions, max_size=3),
+)
+stats = st.builds(
+    lambda count, rate, unit, text, addresses: PeerStats(
+        IDENTITY.node_id,
+        text,
+        text,
+        "1.0",
+        text,
+        count,
+        count,
+        count,
+        -rate,
+        unit,
+        count,
+        count,
+        count,
+        count,
+        rate,
+        rate,
+        rate,
+        addresses,
+        addresses[:2],
+        count,
+        count,
+    ),
+    st.integers(0, 2**63 - 1),
+    finite.map(abs),
+    st.floats(0, 1),
+    short_text,
+    st.lists(short_text, max_size=16),
+)
 
 
 @FUZZ

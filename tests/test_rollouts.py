@@ -14,10 +14,14 @@ def test_behaviour_logprobs_match_the_trainer(tiny_config):
     prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 3)]
     groups = node.backend.generate(prompts, n=4, seed=1)
     flat = [c for group in groups for c in group]
-    recomputed, _ = completion_logprobs(node.model, [(c.prompt_ids, c.completion_ids) for c in flat], node.tokenizer.pad_token_id, 0.8)
+    recomputed, _ = completion_logprobs(
+        node.model, [(c.prompt_ids, c.completion_ids) for c in flat], node.tokenizer.pad_token_id, 0.8
+    )
     for i, completion in enumerate(flat):
         assert len(completion.logprobs) == len(completion.completion_ids) > 0
-        assert torch.allclose(recomputed[i, : len(completion.completion_ids)], torch.tensor(completion.logprobs), atol=1e-4)
+        assert torch.allclose(
+            recomputed[i, : len(completion.completion_ids)], torch.tensor(completion.logprobs), atol=1e-4
+        )
         assert completion.prompt_ids == node.tokenizer.encode(prompts[i // 4], add_special_tokens=False)
         eos = node.tokenizer.eos_token_id
         assert (completion.finish_reason == "stop") == (completion.completion_ids[-1] == eos)
@@ -39,7 +43,9 @@ def test_batching_does_not_change_greedy_output(tiny_config):
     node.load()
     prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 5)]
     together = node.backend.generate(prompts, 1, seed=0, greedy=True)
-    small = TransformersBackend(node.config.rollout.model_copy(update={"generation_batch_size": 1}), node.model, node.tokenizer)
+    small = TransformersBackend(
+        node.config.rollout.model_copy(update={"generation_batch_size": 1}), node.model, node.tokenizer
+    )
     alone = small.generate(prompts, 1, seed=0, greedy=True)
     assert [g[0].completion_ids for g in together] == [g[0].completion_ids for g in alone]
 
@@ -86,7 +92,9 @@ def test_vllm_backend_follows_weight_updates(tiny_config):
     from node.rollouts.vllm_backend import VLLMBackend
 
     # vLLM's CPU attention needs a head size of 32 or more: 64 wide, 2 heads.
-    node = Node(tiny_config("rollout.max_new_tokens=6", "model.default.hidden_size=64", "model.default.intermediate_size=128"))
+    node = Node(
+        tiny_config("rollout.max_new_tokens=6", "model.default.hidden_size=64", "model.default.intermediate_size=128")
+    )
     node.load()
     engine = VLLMBackend(node.config, node.model, node.tokenizer, 0)
     prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 4)]

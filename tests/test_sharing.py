@@ -15,7 +15,16 @@ from node.tasks import TaskSource, materialize
 from node.transport.base import ExternalGroup
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
 
-ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"}
+ARITHMETIC = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 1,
+    "operators": ["+"],
+    "allow_negation": False,
+    "allow_parentheses": False,
+    "format_style": "simple",
+}
 MIX = [
     {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
     {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
@@ -25,10 +34,15 @@ MIX = [
 
 @pytest.fixture
 def swarm_node(tiny_config):
-    """A loaded node of the three-specialty mix that would take J = 4 peer groups a round (never started: no network)."""
+    """A loaded node of the three-specialty mix that would take J = 4 peer groups a round (never started: no
+    network)."""
 
     def make(*extra: str) -> Node:
-        node = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", *extra))
+        node = Node(
+            tiny_config(
+                f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", *extra
+            )
+        )
         node.load()
         return node
 
@@ -48,9 +62,18 @@ def spec_of(label: str, index: int) -> TaskSpec:
 def peer_group(spec: TaskSpec, right: int, wrong: int, peer: str, claimed: list[float] | None = None) -> ExternalGroup:
     """A peer's group with `right` right and `wrong` wrong answers; it claims `claimed` (default: the truth)."""
     answer = materialize(spec).answer
-    texts = [answer] * right + [str(int(answer) + 1)] * wrong  # an off-by-one answer scores 0 (a longer one may earn partial credit)
+    texts = [answer] * right + [
+        str(int(answer) + 1)
+    ] * wrong  # an off-by-one answer scores 0 (a longer one may earn partial credit)
     completions = [RolloutCompletion(text=text, token_ids=[1], logprobs=None, finish_reason="stop") for text in texts]
-    return ExternalGroup(spec=spec, completions=completions, claimed_rewards=claimed or [1.0] * right + [0.0] * wrong, peer_id=peer, same_model=False, policy_version=1)
+    return ExternalGroup(
+        spec=spec,
+        completions=completions,
+        claimed_rewards=claimed or [1.0] * right + [0.0] * wrong,
+        peer_id=peer,
+        same_model=False,
+        policy_version=1,
+    )
 
 
 def test_capability_correction_hand_computed_clipped_and_with_a_prior():
@@ -59,14 +82,22 @@ def test_capability_correction_hand_computed_clipped_and_with_a_prior():
     assert capability_correction(0.5, 0.5) == (1.0, 1.0)  # nodes that know the same things: nothing changes
     assert capability_correction(0.0, 1.0) == (0.1, 10.0)  # clipped to [0.1, 10] (0.02 / 1 and 1 / 0.02 before)
     assert capability_correction(1.0, 0.0) == (10.0, 0.1)
-    assert capability_correction(None, CAPABILITY_PRIOR) == (1.0, 1.0)  # a specialty never answered starts from the prior
+    # a specialty never answered starts from the prior
+    assert capability_correction(None, CAPABILITY_PRIOR) == (
+        1.0,
+        1.0,
+    )
 
 
 def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_node):
     node = swarm_node()
     rescored = {}
     for peers in (3, 12):
-        received = [peer_group(spec_of("add", 4 * p + q), right=1 + q % 3, wrong=2, peer=f"peer{p}") for p in range(peers) for q in range(4)]
+        received = [
+            peer_group(spec_of("add", 4 * p + q), right=1 + q % 3, wrong=2, peer=f"peer{p}")
+            for p in range(peers)
+            for q in range(4)
+        ]
         chosen = node.sharing.choose(received, seed=peers)
         assert len(chosen) == 4 and all(g.source.startswith("peer") for g in chosen)
         rescored[peers] = node.sharing.rescored_last_round
@@ -75,14 +106,21 @@ def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_n
 
 def test_groups_that_lie_about_their_spread_are_rescored_replaced_and_bounded(swarm_node):
     node = swarm_node()
-    liars = [peer_group(spec_of("add", i), right=0, wrong=3, peer=f"liar{i}", claimed=[1.0, 0.0, 0.0]) for i in range(40)]
+    liars = [
+        peer_group(spec_of("add", i), right=0, wrong=3, peer=f"liar{i}", claimed=[1.0, 0.0, 0.0]) for i in range(40)
+    ]
     honest = [peer_group(spec_of("add", 100 + i), right=1, wrong=2, peer=f"honest{i}") for i in range(2)]
     chosen = node.sharing.choose(liars + honest, seed=1)
     assert node.sharing.rescored_last_round == 8  # 2 x J re-scores at most, whatever the liars send
     assert all(g.source.startswith("honest") for g in chosen)  # a liar's group carries no signal once scored here
-    assert sum(counters.claimed_rewards_disagree for peer, counters in node.stats.peers.items() if peer.startswith("liar")) == 8 - len(chosen)
-    uniform_claims = [peer_group(spec_of("add", 200 + i), right=1, wrong=2, peer="modest", claimed=[0.0, 0.0, 0.0]) for i in range(3)]
-    assert node.sharing.choose(uniform_claims, seed=2) == [] and node.sharing.rescored_last_round == 0  # never drawn, never scored
+    assert sum(
+        counters.claimed_rewards_disagree for peer, counters in node.stats.peers.items() if peer.startswith("liar")
+    ) == 8 - len(chosen)
+    uniform_claims = [
+        peer_group(spec_of("add", 200 + i), right=1, wrong=2, peer="modest", claimed=[0.0, 0.0, 0.0]) for i in range(3)
+    ]
+    # never drawn, never scored
+    assert node.sharing.choose(uniform_claims, seed=2) == [] and node.sharing.rescored_last_round == 0
 
 
 def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
@@ -98,12 +136,20 @@ def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
 def test_capability_corrections_per_specialty(swarm_node):
     node = swarm_node("swarm.capability_aware=true")
     node.telemetry.accuracy_by_dataset.update({"add": 0.5, "subtract": 0.1})  # chain_sum: never answered
-    received = [peer_group(spec_of("add", 0), right=4, wrong=4, peer="twin"),
-                peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
-                peer_group(spec_of("chain_sum", 0), right=2, wrong=6, peer="novice")]
+    received = [
+        peer_group(spec_of("add", 0), right=4, wrong=4, peer="twin"),
+        peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
+        peer_group(spec_of("chain_sum", 0), right=2, wrong=6, peer="novice"),
+    ]
     by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
-    assert (by_label["add"].baseline_scale, by_label["add"].loss_scale) == (1.0, 1.0)  # a peer as good as this node: plain SAPO
-    assert by_label["subtract"].baseline_scale == pytest.approx(0.1 / 0.75) and by_label["subtract"].loss_scale == pytest.approx(7.5)
+    # a peer as good as this node: plain SAPO
+    assert (by_label["add"].baseline_scale, by_label["add"].loss_scale) == (
+        1.0,
+        1.0,
+    )
+    assert by_label["subtract"].baseline_scale == pytest.approx(0.1 / 0.75) and by_label[
+        "subtract"
+    ].loss_scale == pytest.approx(7.5)
     assert by_label["chain_sum"].baseline_scale == pytest.approx(CAPABILITY_PRIOR / 0.25)  # from the stated prior
     off = swarm_node()  # capability_aware off (the default): SAPO's uniform weights
     off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
@@ -111,19 +157,25 @@ def test_capability_corrections_per_specialty(swarm_node):
 
 
 def test_imitation_weight_hand_computed():
-    assert imitation_weight(0.1, 0.75) == pytest.approx(0.65 / 0.75)  # the share of the peer's pass rate this node lacks
-    assert imitation_weight(0.5, 0.5) == 0.0 and imitation_weight(0.9, 0.3) == 0.0  # a peer no better: nothing to imitate
-    assert imitation_weight(None, 0.8) == pytest.approx((0.8 - CAPABILITY_PRIOR) / 0.8)  # never answered: the stated prior
+    # the share of the peer's pass rate this node lacks
+    assert imitation_weight(0.1, 0.75) == pytest.approx(0.65 / 0.75)
+    # a peer no better: nothing to imitate
+    assert imitation_weight(0.5, 0.5) == 0.0 and imitation_weight(0.9, 0.3) == 0.0
+    # never answered: the stated prior
+    assert imitation_weight(None, 0.8) == pytest.approx((0.8 - CAPABILITY_PRIOR) / 0.8)
     assert imitation_weight(0.0, 0.0) == 0.0
 
 
 def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_node):
     node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
     node.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.1})
-    received = [peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
-                peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert")]
+    received = [
+        peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
+        peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
+    ]
     by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
-    assert by_label["add"].imitation_weight == 0.0 and by_label["add"].demonstrations() == []  # this node knows add better
+    # this node knows add better
+    assert by_label["add"].imitation_weight == 0.0 and by_label["add"].demonstrations() == []
     assert by_label["subtract"].imitation_weight == pytest.approx((0.75 - 0.1) / 0.75)
     assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
     assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
@@ -146,7 +198,8 @@ def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
     node.telemetry.accuracy_by_dataset.update({"add": 0.5})
     node.sharing.choose([peer_group(spec_of("add", 0), right=4, wrong=4, peer="p")], seed=0)
     [group] = node.sharing.choose([peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0)
-    assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)  # one unlucky group moves it a fifth
+    # one unlucky group moves it a fifth
+    assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)
     assert group.baseline_scale == pytest.approx(0.5 / 0.425)
 
 
@@ -162,18 +215,29 @@ def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
 
 def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(swarm_node):
     node = swarm_node("swarm.external_questions=1", "swarm.external_selection=weakness")
-    node.telemetry.accuracy_by_dataset.update({"add": 0.95, "subtract": 0.0})  # masters addition, never subtracts right; chain_sum unknown
+    # masters addition, never subtracts right; chain_sum unknown
+    node.telemetry.accuracy_by_dataset.update({"add": 0.95, "subtract": 0.0})
     specs = {label: spec_of(label, 0) for label in ("add", "subtract", "chain_sum")}
-    assert {label: node.sharing.selection_weight(spec) for label, spec in specs.items()} == {"add": pytest.approx(0.05), "subtract": 1.0, "chain_sum": 1.0}
+    assert {label: node.sharing.selection_weight(spec) for label, spec in specs.items()} == {
+        "add": pytest.approx(0.05),
+        "subtract": 1.0,
+        "chain_sum": 1.0,
+    }
     received = [peer_group(spec, right=1, wrong=1, peer=NodeIdentity.generate().node_id) for spec in specs.values()]
     picks = {label: 0 for label in specs}
     for round_ in range(300):
         for group in node.sharing.choose(received, seed=round_):
             picks[node.tasks.label(group.spec)] += 1
     assert picks["add"] < picks["subtract"] / 5 and picks["add"] < picks["chain_sum"] / 5, picks
-    assert swarm_node().config.swarm.external_selection == "uniform"  # SAPO's rule stays the default until measured better
+    # SAPO's rule stays the default until measured better
+    assert swarm_node().config.swarm.external_selection == "uniform"
     rng = random.Random(0)
-    assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [1, 2, 3]  # distinct items, all of them when asked
+    # distinct items, all of them when asked
+    assert sorted(weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 3, rng)) == [
+        1,
+        2,
+        3,
+    ]
     assert weighted_sample([1, 2, 3], [1.0, 1.0, 1.0], 0, rng) == []
 
 
@@ -188,7 +252,14 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     exchange = InProcessExchange()
     nodes = []
     for name in ("a", "b"):
-        node = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", state_dir=tmp_path / name))
+        node = Node(
+            tiny_config(
+                f"tasks.datasets={json.dumps(MIX)}",
+                "swarm.transport=dht",
+                "swarm.external_questions=4",
+                state_dir=tmp_path / name,
+            )
+        )
         node.load()
         node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
         nodes.append(node)
@@ -215,7 +286,8 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
 
 @pytest.mark.parametrize("use", ["policy", "demonstrations_only"])
 def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_own(tiny_config, tmp_path, use):
-    """swarm.external_use: a peer's group with a reward spread enters the policy term only under 'policy'; its right answer is a demonstration either way."""
+    """swarm.external_use: a peer's group with a reward spread enters the policy term only under 'policy'; its right
+    answer is a demonstration either way."""
     import asyncio
 
     from node.rollouts.base import Completion, RolloutGroup
@@ -224,20 +296,47 @@ def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_
 
     exchange = InProcessExchange()
     all_wrong = ScriptedBackend.factory(lambda backend, prompts, call: [[backend.wrong(p)] * 4 for p in prompts])
-    learner = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", "swarm.imitation=own_and_stronger_peers",
-                               "trainer.imitation_coef=1.0", f"swarm.external_use={use}", "eval_every=0", state_dir=tmp_path / "learner"), rollout_backend=all_wrong)
-    peer = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4", state_dir=tmp_path / "peer"))
+    learner = Node(
+        tiny_config(
+            f"tasks.datasets={json.dumps(MIX)}",
+            "swarm.transport=dht",
+            "swarm.external_questions=4",
+            "swarm.imitation=own_and_stronger_peers",
+            "trainer.imitation_coef=1.0",
+            f"swarm.external_use={use}",
+            "eval_every=0",
+            state_dir=tmp_path / "learner",
+        ),
+        rollout_backend=all_wrong,
+    )
+    peer = Node(
+        tiny_config(
+            f"tasks.datasets={json.dumps(MIX)}",
+            "swarm.transport=dht",
+            "swarm.external_questions=4",
+            state_dir=tmp_path / "peer",
+        )
+    )
     for node in (learner, peer):
         node.load()
         node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
-    learner.backend.remember({learner.tasks.prompt(q): q.answer for q in learner.tasks.batch(first_draw=0, count=learner.config.swarm.local_questions)})
+    learner.backend.remember(
+        {
+            learner.tasks.prompt(q): q.answer
+            for q in learner.tasks.batch(first_draw=0, count=learner.config.swarm.local_questions)
+        }
+    )
     learner.telemetry.accuracy_by_dataset["subtract"] = 0.1
     spec = spec_of("subtract", 0)
-    completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (materialize(spec).answer, "nope")]
+    completions = [
+        Completion([1], [2], text, None, "stop", policy_version=0) for text in (materialize(spec).answer, "nope")
+    ]
     asyncio.run(peer.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
     row = asyncio.run(learner.run_round())
-    assert row["external_questions"] == 1 and row["imitation_sequences"] == 1  # the peer's right answer, weight (0.5 - 0.1) / 0.5
-    assert row["groups_used"] == (1 if use == "policy" else 0)  # the learner's own groups are all wrong: dropped either way
+    # the peer's right answer, weight (0.5 - 0.1) / 0.5
+    assert row["external_questions"] == 1 and row["imitation_sequences"] == 1
+    # the learner's own groups are all wrong: dropped either way
+    assert row["groups_used"] == (1 if use == "policy" else 0)
     assert row["policy_version"] == 1
 
 

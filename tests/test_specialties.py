@@ -15,7 +15,16 @@ from node.tasks import TaskSource
 from tests.helpers.rollouts import ScriptedBackend
 from protocol import NodeIdentity, PeerStats, TaskSpec, decode_message, encode_message
 
-ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False, "format_style": "simple"}
+ARITHMETIC = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 1,
+    "operators": ["+"],
+    "allow_negation": False,
+    "allow_parentheses": False,
+    "format_style": "simple",
+}
 MIX = [
     {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
     {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
@@ -41,7 +50,9 @@ def test_a_bad_mix_is_refused_with_a_clear_error(tiny_config):
 
 
 def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_config):
-    config = tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.local_questions=6", "eval_every=2", "tasks.heldout_size=12")
+    config = tiny_config(
+        f"tasks.datasets={json.dumps(MIX)}", "swarm.local_questions=6", "eval_every=2", "tasks.heldout_size=12"
+    )
     node = Node(config)
     node.load()
 
@@ -56,8 +67,12 @@ def test_each_specialty_is_reported_in_metrics_stats_and_the_heartbeat(tiny_conf
         assert all(0.0 <= v <= 1.0 for v in row["accuracy_by_dataset"].values())
     first, by_dataset = rows[0]["heldout_accuracy"], rows[0]["heldout_by_dataset"]
     assert set(by_dataset) == {TaskSource(config.tasks, 0).label(q.spec) for q in node.evaluator.questions()}
-    sizes = {label: sum(TaskSource(config.tasks, 0).label(q.spec) == label for q in node.evaluator.questions()) for label in by_dataset}
-    assert first == pytest.approx(sum(by_dataset[label] * sizes[label] for label in by_dataset) / 12)  # the parts add up to the whole
+    sizes = {
+        label: sum(TaskSource(config.tasks, 0).label(q.spec) == label for q in node.evaluator.questions())
+        for label in by_dataset
+    }
+    # the parts add up to the whole
+    assert first == pytest.approx(sum(by_dataset[label] * sizes[label] for label in by_dataset) / 12)
     assert "heldout_by_dataset" in rows[1]  # eval_every=2: round 2 evaluates too
 
     summary = summarize_metrics(node.store.read_metrics())
@@ -76,7 +91,10 @@ def one_right_or_none(signal_at: set[int]):
 
     def script(backend: ScriptedBackend, prompts: list[str], call: int) -> list[list[str]]:
         n = 4  # tiny_config's rollout.completions_per_question
-        return [[backend.right(p)] + [backend.wrong(p)] * (n - 1) if i in signal_at else [backend.wrong(p)] * n for i, p in enumerate(prompts)]
+        return [
+            [backend.right(p)] + [backend.wrong(p)] * (n - 1) if i in signal_at else [backend.wrong(p)] * n
+            for i, p in enumerate(prompts)
+        ]
 
     return script
 
@@ -97,11 +115,21 @@ def test_publish_with_signal_withholds_only_groups_whose_rewards_are_all_equal(t
         async def publish(self, round_, policy_version, groups):
             published.append([(group.spec, group.rewards) for group in groups])
 
-    # 2 local questions a round: the first with a right answer among wrong ones (a learning signal), the second all wrong
-    node = load_scripted(Node(tiny_config(f"swarm.publish={publish}"), transport=Recording(), rollout_backend=ScriptedBackend.factory(one_right_or_none({0}))), 2)
+    # 2 local questions a round: the first with a right answer among wrong ones (a learning signal), the second all
+    # wrong
+    node = load_scripted(
+        Node(
+            tiny_config(f"swarm.publish={publish}"),
+            transport=Recording(),
+            rollout_backend=ScriptedBackend.factory(one_right_or_none({0})),
+        ),
+        2,
+    )
     asyncio.run(node.run_round())
     [batch] = published
-    assert [rewards for _, rewards in batch] == ([[1.0, 0.0, 0.0, 0.0], [0.0] * 4] if publish == "all" else [[1.0, 0.0, 0.0, 0.0]])
+    assert [rewards for _, rewards in batch] == (
+        [[1.0, 0.0, 0.0, 0.0], [0.0] * 4] if publish == "all" else [[1.0, 0.0, 0.0, 0.0]]
+    )
     assert [spec.index for spec, _ in batch] == ([0, 1] if publish == "all" else [0])
 
 
@@ -117,10 +145,21 @@ def test_a_node_that_generates_more_than_it_trains_on_publishes_all_and_trains_o
             published.append([group.spec.index for group in groups])
 
     # trains on swarm.local_questions=2 of the 4 it generates; questions 1 and 3 of each round carry a signal
-    node = load_scripted(Node(tiny_config("swarm.generated_questions=4"), transport=Recording(), rollout_backend=ScriptedBackend.factory(one_right_or_none({1, 3}))), 8)
+    node = load_scripted(
+        Node(
+            tiny_config("swarm.generated_questions=4"),
+            transport=Recording(),
+            rollout_backend=ScriptedBackend.factory(one_right_or_none({1, 3})),
+        ),
+        8,
+    )
     rows = [asyncio.run(node.run_round()) for _ in range(2)]
     assert published == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the next round draws the next 4 questions of the stream
-    assert [(row["groups_used"], row["groups_dropped"]) for row in rows] == [(2, 0), (2, 0)]  # the two with a signal, none without
+    # the two with a signal, none without
+    assert [(row["groups_used"], row["groups_dropped"]) for row in rows] == [
+        (2, 0),
+        (2, 0),
+    ]
 
     with pytest.raises(ConfigError, match="generated_questions"):
         tiny_config("swarm.generated_questions=1")  # fewer than the 2 it trains on

@@ -3,8 +3,17 @@ which stage a newcomer or a spare takes, and when a serving replica moves — wi
 
 from __future__ import annotations
 
-from node.pipeline.selection import (Move, choose_stage, fresh_window_s, holes, live_view, movers, plan_move, spare_assignment,
-                                     update_empty_since)
+from node.pipeline.selection import (
+    Move,
+    choose_stage,
+    fresh_window_s,
+    holes,
+    live_view,
+    movers,
+    plan_move,
+    spare_assignment,
+    update_empty_since,
+)
 from node.pipeline.stagemap import StageMap
 from protocol import StageAnnouncement
 
@@ -14,15 +23,33 @@ FRESH = fresh_window_s(announce_interval_s=2.0, announce_ttl_s=8.0)
 
 def server(name: str, stage: int, state: str = "serving", rate: float = 10.0) -> StageAnnouncement:
     node_id = name * 40 if len(name) == 1 else name.ljust(40, "0")
-    return StageAnnouncement(node_id=node_id, p2p_peer_id="peer-" + name, model_fingerprint="m", num_stages=4, stage=stage, stage_fingerprint=f"fp{stage}",
-                             layer_start=stage, layer_end=stage + 1, parts=["layers"], state=state, step=10, grad_norm=0.5, samples_per_s=rate,
-                             recoveries=0, replicas=[])
+    return StageAnnouncement(
+        node_id=node_id,
+        p2p_peer_id="peer-" + name,
+        model_fingerprint="m",
+        num_stages=4,
+        stage=stage,
+        stage_fingerprint=f"fp{stage}",
+        layer_start=stage,
+        layer_end=stage + 1,
+        parts=["layers"],
+        state=state,
+        step=10,
+        grad_norm=0.5,
+        samples_per_s=rate,
+        recoveries=0,
+        replicas=[],
+    )
 
 
 def stage_map(*servers: tuple[StageAnnouncement, float], lost: dict[int, float] | None = None) -> StageMap:
     """A map of (announcement, seconds since it was signed) pairs, and lost reports by stage (seconds ago)."""
-    return StageMap.from_announcements(4, [s for s, _ in servers], {s.node_id: NOW - age for s, age in servers},
-                                       {i: NOW - age for i, age in (lost or {}).items()})
+    return StageMap.from_announcements(
+        4,
+        [s for s, _ in servers],
+        {s.node_id: NOW - age for s, age in servers},
+        {i: NOW - age for i, age in (lost or {}).items()},
+    )
 
 
 def test_fresh_window_is_a_few_announce_intervals_within_the_ttl():
@@ -31,7 +58,11 @@ def test_fresh_window_is_a_few_announce_intervals_within_the_ttl():
 
 
 def test_a_silent_server_is_not_counted_although_its_announcement_is_within_the_ttl():
-    view = live_view(stage_map((server("a", 0), 0.5), (server("b", 1), 0.5), (server("c", 2), 7.0), (server("d", 3), 0.5)), NOW, FRESH)
+    view = live_view(
+        stage_map((server("a", 0), 0.5), (server("b", 1), 0.5), (server("c", 2), 7.0), (server("d", 3), 0.5)),
+        NOW,
+        FRESH,
+    )
     assert [s.stage for group in view.servers.values() for s in group] == [0, 1, 3]
     assert holes(view) == [2]
     assert choose_stage(view) == (2, "auto: no live server")
@@ -39,39 +70,67 @@ def test_a_silent_server_is_not_counted_although_its_announcement_is_within_the_
 
 def test_a_lost_report_beats_a_fresh_announcement_until_the_stage_announces_again():
     # stage 2's server announced 1 s ago, a driver found it dead 0.5 s ago: not counted
-    dead = stage_map((server("a", 0), 0.5), (server("b", 1), 0.5), (server("c", 2), 1.0), (server("d", 3), 0.5), lost={2: 0.5})
+    dead = stage_map(
+        (server("a", 0), 0.5), (server("b", 1), 0.5), (server("c", 2), 1.0), (server("d", 3), 0.5), lost={2: 0.5}
+    )
     view = live_view(dead, NOW, FRESH)
     assert holes(view) == [2] and 2 in view.lost
     assert choose_stage(view) == (2, "auto: lost (a driver reported it)")
     # a server of stage 2 announced after the report: the report no longer stands
-    back = stage_map((server("a", 0), 0.5), (server("b", 1), 0.5), (server("e", 2), 0.1), (server("d", 3), 0.5), lost={2: 0.5})
+    back = stage_map(
+        (server("a", 0), 0.5), (server("b", 1), 0.5), (server("e", 2), 0.1), (server("d", 3), 0.5), lost={2: 0.5}
+    )
     view = live_view(back, NOW, FRESH)
     assert holes(view) == [] and view.lost == {}
 
 
 def test_a_lost_stage_is_chosen_before_one_that_only_went_silent_and_before_any_served_one():
-    view = live_view(stage_map((server("a", 0), 0.5), (server("b", 1), 9.0), (server("c", 2), 1.0), (server("d", 3), 0.5), lost={2: 0.5}), NOW, FRESH)
+    view = live_view(
+        stage_map(
+            (server("a", 0), 0.5), (server("b", 1), 9.0), (server("c", 2), 1.0), (server("d", 3), 0.5), lost={2: 0.5}
+        ),
+        NOW,
+        FRESH,
+    )
     assert holes(view) == [2, 1]
     assert choose_stage(view)[0] == 2
 
 
 def test_a_loading_server_fills_a_hole_for_the_next_chooser():
-    view = live_view(stage_map((server("a", 0), 0.5), (server("b", 1, state="loading"), 0.5), (server("d", 3), 0.5)), NOW, FRESH)
+    view = live_view(
+        stage_map((server("a", 0), 0.5), (server("b", 1, state="loading"), 0.5), (server("d", 3), 0.5)), NOW, FRESH
+    )
     assert holes(view) == [2]
 
 
 def test_without_holes_the_least_served_stage_is_chosen():
-    view = live_view(stage_map((server("a", 0), 0), (server("b", 1), 0), (server("x", 1), 0), (server("c", 2, rate=5.0), 0), (server("d", 3), 0)), NOW, FRESH)
+    view = live_view(
+        stage_map(
+            (server("a", 0), 0),
+            (server("b", 1), 0),
+            (server("x", 1), 0),
+            (server("c", 2, rate=5.0), 0),
+            (server("d", 3), 0),
+        ),
+        NOW,
+        FRESH,
+    )
     assert choose_stage(view) == (2, "auto: least served")
 
 
 def test_spares_share_the_holes_by_node_id():
-    base = [(server("a", 0), 0.5), (server("d", 3), 0.5), (server("s", -1, state="spare"), 0.5), (server("t", -1, state="spare"), 0.5)]
+    base = [
+        (server("a", 0), 0.5),
+        (server("d", 3), 0.5),
+        (server("s", -1, state="spare"), 0.5),
+        (server("t", -1, state="spare"), 0.5),
+    ]
     view = live_view(stage_map(*base), NOW, FRESH)
     assert holes(view) == [1, 2]
     assert spare_assignment(view, "s" * 40) == 1 and spare_assignment(view, "t" * 40) == 2
     assert spare_assignment(live_view(stage_map(*base[:1], *base[2:]), NOW, FRESH), "t" * 40) == 2
-    assert spare_assignment(live_view(stage_map(*base[2:]), NOW, FRESH), "s" * 40) is None  # no server at all: not started yet
+    # no server at all: not started yet
+    assert spare_assignment(live_view(stage_map(*base[2:]), NOW, FRESH), "s" * 40) is None
 
 
 def test_empty_since_remembers_when_a_hole_opened_and_forgets_a_filled_one():
@@ -81,8 +140,13 @@ def test_empty_since_remembers_when_a_hole_opened_and_forgets_a_filled_one():
 
 
 def two_of_stage_1(**rates) -> list[StageAnnouncement]:
-    return [server("a", 0, rate=rates.get("a", 10.0)), server("b", 1, rate=rates.get("b", 10.0)), server("x", 1, rate=rates.get("x", 10.0)),
-            server("c", 2, rate=rates.get("c", 10.0)), server("d", 3, rate=rates.get("d", 10.0))]
+    return [
+        server("a", 0, rate=rates.get("a", 10.0)),
+        server("b", 1, rate=rates.get("b", 10.0)),
+        server("x", 1, rate=rates.get("x", 10.0)),
+        server("c", 2, rate=rates.get("c", 10.0)),
+        server("d", 3, rate=rates.get("d", 10.0)),
+    ]
 
 
 def test_a_replica_moves_to_a_stage_empty_past_the_grace_period():
@@ -95,7 +159,8 @@ def test_a_replica_moves_to_a_stage_empty_past_the_grace_period():
     assert move == Move(2, "stage 2 had no live server for 7.0s")
     assert plan_move(view, b, {2: NOW - 7}, NOW, grace_s=6.0, balance_quality=0.75) is None  # the keeper stays
     lone = servers[0]
-    assert plan_move(view, lone, {2: NOW - 7}, NOW, grace_s=6.0, balance_quality=0.75) is None  # the only server of stage 0 never leaves it
+    # the only server of stage 0 never leaves it
+    assert plan_move(view, lone, {2: NOW - 7}, NOW, grace_s=6.0, balance_quality=0.75) is None
 
 
 def test_a_replica_moves_for_throughput_only_when_the_bottleneck_rises_enough():
@@ -104,12 +169,17 @@ def test_a_replica_moves_for_throughput_only_when_the_bottleneck_rises_enough():
     slow = two_of_stage_1(c=4.0)  # stage 2 is the bottleneck: x moving there lifts it from 4 to 10 (x2.5)
     view = live_view(stage_map(*[(s, 0.2) for s in slow]), NOW, FRESH)
     assert plan_move(view, slow[2], {}, NOW, 6.0, 0.75) == Move(2, "throughput: the bottleneck rises x2.50")
-    assert [plan_move(view, s, {}, NOW, 6.0, 0.75) for s in slow if s is not slow[2]] == [None] * 4  # one server moves, not two
+    assert [plan_move(view, s, {}, NOW, 6.0, 0.75) for s in slow if s is not slow[2]] == [
+        None
+    ] * 4  # one server moves, not two
     slightly = two_of_stage_1(c=9.0)  # x1.11 is within balance_quality's margin: nobody moves
     view = live_view(stage_map(*[(s, 0.2) for s in slightly]), NOW, FRESH)
     assert all(plan_move(view, s, {}, NOW, 6.0, 0.75) is None for s in slightly)
     unmeasured = two_of_stage_1(c=0.0)  # a server that has not served yet gives no basis for a throughput move
-    assert all(plan_move(live_view(stage_map(*[(s, 0.2) for s in unmeasured]), NOW, FRESH), s, {}, NOW, 6.0, 0.75) is None for s in unmeasured)
+    assert all(
+        plan_move(live_view(stage_map(*[(s, 0.2) for s in unmeasured]), NOW, FRESH), s, {}, NOW, 6.0, 0.75) is None
+        for s in unmeasured
+    )
 
 
 def test_no_flapping_after_a_move_nobody_moves_back():
@@ -125,7 +195,7 @@ def test_no_flapping_after_a_move_nobody_moves_back():
         if not moves:
             break
         assert len(moves) == 1  # every server computes the same single move from the same map
-        (name, move), = moves.items()
+        ((name, move),) = moves.items()
         assert move.stage not in left[name]
         left[name].add(placement[name])
         placement[name] = move.stage

@@ -17,7 +17,14 @@ def uses_peers(state_dir) -> bool:
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -36,24 +43,49 @@ def test_three_nodes_train_on_each_others_rollouts(swarm_yaml, tmp_path, cli_env
     bootstrap = first.addresses()
     nodes += [SwarmProcess(swarm_yaml, tmp_path / name, cli_env, bootstrap) for name in ("b", "c")]
     for node in nodes:
-        wait_for(lambda: node.assert_running() or uses_peers(node.state_dir), 180, f"{node.state_dir.name} to train on peers' rollouts")
+        wait_for(
+            lambda: node.assert_running() or uses_peers(node.state_dir),
+            180,
+            f"{node.state_dir.name} to train on peers' rollouts",
+        )
 
     listed = wait_for_peers(cli_env, bootstrap[0], 3)
     for peer in listed:
         assert {"node_id", "round", "reward_mean", "last_seen"} <= set(peer)
         assert peer["round"] > 0 and peer["rollouts_published"] > 0
-    ids = {json.loads(subprocess.run(cli("identity", "--state-dir", str(n.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S).stdout)["node_id"] for n in nodes}
+    ids = {
+        json.loads(
+            subprocess.run(
+                cli("identity", "--state-dir", str(n.state_dir), "--json"),
+                capture_output=True,
+                text=True,
+                env=cli_env,
+                cwd=REPO,
+                timeout=CLI_TIMEOUT_S,
+            ).stdout
+        )["node_id"]
+        for n in nodes
+    }
     assert {peer["node_id"] for peer in listed} == ids
 
     for node in nodes:
         assert node.interrupt() == 0, node.output()
     for node in nodes:
         swarm = json.loads((node.state_dir / "swarm.json").read_text())
-        used = {peer: counters["questions_used"] for peer, counters in swarm["peers"].items() if counters["questions_used"]}
+        used = {
+            peer: counters["questions_used"] for peer, counters in swarm["peers"].items() if counters["questions_used"]
+        }
         assert used, f"{node.state_dir.name} used no peer questions"
         assert swarm["totals"]["rejected"] == {}  # honest peers: nothing refused
         assert swarm["totals"]["gossip_messages_received"] > 0  # pushed over libp2p gossipsub, not only polled
-        stats = subprocess.run(cli("stats", "--state-dir", str(node.state_dir), "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+        stats = subprocess.run(
+            cli("stats", "--state-dir", str(node.state_dir), "--json"),
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=CLI_TIMEOUT_S,
+        )
         assert json.loads(stats.stdout)["swarm"]["totals"]["batches_accepted"] > 0
 
 
@@ -66,17 +98,29 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
     wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b to use a's rollouts")
     wait_for(lambda: uses_peers(first.state_dir), 180, "a to use b's rollouts")
 
-    # A row is written before its round's checkpoint: kill only once a checkpoint exists, or the node rightly starts fresh.
+    # A row is written before its round's checkpoint: kill only once a checkpoint exists, or the node rightly starts
+    # fresh.
     wait_for(lambda: (second.state_dir / "checkpoints" / "LATEST").exists(), 180, "b's first checkpoint")
     second.kill()
     rounds_at_kill = read_rows(second.state_dir)[-1]["round"]
     first_rounds = read_rows(first.state_dir)[-1]["round"]
-    wait_for(lambda: first.assert_running() or read_rows(first.state_dir)[-1]["round"] > first_rounds + 5, 60, "a to keep training alone")
+    wait_for(
+        lambda: first.assert_running() or read_rows(first.state_dir)[-1]["round"] > first_rounds + 5,
+        60,
+        "a to keep training alone",
+    )
 
     restarted = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap)
     nodes.append(restarted)
     marker = len(read_rows(restarted.state_dir))
-    wait_for(lambda: restarted.assert_running() or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:]), 180, "the restarted node to use a's rollouts again")
+    wait_for(
+        lambda: (
+            restarted.assert_running()
+            or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:])
+        ),
+        180,
+        "the restarted node to use a's rollouts again",
+    )
     rows = read_rows(restarted.state_dir)
     assert rows[0]["round"] == 1 and [r["round"] for r in rows] == list(range(1, rows[-1]["round"] + 1))
     assert rows[-1]["round"] > rounds_at_kill - 1  # resumed, not restarted from scratch
@@ -85,13 +129,21 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
 
 
 def identity_json(env, state_dir) -> dict:
-    result = subprocess.run(cli("identity", "--state-dir", str(state_dir), "--json"), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    result = subprocess.run(
+        cli("identity", "--state-dir", str(state_dir), "--json"),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def test_restarted_bootstrap_keeps_its_address_and_is_found_again(swarm_yaml, tmp_path, cli_env, nodes):
-    """The first node of a swarm restarts on its fixed port: same /p2p/ id, and a node that knew only its old address meets it again."""
+    """The first node of a swarm restarts on its fixed port: same /p2p/ id, and a node that knew only its old address
+    meets it again."""
     first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
     nodes.append(first)
     bootstrap = first.addresses()
@@ -105,12 +157,21 @@ def test_restarted_bootstrap_keeps_its_address_and_is_found_again(swarm_yaml, tm
     assert first.interrupt() == 0, first.output()
     (first.state_dir / "addresses.txt").unlink()
     port = bootstrap[0].split("/")[4]
-    restarted = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env, extra=["--set", f'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/{port}"]'])
+    restarted = SwarmProcess(
+        swarm_yaml, tmp_path / "a", cli_env, extra=["--set", f'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/{port}"]']
+    )
     nodes.append(restarted)
     assert restarted.addresses() == bootstrap  # the whole address, /p2p/ id included
     marker = len(read_rows(restarted.state_dir))
-    wait_for(lambda: restarted.assert_running() or second.assert_running() or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:]),
-             180, "the restarted bootstrap to use b's rollouts again")
+    wait_for(
+        lambda: (
+            restarted.assert_running()
+            or second.assert_running()
+            or any(r.get("external_questions", 0) > 0 for r in read_rows(restarted.state_dir)[marker:])
+        ),
+        180,
+        "the restarted bootstrap to use b's rollouts again",
+    )
     assert identity_json(cli_env, first.state_dir) == ids
 
 
@@ -120,21 +181,48 @@ def test_any_reachable_bootstrap_suffices(swarm_yaml, tmp_path, cli_env, nodes):
     nodes.append(first)
     second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, [dead, *first.addresses()])
     nodes.append(second)
-    wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b, given one dead and one live bootstrap, to use a's rollouts")
+    wait_for(
+        lambda: second.assert_running() or uses_peers(second.state_dir),
+        180,
+        "b, given one dead and one live bootstrap, to use a's rollouts",
+    )
 
 
 def test_dead_bootstrap_fails_with_a_clear_error(swarm_yaml, tmp_path, cli_env):
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDsDVVqAytD5WL67JctokL1YTfxeg4M3REM7VPsSZNGJB"
     result = subprocess.run(
-        cli("join", "--config", str(swarm_yaml), "--state-dir", str(tmp_path / "x"), "--initial-peers", dead, "--set", "swarm.bootstrap_attempts=2", "--set", "swarm.p2pd_startup_timeout_s=10"),
-        capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S,
+        cli(
+            "join",
+            "--config",
+            str(swarm_yaml),
+            "--state-dir",
+            str(tmp_path / "x"),
+            "--initial-peers",
+            dead,
+            "--set",
+            "swarm.bootstrap_attempts=2",
+            "--set",
+            "swarm.p2pd_startup_timeout_s=10",
+        ),
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
     )
     assert result.returncode == 1
     assert "could not join" in result.stderr and "after 2 attempts" in result.stderr
     assert f"{dead} (TCP connect failed" in result.stderr  # names each address tried and what failed there
     assert "Traceback" not in result.stderr
 
-    listed = subprocess.run(cli("peers", "--initial-peers", dead, "--join-attempts", "2", "--json"), capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+    listed = subprocess.run(
+        cli("peers", "--initial-peers", dead, "--join-attempts", "2", "--json"),
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
     assert listed.returncode == 1 and listed.stdout == ""  # an unreachable swarm is an error, never an empty list
     assert "could not join" in listed.stderr and "after 2 attempts" in listed.stderr
     assert "Traceback" not in listed.stderr
@@ -152,7 +240,13 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
         try:
             for i in range(2):
                 peers = [f"swarm.initial_peers={json.dumps(pair[0].addresses)}"] if pair else []
-                node = Node(load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, *peers, f"swarm.gossip={gossip}", f"seed={i}"], state_dir=str(tmp_path / str(i))))
+                node = Node(
+                    load_config(
+                        REPO / "configs" / "swarm.yaml",
+                        [*SWARM_OVERRIDES, *peers, f"swarm.gossip={gossip}", f"seed={i}"],
+                        state_dir=str(tmp_path / str(i)),
+                    )
+                )
                 node.load()
                 await node.start_services()
                 pair.append(node)

@@ -25,7 +25,12 @@ SWARM = "test-swarm"
 
 def batch_for(spec: TaskSpec, completions: list[str], claimed: list[float]) -> RolloutBatch:
     sent = [RolloutCompletion(text=text, token_ids=[1], logprobs=None, finish_reason="length") for text in completions]
-    return RolloutBatch(round=1, policy_version=1, model_fingerprint="someone-else", questions=[RolloutQuestion(spec=spec, completions=sent, claimed_rewards=claimed)])
+    return RolloutBatch(
+        round=1,
+        policy_version=1,
+        model_fingerprint="someone-else",
+        questions=[RolloutQuestion(spec=spec, completions=sent, claimed_rewards=claimed)],
+    )
 
 
 def test_hostile_values_are_refused_and_counted(model_cache, tmp_path):
@@ -38,7 +43,11 @@ async def _hostile_scenario(tmp_path):
 
     # The hostile values go under the window of the test's clock; the node reads that window and the one before, so a
     # window boundary passing on a slow machine between the stores and the node's reads cannot hide them.
-    config = load_config(REPO / "configs" / "swarm.yaml", [*SWARM_OVERRIDES, "swarm.window_s=600", "swarm.collect_windows=2"], state_dir=str(tmp_path / "honest"))
+    config = load_config(
+        REPO / "configs" / "swarm.yaml",
+        [*SWARM_OVERRIDES, "swarm.window_s=600", "swarm.collect_windows=2"],
+        state_dir=str(tmp_path / "honest"),
+    )
     honest = Node(config)
     honest.load()
     await honest.start_services()
@@ -50,7 +59,10 @@ async def _hostile_scenario(tmp_path):
         spec = TaskSpec(mix.name, mix.config, seed=5, index=3)
         question = materialize(spec)
         wrong = str(int(question.answer) + 1)
-        peers = {name: NodeIdentity.generate() for name in ("forger", "liar", "big", "cut", "foreign", "mismatch", "other_task", "bomb", "replayer")}
+        peers = {
+            name: NodeIdentity.generate()
+            for name in ("forger", "liar", "big", "cut", "foreign", "mismatch", "other_task", "bomb", "replayer")
+        }
 
         def signed(identity, batch, seq, swarm=SWARM):
             return encode_message(batch, identity=identity, swarm_id=swarm, seq=seq, timestamp=time.time())
@@ -66,13 +78,25 @@ async def _hostile_scenario(tmp_path):
         forged[-1] ^= 0xFF
         await refused_by_the_dht(peers["forger"].node_id, bytes(forged))
         # a valid signature, but it claims its wrong answers are right: we re-score, never trust
-        await put(peers["liar"].node_id, signed(peers["liar"], batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0]), 10))
-        await refused_by_the_dht(peers["big"].node_id, b"\x92" + b"\xc6" + (1_500_000).to_bytes(4, "big") + bytes(1_500_000))
+        await put(
+            peers["liar"].node_id,
+            signed(peers["liar"], batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0]), 10),
+        )
+        await refused_by_the_dht(
+            peers["big"].node_id, b"\x92" + b"\xc6" + (1_500_000).to_bytes(4, "big") + bytes(1_500_000)
+        )
         await refused_by_the_dht(peers["cut"].node_id, signed(peers["cut"], honest_batch, 10)[:-25])
-        await refused_by_the_dht(peers["foreign"].node_id, signed(peers["foreign"], honest_batch, 10, swarm="another-swarm"))
-        await refused_by_the_dht(peers["mismatch"].node_id, signed(peers["forger"], honest_batch, 11))  # signed by someone else
-        await put(peers["other_task"].node_id, signed(peers["other_task"], batch_for(TaskSpec("chain_sum", {}, 1, 1), ["1", "2"], [0.0, 1.0]), 10))
-        bomb = TaskSpec(mix.name, {**mix.config, "max_digits": 10**6, "min_digits": 10**6}, seed=1, index=1)  # a CPU/memory bomb
+        await refused_by_the_dht(
+            peers["foreign"].node_id, signed(peers["foreign"], honest_batch, 10, swarm="another-swarm")
+        )
+        # signed by someone else
+        await refused_by_the_dht(peers["mismatch"].node_id, signed(peers["forger"], honest_batch, 11))
+        await put(
+            peers["other_task"].node_id,
+            signed(peers["other_task"], batch_for(TaskSpec("chain_sum", {}, 1, 1), ["1", "2"], [0.0, 1.0]), 10),
+        )
+        # a CPU/memory bomb
+        bomb = TaskSpec(mix.name, {**mix.config, "max_digits": 10**6, "min_digits": 10**6}, seed=1, index=1)
         await put(peers["bomb"].node_id, signed(peers["bomb"], batch_for(bomb, ["1", "2"], [0.0, 1.0]), 10))
         old_envelope = signed(peers["replayer"], honest_batch, 100)
         await put(peers["replayer"].node_id, signed(peers["replayer"], honest_batch, 200))
@@ -94,7 +118,9 @@ async def _hostile_scenario(tmp_path):
         assert rejected[peers["bomb"].node_id] == {"bad_spec": 1}
         assert rejected[peers["replayer"].node_id] == {"replay": 1}
         liar = honest.stats.peers[peers["liar"].node_id]
-        assert peers["liar"].node_id not in rejected and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
+        assert (
+            peers["liar"].node_id not in rejected and liar.batches_accepted == 1 and liar.claimed_rewards_disagree == 1
+        )
         # what the node trained on was scored here: the liar's group carries our rewards
         rescored, _ = honest.sharing.rescore(_liar_group(peers["liar"], spec, question, wrong))
         assert rescored.rewards[:2] == [0.0, 0.0] and rescored.rewards[2] == 1.0
@@ -114,4 +140,11 @@ def _liar_group(identity, spec, question, wrong):
 
     batch = batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0])
     [question] = batch.questions
-    return ExternalGroup(spec=question.spec, completions=question.completions, claimed_rewards=question.claimed_rewards, peer_id=identity.node_id, same_model=False, policy_version=1)
+    return ExternalGroup(
+        spec=question.spec,
+        completions=question.completions,
+        claimed_rewards=question.claimed_rewards,
+        peer_id=identity.node_id,
+        same_model=False,
+        policy_version=1,
+    )

@@ -8,7 +8,15 @@ from node.tasks import TaskError, TaskSource, extract_answer, grade, materialize
 from protocol.specs import SpecError, TaskSpec
 from tests.helpers.common import REPO
 
-ARITH = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False}
+ARITH = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 2,
+    "operators": ["+", "-"],
+    "allow_negation": False,
+    "allow_parentheses": False,
+}
 
 
 def test_same_spec_same_question_and_answer():
@@ -26,7 +34,9 @@ def test_answer_is_rederived_from_the_expression():
 
 
 def test_source_stream_is_reproducible_and_seed_dependent():
-    config = TasksConfig(datasets=[DatasetConfig(name="basic_arithmetic", config=ARITH), DatasetConfig(name="chain_sum", weight=3.0)])
+    config = TasksConfig(
+        datasets=[DatasetConfig(name="basic_arithmetic", config=ARITH), DatasetConfig(name="chain_sum", weight=3.0)]
+    )
     a, b, other = TaskSource(config, 1), TaskSource(config, 1), TaskSource(config, 2)
     assert [a.spec(i) for i in range(20)] == [b.spec(i) for i in range(20)]
     assert [a.spec(i).key for i in range(20)] != [other.spec(i).key for i in range(20)]
@@ -44,7 +54,14 @@ def test_heldout_is_fixed_and_disjoint_in_seed():
 
 @pytest.mark.parametrize(
     "completion, expected",
-    [("12", "12"), (" 12 \nmore", "12"), ("think <answer>7</answer> x <answer> 8 </answer>", "8"), ("", None), ("\n12", None), ("<answer></answer>", None)],
+    [
+        ("12", "12"),
+        (" 12 \nmore", "12"),
+        ("think <answer>7</answer> x <answer> 8 </answer>", "8"),
+        ("", None),
+        ("\n12", None),
+        ("<answer></answer>", None),
+    ],
 )
 def test_extract_answer(completion, expected):
     assert extract_answer(completion) == expected
@@ -72,7 +89,12 @@ def test_bad_specs_are_refused():
         materialize(TaskSpec("no_such_dataset", {}, 0, 0))
     with pytest.raises(TaskError):
         materialize(TaskSpec("basic_arithmetic", {"min_terms": "many"}, 0, 0))
-    for bad in [dict(dataset="", config={}, seed=0, index=0), dict(dataset="x", config={}, seed=-1, index=0), dict(dataset="x", config={}, seed=0, index=True), dict(dataset="x", config={"a": float("nan")}, seed=0, index=0)]:
+    for bad in [
+        dict(dataset="", config={}, seed=0, index=0),
+        dict(dataset="x", config={}, seed=-1, index=0),
+        dict(dataset="x", config={}, seed=0, index=True),
+        dict(dataset="x", config={"a": float("nan")}, seed=0, index=0),
+    ]:
         with pytest.raises(SpecError):
             TaskSpec(**bad)
     with pytest.raises(SpecError):
@@ -145,7 +167,9 @@ def test_a_dataset_whose_constructor_uses_its_seed_is_built_per_seed(monkeypatch
 
 
 def test_score_answers_counts_accuracy_and_distinct_answers_per_specialty():
-    config = TasksConfig(datasets=[DatasetConfig(name="basic_arithmetic", label="arith", config=ARITH), DatasetConfig(name="chain_sum")])
+    config = TasksConfig(
+        datasets=[DatasetConfig(name="basic_arithmetic", label="arith", config=ARITH), DatasetConfig(name="chain_sum")]
+    )
     source = TaskSource(config, seed=4)
     questions = [q for q in source.batch(0, 40)]
     arith = [q for q in questions if source.label(q.spec) == "arith"]

@@ -29,14 +29,24 @@ def test_policy_loss_clipping_hand_computed():
     loss, _ = policy_loss(logprobs, old, torch.tensor([-1.0]), mask, 0.2, 0.28)
     assert loss.item() == pytest.approx(1.5 + 0.8 + 1.0)
     # masked tokens and importance weights
-    loss, _ = policy_loss(logprobs, old, torch.tensor([1.0]), torch.tensor([[True, False, True]]), 0.2, 0.28, torch.tensor([[0.5, 9.0, 2.0]]))
+    loss, _ = policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0]),
+        torch.tensor([[True, False, True]]),
+        0.2,
+        0.28,
+        torch.tensor([[0.5, 9.0, 2.0]]),
+    )
     assert loss.item() == pytest.approx(-(1.28 * 0.5 + 1.0 * 2.0))
 
 
 def test_policy_loss_kl_term():
     logprobs = torch.log(torch.tensor([[0.5]]))
     ref = torch.log(torch.tensor([[0.25]]))
-    loss, info = policy_loss(logprobs, logprobs.clone(), torch.tensor([0.0]), torch.tensor([[True]]), 0.2, 0.28, None, ref, kl_beta=0.1)
+    loss, info = policy_loss(
+        logprobs, logprobs.clone(), torch.tensor([0.0]), torch.tensor([[True]]), 0.2, 0.28, None, ref, kl_beta=0.1
+    )
     expected_kl = 0.5 - math.log(0.5) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert info["kl_sum"].item() == pytest.approx(expected_kl)
     assert loss.item() == pytest.approx(0.1 * expected_kl)
@@ -47,12 +57,23 @@ def tiny_policy():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
 def _completion(prompt, ids, version=0, logprobs=None):
-    return Completion(prompt_ids=prompt, completion_ids=ids, text="", logprobs=logprobs, finish_reason="stop", policy_version=version)
+    return Completion(
+        prompt_ids=prompt, completion_ids=ids, text="", logprobs=logprobs, finish_reason="stop", policy_version=version
+    )
 
 
 def test_padding_does_not_change_logprobs(tiny_policy):
@@ -69,7 +90,10 @@ def test_step_raises_logprobs_of_positive_advantage_completions(tiny_policy):
     good, bad = [8, 9, 1], [10, 11, 1]
     with torch.no_grad():
         before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad)], 0, 1.0)
-    completions = [_completion(prompt, good, logprobs=before[0].tolist()), _completion(prompt, bad, logprobs=before[1].tolist())]
+    completions = [
+        _completion(prompt, good, logprobs=before[0].tolist()),
+        _completion(prompt, bad, logprobs=before[1].tolist()),
+    ]
     trainer = GRPOTrainer(TrainerConfig(lr=1e-2), tiny_policy, pad_id=0, temperature=1.0)
     stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])])
     assert stats.stepped and trainer.policy_version == 1 and stats.tokens == 6
@@ -93,7 +117,14 @@ def test_uniform_and_empty_groups_do_not_step(tiny_policy):
 def test_micro_batching_gives_the_same_gradient(tiny_policy):
     import copy
 
-    groups = [RolloutGroup(TaskSpec("x", {}, 0, i), [_completion([3, i + 4], [5, 6, 1][: i + 1]), _completion([3], [7, 1])], [float(i % 2), 1.0 - i % 2]) for i in range(3)]
+    groups = [
+        RolloutGroup(
+            TaskSpec("x", {}, 0, i),
+            [_completion([3, i + 4], [5, 6, 1][: i + 1]), _completion([3], [7, 1])],
+            [float(i % 2), 1.0 - i % 2],
+        )
+        for i in range(3)
+    ]
     results = []
     for micro in (1, 64):
         model = copy.deepcopy(tiny_policy)
@@ -110,7 +141,10 @@ def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
     # behaviour much less likely than now -> weight capped at 2; much more likely -> weight < 1
     stale_low = _completion([3], [4, 5], version=1, logprobs=(current[0] - 5.0).tolist())
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
-    samples = trainer._samples([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])], type("S", (), {"groups_used": 0, "groups_dropped": 0})())
+    samples = trainer._samples(
+        [RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])],
+        type("S", (), {"groups_used": 0, "groups_dropped": 0})(),
+    )
     old, weights = trainer._old_logprobs(samples)
     assert torch.allclose(old[0], current[0], atol=1e-6)
     assert torch.allclose(weights[0], torch.full((2,), 2.0))
@@ -122,14 +156,18 @@ def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_polic
     with torch.no_grad():
         current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
     on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
-    assert trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, on_policy], [1.0, 0.0])]).importance_weight_mean is None
+    assert (
+        trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, on_policy], [1.0, 0.0])]).importance_weight_mean
+        is None
+    )
     with torch.no_grad():  # the first step moved the policy: take the behaviour log-probs from where it is now
         current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
     trainer.policy_version = 5
     on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
     stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])])
-    assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)  # only the off-policy sample's two tokens count
+    # only the off-policy sample's two tokens count
+    assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)
 
 
 def test_capability_aware_baseline_hand_computed():
@@ -138,21 +176,33 @@ def test_capability_aware_baseline_hand_computed():
     rewards = [1.0] * 6 + [0.0] * 2
     scaled = group_advantages(rewards, eps=0.0, baseline_scale=0.1 / 0.75)
     assert scaled == pytest.approx([1.944222] * 6 + [-0.216025] * 2, rel=1e-5)
-    assert group_advantages(rewards, eps=0.0) == pytest.approx([0.540062] * 6 + [-1.620185] * 2, rel=1e-5)  # omega = 1: plain GRPO
+    # omega = 1: plain GRPO
+    assert group_advantages(rewards, eps=0.0) == pytest.approx([0.540062] * 6 + [-1.620185] * 2, rel=1e-5)
     assert group_advantages([1.0, 1.0], eps=1e-4, baseline_scale=0.2) == [0.0, 0.0]  # no signal is invented
     # a scaled baseline at or above the best reward would push right answers down: the plain mean instead
     assert group_advantages(rewards, eps=0.0, baseline_scale=2.0) == pytest.approx(group_advantages(rewards, eps=0.0))
 
 
 def test_sequence_importance_weight_is_exponential_and_never_above_one(tiny_policy):
-    trainer = GRPOTrainer(TrainerConfig(importance_level="sequence", importance_alpha=1.0), tiny_policy, pad_id=0, temperature=1.0, policy_version=5)
+    trainer = GRPOTrainer(
+        TrainerConfig(importance_level="sequence", importance_alpha=1.0),
+        tiny_policy,
+        pad_id=0,
+        temperature=1.0,
+        policy_version=5,
+    )
     with torch.no_grad():
         current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
     likelier_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] + 0.5).tolist())  # s = exp(-0.5)
-    unlikely_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] - 5.0).tolist())  # s = exp(5), capped at 1
-    samples = trainer._samples([RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])], type("S", (), {"groups_used": 0, "groups_dropped": 0})())
+    # s = exp(5), capped at 1
+    unlikely_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] - 5.0).tolist())
+    samples = trainer._samples(
+        [RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])],
+        type("S", (), {"groups_used": 0, "groups_dropped": 0})(),
+    )
     _, weights = trainer._old_logprobs(samples)
-    assert torch.allclose(weights[0], torch.full((2,), math.exp(-1.0)), atol=1e-5)  # s * s^alpha, one value for the whole sequence
+    # s * s^alpha, one value for the whole sequence
+    assert torch.allclose(weights[0], torch.full((2,), math.exp(-1.0)), atol=1e-5)
     assert torch.allclose(weights[1], torch.ones(2))
 
 
@@ -164,13 +214,26 @@ def test_a_groups_loss_scale_multiplies_its_loss(tiny_policy):
         model = copy.deepcopy(tiny_policy)
         trainer = GRPOTrainer(TrainerConfig(), model, pad_id=0, temperature=1.0, policy_version=5)
         # completions of different lengths: the token-level mean of the advantages is not zero
-        group = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion([3], [4]), _completion([3], [5, 6, 7])], [1.0, 0.0], source="peer", loss_scale=scale)
+        group = RolloutGroup(
+            TaskSpec("x", {}, 0, 0),
+            [_completion([3], [4]), _completion([3], [5, 6, 7])],
+            [1.0, 0.0],
+            source="peer",
+            loss_scale=scale,
+        )
         losses.append(trainer.step([group]).loss)
     assert losses[0] != 0.0 and losses[1] == pytest.approx(3.0 * losses[0], rel=1e-5)
 
 
 def _demonstration_group(completions: list[Completion], correct: list[bool], weight: float) -> RolloutGroup:
-    return RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0] * len(completions), source="peer", correct=correct, imitation_weight=weight)
+    return RolloutGroup(
+        TaskSpec("x", {}, 0, 0),
+        completions,
+        rewards=[1.0] * len(completions),
+        source="peer",
+        correct=correct,
+        imitation_weight=weight,
+    )
 
 
 def test_demonstrations_are_the_distinct_right_answers_of_a_weighted_group():
@@ -178,7 +241,8 @@ def test_demonstrations_are_the_distinct_right_answers_of_a_weighted_group():
     group = _demonstration_group([right, again, wrong], [True, True, False], weight=0.5)
     assert group.demonstrations() == [right]  # the same tokens twice teach nothing twice; a wrong answer never
     assert _demonstration_group([right, wrong], [True, False], weight=0.0).demonstrations() == []
-    assert RolloutGroup(TaskSpec("x", {}, 0, 0), [right], [1.0], imitation_weight=1.0).demonstrations() == []  # no verdicts: nothing
+    # no verdicts: nothing
+    assert RolloutGroup(TaskSpec("x", {}, 0, 0), [right], [1.0], imitation_weight=1.0).demonstrations() == []
 
 
 def test_the_imitation_term_learns_demonstrations_the_policy_term_drops(tiny_policy):
@@ -188,7 +252,13 @@ def test_the_imitation_term_learns_demonstrations_the_policy_term_drops(tiny_pol
         before, _ = completion_logprobs(tiny_policy, [(prompt, answer)], 0, 1.0)
     trainer = GRPOTrainer(TrainerConfig(lr=1e-2, imitation_coef=1.0), tiny_policy, pad_id=0, temperature=1.0)
     stats = trainer.step([_demonstration_group([_completion(prompt, answer)] * 2, [True, True], weight=1.0)])
-    assert stats.groups_dropped == 1 and stats.tokens == 0 and stats.imitation_sequences == 1 and stats.stepped and trainer.policy_version == 1
+    assert (
+        stats.groups_dropped == 1
+        and stats.tokens == 0
+        and stats.imitation_sequences == 1
+        and stats.stepped
+        and trainer.policy_version == 1
+    )
     assert stats.imitation_nll == pytest.approx(-before[0].mean().item(), rel=1e-4)
     with torch.no_grad():
         after, _ = completion_logprobs(tiny_policy, [(prompt, answer)], 0, 1.0)
@@ -200,13 +270,19 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
 
     prompt = [3]
     good, bad, demo = [4, 1], [5, 1], [6, 7, 1]
-    policy_group = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, good), _completion(prompt, bad)], [1.0, 0.0])
+    policy_group = RolloutGroup(
+        TaskSpec("x", {}, 0, 0), [_completion(prompt, good), _completion(prompt, bad)], [1.0, 0.0]
+    )
     with torch.no_grad():
         before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad), (prompt, demo)], 0, 1.0)
 
-    def gradient(coef: float, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> torch.Tensor:
+    def gradient(
+        coef: float, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()
+    ) -> torch.Tensor:
         model = copy.deepcopy(tiny_policy)
-        GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(groups, demonstration_groups)
+        GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(
+            groups, demonstration_groups
+        )
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     def loss_gradient(loss_of) -> torch.Tensor:
@@ -215,18 +291,33 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
         loss_of(logprobs).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    # by hand: the policy term over 4 tokens (A = +-0.5 / (sqrt(0.5) + eps)) plus 2 x 0.5 x NLL of the 3-token demonstration / 3
+    # by hand: the policy term over 4 tokens (A = +-0.5 / (sqrt(0.5) + eps)) plus 2 x 0.5 x NLL of the 3-token
+    # demonstration / 3
     advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
-    expected = loss_gradient(lambda lp: (-advantage * lp[0, :2].sum() + advantage * lp[1, :2].sum()) / 4 + 2.0 * 0.5 * -lp[2, :3].sum() / 3)
+    expected = loss_gradient(
+        lambda lp: (-advantage * lp[0, :2].sum() + advantage * lp[1, :2].sum()) / 4 + 2.0 * 0.5 * -lp[2, :3].sum() / 3
+    )
     demonstration = _demonstration_group([_completion(prompt, demo)], [True], weight=0.5)
     assert torch.allclose(gradient(2.0, [policy_group, demonstration]), expected, atol=1e-5)
     # a group given as demonstrations only: its reward spread stays out of the policy term, its right answer is learned
-    peer = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, demo), _completion(prompt, bad)], [1.0, 0.0], correct=[True, False], imitation_weight=0.5)
+    peer = RolloutGroup(
+        TaskSpec("x", {}, 0, 0),
+        [_completion(prompt, demo), _completion(prompt, bad)],
+        [1.0, 0.0],
+        correct=[True, False],
+        imitation_weight=0.5,
+    )
     assert torch.allclose(gradient(2.0, [policy_group], [peer]), expected, atol=1e-5)
-    assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))  # off: demonstrations ignored
+    # off: demonstrations ignored
+    assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))
 
     plain = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
     assert not plain.step([_demonstration_group([_completion(prompt, demo)], [True], weight=1.0)]).stepped
     many = [_demonstration_group([_completion(prompt, [4 + i, 1])], [True], weight=0.1 * (i + 1)) for i in range(6)]
-    capped = GRPOTrainer(TrainerConfig(imitation_coef=1.0, imitation_max_sequences=4), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
+    capped = GRPOTrainer(
+        TrainerConfig(imitation_coef=1.0, imitation_max_sequences=4),
+        copy.deepcopy(tiny_policy),
+        pad_id=0,
+        temperature=1.0,
+    )
     assert capped.step(many).imitation_sequences == 4  # the four heaviest

@@ -34,17 +34,26 @@ PEER = "/p2p/12D3KooWGossipPeer"
 
 def test_a_wildcard_listener_is_advertised_at_the_nodes_dht_ips_routable_first():
     dht = ["/ip4/127.0.0.1/tcp/4000/p2p/X", "/ip4/198.18.0.1/tcp/4000/p2p/X", "/ip4/198.18.0.1/udp/4000/quic/p2p/X"]
-    assert routable_gossip_addresses([f"/ip4/0.0.0.0/tcp/5000{PEER}"], dht) == [f"/ip4/198.18.0.1/tcp/5000{PEER}", f"/ip4/127.0.0.1/tcp/5000{PEER}"]
+    assert routable_gossip_addresses([f"/ip4/0.0.0.0/tcp/5000{PEER}"], dht) == [
+        f"/ip4/198.18.0.1/tcp/5000{PEER}",
+        f"/ip4/127.0.0.1/tcp/5000{PEER}",
+    ]
 
 
 def test_announced_addresses_are_what_a_wildcard_listener_advertises():
     # p2pd reports swarm.announce_maddrs (e.g. a public IP behind NAT) instead of its interfaces.
-    assert routable_gossip_addresses([f"/ip4/0.0.0.0/tcp/5000{PEER}"], ["/ip4/203.0.113.7/tcp/31337/p2p/X"]) == [f"/ip4/203.0.113.7/tcp/5000{PEER}"]
+    assert routable_gossip_addresses([f"/ip4/0.0.0.0/tcp/5000{PEER}"], ["/ip4/203.0.113.7/tcp/31337/p2p/X"]) == [
+        f"/ip4/203.0.113.7/tcp/5000{PEER}"
+    ]
 
 
 def test_a_specific_listening_ip_is_advertised_as_it_is():
-    assert routable_gossip_addresses([f"/ip4/198.18.0.2/tcp/5000{PEER}"], ["/ip4/127.0.0.1/tcp/4000/p2p/X"]) == [f"/ip4/198.18.0.2/tcp/5000{PEER}"]
-    assert routable_gossip_addresses([f"/ip6/::/tcp/5000{PEER}"], ["/ip6/fd00::2/tcp/4000/p2p/X", "/ip4/10.0.0.2/tcp/4000/p2p/X"]) == [f"/ip6/fd00::2/tcp/5000{PEER}"]
+    assert routable_gossip_addresses([f"/ip4/198.18.0.2/tcp/5000{PEER}"], ["/ip4/127.0.0.1/tcp/4000/p2p/X"]) == [
+        f"/ip4/198.18.0.2/tcp/5000{PEER}"
+    ]
+    assert routable_gossip_addresses(
+        [f"/ip6/::/tcp/5000{PEER}"], ["/ip6/fd00::2/tcp/4000/p2p/X", "/ip4/10.0.0.2/tcp/4000/p2p/X"]
+    ) == [f"/ip6/fd00::2/tcp/5000{PEER}"]
 
 
 @pytest.fixture
@@ -87,15 +96,36 @@ def test_gossip_and_rollouts_cross_two_hosts(model_cache, tmp_path, cli_env, two
     def start(ns: str, name: str, *extra: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.out", "w")
         logs.append(log)
-        process = subprocess.Popen(["ip", "netns", "exec", ns, *cli("join", "--config", str(path), "--state-dir", str(tmp_path / name), *extra)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=cli_env, cwd=REPO, start_new_session=True)
+        process = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                *cli("join", "--config", str(path), "--state-dir", str(tmp_path / name), *extra),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=cli_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
         processes.append(process)
         return process
 
     try:
         first = start(two_hosts[0], "a")
-        address = wait_for(lambda: first.poll() is None and (tmp_path / "a" / "addresses.txt").exists()
-                           and next((a for a in (tmp_path / "a" / "addresses.txt").read_text().split() if "/198.18.0.1/" in a), None), 180, "node a's 198.18.0.1 address")
+        address = wait_for(
+            lambda: (
+                first.poll() is None
+                and (tmp_path / "a" / "addresses.txt").exists()
+                and next(
+                    (a for a in (tmp_path / "a" / "addresses.txt").read_text().split() if "/198.18.0.1/" in a), None
+                )
+            ),
+            180,
+            "node a's 198.18.0.1 address",
+        )
         start(two_hosts[1], "b", "--initial-peers", address)
 
         def gossip_received(name: str) -> int:
@@ -103,20 +133,48 @@ def test_gossip_and_rollouts_cross_two_hosts(model_cache, tmp_path, cli_env, two
             return json.loads(path.read_text())["totals"]["gossip_messages_received"] if path.exists() else 0
 
         for name in ("a", "b"):
-            wait_for(lambda: all(p.poll() is None for p in processes) and gossip_received(name) > 0, 240, f"node {name} to receive rollouts over gossipsub", interval=1)
-            wait_for(lambda: any(r.get("external_questions", 0) > 0 for r in read_rows(tmp_path / name)), 240, f"node {name} to train on the other's rollouts", interval=1)
+            wait_for(
+                lambda: all(p.poll() is None for p in processes) and gossip_received(name) > 0,
+                240,
+                f"node {name} to receive rollouts over gossipsub",
+                interval=1,
+            )
+            wait_for(
+                lambda: any(r.get("external_questions", 0) > 0 for r in read_rows(tmp_path / name)),
+                240,
+                f"node {name} to train on the other's rollouts",
+                interval=1,
+            )
         # What each node advertises, as a third party on host b reads it from the DHT: dialable addresses only.
-        peers = subprocess.run(["ip", "netns", "exec", two_hosts[1], *cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json")],
-                               capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+        peers = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                two_hosts[1],
+                *cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"),
+            ],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=CLI_TIMEOUT_S,
+        )
         assert peers.returncode == 0, peers.stderr[-2000:]
         rows = json.loads(peers.stdout.splitlines()[0])
         advertised = {row["node_id"]: row["gossip_addresses"] for row in rows}
         assert len(advertised) == 2 and all(advertised.values()), advertised
-        assert not [a for addresses in advertised.values() for a in addresses if "/0.0.0.0/" in a or "/ip6/::/" in a], advertised
-        assert {"/198.18.0.1/", "/198.18.0.2/"} <= {f"/{a.split('/')[2]}/" for addresses in advertised.values() for a in addresses}, advertised
+        assert not [a for addresses in advertised.values() for a in addresses if "/0.0.0.0/" in a or "/ip6/::/" in a], (
+            advertised
+        )
+        assert {"/198.18.0.1/", "/198.18.0.2/"} <= {
+            f"/{a.split('/')[2]}/" for addresses in advertised.values() for a in addresses
+        }, advertised
         for name in ("a", "b"):
             logged = (tmp_path / f"{name}.out").read_text() + (tmp_path / name / "node.log").read_text()
-            unreachable = [line for line in logged.splitlines() if "could not reach gossip peer" in line and "0.0.0.0" in line]
+            unreachable = [
+                line for line in logged.splitlines() if "could not reach gossip peer" in line and "0.0.0.0" in line
+            ]
             assert not unreachable, unreachable[:3]  # nobody was told to dial a wildcard address
     finally:
         for process in processes:

@@ -54,7 +54,11 @@ class OuterOptimizerState:
         return cls(float_parameters(model))
 
     def state_dict(self) -> dict:
-        return {"phi": {k: v.clone() for k, v in self.phi.items()}, "momentum": {k: v.clone() for k, v in self.momentum.items()}, "steps": self.steps}
+        return {
+            "phi": {k: v.clone() for k, v in self.phi.items()},
+            "momentum": {k: v.clone() for k, v in self.momentum.items()},
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint; it must cover exactly our tensors with the same shapes."""
@@ -102,8 +106,11 @@ def noloco_step(state: OuterOptimizerState, theta: Named, mean_theta: Named | No
     return state.new_theta()
 
 
-def diloco_step(state: OuterOptimizerState, mean_delta: Named, eta: float, momentum: float, nesterov: bool = True) -> Named:
-    """One DiLoCo outer step: SGD (Nesterov by default) on phi with gradient mean_delta = mean(phi - theta). Returns the new theta."""
+def diloco_step(
+    state: OuterOptimizerState, mean_delta: Named, eta: float, momentum: float, nesterov: bool = True
+) -> Named:
+    """One DiLoCo outer step: SGD (Nesterov by default) on phi with gradient mean_delta = mean(phi - theta). Returns
+    the new theta."""
     _check_matches(state.phi, mean_delta, "mean_delta")
     for name, phi in state.phi.items():
         grad = mean_delta[name].detach().to("cpu", torch.float32)
@@ -124,6 +131,10 @@ def apply_with_drift(model_params_now: Named, theta_sent: Named, new_theta: Name
     _check_matches(new_theta, model_params_now, "model_params_now")
     _check_matches(new_theta, theta_sent, "theta_sent")
     return {
-        name: new_theta[name].to(torch.float32) + (model_params_now[name].detach().to("cpu", torch.float32) - theta_sent[name].detach().to("cpu", torch.float32))
+        name: new_theta[name].to(torch.float32)
+        + (
+            model_params_now[name].detach().to("cpu", torch.float32)
+            - theta_sent[name].detach().to("cpu", torch.float32)
+        )
         for name in new_theta
     }

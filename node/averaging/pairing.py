@@ -109,7 +109,8 @@ DONE_WAIT_S = 2.0  # how long a node that committed waits for its partner's DONE
 DEADLINE_MARGIN_S = 0.05  # the DONE wait ends this long before the round's deadline
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
 MAX_GROUP_PARTNERS = MAX_READY_ENTRIES - 1  # all mode: partners committed (or in flight) per round; no view holds more
-MAX_ROUND_PEERS = 4 * MAX_READY_ENTRIES  # peers a round remembers as given up / failed (throwaway ids rotate through views)
+# peers a round remembers as given up / failed (throwaway ids rotate through views)
+MAX_ROUND_PEERS = 4 * MAX_READY_ENTRIES
 
 
 class Frame(enum.IntEnum):
@@ -125,13 +126,18 @@ class CallRefusal(SentencedEnum):
     """Why an acceptor turned a caller away before any weights moved."""
 
     NOT_READY = ("not_ready", "The acceptor has not started this round yet.")
-    FINISHED = ("finished", "The acceptor has ended this round already: the 'free' announcement the caller read is stale.")
-    BUSY = ("busy", "The acceptor already has its partner (or an exchange in flight, possibly with this caller) for this round.")
+    FINISHED = (
+        "finished",
+        "The acceptor has ended this round already: the 'free' announcement the caller read is stale.",
+    )
+    BUSY = (
+        "busy",
+        "The acceptor already has its partner (or an exchange in flight, possibly with this caller) for this round.",
+    )
     DUPLICATE = ("duplicate", "The acceptor already exchanged with this caller this round.")
     WRONG_GROUP = ("wrong_group", "The caller's averaging prefix (swarm, model fingerprint) is not the acceptor's.")
     BAD_HELLO = ("bad_hello", "The caller's first frame is not a well-formed HELLO.")
     GIVEN_UP = ("given_up", "The acceptor refused this caller's weights, or was refused by it, earlier this round.")
-
 
 
 _RETRYABLE = {CallRefusal.NOT_READY.value, CallRefusal.BUSY.value}
@@ -188,7 +194,8 @@ class _Round:
     deadline: float  # loop time
     received: dict[str, Named] = field(default_factory=dict)  # committed partners' weights
     engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
-    addresses: dict[str, list[str]] = field(default_factory=dict)  # p2p multiaddrs peers announced (at most MAX_READY_ENTRIES)
+    # p2p multiaddrs peers announced (at most MAX_READY_ENTRIES)
+    addresses: dict[str, list[str]] = field(default_factory=dict)
     given_up: _RecentPeers = field(default_factory=_RecentPeers)  # peers not to try again this round
     failed_calls: _RecentPeers = field(default_factory=_RecentPeers)  # broken exchanges we opened, per peer
     closed: bool = False
@@ -204,7 +211,8 @@ class _Round:
             return CallRefusal.GIVEN_UP
         if peer in self.received:
             return CallRefusal.DUPLICATE
-        if len(self.received) + len(self.engaged) >= self.capacity or peer in self.engaged:  # two peers calling each other: both retry
+        # two peers calling each other: both retry
+        if len(self.received) + len(self.engaged) >= self.capacity or peer in self.engaged:
             return CallRefusal.BUSY
             return CallRefusal.BUSY
         return None
@@ -234,7 +242,9 @@ def pair_partner(peers: list[str], me: str, round_id: int) -> str | None:
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_weights_bytes: int) -> tuple[Frame, bytes]:
-    return await read_frame(reader, Frame, lambda kind: max_weights_bytes if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES)
+    return await read_frame(
+        reader, Frame, lambda kind: max_weights_bytes if kind is Frame.WEIGHTS else CONTROL_MAX_BYTES
+    )
 
 
 def _refusal_body(reason: str, detail: str = "") -> bytes:
@@ -249,7 +259,12 @@ def _parse_refusal(body: bytes) -> str:
     becomes a counter key, and free-form strings from every peer would grow the counters forever."""
     try:
         reason = msgpack.unpackb(body, raw=False)["reason"]
-    except (ValueError, TypeError, KeyError):  # msgpack's unpack errors are ValueErrors; a malformed refusal is still a refusal
+    # msgpack's unpack errors are ValueErrors; a malformed refusal is still a refusal
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+    ):
         return "unparsable"
     if not isinstance(reason, str):
         return "unparsable"
@@ -317,7 +332,7 @@ class PairAverager:
     # lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][:DEFAULT_LIMITS.max_addresses]
+        self._maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][: DEFAULT_LIMITS.max_addresses]
         await self.dht.p2p.add_binary_stream_handler(self.handler_name, self._handle)
         self._started = True
 
@@ -389,7 +404,13 @@ class PairAverager:
         numel = sum(t.numel() for t in theta.values())
         self._max_payload = 4 * numel + 1024 * len(theta) + CONTROL_MAX_BYTES
         self._latest_round_id = round_id if self._latest_round_id is None else max(self._latest_round_id, round_id)
-        rnd = _Round(round_id=round_id, theta=theta, payload=payload, capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS, deadline=deadline)
+        rnd = _Round(
+            round_id=round_id,
+            theta=theta,
+            payload=payload,
+            capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS,
+            deadline=deadline,
+        )
         self._round = rnd
         try:
             await asyncio.wait_for(self._run(rnd), timeout=rnd.remaining())
@@ -407,7 +428,14 @@ class PairAverager:
         peers = sorted(rnd.received)
         mean = await asyncio.to_thread(self._mean, rnd)
         self.rounds_averaged += 1
-        return AveragingResult(mean_theta=mean, partner_ids=peers, bytes_sent=rnd.bytes_sent, bytes_received=rnd.bytes_received, seconds=time.perf_counter() - started, round_id=round_id)
+        return AveragingResult(
+            mean_theta=mean,
+            partner_ids=peers,
+            bytes_sent=rnd.bytes_sent,
+            bytes_received=rnd.bytes_received,
+            seconds=time.perf_counter() - started,
+            round_id=round_id,
+        )
 
     def _mean(self, rnd: _Round) -> Named:
         members = sorted([(self.peer_id, rnd.theta), *rnd.received.items()], key=lambda item: item[0])
@@ -441,12 +469,21 @@ class PairAverager:
             # call_patience_s: the partner may have ended the round while a DHT replica still shows it
             # "free" (its "done" did not reach every replica), and waiting for its call would idle us to
             # the deadline; calling it gets FINISHED, and the partner is given up, so the next view pairs us anew.
-            if partner is not None and rnd.refusal_for(partner) is None and (self.peer_id < partner or loop.time() - awaited_since >= self.call_patience_s):
+            if (
+                partner is not None
+                and rnd.refusal_for(partner) is None
+                and (self.peer_id < partner or loop.time() - awaited_since >= self.call_patience_s)
+            ):
                 if await self._call(rnd, partner):
                     return
                 awaited_since = loop.time()
             others = [p for p in view if p != self.peer_id]
-            if others and all(view[p] == "done" or p in rnd.given_up for p in others) and not rnd.engaged and loop.time() >= settle_at:
+            if (
+                others
+                and all(view[p] == "done" or p in rnd.given_up for p in others)
+                and not rnd.engaged
+                and loop.time() >= settle_at
+            ):
                 return  # everyone else has paired (or was refused) this round: nobody is left to pair with
             await self._wait_for_change(rnd)
 
@@ -468,11 +505,19 @@ class PairAverager:
                         # FINISHED and it is given up (the pairs rule, _run_pairs, for the same stale announcement).
                         if loop.time() < gather_end + self.call_patience_s:
                             continue
-                    elif not (gathering or peer in calls):  # after the window: only retry higher ids already in the group
+                    # after the window: only retry higher ids already in the group
+                    elif not (gathering or peer in calls):
                         continue
                     if rnd.refusal_for(peer) is None and (peer not in calls or calls[peer].done()):
                         calls[peer] = asyncio.create_task(self._call(rnd, peer))
-                pending = [p for p, state in view.items() if p != self.peer_id and p not in rnd.received and p not in rnd.given_up and (state == "free" or p in rnd.engaged)]
+                pending = [
+                    p
+                    for p, state in view.items()
+                    if p != self.peer_id
+                    and p not in rnd.received
+                    and p not in rnd.given_up
+                    and (state == "free" or p in rnd.engaged)
+                ]
                 if not gathering and not pending and not rnd.engaged:
                     return
                 await self._wait_for_change(rnd)
@@ -502,11 +547,20 @@ class PairAverager:
         """Announced peers of the round (by p2p peer id) and their state ("free" or "done"); refused entries are
         counted, and the addresses peers announced are kept in `rnd.addresses` for dialing them."""
         round_id = rnd.round_id
+
         def refused(_owner: str, rejection) -> None:
             self.failures[f"announcement_refused:{rejection.reason.value}"] += 1
 
         view = {}
-        for envelope in await read_records(self.dht, self.ready_key(round_id), self.writer.swarm_id, MessageKind.AVERAGING_READY, self.dht_timeout, MAX_READY_ENTRIES, refused):
+        for envelope in await read_records(
+            self.dht,
+            self.ready_key(round_id),
+            self.writer.swarm_id,
+            MessageKind.AVERAGING_READY,
+            self.dht_timeout,
+            MAX_READY_ENTRIES,
+            refused,
+        ):
             ready: AveragingReady = envelope.message
             if ready.round == round_id and 0 < len(ready.p2p_peer_id) <= 64:
                 view[ready.p2p_peer_id] = ready.state
@@ -521,7 +575,9 @@ class PairAverager:
         rnd.engaged.add(peer)  # before any await: a concurrent incoming call now sees us busy
         writer = None
         try:
-            reader, writer = await open_stream(self.dht.p2p, peer, rnd.addresses.get(peer, []), self.handler_name, self.dht_timeout)
+            reader, writer = await open_stream(
+                self.dht.p2p, peer, rnd.addresses.get(peer, []), self.handler_name, self.dht_timeout
+            )
             hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": self.prefix, "round": rnd.round_id})
             rnd.bytes_sent += await write_frame(writer, Frame.HELLO, hello)
             kind, body = await _read_frame(reader, self._max_payload)
@@ -535,7 +591,16 @@ class PairAverager:
             if kind is not Frame.ACCEPT:
                 raise ExchangeError(f"expected ACCEPT, got {kind.name}")
             weights = await self._swap(rnd, peer, reader, writer)
-        except (ExchangeError, FramingError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
+        except (
+            ExchangeError,
+            FramingError,
+            asyncio.IncompleteReadError,
+            ConnectionError,
+            OSError,
+            P2PDaemonError,
+            P2PHandlerError,
+            ValueError,
+        ) as exc:
             log.info("round %d: exchange with %s failed: %s: %s", rnd.round_id, peer[:12], type(exc).__name__, exc)
             self.failures["exchange_failed"] += 1
             if rnd.failed_calls.bump(peer) >= MAX_FAILED_CALLS:
@@ -571,7 +636,15 @@ class PairAverager:
             weights = await asyncio.wait_for(self._swap(rnd, peer, reader, writer), timeout=rnd.remaining())
             if weights is not None:
                 rnd.commit(peer, weights)
-        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError, ValueError) as exc:
+        except (
+            ExchangeError,
+            FramingError,
+            asyncio.IncompleteReadError,
+            asyncio.TimeoutError,
+            ConnectionError,
+            OSError,
+            ValueError,
+        ) as exc:
             log.info("exchange from %s failed: %s: %s", peer[:12], type(exc).__name__, exc)
             self.failures["exchange_failed"] += 1
         finally:
@@ -597,7 +670,9 @@ class PairAverager:
             return CallRefusal.FINISHED if past else CallRefusal.NOT_READY
         return rnd.refusal_for(peer)
 
-    async def _swap(self, rnd: _Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Named | None:
+    async def _swap(
+        self, rnd: _Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> Named | None:
         """Send our weights while reading theirs, check theirs, trade verdicts; their weights if both passed."""
         sending = asyncio.create_task(self.send_weights(writer, rnd.payload))
         try:
@@ -609,7 +684,9 @@ class PairAverager:
                 refused = WeightsRefused(WeightsRefusal.MALFORMED, str(exc))
                 self._refuse_weights(rnd, peer, refused)
                 # Best effort: we close with its bytes still flowing, so p2pd may reset the stream first.
-                rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
+                rnd.bytes_sent += await write_frame(
+                    writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail)
+                )
                 return None
             rnd.bytes_received += FRAME_HEADER.size + len(body)
             rnd.bytes_sent += await sending
@@ -626,7 +703,9 @@ class PairAverager:
             weights = await asyncio.to_thread(self._decode_checked, rnd, body)
         except WeightsRefused as refused:
             self._refuse_weights(rnd, peer, refused)
-            rnd.bytes_sent += await write_frame(writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail))
+            rnd.bytes_sent += await write_frame(
+                writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail)
+            )
             await self._read_partner_verdict(rnd, reader)
             return None
         rnd.bytes_sent += await self.send_commit(writer)
@@ -643,14 +722,25 @@ class PairAverager:
         # round's deadline, which would otherwise cancel the exchange (silently) after we read COMMIT.
         try:
             rnd.bytes_sent += await self.send_done(writer)
-            kind, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining() - DEADLINE_MARGIN_S, 0.0)))
+            kind, body = await asyncio.wait_for(
+                _read_frame(reader, 0), timeout=min(DONE_WAIT_S, max(rnd.remaining() - DEADLINE_MARGIN_S, 0.0))
+            )
             rnd.bytes_received += FRAME_HEADER.size + len(body)
             confirmed = kind is Frame.DONE
-        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+        except (
+            ExchangeError,
+            FramingError,
+            asyncio.IncompleteReadError,
+            asyncio.TimeoutError,
+            ConnectionError,
+            OSError,
+        ):
             confirmed = False
         if not confirmed:
             self.failures["outcome_unconfirmed"] += 1
-            log.warning("round %d: averaged with %s, which did not confirm that it averaged too", rnd.round_id, peer[:12])
+            log.warning(
+                "round %d: averaged with %s, which did not confirm that it averaged too", rnd.round_id, peer[:12]
+            )
         return weights
 
     async def _read_partner_verdict(self, rnd: _Round, reader: asyncio.StreamReader) -> None:
@@ -660,7 +750,14 @@ class PairAverager:
         try:
             _, body = await asyncio.wait_for(_read_frame(reader, 0), timeout=min(2.0, rnd.remaining()))
             rnd.bytes_received += FRAME_HEADER.size + len(body)
-        except (ExchangeError, FramingError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+        except (
+            ExchangeError,
+            FramingError,
+            asyncio.IncompleteReadError,
+            asyncio.TimeoutError,
+            ConnectionError,
+            OSError,
+        ):
             pass  # it went away or never answered: our verdict was sent either way
 
     def _refuse_weights(self, rnd: _Round, peer: str, refused: WeightsRefused) -> None:
@@ -670,7 +767,9 @@ class PairAverager:
 
     def _decode_checked(self, rnd: _Round, body: bytes) -> Named:
         try:
-            encoded = EncodedWeights.from_bytes(body, max_tensors=len(rnd.theta) + 16, max_values=sum(t.numel() for t in rnd.theta.values()) * 2 + 1024)
+            encoded = EncodedWeights.from_bytes(
+                body, max_tensors=len(rnd.theta) + 16, max_values=sum(t.numel() for t in rnd.theta.values()) * 2 + 1024
+            )
             received = decode_weights(encoded, dtype=None)
         except CodecError as exc:
             raise WeightsRefused(WeightsRefusal.MALFORMED, str(exc)) from None

@@ -73,9 +73,13 @@ class OuterStepService:
             return False  # one exchange per window: peers pair up by window
         self._last_window = window
         self.last_trigger_version = policy_version
-        self._theta_sent = {k: v.detach().to("cpu", torch.float32).clone() for k, v in float_parameters(self.model).items()}
+        self._theta_sent = {
+            k: v.detach().to("cpu", torch.float32).clone() for k, v in float_parameters(self.model).items()
+        }
         self.stats.attempted += 1
-        self._task = asyncio.create_task(self.averager.average(self._theta_sent, round_id=window, timeout=self.config.timeout_s), name="outer-step")
+        self._task = asyncio.create_task(
+            self.averager.average(self._theta_sent, round_id=window, timeout=self.config.timeout_s), name="outer-step"
+        )
         return True
 
     def apply_if_done(self) -> dict | None:
@@ -88,9 +92,13 @@ class OuterStepService:
             self.stats.skipped += 1
             return {"outcome": "skipped"}
         if self.config.method == "noloco":
-            new_theta = noloco_step(self.outer, theta_sent, result.mean_theta, self.config.momentum(), self.config.outer_lr)
+            new_theta = noloco_step(
+                self.outer, theta_sent, result.mean_theta, self.config.momentum(), self.config.outer_lr
+            )
         else:
-            new_theta = diloco_step(self.outer, self.outer.outer_delta(result.mean_theta), self.config.outer_lr, self.config.momentum())
+            new_theta = diloco_step(
+                self.outer, self.outer.outer_delta(result.mean_theta), self.config.outer_lr, self.config.momentum()
+            )
         params = float_parameters(self.model)
         now = {k: v.detach().to("cpu", torch.float32) for k, v in params.items()}
         final = apply_with_drift(now, theta_sent, new_theta)
@@ -103,11 +111,26 @@ class OuterStepService:
         self.stats.last_partners = list(result.partner_ids)
         self.stats.last_seconds = result.seconds
         self.stats.last_distance = relative_distance(result.mean_theta, theta_sent)
-        return {"outcome": "averaged", "partners": self.stats.last_partners, "seconds": result.seconds, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received, "distance": self.stats.last_distance}
+        return {
+            "outcome": "averaged",
+            "partners": self.stats.last_partners,
+            "seconds": result.seconds,
+            "bytes_sent": result.bytes_sent,
+            "bytes_received": result.bytes_received,
+            "distance": self.stats.last_distance,
+        }
 
     def counters(self) -> dict:
         stats = self.stats
-        return {"attempted": stats.attempted, "succeeded": stats.succeeded, "skipped": stats.skipped, "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "last_distance": stats.last_distance, "refusals": dict(self.averager.refusals)}
+        return {
+            "attempted": stats.attempted,
+            "succeeded": stats.succeeded,
+            "skipped": stats.skipped,
+            "bytes_sent": stats.bytes_sent,
+            "bytes_received": stats.bytes_received,
+            "last_distance": stats.last_distance,
+            "refusals": dict(self.averager.refusals),
+        }
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -115,7 +138,9 @@ class OuterStepService:
         await self.averager.stop()
 
 
-async def start_averaging(config: NodeConfig, session, module: torch.nn.Module, fingerprint: str, last_version: int) -> OuterStepService:
+async def start_averaging(
+    config: NodeConfig, session, module: torch.nn.Module, fingerprint: str, last_version: int
+) -> OuterStepService:
     """NoLoCo (a pair per round) or DiLoCo (all live peers) averaging of `module` with the peers whose model has
     the same `fingerprint`, over the node's swarm session (node/transport/session.py: its DHT node and p2p daemon,
     announcements signed by its writer); the first exchange after `every_steps` updates past `last_version`. The
@@ -124,8 +149,14 @@ async def start_averaging(config: NodeConfig, session, module: torch.nn.Module, 
     from node.averaging.pairing import PairAverager
 
     averaging = config.averaging
-    averager = PairAverager(session.dht, averaging_prefix(config.swarm.swarm_id, fingerprint), group_size=2 if averaging.method == "noloco" else None,
-                            mode=averaging.transfer_dtype, max_relative_distance=averaging.max_relative_distance, writer=session.writer)
+    averager = PairAverager(
+        session.dht,
+        averaging_prefix(config.swarm.swarm_id, fingerprint),
+        group_size=2 if averaging.method == "noloco" else None,
+        mode=averaging.transfer_dtype,
+        max_relative_distance=averaging.max_relative_distance,
+        writer=session.writer,
+    )
     await averager.start()
     service = OuterStepService(config, module, averager)
     service.last_trigger_version = last_version

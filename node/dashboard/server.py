@@ -32,7 +32,12 @@ STATIC_DIR = Path(__file__).parent / "static"
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
-CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
 
 
 class DashboardServer:
@@ -77,11 +82,21 @@ class DashboardServer:
         if path in self._api:
             body = json.dumps(finite(self._api[path]()), separators=(",", ":"), allow_nan=False).encode()
             return "200 OK", "application/json", body
-        name = "index.html" if path in ("/", "/index.html") else path.removeprefix("/static/") if path.startswith("/static/") else None
+        name = (
+            "index.html"
+            if path in ("/", "/index.html")
+            else path.removeprefix("/static/")
+            if path.startswith("/static/")
+            else None
+        )
         if name in self._static:
             file = self._static[name]
             return "200 OK", CONTENT_TYPES[file.suffix], file.read_bytes()
-        return "404 Not Found", "text/plain", b"not found: try / or /api/peers, /api/history, /api/metrics, /api/swarm, /api/stages\n"
+        return (
+            "404 Not Found",
+            "text/plain",
+            b"not found: try / or /api/peers, /api/history, /api/metrics, /api/swarm, /api/stages\n",
+        )
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._slots.locked():
@@ -99,14 +114,27 @@ class DashboardServer:
                     status, content_type, body = self.route(method, target)
                 except Exception:  # noqa: BLE001 - a bug in one view must not take the node down; it is logged in full
                     log.exception("dashboard: %s %s failed", method, target)
-                    status, content_type, body = "500 Internal Server Error", "text/plain", b"internal error (see node.log)\n"
+                    status, content_type, body = (
+                        "500 Internal Server Error",
+                        "text/plain",
+                        b"internal error (see node.log)\n",
+                    )
                 await self._reply(writer, method, status, content_type, body)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, UnicodeDecodeError):
+            except (
+                asyncio.TimeoutError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                ConnectionError,
+                UnicodeDecodeError,
+            ):
                 writer.close()  # a client that does not speak HTTP, or too much of it, gets nothing
 
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, method: str, status: str, content_type: str, body: bytes) -> None:
-        head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
+        head = (
+            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
+        )
         try:
             writer.write(head.encode() + (b"" if method == "HEAD" else body))
             await writer.drain()
@@ -122,9 +150,16 @@ def node_sources(node) -> DashboardSources:
 
     def swarm() -> dict[str, Any]:
         return {
-            "node": {"node_id": node.identity.node_id if node.identity else None, "name": node.config.name, "swarm_id": node.config.swarm.swarm_id,
-                     "isolated": node.config.swarm.transport == "none", "round": node.round, "policy_version": node.policy_version,
-                     "model": node.config.model.name_or_path, "addresses": node.addresses},
+            "node": {
+                "node_id": node.identity.node_id if node.identity else None,
+                "name": node.config.name,
+                "swarm_id": node.config.swarm.swarm_id,
+                "isolated": node.config.swarm.transport == "none",
+                "round": node.round,
+                "policy_version": node.policy_version,
+                "model": node.config.model.name_or_path,
+                "addresses": node.addresses,
+            },
             "stats": node.stats.snapshot(),
             "averaging": node.averaging.counters() if node.averaging else None,
         }

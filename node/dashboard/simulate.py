@@ -26,8 +26,17 @@ POLL_S = 0.5
 
 
 class LocalSwarm:
-    def __init__(self, root: Path, nodes: int, dashboard_port: int, rounds: int | None = None, config: Path | None = None,
-                 overrides: list[str] = (), fresh: bool = False, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        nodes: int,
+        dashboard_port: int,
+        rounds: int | None = None,
+        config: Path | None = None,
+        overrides: list[str] = (),
+        fresh: bool = False,
+        console: Console | None = None,
+    ) -> None:
         self.root, self.count, self.dashboard_port = root, nodes, dashboard_port
         self.rounds, self.config, self.overrides, self.fresh = rounds, config, list(overrides), fresh
         self.console = console or Console()
@@ -63,10 +72,18 @@ class LocalSwarm:
             (state / stale).unlink(missing_ok=True)
         log = open(self.root / f"node-{i}.out", "w")
         self._logs.append(log)
-        process = subprocess.Popen(self._command(i, initial_peers), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        process = subprocess.Popen(
+            self._command(i, initial_peers),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
         self.processes.append(process)
-        self.console.print(f"node-{i}: pid {process.pid}, state {state}, log {self.root / f'node-{i}.out'}", highlight=False)
+        self.console.print(
+            f"node-{i}: pid {process.pid}, state {state}, log {self.root / f'node-{i}.out'}", highlight=False
+        )
         return process
 
     def _tail(self, i: int) -> str:
@@ -79,17 +96,27 @@ class LocalSwarm:
             if path.exists() and path.read_text().strip():
                 return path.read_text().strip()
             if process.poll() is not None:
-                self.console.print(f"[red]node-{i} exited with {process.returncode} before writing {path.name}:[/]\n{self._tail(i)}", highlight=False)
+                self.console.print(
+                    f"[red]node-{i} exited with {process.returncode} before writing {path.name}:[/]\n{self._tail(i)}",
+                    highlight=False,
+                )
                 return None
             time.sleep(POLL_S)
         if not self._interrupts:
-            self.console.print(f"[red]node-{i} wrote no {path.name} within {START_TIMEOUT_S:.0f} s; see {self.root / f'node-{i}.out'}[/]", highlight=False)
+            self.console.print(
+                f"[red]node-{i} wrote no {path.name} within {START_TIMEOUT_S:.0f} s; see "
+                f"{self.root / f'node-{i}.out'}[/]",
+                highlight=False,
+            )
         return None
 
     def _on_signal(self, signum, frame) -> None:
         self._interrupts += 1
         if self._interrupts == 1:
-            self.console.print("[yellow]stopping every node: each finishes its round in flight and saves (Ctrl-C again to kill them at once)[/]")
+            self.console.print(
+                "[yellow]stopping every node: each finishes its round in flight and saves (Ctrl-C again to kill them "
+                "at once)[/]"
+            )
         else:
             self._signal_all(signal.SIGKILL)
 
@@ -127,7 +154,10 @@ class LocalSwarm:
                 signal.signal(signum, handler)
 
     def _run(self) -> int:
-        self.console.print(f"starting {self.count} node(s) under {self.root} (the first run builds the default model: about a minute)", highlight=False)
+        self.console.print(
+            f"starting {self.count} node(s) under {self.root} (the first run builds the default model: about a minute)",
+            highlight=False,
+        )
         first = self._start(0, [])
         addresses = self._wait_for_file(self.state_dir(0) / "addresses.txt", first, 0)
         if addresses is None:
@@ -149,7 +179,9 @@ class LocalSwarm:
                     self.console.print(f"[red]node-{i} exited with {codes[i]}:[/]\n{self._tail(i)}", highlight=False)
                 return self._failed()
             if all(code == 0 for code in codes):
-                self.console.print(f"every node finished its {self.rounds} round(s); state under {self.root}", highlight=False)
+                self.console.print(
+                    f"every node finished its {self.rounds} round(s); state under {self.root}", highlight=False
+                )
                 return 0
             time.sleep(POLL_S)
         return self._interrupted()
@@ -160,5 +192,10 @@ class LocalSwarm:
 
     def _interrupted(self) -> int:
         clean = self._stop()
-        self.console.print(f"stopped; state under {self.root} (the same command resumes)" if clean else "stopped, not cleanly: see the node logs", highlight=False)
+        self.console.print(
+            f"stopped; state under {self.root} (the same command resumes)"
+            if clean
+            else "stopped, not cleanly: see the node logs",
+            highlight=False,
+        )
         return 0 if clean else 1

@@ -36,7 +36,15 @@ MAX_PEERS_KEPT = 256  # peers whose history is kept (throwaway identities must n
 MAX_HISTORY_PER_PEER = 720  # heartbeat points per peer: an hour at one poll per 5 s
 MAX_METRIC_ROWS = 2000  # this node's most recent rows served under /api/metrics
 MAX_LINE_BYTES = 1 << 20  # a metrics line longer than this is skipped, not parsed
-HISTORY_FIELDS = ("round", "policy_version", "reward_mean", "accuracy", "tokens_per_s", "outer_steps", "outer_steps_skipped")
+HISTORY_FIELDS = (
+    "round",
+    "policy_version",
+    "reward_mean",
+    "accuracy",
+    "tokens_per_s",
+    "outer_steps",
+    "outer_steps_skipped",
+)
 
 
 def peer_rows(peers) -> list[dict[str, Any]]:
@@ -57,7 +65,12 @@ async def read_stage_list(dht, config) -> list[dict[str, Any]]:
     from node.pipeline.stagemap import read_stage_maps
 
     return [
-        {"model_fingerprint": fingerprint, "num_stages": stage_map.num_stages, "spares": [s.node_id for s in stage_map.spares], "stages": stage_map.rows()}
+        {
+            "model_fingerprint": fingerprint,
+            "num_stages": stage_map.num_stages,
+            "spares": [s.node_id for s in stage_map.spares],
+            "stages": stage_map.rows(),
+        }
         for fingerprint, stage_map in (await read_stage_maps(dht, config)).items()
     ]
 
@@ -171,9 +184,12 @@ class SwarmWatcher:
 
 
 class DashboardSources:
-    """Everything the API serves. `swarm` returns this node's counters (or a viewer's); `watcher` is None without a DHT."""
+    """Everything the API serves. `swarm` returns this node's counters (or a viewer's); `watcher` is None without a
+    DHT."""
 
-    def __init__(self, watcher: SwarmWatcher | None, metrics_path: Path | None, swarm: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, watcher: SwarmWatcher | None, metrics_path: Path | None, swarm: Callable[[], dict[str, Any]]
+    ) -> None:
         self.watcher = watcher
         self.metrics = MetricsTail(metrics_path) if metrics_path is not None else None
         self.swarm_view = swarm
@@ -194,6 +210,10 @@ class DashboardSources:
 
     def swarm(self) -> dict[str, Any]:
         view = dict(self.swarm_view())
-        view["dashboard"] = {"started": self.started, "last_poll": self.watcher.last_poll if self.watcher else None,
-                             "poll_s": self.watcher.poll_s if self.watcher else None, "now": time.time()}
+        view["dashboard"] = {
+            "started": self.started,
+            "last_poll": self.watcher.last_poll if self.watcher else None,
+            "poll_s": self.watcher.poll_s if self.watcher else None,
+            "now": time.time(),
+        }
         return view

@@ -51,9 +51,14 @@ def peers_table(rows: list[dict[str, Any]], swarm_id: str, width: int = 200) -> 
             break
         shown.remove(header)
     hidden = [header for header, _, _ in PEER_COLUMNS if header not in shown]
-    table = Table(title=f"swarm {swarm_id}: {len(rows)} live peer(s)", caption=f"not shown for width: {', '.join(hidden)} (see --json)" if hidden else None)
+    table = Table(
+        title=f"swarm {swarm_id}: {len(rows)} live peer(s)",
+        caption=f"not shown for width: {', '.join(hidden)} (see --json)" if hidden else None,
+    )
     for header in shown:
-        table.add_column(header, justify="left" if header in ("node", "name") else "right", no_wrap=True, min_width=len(header))
+        table.add_column(
+            header, justify="left" if header in ("node", "name") else "right", no_wrap=True, min_width=len(header)
+        )
     for i in range(len(rows)):
         table.add_row(*(cells[header][i] for header in shown))
     return table
@@ -63,11 +68,21 @@ def stage_tables(stage_maps) -> list[Table]:
     """The stage map of each pipeline in the swarm: stage -> servers, throughput, steps, recoveries."""
     tables = []
     for fingerprint, stage_map in stage_maps.items():
-        table = Table(title=f"pipeline of model {fingerprint}: {stage_map.num_stages} stages, {len(stage_map.spares)} spare(s)")
+        table = Table(
+            title=f"pipeline of model {fingerprint}: {stage_map.num_stages} stages, {len(stage_map.spares)} spare(s)"
+        )
         for column in ("stage", "layers", "servers", "loading", "samples/s", "step", "grad norm", "recoveries"):
             table.add_column(column, justify="left" if column in ("servers", "loading") else "right")
         for row in stage_map.rows():
-            table.add_row(str(row["stage"]), row["layers"], " ".join(n[:8] for n in row["servers"]) or "[red]none[/]", " ".join(n[:8] for n in row["loading"]),
-                          f"{row['samples_per_s']:.1f}", str(row["step"]), f"{row['grad_norm']:.3f}", str(row["recoveries"]))
+            table.add_row(
+                str(row["stage"]),
+                row["layers"],
+                " ".join(n[:8] for n in row["servers"]) or "[red]none[/]",
+                " ".join(n[:8] for n in row["loading"]),
+                f"{row['samples_per_s']:.1f}",
+                str(row["step"]),
+                f"{row['grad_norm']:.3f}",
+                str(row["recoveries"]),
+            )
         tables.append(table)
     return tables

@@ -49,7 +49,15 @@ class _Pending:
 class StageBackend:
     """One stage's weights, optimizer and per-caller state; calls are keyed by (caller, call id)."""
 
-    def __init__(self, pipeline: PipelineConfig, hf_config, plan: StagePlan, stage: PipelineStage, step: int = 0, lr_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        hf_config,
+        plan: StagePlan,
+        stage: PipelineStage,
+        step: int = 0,
+        lr_scale: float = 1.0,
+    ) -> None:
         self.pipeline = pipeline
         self.hf_config = hf_config
         self.plan = plan
@@ -66,7 +74,9 @@ class StageBackend:
 
     def new_optimizer(self) -> torch.optim.Optimizer:
         """A fresh AdamW (a recovered stage starts with one, as CheckFree prescribes)."""
-        return torch.optim.AdamW(self.stage.parameters(), lr=self.pipeline.lr * self.lr_scale, weight_decay=self.pipeline.weight_decay)
+        return torch.optim.AdamW(
+            self.stage.parameters(), lr=self.pipeline.lr * self.lr_scale, weight_decay=self.pipeline.weight_decay
+        )
 
     @property
     def pending_forwards(self) -> int:
@@ -77,7 +87,8 @@ class StageBackend:
         return len(self._sessions)
 
     def owned_parts(self) -> set[str]:
-        """Parts calls may run: this stage's own (its CheckFree+ copies of a neighbour's part are only read by `weights`)."""
+        """Parts calls may run: this stage's own (its CheckFree+ copies of a neighbour's part are only read by
+        `weights`)."""
         return {p.value for p in self.plan.parts(self.index)}
 
     def held_parts(self) -> set[str]:
@@ -108,7 +119,9 @@ class StageBackend:
             inputs = x.requires_grad_(True)
         self.stage.train()
         output = self._run_parts(call.parts, x, positions, mask)
-        self._pending[(caller, call.call_id)] = _Pending(inputs=inputs, output=output, batch=x.shape[0], created=time.monotonic())
+        self._pending[(caller, call.call_id)] = _Pending(
+            inputs=inputs, output=output, batch=x.shape[0], created=time.monotonic()
+        )
         self._note_throughput(x.shape[0], time.perf_counter() - started)
         return {"output": output.detach()}
 
@@ -121,7 +134,8 @@ class StageBackend:
         return {} if pending.inputs is None else {"grad": pending.inputs.grad}
 
     def apply_step(self, scale: float, lr_scale: float) -> bool:
-        """Clip and apply the accumulated gradients (scale 0: the driver abandoned the step, drop them). True if stepped."""
+        """Clip and apply the accumulated gradients (scale 0: the driver abandoned the step, drop them). True if
+        stepped."""
         params = [p for p in self.stage.parameters() if p.grad is not None]
         if scale == 0.0 or not params:
             self.optimizer.zero_grad(set_to_none=True)
@@ -170,7 +184,9 @@ class StageBackend:
         except TensorRefused as exc:
             raise BackendRefused(exc.reason, exc.detail) from None
 
-    def _inputs(self, call: StageCall, first_part: str, cached_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self, call: StageCall, first_part: str, cached_len: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input ids or hidden states, position ids, attention mask), each checked against this model."""
         tensors = call.tensors
         hidden_dtype = next(self.stage.parameters()).dtype
@@ -184,15 +200,20 @@ class StageBackend:
             raise BackendRefused(PipelineRefusal.BAD_TENSOR, "a call needs at least one part")
         batch, length = x.shape[0], x.shape[1]
         if not 0 < batch <= self.pipeline.max_batch_size or not 0 < length or cached_len + length > self.max_len:
-            raise BackendRefused(PipelineRefusal.BAD_TENSOR, f"batch {batch} x {cached_len}+{length} tokens is outside this server's limits "
-                                                             f"({self.pipeline.max_batch_size} x {self.max_len})")
+            raise BackendRefused(
+                PipelineRefusal.BAD_TENSOR,
+                f"batch {batch} x {cached_len}+{length} tokens is outside this server's limits "
+                f"({self.pipeline.max_batch_size} x {self.max_len})",
+            )
         positions = self._expect(tensors, "position_ids", torch.int64, (batch, length))
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_len):
             raise BackendRefused(PipelineRefusal.BAD_TENSOR, "position_ids out of range")
         mask = self._expect(tensors, "attention_mask", torch.int64, (batch, cached_len + length))
         return x, positions, mask
 
-    def _run_parts(self, parts: list[str], x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
+    def _run_parts(
+        self, parts: list[str], x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache=None
+    ) -> torch.Tensor:
         for part in parts:
             if part == "embed":
                 x = self.stage.embed(x)

@@ -25,7 +25,9 @@ class HopFailed(Exception):
     """A call to one stage server did not produce a usable result."""
 
     def __init__(self, server: StageAnnouncement, reason: str, detail: str = "") -> None:
-        super().__init__(f"stage {server.stage} server {server.node_id[:12]}: {reason}{': ' + detail if detail else ''}")
+        super().__init__(
+            f"stage {server.stage} server {server.node_id[:12]}: {reason}{': ' + detail if detail else ''}"
+        )
         self.server = server
         self.reason = reason
         self.detail = detail
@@ -44,10 +46,21 @@ def handler_name(swarm_id: str, model_fingerprint: str) -> str:
 def unpack(body: bytes, limits: PipelineLimits) -> object:
     """msgpack-decode a frame body with caps no valid call exceeds (raises ValueError)."""
     items = max(limits.max_tensors, limits.max_rank, 64)
-    return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=limits.frame_limit(), max_str_len=4096, max_array_len=items, max_map_len=items, max_ext_len=0)
+    return msgpack.unpackb(
+        body,
+        raw=False,
+        strict_map_key=True,
+        max_bin_len=limits.frame_limit(),
+        max_str_len=4096,
+        max_array_len=items,
+        max_map_len=items,
+        max_ext_len=0,
+    )
 
 
-async def call_stage(p2p, handler: str, server: StageAnnouncement, call: StageCall, limits: PipelineLimits, timeout: float) -> StageResult:
+async def call_stage(
+    p2p, handler: str, server: StageAnnouncement, call: StageCall, limits: PipelineLimits, timeout: float
+) -> StageResult:
     """Send `call` to `server` and return its result; HopFailed for every failure."""
     from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
@@ -56,10 +69,22 @@ async def call_stage(p2p, handler: str, server: StageAnnouncement, call: StageCa
         async with asyncio.timeout(timeout):
             reader, writer = await open_stream(p2p, server.p2p_peer_id, server.p2p_maddrs, handler, timeout)
             await write_frame(writer, PipelineFrame.CALL, msgpack.packb(call.to_wire(), use_bin_type=True))
-            kind, body = await read_frame(reader, PipelineFrame, lambda k: limits.frame_limit() if k is PipelineFrame.RESULT else CONTROL_MAX_BYTES)
+            kind, body = await read_frame(
+                reader,
+                PipelineFrame,
+                lambda k: limits.frame_limit() if k is PipelineFrame.RESULT else CONTROL_MAX_BYTES,
+            )
     except TimeoutError:
         raise HopFailed(server, "timeout", f"no answer to {call.op} within {timeout:.0f}s") from None
-    except (FramingError, asyncio.IncompleteReadError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError, ValueError) as exc:
+    except (
+        FramingError,
+        asyncio.IncompleteReadError,
+        ConnectionError,
+        OSError,
+        P2PDaemonError,
+        P2PHandlerError,
+        ValueError,
+    ) as exc:
         raise HopFailed(server, "unreachable", f"{type(exc).__name__}: {exc}") from None
     finally:
         if writer is not None:

@@ -24,24 +24,40 @@ PIPELINE_PRESET = ["swarm.transport=dht", "state_dir=~/.swarm-node/pipeline"]
 
 
 def add_pipeline_commands(sub) -> None:
-    serve = sub.add_parser("serve", help="serve one pipeline stage of a model split across nodes (CheckFree recovery)",
-                           description="Serve a pipeline stage: an index, 'auto' (the least-served stage) or 'spare' (take over a stage whose last server died).")
+    serve = sub.add_parser(
+        "serve",
+        help="serve one pipeline stage of a model split across nodes (CheckFree recovery)",
+        description="Serve a pipeline stage: an index, 'auto' (the least-served stage) or 'spare' (take over a stage "
+        "whose last server died).",
+    )
     add_common(serve)
     serve.add_argument("--stage", help="stage index, 'auto' or 'spare' (default: pipeline.stage, 'auto')")
     serve.set_defaults(handler=cmd_serve)
-    drive = sub.add_parser("drive", help="train a model split across stage servers (language-model loss on the offline corpus)",
-                           description="Send micro-batches through random routes of live stage servers, step them, and record loss and recoveries.")
+    drive = sub.add_parser(
+        "drive",
+        help="train a model split across stage servers (language-model loss on the offline corpus)",
+        description="Send micro-batches through random routes of live stage servers, step them, and record loss and "
+        "recoveries.",
+    )
     add_common(drive)
     drive.add_argument("--steps", type=int, help="run N more steps (default: until interrupted)")
     drive.set_defaults(handler=cmd_drive)
 
 
 def add_common(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--config", type=Path, help="YAML config (default: built-in defaults; see configs/pipeline.yaml)")
-    command.add_argument("--state-dir", help="where logs, metrics and the identity live (default: ~/.swarm-node/pipeline)")
-    command.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers (none: start a new swarm)")
+    command.add_argument(
+        "--config", type=Path, help="YAML config (default: built-in defaults; see configs/pipeline.yaml)"
+    )
+    command.add_argument(
+        "--state-dir", help="where logs, metrics and the identity live (default: ~/.swarm-node/pipeline)"
+    )
+    command.add_argument(
+        "--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers (none: start a new swarm)"
+    )
     command.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
-    command.add_argument("-v", "--verbose", action="store_true", help="show info logs on the console (they always go to node.log)")
+    command.add_argument(
+        "-v", "--verbose", action="store_true", help="show info logs on the console (they always go to node.log)"
+    )
 
 
 def _config(args):
@@ -72,8 +88,11 @@ async def _join(config, console: Console, role: str):
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
     fingerprint = model_fingerprint(model, tokenizer)
     session = await join_swarm(config, identity, state_dir)
-    console.print(f"{role} {identity.node_id} ({session.reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in "
-                  f"{config.pipeline.num_stages} stages; others can join with --initial-peers {' '.join(session.addresses)}", highlight=False)
+    console.print(
+        f"{role} {identity.node_id} ({session.reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in "
+        f"{config.pipeline.num_stages} stages; others can join with --initial-peers {' '.join(session.addresses)}",
+        highlight=False,
+    )
     return session, model, tokenizer, fingerprint
 
 
@@ -111,13 +130,22 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     from node.state import StateStore
 
     if config.pipeline.objective != "lm":
-        return error("`drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo")
+        return error(
+            "`drive` trains the lm objective; GRPO through the pipeline runs with `join` and pipeline.objective=grpo"
+        )
     session, model, tokenizer, fingerprint = await _join(config, console, "driver")
     fingerprints = expected_fingerprints(config, model.config, fingerprint)
     limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
     del model
-    router = PipelineRouter(session.dht, config, fingerprint, fingerprints, limits, seed=int(session.identity.node_id[:8], 16),
-                            reporter=LostReporter(session, fingerprint))
+    router = PipelineRouter(
+        session.dht,
+        config,
+        fingerprint,
+        fingerprints,
+        limits,
+        seed=int(session.identity.node_id[:8], 16),
+        reporter=LostReporter(session, fingerprint),
+    )
     store = StateStore(config.resolved_state_dir())
     corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
     driver = LMDriver(config, router, corpus, validation, store)
@@ -127,7 +155,11 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     def show(row: dict) -> None:
         val = f", validation loss {row['val_loss']:.4f}" if "val_loss" in row else ""
         recovery = "".join(f"; stage {r['stage']} back after {r['recovery_s']:.1f}s" for r in row.get("recovery", []))
-        console.print(f"step {row['step']}: loss {row['loss']:.4f}{val}, {row['step_s']:.2f}s, retries {row['retries']}{recovery}", highlight=False)
+        console.print(
+            f"step {row['step']}: loss {row['loss']:.4f}{val}, {row['step_s']:.2f}s, retries "
+            f"{row['retries']}{recovery}",
+            highlight=False,
+        )
 
     try:
         await driver.run(steps, stop, on_step=show)

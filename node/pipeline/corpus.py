@@ -25,7 +25,9 @@ def _pack(config: NodeConfig, tokenizer, seed: int, sequences: int) -> torch.Ten
         questions = source.batch(first_draw=draw, count=64)
         draw += len(questions)
         for question in questions:
-            stream += tokenizer.encode(source.prompt(question) + question.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            stream += tokenizer.encode(source.prompt(question) + question.answer, add_special_tokens=False) + [
+                tokenizer.eos_token_id
+            ]
     return torch.tensor(stream[: sequences * length], dtype=torch.long).view(sequences, length)
 
 

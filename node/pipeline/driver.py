@@ -64,8 +64,11 @@ def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
 
 
 def route_hops(num_stages: int, order: list[int]) -> list[tuple[int, list[str]]]:
-    """(stage, parts) calls for one pass: embed on stage 0, LAYERS in `order`, head on stage S-1; same-stage neighbours merged."""
-    hops: list[tuple[int, list[str]]] = [(0, ["embed"])] + [(stage, ["layers"]) for stage in order] + [(num_stages - 1, ["head"])]
+    """(stage, parts) calls for one pass: embed on stage 0, LAYERS in `order`, head on stage S-1; same-stage neighbours
+    merged."""
+    hops: list[tuple[int, list[str]]] = (
+        [(0, ["embed"])] + [(stage, ["layers"]) for stage in order] + [(num_stages - 1, ["head"])]
+    )
     merged: list[tuple[int, list[str]]] = []
     for stage, parts in hops:
         if merged and merged[-1][0] == stage:
@@ -97,8 +100,16 @@ class StepReport:
 class PipelineRouter:
     """Calls into the pipeline of one model: routes, retries, avoidance, stage-map refresh."""
 
-    def __init__(self, dht, config: NodeConfig, model_fingerprint: str, stage_fingerprints: list[str], limits: PipelineLimits, seed: int = 0,
-                 reporter: LostReporter | None = None) -> None:
+    def __init__(
+        self,
+        dht,
+        config: NodeConfig,
+        model_fingerprint: str,
+        stage_fingerprints: list[str],
+        limits: PipelineLimits,
+        seed: int = 0,
+        reporter: LostReporter | None = None,
+    ) -> None:
         self.dht = dht
         self.reporter = reporter  # publishes our lost reports (None: this router reports nothing)
         self.config = config
@@ -124,7 +135,9 @@ class PipelineRouter:
                 self.wrong_fingerprint += len(servers) - len(good)
                 # a server a driver reported dead and that has not announced since is not routed to
                 lost_at = stage_map.lost.get(stage)
-                stage_map.servers[stage] = [s for s in good if lost_at is None or stage_map.signed_at.get(s.node_id, lost_at + 1) > lost_at]
+                stage_map.servers[stage] = [
+                    s for s in good if lost_at is None or stage_map.signed_at.get(s.node_id, lost_at + 1) > lost_at
+                ]
             self.map, self._map_read_at = stage_map, now
         return self.map
 
@@ -135,7 +148,8 @@ class PipelineRouter:
         return set(self.avoid)
 
     def fail(self, failure: HopFailed) -> None:
-        """Count a failed hop; leave its server out of routes after STRIKES failures in a row (one may be a reset stream)."""
+        """Count a failed hop; leave its server out of routes after STRIKES failures in a row (one may be a reset
+        stream)."""
         node_id = failure.server.node_id
         self.hop_failures[failure.reason] += 1
         self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
@@ -162,18 +176,53 @@ class PipelineRouter:
             route[stage] = server
         return route
 
-    def _call(self, op: str, server: StageAnnouncement, call_id: str, parts: list[str] = (), train: bool = False, tensors: dict | None = None, scale: float = 1.0) -> StageCall:
-        return StageCall(v=PIPELINE_VERSION, op=op, stage=server.stage, stage_fingerprint=self.fingerprints[server.stage], call_id=call_id,
-                         parts=list(parts), train=train, tensors={k: to_wire(v) for k, v in (tensors or {}).items()}, scale=scale)
+    def _call(
+        self,
+        op: str,
+        server: StageAnnouncement,
+        call_id: str,
+        parts: list[str] = (),
+        train: bool = False,
+        tensors: dict | None = None,
+        scale: float = 1.0,
+    ) -> StageCall:
+        return StageCall(
+            v=PIPELINE_VERSION,
+            op=op,
+            stage=server.stage,
+            stage_fingerprint=self.fingerprints[server.stage],
+            call_id=call_id,
+            parts=list(parts),
+            train=train,
+            tensors={k: to_wire(v) for k, v in (tensors or {}).items()},
+            scale=scale,
+        )
 
     async def call(self, server: StageAnnouncement, call: StageCall, timeout: float | None = None):
-        return await call_stage(self.dht.p2p, self.handler, server, call, self.limits, timeout or self.pipeline.call_timeout_s)
+        return await call_stage(
+            self.dht.p2p, self.handler, server, call, self.limits, timeout or self.pipeline.call_timeout_s
+        )
 
-    async def forward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, input_ids, position_ids, attention_mask, train: bool) -> torch.Tensor:
+    async def forward(
+        self,
+        route: dict[int, StageAnnouncement],
+        hops,
+        call_prefix: str,
+        input_ids,
+        position_ids,
+        attention_mask,
+        train: bool,
+    ) -> torch.Tensor:
         x = input_ids
         for k, (stage, parts) in enumerate(hops):
-            inputs = {"input_ids" if parts[0] == "embed" else "hidden": x, "position_ids": position_ids, "attention_mask": attention_mask}
-            result = await self.call(route[stage], self._call("forward", route[stage], f"{call_prefix}-{k}", parts, train, inputs))
+            inputs = {
+                "input_ids" if parts[0] == "embed" else "hidden": x,
+                "position_ids": position_ids,
+                "attention_mask": attention_mask,
+            }
+            result = await self.call(
+                route[stage], self._call("forward", route[stage], f"{call_prefix}-{k}", parts, train, inputs)
+            )
             if "output" not in result.tensors:
                 raise HopFailed(route[stage], "malformed", "a forward result without output")
             x = from_wire(result.tensors["output"])
@@ -183,7 +232,9 @@ class PipelineRouter:
     async def backward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, grad: torch.Tensor) -> None:
         for k in reversed(range(len(hops))):
             stage, parts = hops[k]
-            result = await self.call(route[stage], self._call("backward", route[stage], f"{call_prefix}-{k}", parts, tensors={"grad": grad}))
+            result = await self.call(
+                route[stage], self._call("backward", route[stage], f"{call_prefix}-{k}", parts, tensors={"grad": grad})
+            )
             if parts[0] == "embed":
                 break
             if "grad" not in result.tensors:
@@ -201,13 +252,18 @@ class PipelineRouter:
             if not missing:
                 return
             now = time.monotonic()
-            rebuilding = [i for i in missing if self.map.loading.get(i)]  # a report would hide their servers' announcements
+            # a report would hide their servers' announcements
+            rebuilding = [i for i in missing if self.map.loading.get(i)]
             if now - reported >= WAIT_LOG_EVERY_S / 3 and len(rebuilding) < len(missing):
                 await self.report_lost([i for i in missing if i not in rebuilding])
                 reported = now
             if now - said >= WAIT_LOG_EVERY_S:
-                log.warning("waiting %.0fs for stage(s) %s: no live server answers (a spare, a `serve --stage auto` or a moving replica rebuilds them)",
-                            now - started, ", ".join(map(str, missing)))
+                log.warning(
+                    "waiting %.0fs for stage(s) %s: no live server answers (a spare, a `serve --stage auto` or a "
+                    "moving replica rebuilds them)",
+                    now - started,
+                    ", ".join(map(str, missing)),
+                )
                 said = now
             await asyncio.sleep(min(1.0, self.pipeline.announce_interval_s))
 

@@ -43,7 +43,9 @@ class StageHandler:
         self.limits = limits
         self.backend: StageBackend | None = None
         self.fingerprint = ""
-        self.state = "spare"  # serving | loading | spare: only a serving stage runs calls; a loading one still lends its weights
+        self.state = (
+            "spare"  # serving | loading | spare: only a serving stage runs calls; a loading one still lends its weights
+        )
         self.stats = SwarmStats()  # refusals by peer and reason, shown by /metrics with the node's one renderer
         self.calls: Counter[str] = Counter()
         self.torch_lock = asyncio.Lock()
@@ -55,8 +57,14 @@ class StageHandler:
         peer = stream_info.peer_id.to_base58()
         try:
             try:
-                kind, body = await asyncio.wait_for(read_frame(reader, PipelineFrame, lambda k: self.limits.frame_limit() if k is PipelineFrame.CALL else CONTROL_MAX_BYTES),
-                                                    READ_TIMEOUT_S)
+                kind, body = await asyncio.wait_for(
+                    read_frame(
+                        reader,
+                        PipelineFrame,
+                        lambda k: self.limits.frame_limit() if k is PipelineFrame.CALL else CONTROL_MAX_BYTES,
+                    ),
+                    READ_TIMEOUT_S,
+                )
                 if kind is not PipelineFrame.CALL:
                     raise BackendRefused(Refusal.BAD_STRUCTURE, f"expected CALL, got {kind.name}")
                 try:
@@ -76,7 +84,9 @@ class StageHandler:
             self.stats.refusals.record(peer, refused.reason)
             self._log_refusal(peer, refused)
             try:
-                await write_frame(writer, PipelineFrame.REFUSE, msgpack.packb(refusal_body(refused.reason, refused.detail)))
+                await write_frame(
+                    writer, PipelineFrame.REFUSE, msgpack.packb(refusal_body(refused.reason, refused.detail))
+                )
             except (ConnectionError, OSError):
                 pass
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
@@ -89,7 +99,10 @@ class StageHandler:
         """Run one checked call on the backend; BackendRefused for a call this server does not serve."""
         backend = self.backend
         if backend is None or call.stage != backend.index or call.stage_fingerprint != self.fingerprint:
-            raise BackendRefused(PipelineRefusal.WRONG_STAGE, f"this server serves stage {backend.index if backend else -1} ({self.fingerprint or 'none yet'})")
+            raise BackendRefused(
+                PipelineRefusal.WRONG_STAGE,
+                f"this server serves stage {backend.index if backend else -1} ({self.fingerprint or 'none yet'})",
+            )
         if self.state != "serving" and call.op != "weights":
             raise BackendRefused(PipelineRefusal.NOT_READY, f"state {self.state}")
         held = backend.held_parts() if call.op == "weights" else backend.owned_parts()
@@ -109,7 +122,12 @@ class StageHandler:
                         self.after_step(backend.step)
                     tensors = {}
                 else:
-                    run = {"forward": backend.forward, "backward": backend.backward, "infer": backend.infer, "end_session": backend.end_session}[call.op]
+                    run = {
+                        "forward": backend.forward,
+                        "backward": backend.backward,
+                        "infer": backend.infer,
+                        "end_session": backend.end_session,
+                    }[call.op]
                     tensors = await asyncio.to_thread(run, peer, call)
             except BackendRefused:
                 raise
@@ -120,8 +138,14 @@ class StageHandler:
 
     @staticmethod
     def _result(backend: StageBackend, tensors: dict, weights: bytes | None = None) -> StageResult:
-        return StageResult(v=PIPELINE_VERSION, tensors={k: to_wire(t) for k, t in tensors.items()}, weights=weights, step=backend.step,
-                           grad_norm=float(backend.grad_norm), lr_scale=float(backend.lr_scale))
+        return StageResult(
+            v=PIPELINE_VERSION,
+            tensors={k: to_wire(t) for k, t in tensors.items()},
+            weights=weights,
+            step=backend.step,
+            grad_norm=float(backend.grad_norm),
+            lr_scale=float(backend.lr_scale),
+        )
 
     def _log_refusal(self, peer: str, refused: BackendRefused) -> None:
         """At most one log line per peer and reason a minute: a flood of bad calls must not flood the log."""

@@ -40,7 +40,14 @@ def full_masks(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class LMDriver:
-    def __init__(self, config: NodeConfig, router: PipelineRouter, corpus: torch.Tensor, validation: torch.Tensor, store: StateStore) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        router: PipelineRouter,
+        corpus: torch.Tensor,
+        validation: torch.Tensor,
+        store: StateStore,
+    ) -> None:
         self.config = config
         self.pipeline = config.pipeline
         self.router = router
@@ -49,12 +56,16 @@ class LMDriver:
         self.store = store
         rows = store.read_metrics()
         self.step = rows[-1]["step"] if rows else 0  # the driver keeps no weights: its only state is where it is
-        self.lost_since: dict[int, tuple[float, str, set[str]]] = {}  # stage -> (monotonic time it was found lost, cause, its servers then)
+        self.lost_since: dict[
+            int, tuple[float, str, set[str]]
+        ] = {}  # stage -> (monotonic time it was found lost, cause, its servers then)
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
         positions, mask = full_masks(input_ids)
-        hops = route_hops(self.pipeline.num_stages, route_order(self.pipeline.num_stages, index, self.pipeline.checkfree_plus))
+        hops = route_hops(
+            self.pipeline.num_stages, route_order(self.pipeline.num_stages, index, self.pipeline.checkfree_plus)
+        )
         for attempt in range(self.pipeline.attempts_per_micro_batch):
             route = await self.router.pick_route(hops)
             prefix = f"s{step}-m{index}-a{attempt}-{time.time_ns() % 10**9}"
@@ -86,14 +97,24 @@ class LMDriver:
             touched: dict = {}
             report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
             try:
-                losses = [await self._micro_batch(step, index, touched, report) for index in range(self.pipeline.micro_batches)]
+                losses = [
+                    await self._micro_batch(step, index, touched, report)
+                    for index in range(self.pipeline.micro_batches)
+                ]
                 break
             except StageLost as lost:
                 await self._abandon(touched, step, lost)
         norms = await self.router.step(touched, scale=1.0, step_id=f"step-{step}")
-        row: dict[str, Any] = {"step": step, "time": time.time(), "loss": sum(losses) / len(losses), "retries": report["retries"],
-                               "backward_failures": report["backward_failures"], "hop_failures": dict(self.router.hop_failures),
-                               "servers": report["servers"], "grad_norms": norms}
+        row: dict[str, Any] = {
+            "step": step,
+            "time": time.time(),
+            "loss": sum(losses) / len(losses),
+            "retries": report["retries"],
+            "backward_failures": report["backward_failures"],
+            "hop_failures": dict(self.router.hop_failures),
+            "servers": report["servers"],
+            "grad_norms": norms,
+        }
         self.router.hop_failures.clear()
         recovered = self._recovered()
         if recovered:
@@ -126,9 +147,22 @@ class LMDriver:
         for stage, (since, cause, before) in sorted(self.lost_since.items()):
             servers = self.router.map.live(stage)
             replaced = bool({s.node_id for s in servers} - before)
-            events.append({"stage": stage, "cause": cause, "recovery_s": now - since, "replaced": replaced, "servers": [s.node_id for s in servers],
-                           "server_recoveries": sum(s.recoveries for s in servers)})
-            log.info("stage %d back after %.1fs (first step after; %s)", stage, now - since, "a new server" if replaced else "the same servers answered again")
+            events.append(
+                {
+                    "stage": stage,
+                    "cause": cause,
+                    "recovery_s": now - since,
+                    "replaced": replaced,
+                    "servers": [s.node_id for s in servers],
+                    "server_recoveries": sum(s.recoveries for s in servers),
+                }
+            )
+            log.info(
+                "stage %d back after %.1fs (first step after; %s)",
+                stage,
+                now - since,
+                "a new server" if replaced else "the same servers answered again",
+            )
         self.lost_since.clear()
         return events
 
@@ -143,7 +177,9 @@ class LMDriver:
             for attempt in range(self.pipeline.attempts_per_micro_batch):
                 try:
                     route = await self.router.pick_route(hops)
-                    logits = await self.router.forward(route, hops, f"val-{time.time_ns() % 10**9}", input_ids, positions, mask, train=False)
+                    logits = await self.router.forward(
+                        route, hops, f"val-{time.time_ns() % 10**9}", input_ids, positions, mask, train=False
+                    )
                 except HopFailed as failure:
                     self.router.fail(failure)
                     continue
@@ -178,6 +214,7 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "backward_failures": sum(r["backward_failures"] for r in rows),
         "stages_recovered": sum(1 for e in recoveries if e["replaced"]),
         "stalls": sum(1 for e in recoveries if not e["replaced"]),
-        "recovery_s_mean": statistics.fmean(e["recovery_s"] for e in recoveries if e["replaced"]) if any(e["replaced"] for e in recoveries) else None,
+        "recovery_s_mean": statistics.fmean(e["recovery_s"] for e in recoveries if e["replaced"])
+        if any(e["replaced"] for e in recoveries)
+        else None,
     }
-

@@ -63,14 +63,18 @@ class RecoveryEvent:
         return asdict(self)
 
 
-def checkfree_weights(prev_layers: Named, next_layers: Named, prev_grad_norm: float, next_grad_norm: float) -> tuple[Named, float, float]:
+def checkfree_weights(
+    prev_layers: Named, next_layers: Named, prev_grad_norm: float, next_grad_norm: float
+) -> tuple[Named, float, float]:
     """CheckFree's neighbour average for a lost intermediate stage: (weights, a, b).
 
     a weighs the next stage and b the previous one, each by its last gradient norm: the
     neighbour that was still learning harder is assumed closer to what the stage did.
     """
     if set(prev_layers) != set(next_layers):
-        raise ValueError("the neighbours' LAYERS parts have different tensor names; CheckFree needs stages of equal depth")
+        raise ValueError(
+            "the neighbours' LAYERS parts have different tensor names; CheckFree needs stages of equal depth"
+        )
     a, b = next_grad_norm + GRAD_NORM_EPS, prev_grad_norm + GRAD_NORM_EPS
     merged = {}
     for name, prev in prev_layers.items():
@@ -81,8 +85,15 @@ def checkfree_weights(prev_layers: Named, next_layers: Named, prev_grad_norm: fl
     return merged, a, b
 
 
-def choose_method(stage: int, num_stages: int, has_replica: bool, trained: bool, recovery: str, checkfree_plus: bool,
-                  live_stages: set[int] | None = None) -> tuple[str, list[int]]:
+def choose_method(
+    stage: int,
+    num_stages: int,
+    has_replica: bool,
+    trained: bool,
+    recovery: str,
+    checkfree_plus: bool,
+    live_stages: set[int] | None = None,
+) -> tuple[str, list[int]]:
     """(method, the stages to read from) for a server taking up `stage`; `live_stages`: the stages with a live
     server now (None: assume every other stage is live)."""
     if has_replica:
@@ -98,21 +109,36 @@ def choose_method(stage: int, num_stages: int, has_replica: bool, trained: bool,
         below, above = [i for i in live if i < stage], [i for i in live if i > stage]
         if not below or not above:
             side = "below" if not below else "above"
-            raise RecoveryImpossible(f"CheckFree needs a live stage on each side of stage {stage}; none is live {side} it")
+            raise RecoveryImpossible(
+                f"CheckFree needs a live stage on each side of stage {stage}; none is live {side} it"
+            )
         return "checkfree", [max(below), min(above)]
     if not checkfree_plus:
-        raise RecoveryImpossible(f"stage {stage} is an end stage: only CheckFree+ (pipeline.checkfree_plus) can rebuild it")
+        raise RecoveryImpossible(
+            f"stage {stage} is an end stage: only CheckFree+ (pipeline.checkfree_plus) can rebuild it"
+        )
     partner = 1 if stage == 0 else num_stages - 2
     if partner not in live:
-        raise RecoveryImpossible(f"CheckFree+ copies stage {stage} from stage {partner}, which has no live server either")
+        raise RecoveryImpossible(
+            f"CheckFree+ copies stage {stage} from stage {partner}, which has no live server either"
+        )
     return "checkfree_plus", [partner]
 
 
 Fetch = Callable[[StageAnnouncement, list[str]], Awaitable[tuple[dict[str, torch.Tensor], StageResult]]]
 
 
-async def load_stage(stage: PipelineStage, method: str, sources: list[int], replicas: list[StageAnnouncement], view: StageMap, fetch: Fetch,
-                     rng: random.Random, fresh: Callable[[], PipelineStage], recovered_lr_scale: float) -> RecoveryEvent:
+async def load_stage(
+    stage: PipelineStage,
+    method: str,
+    sources: list[int],
+    replicas: list[StageAnnouncement],
+    view: StageMap,
+    fetch: Fetch,
+    rng: random.Random,
+    fresh: Callable[[], PipelineStage],
+    recovered_lr_scale: float,
+) -> RecoveryEvent:
     """Load `stage`'s weights in place by `method` (from `choose_method`) from the live servers of `view`.
 
     `fetch(server, parts)` reads parts of a live server's stage; `fresh()` builds a randomly initialised stage.
@@ -140,23 +166,39 @@ async def load_stage(stage: PipelineStage, method: str, sources: list[int], repl
         if not candidates:
             raise MissingSource(f"no live server of neighbour stage {neighbour}")
         source = rng.choice(candidates)
-        wanted = ["layers"] + [p for p in ("embed", "head") if p in source.parts and StagePart(p) in stage.parts and method == "checkfree_plus"]
+        wanted = ["layers"] + [
+            p
+            for p in ("embed", "head")
+            if p in source.parts and StagePart(p) in stage.parts and method == "checkfree_plus"
+        ]
         fetched[neighbour] = (source, *await fetch(source, wanted))
     if method == "checkfree":
         (prev_src, prev_w, prev_r), (next_src, next_w, next_r) = fetched[sources[0]], fetched[sources[1]]
         if sources != [stage.index - 1, stage.index + 1]:
-            log.warning("stage %d: its neighbours are lost too; rebuilding it from the nearest live stages %d and %d", stage.index, *sources)
-        merged, a, b = checkfree_weights(split_parts(prev_w)["layers"], split_parts(next_w)["layers"], prev_r.grad_norm, next_r.grad_norm)
+            log.warning(
+                "stage %d: its neighbours are lost too; rebuilding it from the nearest live stages %d and %d",
+                stage.index,
+                *sources,
+            )
+        merged, a, b = checkfree_weights(
+            split_parts(prev_w)["layers"], split_parts(next_w)["layers"], prev_r.grad_norm, next_r.grad_norm
+        )
         stage.load_part_state_dict(StagePart.LAYERS, merged)
-        event.sources = [_source(sources[0], prev_src, prev_r, b / (a + b)), _source(sources[1], next_src, next_r, a / (a + b))]
+        event.sources = [
+            _source(sources[0], prev_src, prev_r, b / (a + b)),
+            _source(sources[1], next_src, next_r, a / (a + b)),
+        ]
         event.step = max(prev_r.step, next_r.step)
-    else:  # checkfree_plus: the neighbour's layers stood in for ours on odd micro-batches; it holds our (de)embedding copy
+    # checkfree_plus: the neighbour's layers stood in for ours on odd micro-batches; it holds our (de)embedding copy
+    else:
         source, weights, result = fetched[sources[0]]
         parts = split_parts(weights)
         for part, tensors in parts.items():
             stage.load_part_state_dict(StagePart(part), tensors)
         own = stage.plan.parts(stage.index)
-        missing = [p.value for p in stage.parts if p in (StagePart.EMBED, StagePart.HEAD) and p in own and p.value not in parts]
+        missing = [
+            p.value for p in stage.parts if p in (StagePart.EMBED, StagePart.HEAD) and p in own and p.value not in parts
+        ]
         if missing:
             raise MissingSource(f"neighbour stage {sources[0]} holds no copy of {missing}")
         event.sources = [_source(sources[0], source, result, 1.0)]
@@ -166,7 +208,13 @@ async def load_stage(stage: PipelineStage, method: str, sources: list[int], repl
 
 
 def _source(stage: int, server: StageAnnouncement, result: StageResult, weight: float) -> dict:
-    return {"stage": stage, "node_id": server.node_id, "step": result.step, "grad_norm": result.grad_norm, "weight": weight}
+    return {
+        "stage": stage,
+        "node_id": server.node_id,
+        "step": result.step,
+        "grad_norm": result.grad_norm,
+        "weight": weight,
+    }
 
 
 class RecoveryImpossible(RuntimeError):

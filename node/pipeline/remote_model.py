@@ -104,16 +104,29 @@ class RemoteCausalLM(torch.nn.Module):
 
     # HF-style entry point -----------------------------------------------------------------
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache: bool = False, past_key_values=None, logits_to_keep: int = 0, **_):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        use_cache: bool = False,
+        past_key_values=None,
+        logits_to_keep: int = 0,
+        **_,
+    ):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
         if use_cache or past_key_values is not None:
             logits, session = self._run(self._infer(input_ids, attention_mask, position_ids, past_key_values))
-            return RemoteOutput(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits, past_key_values=session)
+            return RemoteOutput(
+                logits=logits[:, -logits_to_keep:] if logits_to_keep else logits, past_key_values=session
+            )
         if torch.is_grad_enabled():
-            return RemoteOutput(logits=_PipelineFunction.apply(self.anchor, input_ids, attention_mask, position_ids, self))
+            return RemoteOutput(
+                logits=_PipelineFunction.apply(self.anchor, input_ids, attention_mask, position_ids, self)
+            )
         logits = self._run(self._forward_once(input_ids, attention_mask, position_ids, train=False))[0]
         return RemoteOutput(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
@@ -141,7 +154,9 @@ class RemoteCausalLM(torch.nn.Module):
                 try:
                     route = await self.router.pick_route(hops)
                     prefix = f"p{index}-a{attempt}-{time.time_ns() % 10**9}"
-                    logits = await self.router.forward(route, hops, prefix, input_ids, position_ids, attention_mask.long(), train=train)
+                    logits = await self.router.forward(
+                        route, hops, prefix, input_ids, position_ids, attention_mask.long(), train=train
+                    )
                     return logits.float(), route, hops, prefix
                 except HopFailed as failure:
                     self.router.fail(failure)
@@ -157,7 +172,13 @@ class RemoteCausalLM(torch.nn.Module):
         if session is None:
             for old in self._sessions:  # the sampler runs one generation at a time: older sessions are done
                 await self._end(old)
-            session = RemoteSession(f"g{next(self._calls)}-{time.time_ns() % 10**9}", {}, input_ids[:, :0], attention_mask[:, :0], position_ids[:, :0])
+            session = RemoteSession(
+                f"g{next(self._calls)}-{time.time_ns() % 10**9}",
+                {},
+                input_ids[:, :0],
+                attention_mask[:, :0],
+                position_ids[:, :0],
+            )
             self._sessions = [session]
         new_ids, new_positions = input_ids, position_ids
         session.input_ids = torch.cat([session.input_ids, new_ids], dim=1)
@@ -169,7 +190,7 @@ class RemoteCausalLM(torch.nn.Module):
                     session.route = await self.router.pick_route(hops)
                     x, positions = session.input_ids, session.position_ids
                     logits = await self._infer_hops(session, hops, x, positions)
-                    return logits[:, -new_ids.shape[1]:], session
+                    return logits[:, -new_ids.shape[1] :], session
                 return await self._infer_hops(session, hops, new_ids, new_positions), session
             except HopFailed as failure:
                 self.router.fail(failure)
@@ -183,7 +204,17 @@ class RemoteCausalLM(torch.nn.Module):
     async def _infer_hops(self, session: RemoteSession, hops, x, positions):
         for stage, parts in hops:
             server = session.route[stage]
-            call = self.router._call("infer", server, session.session_id, parts, tensors={"input_ids" if parts[0] == "embed" else "hidden": x, "position_ids": positions, "attention_mask": session.attention_mask})
+            call = self.router._call(
+                "infer",
+                server,
+                session.session_id,
+                parts,
+                tensors={
+                    "input_ids" if parts[0] == "embed" else "hidden": x,
+                    "position_ids": positions,
+                    "attention_mask": session.attention_mask,
+                },
+            )
             result = await self.router.call(server, call)
             x = from_wire(result.tensors["output"])
         return x.float()
@@ -209,7 +240,9 @@ class RemoteOptimizer:
 
     def step(self) -> None:
         touched, self.model.touched = self.model.touched.servers, _Touched()
-        self.last_grad_norms = self.model._run(self.model.router.step(touched, scale=1.0, step_id=f"grpo-{time.time_ns()}"))
+        self.last_grad_norms = self.model._run(
+            self.model.router.step(touched, scale=1.0, step_id=f"grpo-{time.time_ns()}")
+        )
 
     def state_dict(self) -> dict:
         return {}

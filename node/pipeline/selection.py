@@ -56,6 +56,7 @@ def fresh_window_s(announce_interval_s: float, announce_ttl_s: float) -> float:
 def live_view(stage_map: StageMap, now: float, fresh_s: float) -> StageMap:
     """The part of `stage_map` a chooser counts: fresh announcements not superseded by a lost report.
     Its `lost` keeps only the reports still standing (no server of the stage announced after them)."""
+
     def counted(item: StageAnnouncement) -> bool:
         signed = stage_map.signed_at.get(item.node_id, now)
         lost_at = stage_map.lost.get(item.stage)
@@ -64,7 +65,9 @@ def live_view(stage_map: StageMap, now: float, fresh_s: float) -> StageMap:
     kept = [s for group in (*stage_map.servers.values(), *stage_map.loading.values()) for s in group] + stage_map.spares
     kept = [s for s in kept if counted(s)]
     standing = {i: t for i, t in stage_map.lost.items() if not any(s.stage == i and s.state != "spare" for s in kept)}
-    view = StageMap.from_announcements(stage_map.num_stages, kept, {s.node_id: stage_map.signed_at.get(s.node_id, now) for s in kept}, standing)
+    view = StageMap.from_announcements(
+        stage_map.num_stages, kept, {s.node_id: stage_map.signed_at.get(s.node_id, now) for s in kept}, standing
+    )
     view.refused = stage_map.refused
     return view
 
@@ -125,7 +128,9 @@ def bottleneck_move(view: StageMap, me: StageAnnouncement) -> tuple[StageAnnounc
     """Petals' throughput rule: (mover, target stage, new bottleneck / old) of the best single move, or None
     when some stage is unserved or some server has not measured its throughput yet."""
     groups = {i: _serving(view, i, me) for i in range(view.num_stages)}
-    if any(not group for group in groups.values()) or any(s.samples_per_s <= 0 for group in groups.values() for s in group):
+    if any(not group for group in groups.values()) or any(
+        s.samples_per_s <= 0 for group in groups.values() for s in group
+    ):
         return None
     totals = {i: sum(s.samples_per_s for s in group) for i, group in groups.items()}
     bottleneck = min(totals.values())
@@ -141,8 +146,14 @@ def bottleneck_move(view: StageMap, me: StageAnnouncement) -> tuple[StageAnnounc
     return best
 
 
-def plan_move(view: StageMap, me: StageAnnouncement, empty_since: dict[int, float], now: float, grace_s: float,
-              balance_quality: float) -> Move | None:
+def plan_move(
+    view: StageMap,
+    me: StageAnnouncement,
+    empty_since: dict[int, float],
+    now: float,
+    grace_s: float,
+    balance_quality: float,
+) -> Move | None:
     """Should this serving server (`me`, its current announcement) move, and where? See the module docstring."""
     if me.state != "serving" or len(_serving(view, me.stage, me)) < 2:
         return None

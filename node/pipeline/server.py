@@ -51,10 +51,26 @@ from node.pipeline.client import HopFailed, call_stage, handler_name
 from node.pipeline.driver import WAIT_LOG_EVERY_S
 from node.pipeline.handler import StageHandler
 from node.pipeline.recovery import MissingSource, RecoveryEvent, RecoveryImpossible, choose_method, load_stage
-from node.pipeline.selection import Move, choose_stage, fresh_window_s, live_view, plan_move, spare_assignment, update_empty_since
+from node.pipeline.selection import (
+    Move,
+    choose_stage,
+    fresh_window_s,
+    live_view,
+    plan_move,
+    spare_assignment,
+    update_empty_since,
+)
 from node.pipeline.stagemap import Announcer, StageMap, read_stage_map
-from node.pipeline.stages import (PipelineStage, StagePart, extra_parts_for, part_tensors, pipeline_limits, split_parts, stage_fingerprint,
-                                  stage_plan)
+from node.pipeline.stages import (
+    PipelineStage,
+    StagePart,
+    extra_parts_for,
+    part_tensors,
+    pipeline_limits,
+    split_parts,
+    stage_fingerprint,
+    stage_plan,
+)
 from node.files import atomic_write_text
 from node.stats import prometheus_text
 from node.transport.session import SwarmSession
@@ -66,18 +82,22 @@ log = logging.getLogger(__name__)
 
 class StageServer:
     def __init__(self, session: SwarmSession, initial_model, model_fingerprint: str) -> None:
-        """Serve a stage of `initial_model`'s pipeline over `session` (node/transport/session.py), which the caller opened and closes."""
+        """Serve a stage of `initial_model`'s pipeline over `session` (node/transport/session.py), which the caller
+        opened and closes."""
         self.session = session
         self.config = config = session.config
         self.pipeline = config.pipeline
         self.identity = identity = session.identity
         self.dht = session.dht
-        self.initial_model = initial_model  # the initial policy: weights for a pipeline that has not trained yet, and the architecture
+        self.initial_model = (
+            initial_model  # the initial policy: weights for a pipeline that has not trained yet, and the architecture
+        )
         self.hf_config = initial_model.config
         self.model_fingerprint = model_fingerprint
         self.state_dir = session.state_dir
         self.plan = stage_plan(config, self.hf_config)
-        self.protocol = handler_name(config.swarm.swarm_id, model_fingerprint)  # the p2p stream protocol of this model's calls
+        # the p2p stream protocol of this model's calls
+        self.protocol = handler_name(config.swarm.swarm_id, model_fingerprint)
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
         self.handler = StageHandler(self.limits)
         self.announcer = Announcer(session)
@@ -112,13 +132,19 @@ class StageServer:
         return await read_stage_map(self.dht, self.config, self.model_fingerprint)
 
     async def read_view(self, strict: bool) -> tuple[StageMap, StageMap]:
-        """(everything announced, what counts as live: see selection.live_view). `strict`: only announcements of the last
-        few intervals count, as a newcomer judges holes (a wrong guess only makes it a replica); else anything within the
+        """(everything announced, what counts as live: see selection.live_view). `strict`: only announcements of the
+        last
+        few intervals count, as a newcomer judges holes (a wrong guess only makes it a replica); else anything within
+        the
         TTL that no lost report superseded, as spares and moving replicas judge them (they must not act on a server that
         was only slow to announce on a loaded machine) and as a server loading its weights looks for sources (a source
         that does not answer is dropped then)."""
         stage_map = await self.read_map()
-        fresh_s = fresh_window_s(self.pipeline.announce_interval_s, self.pipeline.announce_ttl_s) if strict else self.pipeline.announce_ttl_s
+        fresh_s = (
+            fresh_window_s(self.pipeline.announce_interval_s, self.pipeline.announce_ttl_s)
+            if strict
+            else self.pipeline.announce_ttl_s
+        )
         return stage_map, live_view(stage_map, time.time(), fresh_s)
 
     async def choose_stage(self) -> tuple[int, str]:
@@ -151,20 +177,43 @@ class StageServer:
         fingerprint = stage_fingerprint(self.model_fingerprint, self.plan, index, stage)
         self.handler.fingerprint = fingerprint
         await self.announce()
-        failed: dict[str, float] = {}  # source -> when its call failed: its announcement may still look live; left out for avoid_s
+        failed: dict[
+            str, float
+        ] = {}  # source -> when its call failed: its announcement may still look live; left out for avoid_s
         said: dict[str, float] = {}  # what we wait for -> when we last said so (at most every WAIT_LOG_EVERY_S)
         while True:
             stage_map, view = await self.read_view(strict=False)
             now = time.monotonic()
             for group in view.servers.values():
-                group[:] = [s for s in group if now - failed.get(s.node_id, -math.inf) >= self.pipeline.avoid_s and s.node_id != self.identity.node_id]
+                group[:] = [
+                    s
+                    for s in group
+                    if now - failed.get(s.node_id, -math.inf) >= self.pipeline.avoid_s
+                    and s.node_id != self.identity.node_id
+                ]
             replicas = [s for s in view.live(index) if s.stage_fingerprint == fingerprint]
             live_stages = {i for i in range(self.plan.num_stages) if view.live(i)}
             try:
-                method, sources = choose_method(index, self.plan.num_stages, bool(replicas), stage_map.trained(), self.pipeline.recovery,
-                                                self.pipeline.checkfree_plus, live_stages)
-                event = await load_stage(stage, method, sources, replicas, view, self._fetch_into(stage), self._rng,
-                                         lambda: PipelineStage.from_config(self.hf_config, self.plan, index, extra), self.pipeline.recovered_lr_scale)
+                method, sources = choose_method(
+                    index,
+                    self.plan.num_stages,
+                    bool(replicas),
+                    stage_map.trained(),
+                    self.pipeline.recovery,
+                    self.pipeline.checkfree_plus,
+                    live_stages,
+                )
+                event = await load_stage(
+                    stage,
+                    method,
+                    sources,
+                    replicas,
+                    view,
+                    self._fetch_into(stage),
+                    self._rng,
+                    lambda: PipelineStage.from_config(self.hf_config, self.plan, index, extra),
+                    self.pipeline.recovered_lr_scale,
+                )
             except (RecoveryImpossible, MissingSource) as exc:
                 if now - said.get(str(exc), -math.inf) >= WAIT_LOG_EVERY_S:
                     said[str(exc)] = now
@@ -173,7 +222,12 @@ class StageServer:
                 continue
             except HopFailed as exc:
                 failed[exc.server.node_id] = time.monotonic()
-                log.warning("stage %d: loading from %s failed (%s); trying again without it", index, exc.server.node_id[:12], exc)
+                log.warning(
+                    "stage %d: loading from %s failed (%s); trying again without it",
+                    index,
+                    exc.server.node_id[:12],
+                    exc,
+                )
                 await asyncio.sleep(self.pipeline.announce_interval_s / 2)
                 continue
             break
@@ -181,7 +235,9 @@ class StageServer:
         event.seconds = time.perf_counter() - started
         if event.method != "initial":
             self.recoveries += 1
-        self.handler.backend = StageBackend(self.pipeline, self.hf_config, self.plan, stage, step=event.step, lr_scale=event.lr_scale)
+        self.handler.backend = StageBackend(
+            self.pipeline, self.hf_config, self.plan, stage, step=event.step, lr_scale=event.lr_scale
+        )
         self.handler.state = "serving"
         self._last_replica_sync = -1
         self._log_event(event)
@@ -190,19 +246,35 @@ class StageServer:
 
     def _fetch_into(self, stage: PipelineStage):
         """`recovery.Fetch` for loading `stage`: a `weights` call whose tensors must match what `stage` holds."""
+
         async def fetch(source: StageAnnouncement, parts: list[str]) -> tuple[dict[str, torch.Tensor], StageResult]:
             return await self._fetch(source, parts, stage)
 
         return fetch
 
-    async def _fetch(self, source: StageAnnouncement, parts: list[str], local: PipelineStage) -> tuple[dict[str, torch.Tensor], StageResult]:
-        call = StageCall(v=PIPELINE_VERSION, op="weights", stage=source.stage, stage_fingerprint=source.stage_fingerprint, call_id=f"weights-{time.time_ns()}",
-                         parts=parts, train=False, tensors={}, scale=1.0)
-        result = await call_stage(self.dht.p2p, self.protocol, source, call, self.limits, self.pipeline.call_timeout_s * 3)
+    async def _fetch(
+        self, source: StageAnnouncement, parts: list[str], local: PipelineStage
+    ) -> tuple[dict[str, torch.Tensor], StageResult]:
+        call = StageCall(
+            v=PIPELINE_VERSION,
+            op="weights",
+            stage=source.stage,
+            stage_fingerprint=source.stage_fingerprint,
+            call_id=f"weights-{time.time_ns()}",
+            parts=parts,
+            train=False,
+            tensors={},
+            scale=1.0,
+        )
+        result = await call_stage(
+            self.dht.p2p, self.protocol, source, call, self.limits, self.pipeline.call_timeout_s * 3
+        )
         if result.weights is None:
             raise HopFailed(source, "malformed", "a weights result without weights")
         try:
-            encoded = EncodedWeights.from_bytes(result.weights, max_tensors=4096, max_values=self.limits.max_weights_bytes // 4)
+            encoded = EncodedWeights.from_bytes(
+                result.weights, max_tensors=4096, max_values=self.limits.max_weights_bytes // 4
+            )
             weights = decode_weights(encoded, dtype=None)
         except CodecError as exc:
             raise HopFailed(source, "malformed", str(exc)) from None
@@ -213,8 +285,17 @@ class StageServer:
         return weights, result
 
     def _log_event(self, event: RecoveryEvent) -> None:
-        log.info("stage %d: weights by %s (%s) in %.2fs from %s; continuing at step %d, lr x%.2f", event.stage, event.method, event.cause, event.seconds,
-                 ", ".join(f"stage {s['stage']} {s['node_id'][:12]} (weight {s['weight']:.3f})" for s in event.sources) or "no source", event.step, event.lr_scale)
+        log.info(
+            "stage %d: weights by %s (%s) in %.2fs from %s; continuing at step %d, lr x%.2f",
+            event.stage,
+            event.method,
+            event.cause,
+            event.seconds,
+            ", ".join(f"stage {s['stage']} {s['node_id'][:12]} (weight {s['weight']:.3f})" for s in event.sources)
+            or "no source",
+            event.step,
+            event.lr_scale,
+        )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.state_dir / "recoveries.jsonl", "a") as handle:
             handle.write(json.dumps(event.to_json()) + "\n")
@@ -222,15 +303,24 @@ class StageServer:
     # moving -------------------------------------------------------------------------------
 
     def check_move(self) -> Move | None:
-        """Rebalancing (selection.plan_move) on the announce loop's last map: the move this server should make now, if any."""
+        """Rebalancing (selection.plan_move) on the announce loop's last map: the move this server should make now, if
+        any."""
         if self.state != "serving" or self._latest_map is None:
             return None
         now = time.time()
-        # A server slow to announce must not set replicas moving: a stage is empty when a driver reported it lost, or when
+        # A server slow to announce must not set replicas moving: a stage is empty when a driver reported it lost, or
+        # when
         # its announcements aged out of the TTL (not the newcomers' stricter freshness).
         view = live_view(self._latest_map, now, self.pipeline.announce_ttl_s)
         self._empty_since = update_empty_since(self._empty_since, view, now)
-        return plan_move(view, self.announcement(), self._empty_since, now, self.pipeline.rebalance_grace_s, self.pipeline.balance_quality)
+        return plan_move(
+            view,
+            self.announcement(),
+            self._empty_since,
+            now,
+            self.pipeline.rebalance_grace_s,
+            self.pipeline.balance_quality,
+        )
 
     async def move(self, move: Move) -> RecoveryEvent:
         """Leave the current stage (its other replicas carry it on) and take up `move.stage`."""
@@ -248,7 +338,7 @@ class StageServer:
     # lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.p2p_maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][:DEFAULT_LIMITS.max_addresses]
+        self.p2p_maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][: DEFAULT_LIMITS.max_addresses]
         await self.dht.p2p.add_binary_stream_handler(self.protocol, self.handler.handle)
         announcing = self._spawn(self._announce_loop(), "stage-announce")
         try:
@@ -285,11 +375,21 @@ class StageServer:
         layers = self.plan.layer_range(self.index) if self.index >= 0 else range(0)
         backend = self.backend
         return StageAnnouncement(
-            node_id=self.identity.node_id, p2p_peer_id=self.dht.peer_id.to_base58(), model_fingerprint=self.model_fingerprint,
-            num_stages=self.plan.num_stages, stage=self.index, stage_fingerprint=self.handler.fingerprint if self.index >= 0 else "",
-            layer_start=layers.start, layer_end=layers.stop, parts=sorted(backend.held_parts()) if backend else [],
-            state=self.state, step=self.step, grad_norm=float(backend.grad_norm) if backend else 0.0,
-            samples_per_s=float(backend.samples_per_s) if backend else 0.0, recoveries=self.recoveries, replicas=self.replicas[:32],
+            node_id=self.identity.node_id,
+            p2p_peer_id=self.dht.peer_id.to_base58(),
+            model_fingerprint=self.model_fingerprint,
+            num_stages=self.plan.num_stages,
+            stage=self.index,
+            stage_fingerprint=self.handler.fingerprint if self.index >= 0 else "",
+            layer_start=layers.start,
+            layer_end=layers.stop,
+            parts=sorted(backend.held_parts()) if backend else [],
+            state=self.state,
+            step=self.step,
+            grad_norm=float(backend.grad_norm) if backend else 0.0,
+            samples_per_s=float(backend.samples_per_s) if backend else 0.0,
+            recoveries=self.recoveries,
+            replicas=self.replicas[:32],
             p2p_maddrs=self.p2p_maddrs,
         )
 
@@ -302,8 +402,12 @@ class StageServer:
             try:
                 await self.announce()
                 if self.index >= 0 and self.state == "serving":
-                    self._latest_map = stage_map = await self.read_map()  # also what check_move judges: one read per beat
-                    self.replicas = [s.node_id for s in stage_map.live(self.index) if s.node_id != self.identity.node_id]
+                    self._latest_map = (
+                        stage_map
+                    ) = await self.read_map()  # also what check_move judges: one read per beat
+                    self.replicas = [
+                        s.node_id for s in stage_map.live(self.index) if s.node_id != self.identity.node_id
+                    ]
             except Exception as exc:  # noqa: BLE001 - a lost announcement is retried next beat; the loop must not die of it
                 log.warning("stage announcement not published: %s", exc)
             # Keep the beat: choosers count a server only while its announcement is a few intervals old at most.
@@ -316,8 +420,11 @@ class StageServer:
         from node.averaging.service import start_averaging
 
         # the replicas of this stage average with each other: the stage's fingerprint keys them
-        self.averaging = await start_averaging(self.config, self.session, self.backend.stage, self.handler.fingerprint, self.step)
-        self.handler.before_step = self.averaging.apply_if_done  # between steps, when no torch work runs (the handler holds the lock)
+        self.averaging = await start_averaging(
+            self.config, self.session, self.backend.stage, self.handler.fingerprint, self.step
+        )
+        # between steps, when no torch work runs (the handler holds the lock)
+        self.handler.before_step = self.averaging.apply_if_done
         self.handler.after_step = self.averaging.maybe_start
 
     async def _stop_averaging(self) -> None:
@@ -333,7 +440,11 @@ class StageServer:
             return
         own = self.plan.parts(self.index)
         replica_parts = [p for p in backend.stage.parts if p not in own]
-        if not replica_parts or self.step - self._last_replica_sync < self.pipeline.replica_sync_every and self._last_replica_sync >= 0:
+        if (
+            not replica_parts
+            or self.step - self._last_replica_sync < self.pipeline.replica_sync_every
+            and self._last_replica_sync >= 0
+        ):
             return
         owner = 0 if StagePart.EMBED in replica_parts else self.plan.num_stages - 1
         source = (await self.read_map()).pick(owner, self._rng)
@@ -356,16 +467,42 @@ class StageServer:
         """What `stage.json`, `swarm-node stats` and /metrics show of this server."""
         backend = self.backend
         refusals = self.handler.stats.refusals
-        return {"stage": self.index, "state": self.state, "step": self.step, "grad_norm": backend.grad_norm if backend else 0.0,
-                "samples_per_s": backend.samples_per_s if backend else 0.0, "recoveries": self.recoveries, "moves": self.moves,
-                "lr_scale": backend.lr_scale if backend else 1.0, "replicas": len(self.replicas), "calls": dict(self.handler.calls),
-                "refusals": refusals.by_reason(), "refusals_by_peer": refusals.by_peer(), "pending_forwards": backend.pending_forwards if backend else 0,
-                "sessions": backend.sessions if backend else 0, "averaging": self.averaging.counters() if self.averaging else None}
+        return {
+            "stage": self.index,
+            "state": self.state,
+            "step": self.step,
+            "grad_norm": backend.grad_norm if backend else 0.0,
+            "samples_per_s": backend.samples_per_s if backend else 0.0,
+            "recoveries": self.recoveries,
+            "moves": self.moves,
+            "lr_scale": backend.lr_scale if backend else 1.0,
+            "replicas": len(self.replicas),
+            "calls": dict(self.handler.calls),
+            "refusals": refusals.by_reason(),
+            "refusals_by_peer": refusals.by_peer(),
+            "pending_forwards": backend.pending_forwards if backend else 0,
+            "sessions": backend.sessions if backend else 0,
+            "averaging": self.averaging.counters() if self.averaging else None,
+        }
 
     def prometheus(self) -> str:
-        """/metrics: the server's gauges and call counts, and refused calls by peer and reason, with the node's one renderer."""
+        """/metrics: the server's gauges and call counts, and refused calls by peer and reason, with the node's one
+        renderer."""
         counters = self.counters()
-        gauges = {f"pipeline_{name}": float(counters[name]) for name in ("stage", "step", "grad_norm", "samples_per_s", "recoveries", "moves", "lr_scale",
-                                                                         "replicas", "pending_forwards", "sessions")}
+        gauges = {
+            f"pipeline_{name}": float(counters[name])
+            for name in (
+                "stage",
+                "step",
+                "grad_norm",
+                "samples_per_s",
+                "recoveries",
+                "moves",
+                "lr_scale",
+                "replicas",
+                "pending_forwards",
+                "sessions",
+            )
+        }
         gauges.update({f"pipeline_calls_{op}": float(n) for op, n in sorted(self.handler.calls.items())})
         return prometheus_text(gauges, self.handler.stats)

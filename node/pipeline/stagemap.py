@@ -1,6 +1,7 @@
 """Who serves which stage: signed stage announcements in the DHT, read into a `StageMap`.
 
-Key: `<swarm prefix>/stages` (every model's pipeline: readers keep their model's), subkey = the announcer's node id, value =
+Key: `<swarm prefix>/stages` (every model's pipeline: readers keep their model's), subkey = the announcer's node id,
+value =
 a signed `protocol.StageAnnouncement` envelope; readers keep those signed less than `announce_ttl_s`
 ago (the DHT drops them later, records.RECORD_TTL_S). A server re-announces every
 `announce_interval_s`; one that stops (killed, hung) drops out of every reader's map within
@@ -49,11 +50,17 @@ class StageMap:
     spares: list[StageAnnouncement] = field(default_factory=list)
     refused: int = 0  # announcements refused while reading (bad signature, wrong model, ...)
     signed_at: dict[str, float] = field(default_factory=dict)  # node id -> unix time its announcement was signed
-    lost: dict[int, float] = field(default_factory=dict)  # stage -> unix time of the latest driver report that it was lost
+    # stage -> unix time of the latest driver report that it was lost
+    lost: dict[int, float] = field(default_factory=dict)
 
     @classmethod
-    def from_announcements(cls, num_stages: int, announcements: list[StageAnnouncement], signed_at: dict[str, float] | None = None,
-                           lost: dict[int, float] | None = None) -> "StageMap":
+    def from_announcements(
+        cls,
+        num_stages: int,
+        announcements: list[StageAnnouncement],
+        signed_at: dict[str, float] | None = None,
+        lost: dict[int, float] | None = None,
+    ) -> "StageMap":
         stage_map = cls(num_stages, signed_at=dict(signed_at or {}), lost=dict(lost or {}))
         for item in announcements:
             if item.state == "spare":
@@ -81,9 +88,11 @@ class StageMap:
 
     def least_served(self) -> int:
         """Petals' choice for a joining server: the stage with the fewest live servers, then the least throughput."""
+
         def capacity(i: int) -> tuple[int, float, int]:
             servers = self.servers.get(i, []) + self.loading.get(i, [])
             return (len(servers), sum(s.samples_per_s for s in servers), i)
+
         return min(range(self.num_stages), key=capacity)
 
     def rows(self) -> list[dict]:
@@ -92,20 +101,24 @@ class StageMap:
         rows = []
         for i in range(self.num_stages):
             lost_at = self.lost.get(i)
-            servers = [s for s in self.servers.get(i, []) if lost_at is None or self.signed_at.get(s.node_id, 0.0) > lost_at]
+            servers = [
+                s for s in self.servers.get(i, []) if lost_at is None or self.signed_at.get(s.node_id, 0.0) > lost_at
+            ]
             loading = self.loading.get(i, [])
             first = next(iter(servers + loading + self.servers.get(i, [])), None)
-            rows.append({
-                "stage": i,
-                "lost": lost_at is not None,
-                "servers": [s.node_id for s in servers],
-                "loading": [s.node_id for s in loading],
-                "layers": f"{first.layer_start}-{first.layer_end - 1}" if first else "",
-                "samples_per_s": round(sum(s.samples_per_s for s in servers), 2),
-                "step": max((s.step for s in servers), default=0),
-                "grad_norm": max((s.grad_norm for s in servers), default=0.0),
-                "recoveries": sum(s.recoveries for s in servers + loading),
-            })
+            rows.append(
+                {
+                    "stage": i,
+                    "lost": lost_at is not None,
+                    "servers": [s.node_id for s in servers],
+                    "loading": [s.node_id for s in loading],
+                    "layers": f"{first.layer_start}-{first.layer_end - 1}" if first else "",
+                    "samples_per_s": round(sum(s.samples_per_s for s in servers), 2),
+                    "step": max((s.step for s in servers), default=0),
+                    "grad_norm": max((s.grad_norm for s in servers), default=0.0),
+                    "recoveries": sum(s.recoveries for s in servers + loading),
+                }
+            )
         return rows
 
 
@@ -116,17 +129,32 @@ async def read_announcements(dht, config: NodeConfig) -> tuple[list[tuple[StageA
 
     refused = []
     now = time.time()
-    envelopes = await read_records(dht, stages_key(config.swarm.swarm_id), config.swarm.swarm_id, MessageKind.STAGE_ANNOUNCEMENT, config.swarm.dht_timeout_s,
-                                   MAX_ANNOUNCEMENTS, lambda owner, rejection: refused.append(owner))
-    return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(refused)
+    envelopes = await read_records(
+        dht,
+        stages_key(config.swarm.swarm_id),
+        config.swarm.swarm_id,
+        MessageKind.STAGE_ANNOUNCEMENT,
+        config.swarm.dht_timeout_s,
+        MAX_ANNOUNCEMENTS,
+        lambda owner, rejection: refused.append(owner),
+    )
+    return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(
+        refused
+    )
 
 
 async def read_lost_reports(dht, config: NodeConfig) -> list[tuple[StageLost, float]]:
     """Drivers' verified lost reports younger than the record lifetime, with the time each was signed."""
     from node.transport.records import read_records
 
-    envelopes = await read_records(dht, lost_key(config.swarm.swarm_id), config.swarm.swarm_id, MessageKind.STAGE_LOST, config.swarm.dht_timeout_s,
-                                   MAX_ANNOUNCEMENTS)
+    envelopes = await read_records(
+        dht,
+        lost_key(config.swarm.swarm_id),
+        config.swarm.swarm_id,
+        MessageKind.STAGE_LOST,
+        config.swarm.dht_timeout_s,
+        MAX_ANNOUNCEMENTS,
+    )
     return [(e.message, e.timestamp) for e in envelopes]
 
 
@@ -147,7 +175,9 @@ async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> Sta
     ours = [(a, t) for a, t in announcements if a.model_fingerprint == model_fingerprint and a.num_stages == num_stages]
     lost = latest_losses(await read_lost_reports(dht, config), model_fingerprint, num_stages)
     stage_map = StageMap.from_announcements(num_stages, [a for a, _ in ours], {a.node_id: t for a, t in ours}, lost)
-    stage_map.refused = refused + sum(1 for a, _ in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != num_stages)
+    stage_map.refused = refused + sum(
+        1 for a, _ in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != num_stages
+    )
     return stage_map
 
 
@@ -162,13 +192,20 @@ async def read_stage_maps(dht, config: NodeConfig) -> dict[str, StageMap]:
     for (fingerprint, stages), items in sorted(models.items()):
         lost = latest_losses(reports, fingerprint, stages)
         # a stage announced again after the report is back: only the reports still standing are shown
-        standing = {i: t for i, t in lost.items() if not any(a.stage == i and a.state != "spare" and signed > t for a, signed in items)}
-        maps[fingerprint] = StageMap.from_announcements(stages, [a for a, _ in items], {a.node_id: t for a, t in items}, standing)
+        standing = {
+            i: t
+            for i, t in lost.items()
+            if not any(a.stage == i and a.state != "spare" and signed > t for a, signed in items)
+        }
+        maps[fingerprint] = StageMap.from_announcements(
+            stages, [a for a, _ in items], {a.node_id: t for a, t in items}, standing
+        )
     return maps
 
 
 class LostReporter:
-    """A driver's lost reports: signs and stores which stages it found with every server failing (one record, replaced)."""
+    """A driver's lost reports: signs and stores which stages it found with every server failing (one record,
+    replaced)."""
 
     def __init__(self, session, model_fingerprint: str) -> None:
         self.session = session  # node.transport.session.SwarmSession: signs and stores
@@ -176,8 +213,12 @@ class LostReporter:
         self.key = lost_key(session.config.swarm.swarm_id)
 
     async def publish(self, stages: list[int]) -> bool:
-        report = StageLost(node_id=self.session.identity.node_id, model_fingerprint=self.model_fingerprint,
-                           num_stages=self.session.config.pipeline.num_stages, stages=sorted(set(stages))[:MAX_LOST_STAGES])
+        report = StageLost(
+            node_id=self.session.identity.node_id,
+            model_fingerprint=self.model_fingerprint,
+            num_stages=self.session.config.pipeline.num_stages,
+            stages=sorted(set(stages))[:MAX_LOST_STAGES],
+        )
         return await self.session.store(self.key, report)
 
 

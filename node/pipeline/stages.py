@@ -60,7 +60,9 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_stages > self.num_layers:
-            raise ValueError(f"cannot split {self.num_layers} decoder layers into {self.num_stages} stages (1..{self.num_layers})")
+            raise ValueError(
+                f"cannot split {self.num_layers} decoder layers into {self.num_stages} stages (1..{self.num_layers})"
+            )
 
     def layer_range(self, index: int) -> range:
         """Contiguous layers of stage `index`; sizes differ by at most one, earlier stages get the extra."""
@@ -113,12 +115,26 @@ def _decoder(model):
     """The decoder stack of an HF causal LM (Qwen2/Llama family: `model.model`)."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        raise TypeError(f"{type(model).__name__} is not a decoder-only causal LM of the Llama/Qwen2 family (no model.layers / model.embed_tokens)")
+        raise TypeError(
+            f"{type(model).__name__} is not a decoder-only causal LM of the Llama/Qwen2 family (no model.layers / "
+            "model.embed_tokens)"
+        )
     return inner
 
 
 class PipelineStage(torch.nn.Module):
-    def __init__(self, hf_config, plan: StagePlan, index: int, parts: tuple[StagePart, ...], embed_tokens, layers, norm, lm_head, rotary_emb) -> None:
+    def __init__(
+        self,
+        hf_config,
+        plan: StagePlan,
+        index: int,
+        parts: tuple[StagePart, ...],
+        embed_tokens,
+        layers,
+        norm,
+        lm_head,
+        rotary_emb,
+    ) -> None:
         super().__init__()
         self.config = hf_config
         self.plan = plan
@@ -143,16 +159,34 @@ class PipelineStage(torch.nn.Module):
         head = StagePart.HEAD in parts
         lm_head = None
         if head:
-            lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=model.lm_head.bias is not None, dtype=model.lm_head.weight.dtype)
+            lm_head = torch.nn.Linear(
+                model.lm_head.in_features,
+                model.lm_head.out_features,
+                bias=model.lm_head.bias is not None,
+                dtype=model.lm_head.weight.dtype,
+            )
             with torch.no_grad():
-                lm_head.weight.copy_(model.lm_head.weight)  # untied: a copy, even when the model ties it to the embedding
+                # untied: a copy, even when the model ties it to the embedding
+                lm_head.weight.copy_(model.lm_head.weight)
                 if model.lm_head.bias is not None:
                     lm_head.bias.copy_(model.lm_head.bias)
         layers = [copy.deepcopy(decoder.layers[i]) for i in plan.layer_range(index)]
-        return cls(model.config, plan, index, parts, embed, layers, copy.deepcopy(decoder.norm) if head else None, lm_head, copy.deepcopy(decoder.rotary_emb))
+        return cls(
+            model.config,
+            plan,
+            index,
+            parts,
+            embed,
+            layers,
+            copy.deepcopy(decoder.norm) if head else None,
+            lm_head,
+            copy.deepcopy(decoder.rotary_emb),
+        )
 
     @classmethod
-    def from_config(cls, hf_config, plan: StagePlan, index: int, extra_parts: tuple[StagePart, ...] = ()) -> "PipelineStage":
+    def from_config(
+        cls, hf_config, plan: StagePlan, index: int, extra_parts: tuple[StagePart, ...] = ()
+    ) -> "PipelineStage":
         """A freshly initialised stage of this architecture (weights arrive later, or this is a random re-init)."""
         small = copy.deepcopy(hf_config)
         layers = plan.layer_range(index)
@@ -162,8 +196,17 @@ class PipelineStage(torch.nn.Module):
         model = AutoModelForCausalLM.from_config(small)
         stage = cls.from_model(model, StagePlan(len(layers), 1), 0, ())
         parts = tuple(dict.fromkeys(plan.parts(index) + tuple(extra_parts)))
-        return cls(hf_config, plan, index, parts, stage.embed_tokens if StagePart.EMBED in parts else None, list(stage.layers),
-                   stage.norm if StagePart.HEAD in parts else None, stage.lm_head if StagePart.HEAD in parts else None, stage.rotary_emb)
+        return cls(
+            hf_config,
+            plan,
+            index,
+            parts,
+            stage.embed_tokens if StagePart.EMBED in parts else None,
+            list(stage.layers),
+            stage.norm if StagePart.HEAD in parts else None,
+            stage.lm_head if StagePart.HEAD in parts else None,
+            stage.rotary_emb,
+        )
 
     # running ----------------------------------------------------------------------------
 
@@ -172,15 +215,32 @@ class PipelineStage(torch.nn.Module):
             raise ValueError(f"stage {self.index} holds no embedding")
         return self.embed_tokens(input_ids)
 
-    def forward_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: StageCache | None = None) -> torch.Tensor:
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: StageCache | None = None,
+    ) -> torch.Tensor:
         """This stage's decoder layers; `attention_mask` is the 2-D padding mask over past + current tokens."""
         past = cache.cache if cache is not None else None
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
-                                  **{cache_keyword(create_causal_mask): past})
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **{cache_keyword(create_causal_mask): past},
+        )
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids, use_cache=past is not None,
-                           **{cache_keyword(type(layer).forward): past})
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                use_cache=past is not None,
+                **{cache_keyword(type(layer).forward): past},
+            )
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -219,17 +279,29 @@ class PipelineStage(torch.nn.Module):
             raise ValueError(f"{part.value}: missing {missing[:3]}, unexpected {extra[:3]}")
         for name, tensor in tensors.items():
             if tuple(tensor.shape) != tuple(mine[name].shape) or tensor.dtype != mine[name].dtype:
-                raise ValueError(f"{part.value}.{name}: {tuple(tensor.shape)} {tensor.dtype} instead of {tuple(mine[name].shape)} {mine[name].dtype}")
+                raise ValueError(
+                    f"{part.value}.{name}: {tuple(tensor.shape)} {tensor.dtype} instead of {tuple(mine[name].shape)} "
+                    f"{mine[name].dtype}"
+                )
         module.load_state_dict(tensors, strict=True)
 
 
-def split_model(model, num_stages: int, extra_parts: dict[int, tuple[StagePart, ...]] | None = None) -> list[PipelineStage]:
+def split_model(
+    model, num_stages: int, extra_parts: dict[int, tuple[StagePart, ...]] | None = None
+) -> list[PipelineStage]:
     plan = StagePlan(len(_decoder(model).layers), num_stages)
     extra_parts = extra_parts or {}
     return [PipelineStage.from_model(model, plan, i, extra_parts.get(i, ())) for i in range(num_stages)]
 
 
-def run_stages(stages: list[PipelineStage], input_ids, attention_mask, position_ids, order: list[int] | None = None, caches: list[StageCache] | None = None) -> torch.Tensor:
+def run_stages(
+    stages: list[PipelineStage],
+    input_ids,
+    attention_mask,
+    position_ids,
+    order: list[int] | None = None,
+    caches: list[StageCache] | None = None,
+) -> torch.Tensor:
     """The in-process reference chain: embed on stage 0, LAYERS in `order`, head on the last stage."""
     order = list(range(len(stages))) if order is None else order
     hidden = stages[0].embed(input_ids)
@@ -240,7 +312,10 @@ def run_stages(stages: list[PipelineStage], input_ids, attention_mask, position_
 
 def stage_fingerprint(model_fingerprint: str, plan: StagePlan, index: int, stage: PipelineStage) -> str:
     """16 hex chars naming what a stage is: model, split, index, layers, parts and every tensor's name/shape/dtype."""
-    digest = hashlib.sha256(f"{model_fingerprint}:{plan.num_stages}:{index}:{plan.layer_range(index)}:{[p.value for p in stage.parts]};".encode())
+    digest = hashlib.sha256(
+        f"{model_fingerprint}:{plan.num_stages}:{index}:{plan.layer_range(index)}:"
+        f"{[p.value for p in stage.parts]};".encode()
+    )
     for part in stage.parts:
         for name, tensor in stage._module(part).state_dict().items():
             digest.update(f"{part.value}/{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
@@ -249,7 +324,9 @@ def stage_fingerprint(model_fingerprint: str, plan: StagePlan, index: int, stage
 
 def layers_shape_signature(stage: PipelineStage) -> str:
     """Equal for two stages whose LAYERS can be averaged or copied into each other."""
-    return hashlib.sha256(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.layers.state_dict().items()).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in stage.layers.state_dict().items()).encode()
+    ).hexdigest()[:16]
 
 
 def stage_plan(config: NodeConfig, hf_config) -> StagePlan:
@@ -266,20 +343,32 @@ def extra_parts_for(config: NodeConfig, index: int) -> tuple[StagePart, ...]:
 def expected_fingerprints(config: NodeConfig, hf_config, model_fingerprint: str) -> list[str]:
     """Every stage's fingerprint, computed from the model's config alone (what drivers check servers against)."""
     plan = stage_plan(config, hf_config)
-    return [stage_fingerprint(model_fingerprint, plan, i, PipelineStage.from_config(hf_config, plan, i, extra_parts_for(config, i))) for i in range(plan.num_stages)]
+    return [
+        stage_fingerprint(
+            model_fingerprint, plan, i, PipelineStage.from_config(hf_config, plan, i, extra_parts_for(config, i))
+        )
+        for i in range(plan.num_stages)
+    ]
 
 
 def pipeline_limits(config: NodeConfig, hf_config, model_parameters: int) -> PipelineLimits:
     """What one call may carry for this model: a batch of the largest sequences, as hidden states or logits."""
     max_len = config.pipeline.max_sequence_length or hf_config.max_position_embeddings
     widest = max(hf_config.hidden_size, hf_config.vocab_size)
-    return PipelineLimits(max_tensors=4, max_rank=3, max_dim=max(config.pipeline.max_batch_size, max_len, widest),
-                          max_elements=config.pipeline.max_batch_size * max_len * widest, max_weights_bytes=8 * model_parameters + (1 << 20))
+    return PipelineLimits(
+        max_tensors=4,
+        max_rank=3,
+        max_dim=max(config.pipeline.max_batch_size, max_len, widest),
+        max_elements=config.pipeline.max_batch_size * max_len * widest,
+        max_weights_bytes=8 * model_parameters + (1 << 20),
+    )
 
 
 def part_tensors(stage: PipelineStage, parts: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors of `parts`, as they travel in a `weights` result: "<part>/<name>"."""
-    return {f"{part}/{name}": tensor for part in parts for name, tensor in stage.part_state_dict(StagePart(part)).items()}
+    return {
+        f"{part}/{name}": tensor for part in parts for name, tensor in stage.part_state_dict(StagePart(part)).items()
+    }
 
 
 def split_parts(named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

@@ -14,7 +14,13 @@ import torch
 from protocol.pipeline import WireTensor
 from protocol.refusals import PipelineRefusal
 
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+_TORCH = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
 _NAMES = {dtype: name for name, dtype in _TORCH.items()}
 
 
@@ -47,7 +53,9 @@ def from_wire(wire: WireTensor) -> torch.Tensor:
     return torch.from_numpy(array).reshape(wire.shape)
 
 
-def expect(tensors: dict[str, WireTensor], name: str, dtype: torch.dtype, shape: tuple[int | None, ...]) -> torch.Tensor:
+def expect(
+    tensors: dict[str, WireTensor], name: str, dtype: torch.dtype, shape: tuple[int | None, ...]
+) -> torch.Tensor:
     """The named input as a tensor of `dtype` and `shape` (None: any size), finite if float; else TensorRefused."""
     if name not in tensors:
         raise TensorRefused(f"the call lacks tensor {name!r}")

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Literal
 
 from protocol.specs import TaskSpec
 
-if TYPE_CHECKING:  # the data types below are torch-free: transports and record validators take them without a model library
+# the data types below are torch-free: transports and record validators take them without a model library
+if TYPE_CHECKING:
     import torch
 
 
@@ -38,7 +39,8 @@ class RolloutGroup:
     loss_scale: float = 1.0
     """Multiplies the group's loss: HACPO's discrepancy coefficient P_source / P_learner for a peer's group."""
     correct: list[bool] | None = None
-    """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format bonus)."""
+    """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format
+    bonus)."""
     imitation_weight: float = 0.0
     """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
 

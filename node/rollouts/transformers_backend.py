@@ -27,7 +27,9 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return input_ids, attention_mask
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled token ids and their log-probs under softmax(logits / temperature)."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     if greedy:
@@ -76,7 +78,9 @@ class TransformersBackend(RolloutBackend):
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def _generate_batch(self, prompt_rows: list[list[int]], generator: torch.Generator, greedy: bool) -> list[Completion]:
+    def _generate_batch(
+        self, prompt_rows: list[list[int]], generator: torch.Generator, greedy: bool
+    ) -> list[Completion]:
         was_training = self.model.training
         self.model.eval()
         eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -94,10 +98,19 @@ class TransformersBackend(RolloutBackend):
         cache = {"cache": DynamicCache()} if fills_in_place else {}
         # logits_to_keep=1: the prefill needs only the last position's logits, not a
         # [batch, prompt, vocab] tensor (which dominates memory for large vocabularies).
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **cache)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **cache,
+        )
         next_position = position_ids[:, -1:] + 1
         for t in range(self.config.max_new_tokens):
-            tokens, logprobs = sample_next(out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy)
+            tokens, logprobs = sample_next(
+                out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy
+            )
             tokens = tokens.masked_fill(finished, pad_id)
             tokens_out[:, t] = tokens
             logprobs_out[:, t] = logprobs
@@ -108,7 +121,13 @@ class TransformersBackend(RolloutBackend):
             attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
             if not fills_in_place:
                 cache = {"past_key_values": out.past_key_values}
-            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position, use_cache=True, **cache)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                use_cache=True,
+                **cache,
+            )
             next_position = next_position + 1
         if was_training:
             self.model.train()

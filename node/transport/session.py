@@ -25,13 +25,22 @@ ADDRESSES_FILE = "addresses.txt"  # where peers reach this node, one multiaddr a
 class SwarmSession:
     """What `join_swarm` / `watch_swarm` return. `writer` is None for a viewer: it signs nothing."""
 
-    def __init__(self, config: NodeConfig, dht, reachability: str, identity: NodeIdentity | None = None, state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        dht,
+        reachability: str,
+        identity: NodeIdentity | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
         from node.transport.dht import key_prefix
         from node.transport.records import RecordWriter
 
         self.config = config
         self.dht = dht
-        self.reachability = reachability  # "direct", "outbound-only" (behind NAT), "relayed" once a relay reserved a slot
+        self.reachability = (
+            reachability  # "direct", "outbound-only" (behind NAT), "relayed" once a relay reserved a slot
+        )
         self.identity = identity
         self.state_dir = state_dir
         self.prefix = key_prefix(config.swarm.swarm_id)
@@ -52,7 +61,10 @@ class SwarmSession:
         addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
         if self.reachability == "outbound-only" and has_relay_address(addresses):
             self.reachability = "relayed"
-            log.info("a relay reserved this node a slot: peers can now dial it at %s", [a for a in addresses if "/p2p-circuit" in a])
+            log.info(
+                "a relay reserved this node a slot: peers can now dial it at %s",
+                [a for a in addresses if "/p2p-circuit" in a],
+            )
         if addresses == self.addresses:
             return False
         self.addresses = addresses
@@ -61,7 +73,8 @@ class SwarmSession:
         return True
 
     async def store(self, key: str, message: Message) -> bool:
-        """Sign `message` and store it under `key` and this node's subkey; False (and a warning) when the DHT did not take it in time."""
+        """Sign `message` and store it under `key` and this node's subkey; False (and a warning) when the DHT did not
+        take it in time."""
         if self.writer is None:
             raise RuntimeError("a viewer's swarm session signs nothing: open it with join_swarm to publish")
         timeout = self.config.swarm.dht_timeout_s

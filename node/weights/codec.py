@@ -35,7 +35,12 @@ Mode = Literal["fp32", "fp16", "int8", "int4"]
 MODES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 
 # The original dtypes a peer may declare; the values always travel in the mode's format.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 _QMAX = {"int8": 127, "int4": 7}
@@ -76,7 +81,10 @@ class EncodedWeights:
             {
                 "v": CODEC_VERSION,
                 "mode": self.mode,
-                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "data": t.data, "scale": t.scale} for t in self.tensors],
+                "tensors": [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "data": t.data, "scale": t.scale}
+                    for t in self.tensors
+                ],
             },
             use_bin_type=True,
         )
@@ -87,7 +95,15 @@ class EncodedWeights:
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise CodecError(f"expected bytes, got {type(raw).__name__}")
         try:
-            message = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_array_len=max(max_tensors, MAX_DIMS), max_map_len=16, max_str_len=MAX_NAME_CHARS, max_bin_len=len(raw))
+            message = msgpack.unpackb(
+                raw,
+                raw=False,
+                strict_map_key=True,
+                max_array_len=max(max_tensors, MAX_DIMS),
+                max_map_len=16,
+                max_str_len=MAX_NAME_CHARS,
+                max_bin_len=len(raw),
+            )
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
             raise CodecError(f"not one msgpack value: {exc}") from None
         if not isinstance(message, dict) or set(message) != {"v", "mode", "tensors"}:
@@ -121,7 +137,11 @@ def _parse_entry(entry: object, mode: str) -> EncodedTensor:
         raise CodecError("tensor name must be a non-empty string")
     if not isinstance(dtype, str) or dtype not in DTYPES:  # a map or list here is unhashable: TypeError, not a refusal
         raise CodecError(f"{name}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**31 for d in shape):
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d < 2**31 for d in shape)
+    ):
         raise CodecError(f"{name}: shape must be a list of at most {MAX_DIMS} non-negative ints")
     if not isinstance(data, bytes) or not (scale is None or isinstance(scale, bytes)):
         raise CodecError(f"{name}: data and scale must be bytes")
@@ -157,7 +177,11 @@ def encode_weights(named: dict[str, torch.Tensor], mode: Mode = "fp32") -> Encod
             raise ValueError(f"{name}: cannot encode dtype {tensor.dtype}")
         values = tensor.detach().to("cpu", torch.float32).contiguous()
         data, scale = _encode_values(name, values, mode)
-        encoded.tensors.append(EncodedTensor(name=name, dtype=_DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), data=data, scale=scale))
+        encoded.tensors.append(
+            EncodedTensor(
+                name=name, dtype=_DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), data=data, scale=scale
+            )
+        )
     return encoded
 
 

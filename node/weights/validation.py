@@ -19,14 +19,12 @@ from protocol.refusals import SentencedEnum
 class WeightsRefusal(SentencedEnum):
     """Why a partner's weights were not used; every code carries a sentence for humans."""
 
-
     WRONG_NAMES = ("wrong_names", "The partner's tensor names differ from ours (missing or extra tensors).")
     WRONG_SHAPE = ("wrong_shape", "A tensor's shape differs from ours.")
     WRONG_DTYPE = ("wrong_dtype", "A tensor's declared dtype differs from ours.")
     NOT_FINITE = ("not_finite", "A tensor contains NaN or infinity.")
     TOO_FAR = ("too_far", "The partner's weights are further from ours than the allowed relative distance.")
     MALFORMED = ("malformed", "The bytes received are not a well-formed weights message, or exceed the size bound.")
-
 
 
 class WeightsRefused(Exception):
@@ -55,15 +53,22 @@ def relative_distance(local: dict[str, torch.Tensor], received: dict[str, torch.
     return math.sqrt(diff_sq) / (math.sqrt(local_sq) + 1e-12)
 
 
-def validate_partner_weights(local: dict[str, torch.Tensor], received: dict[str, torch.Tensor], max_relative_distance: float) -> None:
+def validate_partner_weights(
+    local: dict[str, torch.Tensor], received: dict[str, torch.Tensor], max_relative_distance: float
+) -> None:
     """Raise WeightsRefused unless `received` can be averaged with `local`; checks run cheapest first."""
     if set(received) != set(local):
         missing, extra = sorted(set(local) - set(received)), sorted(set(received) - set(local))
-        raise WeightsRefused(WeightsRefusal.WRONG_NAMES, f"missing {missing[:3]}{'…' if len(missing) > 3 else ''}, extra {extra[:3]}{'…' if len(extra) > 3 else ''}")
+        raise WeightsRefused(
+            WeightsRefusal.WRONG_NAMES,
+            f"missing {missing[:3]}{'…' if len(missing) > 3 else ''}, extra {extra[:3]}{'…' if len(extra) > 3 else ''}",
+        )
     for name, mine in local.items():
         theirs = received[name]
         if tuple(theirs.shape) != tuple(mine.shape):
-            raise WeightsRefused(WeightsRefusal.WRONG_SHAPE, f"{name}: {list(theirs.shape)} instead of {list(mine.shape)}")
+            raise WeightsRefused(
+                WeightsRefusal.WRONG_SHAPE, f"{name}: {list(theirs.shape)} instead of {list(mine.shape)}"
+            )
         if theirs.dtype != mine.dtype:
             raise WeightsRefused(WeightsRefusal.WRONG_DTYPE, f"{name}: {theirs.dtype} instead of {mine.dtype}")
     for name, theirs in received.items():

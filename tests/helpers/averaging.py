@@ -38,7 +38,12 @@ async def swarm(count: int, identities: list[str] | None = None):
     try:
         nodes.append(await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **options(0)))
         addresses = [str(a) for a in await nodes[0].get_visible_maddrs()]
-        nodes += await asyncio.gather(*(DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses, **options(i)) for i in range(1, count)))
+        nodes += await asyncio.gather(
+            *(
+                DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses, **options(i))
+                for i in range(1, count)
+            )
+        )
         yield nodes
     finally:
         await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))

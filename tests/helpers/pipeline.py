@@ -29,11 +29,13 @@ PIPELINE_OVERRIDES = [
     "pipeline.validation_sequences=8",
     "pipeline.eval_every=0",
     "pipeline.announce_interval_s=0.5",
-    "pipeline.announce_ttl_s=10",  # generous: a server starved by a neighbour's start must not look dead; a killed one is reported by the driver
+    # generous: a server starved by a neighbour's start must not look dead; a killed one is reported by the driver
+    "pipeline.announce_ttl_s=10",
     "pipeline.avoid_s=6",
     "pipeline.replica_sync_every=1",
     "pipeline.rebalance_grace_s=3",
-    "pipeline.balance_quality=0.2",  # throughput moves (unit-tested) only for a 5x gain: a loaded machine's samples/s is noisy
+    # throughput moves (unit-tested) only for a 5x gain: a loaded machine's samples/s is noisy
+    "pipeline.balance_quality=0.2",
     "torch_threads=1",
 ]
 START_S = 180  # a process imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
@@ -47,7 +49,8 @@ def recoveries(state_dir) -> list[dict]:
 class Pipeline:
     def __init__(self, config_path, tmp_path, env, procs, settings: list[str] = ()):
         self.config_path, self.tmp_path, self.env, self.procs = config_path, tmp_path, env, procs
-        self.settings = [arg for setting in settings for arg in ("--set", setting)]  # config overrides for every process
+        # config overrides for every process
+        self.settings = [arg for setting in settings for arg in ("--set", setting)]
         self.count = 0
 
     def live_peers(self) -> list[str]:
@@ -57,8 +60,14 @@ class Pipeline:
 
     def serve(self, stage: str) -> SwarmProcess:
         self.count += 1
-        proc = SwarmProcess(self.config_path, self.tmp_path / f"server-{self.count}", self.env, self.live_peers(), command="serve",
-                            extra=["--stage", stage, *self.settings])
+        proc = SwarmProcess(
+            self.config_path,
+            self.tmp_path / f"server-{self.count}",
+            self.env,
+            self.live_peers(),
+            command="serve",
+            extra=["--stage", stage, *self.settings],
+        )
         self.procs.append(proc)
         proc.addresses()  # joined: later processes may bootstrap from it
         return proc
@@ -69,24 +78,46 @@ class Pipeline:
         return servers, [self.serving(server) for server in servers]
 
     def drive(self) -> SwarmProcess:
-        proc = SwarmProcess(self.config_path, self.tmp_path / "driver", self.env, self.live_peers(), command="drive", extra=self.settings)
+        proc = SwarmProcess(
+            self.config_path,
+            self.tmp_path / "driver",
+            self.env,
+            self.live_peers(),
+            command="drive",
+            extra=self.settings,
+        )
         self.procs.append(proc)
         return proc
 
     def serving(self, proc: SwarmProcess) -> dict:
         """The server's latest acquisition of weights, once it serves."""
-        return wait_for(lambda: proc.assert_running() or (recoveries(proc.state_dir) or [None])[-1], START_S, f"{proc.state_dir.name} to serve")
+        return wait_for(
+            lambda: proc.assert_running() or (recoveries(proc.state_dir) or [None])[-1],
+            START_S,
+            f"{proc.state_dir.name} to serve",
+        )
 
     def steps(self, driver: SwarmProcess, more: int) -> list[dict]:
         """Wait for `more` steps after the current ones; all rows."""
         target = len(read_rows(driver.state_dir)) + more
-        return wait_for(lambda: driver.assert_running() or (rows if len(rows := read_rows(driver.state_dir)) >= target else None), START_S, f"driver step {target}", interval=0.5)
+        return wait_for(
+            lambda: driver.assert_running() or (rows if len(rows := read_rows(driver.state_dir)) >= target else None),
+            START_S,
+            f"driver step {target}",
+            interval=0.5,
+        )
 
     def recovered(self, driver: SwarmProcess, stage: int) -> dict:
         """The driver's record of `stage` coming back, once it has one."""
+
         def record():
             driver.assert_running()
-            events = [e for row in read_rows(driver.state_dir) for e in row.get("recovery", []) if e["stage"] == stage and e["replaced"]]
+            events = [
+                e
+                for row in read_rows(driver.state_dir)
+                for e in row.get("recovery", [])
+                if e["stage"] == stage and e["replaced"]
+            ]
             return events[-1] if events else None
 
         return wait_for(record, START_S, f"the driver to record stage {stage}'s recovery", interval=0.5)
@@ -97,9 +128,24 @@ class Pipeline:
 
     def stage_rows(self, ready) -> list[dict]:
         """`peers --stages --json`'s rows of our pipeline, once `ready(rows)` holds."""
+
         def rows():
-            result = subprocess.run(cli("peers", "--initial-peers", *self.live_peers()[:1], "--swarm-id", "test-pipeline", "--json", "--stages"),
-                                    capture_output=True, text=True, env=self.env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+            result = subprocess.run(
+                cli(
+                    "peers",
+                    "--initial-peers",
+                    *self.live_peers()[:1],
+                    "--swarm-id",
+                    "test-pipeline",
+                    "--json",
+                    "--stages",
+                ),
+                capture_output=True,
+                text=True,
+                env=self.env,
+                cwd=REPO,
+                timeout=CLI_TIMEOUT_S,
+            )
             assert result.returncode == 0, result.stderr
             maps = json.loads(result.stdout.strip().splitlines()[-1])
             return next(iter(maps.values())) if len(maps) == 1 and ready(next(iter(maps.values()))) else None

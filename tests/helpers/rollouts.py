@@ -34,7 +34,8 @@ class ScriptedBackend(RolloutBackend):
         return str(int(self.answers[prompt]) + 1)  # off by one: scores 0
 
     def generate(self, prompts: list[str], n: int, seed: int, greedy: bool = False) -> list[list[Completion]]:
-        if not any(prompt in self.answers for prompt in prompts):  # not a training round's questions (the held-out evaluation)
+        # not a training round's questions (the held-out evaluation)
+        if not any(prompt in self.answers for prompt in prompts):
             texts = [["?"] * n for _ in prompts]
         else:
             texts = self.script(self, prompts, self.calls)
@@ -43,8 +44,19 @@ class ScriptedBackend(RolloutBackend):
         for prompt, group in zip(prompts, texts):
             assert len(group) == n, f"the script gave {len(group)} answers for {n} samples"
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            out.append([Completion(prompt_ids, self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id],
-                                   text, None, "stop", policy_version=-1) for text in group])
+            out.append(
+                [
+                    Completion(
+                        prompt_ids,
+                        self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id],
+                        text,
+                        None,
+                        "stop",
+                        policy_version=-1,
+                    )
+                    for text in group
+                ]
+            )
         return out
 
     def sync_weights(self, model, policy_version: int) -> None:

@@ -56,13 +56,23 @@ def read_rows(state_dir: Path) -> list[dict]:
 class SwarmProcess:
     """One `swarm-node join` (or `serve`, `drive`: `command`) subprocess in its own process group."""
 
-    def __init__(self, config_path: Path, state_dir: Path, env: dict, initial_peers: list[str] = (), command: str = "join", extra: list[str] = ()):
+    def __init__(
+        self,
+        config_path: Path,
+        state_dir: Path,
+        env: dict,
+        initial_peers: list[str] = (),
+        command: str = "join",
+        extra: list[str] = (),
+    ):
         self.state_dir = state_dir
         args = [command, "--config", str(config_path), "--state-dir", str(state_dir), *extra]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
         self.log = open(state_dir.parent / f"{state_dir.name}.out", "w")
-        self.process = subprocess.Popen(cli(*args), stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        self.process = subprocess.Popen(
+            cli(*args), stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
 
     def addresses(self, timeout: float = 90) -> list[str]:
         path = self.state_dir / "addresses.txt"
