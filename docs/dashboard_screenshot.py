@@ -30,7 +30,10 @@ WINDOW = "1600,1400"
 def chromium() -> str:
     binary = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if binary is None:
-        sys.exit("no chromium on PATH: `make install` installs it (apt-get install chromium), or set CHROMIUM=/path/to/chromium")
+        sys.exit(
+            "no chromium on PATH: `make install` installs it (apt-get install chromium), or set "
+            "CHROMIUM=/path/to/chromium"
+        )
     return binary
 
 
@@ -47,7 +50,9 @@ def wait_for_file(path: Path, swarm: subprocess.Popen, timeout_s: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=6, help="how long the swarm learns before the picture (default: 6)")
+    parser.add_argument(
+        "--minutes", type=float, default=6, help="how long the swarm learns before the picture (default: 6)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard.png")
     args = parser.parse_args()
 
@@ -56,8 +61,25 @@ def main() -> None:
         env = dict(os.environ, SWARM_NODE_CACHE=str(root / "cache"), PYTHONUNBUFFERED="1")
         log = open(root / "simulate.out", "w")
         # Its own process group: Ctrl-C reaches simulate, which passes it to each node's group.
-        swarm = subprocess.Popen([sys.executable, "-m", "node.cli", "simulate", "--nodes", "4", "--state-dir", str(root / "swarm"), "--dashboard-port", "0"],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        swarm = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "node.cli",
+                "simulate",
+                "--nodes",
+                "4",
+                "--state-dir",
+                str(root / "swarm"),
+                "--dashboard-port",
+                "0",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
         try:
             # Node 0 first builds the default model (minutes on a busy machine), then serves its dashboard.
             url = wait_for_file(root / "swarm" / "node-0" / "dashboard.txt", swarm, 1800)
@@ -65,10 +87,25 @@ def main() -> None:
             time.sleep(args.minutes * 60)
             if swarm.poll() is not None:
                 sys.exit(f"simulate exited with {swarm.returncode}: see {root / 'simulate.out'}")
-            subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                            f"--user-data-dir={root / 'chromium-profile'}", "--hide-scrollbars", f"--window-size={WINDOW}",
-                            f"--virtual-time-budget={RENDER_BUDGET_MS}", f"--screenshot={args.out.resolve()}", url],
-                           check=True, capture_output=True, timeout=300)
+            subprocess.run(
+                [
+                    chromium(),
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    "--no-first-run",
+                    f"--user-data-dir={root / 'chromium-profile'}",
+                    "--hide-scrollbars",
+                    f"--window-size={WINDOW}",
+                    f"--virtual-time-budget={RENDER_BUDGET_MS}",
+                    f"--screenshot={args.out.resolve()}",
+                    url,
+                ],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
             print(f"wrote {args.out}")
         finally:
             if swarm.poll() is None:

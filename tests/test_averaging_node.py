@@ -145,7 +145,7 @@ async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int =
 
 
 def test_four_nodes_pair_up_and_stay_closer_than_without_averaging(model_cache, tmp_path):
-    spread_noloco, outer_steps, rounds = asyncio.run(_four_nodes("noloco", tmp_path, rounds=96, min_outer_steps=4))
+    spread_noloco, outer_steps, rounds = asyncio.run(_four_nodes("noloco", tmp_path, rounds=96, min_outer_steps=8))
     assert outer_steps >= 4  # pairs formed in several outer steps
     spread_alone, _, _ = asyncio.run(_four_nodes("none", tmp_path, rounds=rounds))  # as many rounds, no averaging
     print(f"spread without averaging {spread_alone:.4f}, with NoLoCo {spread_noloco:.4f}, outer steps {outer_steps}")
