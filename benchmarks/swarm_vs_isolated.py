@@ -46,6 +46,10 @@ from node.loop import Node  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
+# SAPO's plain rule, which the figures in RESULTS were measured with: configs/swarm.yaml now also draws by
+# weakness and learns from stronger peers' right answers (RESULTS "sharing"), which this benchmark does not measure.
+SAPO_RULE = ["swarm.external_selection=uniform", "swarm.imitation=none"]
+
 
 def parse_mix(text: str) -> tuple[int, int, list[str]]:
     """'4/4' or a variant '4/4@KEY=VALUE[@KEY=VALUE...]': (local, external, overrides for every node of that run).
@@ -75,6 +79,7 @@ async def run_mix(
     """(per node, the mean reward of its own completions each round; held-out accuracy per specialty, mean over nodes;
     rollout bytes a node published per round, mean over nodes; the mean importance weight of peers' tokens, or None)."""
     common = [
+        *SAPO_RULE,  # first: a variant's or --set's overrides may change it
         *overrides,
         "swarm.transport=dht",
         'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',

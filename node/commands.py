@@ -25,6 +25,9 @@ JOIN_PRESET = [
     "swarm.transport=dht",
     "swarm.local_questions=4",
     "swarm.external_questions=4",
+    "swarm.external_selection=weakness",
+    "swarm.imitation=own_and_stronger_peers",
+    "trainer.imitation_coef=4.0",
     "state_dir=~/.swarm-node/swarm",
 ]
 

@@ -308,6 +308,15 @@ class SwarmConfig(_Section):
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
 
+    @property
+    def imitation_in_effect(self) -> str:
+        """`imitation` as it applies: learning from stronger peers needs their groups, so a node that takes none
+        (external_questions 0, as every isolated node) imitates nothing: `configs/swarm.yaml` trained alone is a
+        plain silo, not one that also imitates its own answers."""
+        if self.imitation == "own_and_stronger_peers" and self.external_questions == 0:
+            return "none"
+        return self.imitation
+
 
 class AveragingConfig(_Section):
     """Partial weight averaging between peers (NoLoCo), or DiLoCo's all-reduce as a baseline."""
@@ -461,10 +470,6 @@ class NodeConfig(_Section):
             raise ValueError(
                 "swarm.external_use 'demonstrations_only' uses peers' groups only as demonstrations: "
                 "set swarm.imitation to 'own_and_stronger_peers' (and trainer.imitation_coef > 0)"
-            )
-        if self.swarm.imitation == "own_and_stronger_peers" and self.swarm.external_questions == 0:
-            raise ValueError(
-                "swarm.imitation 'own_and_stronger_peers' learns from peers' groups: set swarm.external_questions > 0"
             )
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":

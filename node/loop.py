@@ -219,7 +219,7 @@ class Node:
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
-        if swarm.imitation != "none":
+        if swarm.imitation_in_effect != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
         if swarm.external_use == "policy":

@@ -210,5 +210,5 @@ class PeerRollouts:
         self.peer_rates[key] = peer_rate
         if self.config.swarm.capability_aware:
             group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)
-        if self.config.swarm.imitation == "own_and_stronger_peers":
+        if self.config.swarm.imitation_in_effect == "own_and_stronger_peers":
             group.imitation_weight = imitation_weight(self.own_accuracy.get(label), peer_rate)

@@ -77,3 +77,26 @@ def test_cli_bad_config_exits_2_with_one_line(args, tmp_path, cli_env):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("swarm-node: error:"), result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_join_without_a_config_runs_what_configs_swarm_yaml_says():
+    """`swarm-node join` with no --config and `--config configs/swarm.yaml` are the same node (but the state dir)."""
+    from node.commands import JOIN_PRESET
+
+    preset = load_config(None, JOIN_PRESET).model_dump()
+    shipped = load_config(REPO / "configs" / "swarm.yaml", []).model_dump()
+    assert preset == shipped
+
+
+@pytest.mark.parametrize(
+    "sets, in_effect",
+    [
+        ([], "own_and_stronger_peers"),
+        (["swarm.external_questions=0"], "none"),  # no peers' groups: nothing to learn from them
+        (["swarm.transport=none", "swarm.external_questions=0"], "none"),  # isolated: a plain silo
+        (["swarm.imitation=own", "swarm.external_questions=0"], "own"),
+    ],
+)
+def test_learning_from_stronger_peers_is_off_where_no_peer_groups_come(sets, in_effect):
+    config = load_config(REPO / "configs" / "swarm.yaml", sets)
+    assert config.swarm.imitation_in_effect == in_effect
