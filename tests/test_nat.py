@@ -1,6 +1,7 @@
 """Nodes behind home routers (benchmarks/lab.py's NAT: MASQUERADE out, only replies in) take full
-part: rollouts both ways, NoLoCo pairing, and two nodes behind two different NATs. (A stage
-server behind NAT driven from outside does not work yet: see README "Running at home".) Each test first checks that the NAT is really there: a direct dial from a
+part: rollouts both ways, NoLoCo pairing, two nodes behind two different NATs, and a stage server
+behind NAT driven by a public driver that never had a connection to it (through the bootstrap
+node's circuit relay). Each test first checks that the NAT is really there: a direct dial from a
 public node to the NAT'd node's listening port fails, while the NAT'd node dials out."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from node.config import dump_config, load_config
 from protocol import NodeIdentity
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.helpers.pipeline import PIPELINE_OVERRIDES, assert_trains, recoveries
 from tests.helpers.swarm import read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -137,3 +139,31 @@ def test_a_node_behind_nat_pairs_with_a_public_node_for_noloco(tmp_path, model_c
 
         for index in range(2):
             wait_for(lambda: averaged(index), 300, f"node {index} to average with its partner", interval=1)
+
+
+def test_a_public_driver_drives_a_stage_server_behind_nat(tmp_path, model_cache, cli_env):
+    """The driver starts last, bootstrapped from the public stage 0 only: nothing but the relay and the stage
+    announcement (its /p2p-circuit address) leads it to the NAT'd server of stage 1."""
+    sets = [*PIPELINE_OVERRIDES, "pipeline.num_stages=2", "swarm.swarm_id=nat-test"]
+    config = config_file(tmp_path, "pipeline.yaml", sets)
+    with Lab(3, host_link=False, nat={1: 0}) as lab:
+        bootstrap = start(lab, 0, tmp_path, config, cli_env, command="serve", extra=["--stage", "0"])
+        natted = start(lab, 1, tmp_path, config, cli_env, command="serve", bootstrap=[bootstrap], extra=["--stage", "1"])
+        assert_nat_in_place(lab, 0, 1, natted, bootstrap)
+
+        def serving(index: int) -> list[dict]:
+            assert lab.alive(index), (tmp_path / f"n{index}.out").read_text()[-3000:]
+            return recoveries(tmp_path / f"n{index}")
+
+        for index in range(2):
+            wait_for(lambda: serving(index), 180, f"stage server {index} to serve", interval=1)
+        relayed = [a for a in (tmp_path / "n1" / "addresses.txt").read_text().split() if "/p2p-circuit/" in a]
+        assert relayed and bootstrap.split("/p2p/")[-1] in relayed[0], relayed  # its slot is on the bootstrap node
+        start(lab, 2, tmp_path, config, cli_env, command="drive", bootstrap=[bootstrap])
+
+        def stepped():
+            assert lab.alive(2), (tmp_path / "n2.out").read_text()[-3000:]
+            rows = read_rows(tmp_path / "n2")
+            return rows if len(rows) >= 3 else None
+
+        assert_trains(wait_for(stepped, 300, "the driver to take 3 steps through the NAT'd stage 1", interval=1))
