@@ -124,7 +124,6 @@ def test_two_nodes_behind_two_different_nats_exchange_rollouts(tmp_path, model_c
         wait_uses(lab, tmp_path, 2, 1)
 
 
-@pytest.mark.slow  # out of the default suite until fixed: in the merged tree it did not average within 10 min on a loaded machine (#25)
 def test_a_node_behind_nat_pairs_with_a_public_node_for_noloco(tmp_path, model_cache, cli_env):
     sets = [*SWARM_SETS, "swarm.external_questions=0", "averaging.method=noloco", "averaging.every_steps=2", "averaging.timeout_s=90"]
     config = config_file(tmp_path, "swarm.yaml", sets)
