@@ -87,7 +87,7 @@ def main() -> int:
         return 1
     root = args.state_root or Path(tempfile.mkdtemp(prefix="relay-traffic-"))
     sets = ["swarm.swarm_id=relay-traffic", "torch_threads=1", "eval_every=0", "averaging.method=noloco", f"averaging.every_steps={args.every_steps}",
-            "averaging.timeout_s=60", *args.set]
+            "averaging.timeout_s=30", *args.set]  # timeout_s <= averaging.window_s (30): longer exchanges phase-lock pairs a window apart (tests/test_nat.py)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with Lab(3, host_link=False, nat=NAT) as lab:
         wan = {f"router{r}": lab.wan_ip(r) for r in sorted(set(NAT.values()))}
