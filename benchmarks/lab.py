@@ -19,13 +19,17 @@ every packet of every link through a process on the same 2 cores the nodes satur
 measure the relay.
 
 Home routers: `Lab(n, nat={3: 0, 4: 1})` puts node 3 behind router 0 and node 4 behind router 1.
-A router is a namespace `<tag>-r<k>` with a WAN side on the bridge (198.18.250.<1 + k>) and a LAN
-bridge (198.19.<k>.1/24, inside 198.18.0.0/15 like the rest); its nodes sit at 198.19.<k>.<2 + j>
-with it as their default route. It does what a home router does: source NAT of everything
-leaving (iptables MASQUERADE) and, from the WAN side, only packets of connections opened from
-inside (conntrack ESTABLISHED,RELATED); nothing is forwarded to a port. Public nodes have no
-route to 198.19.0.0/16 at all, so a direct dial fails either way. `Lab.dial(src, dst, port)`
-checks that from a node's own namespace.
+A router is a namespace `<tag>-r<k>` with a WAN side on the bridge (<net>.250.<1 + k>) and a LAN
+bridge (192.168.<k>.1/24, a home LAN's range); its nodes sit at 192.168.<k>.<2 + j> with it as
+their default route. It does what a home router does: source NAT of everything leaving
+(iptables MASQUERADE) and, from the WAN side, only packets of connections opened from inside
+(conntrack ESTABLISHED,RELATED); nothing is forwarded to a port. Public nodes have no route to
+192.168.0.0/16 at all, so a direct dial fails either way. `Lab.dial(src, dst, port)` checks that
+from a node's own namespace. A lab with routers puts its public side at 198.20.x.y instead of
+198.18.x.y (`Lab.net`): libp2p's relay client builds /p2p-circuit addresses only over a relay's
+public addresses and drops the benchmarking range 198.18.0.0/15 as unroutable, as it keeps a
+node's own addresses only when they are private (192.168/16) or public. 198.20/16 is somebody's
+real range, so such a lab never joins the host to its bridge (`host_link=False`).
 
 Faults: `--churn-every S` kills a random non-bootstrap node with SIGKILL every S seconds and
 restarts it (same state directory: it resumes) `--churn-down` seconds later; `--partition-at
@@ -60,22 +64,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY_DIR = Path("/tmp/swarm-lab")
-HOST_IP = "198.18.0.254"
+BENCH_NET = "198.18"  # RFC 2544's benchmarking range: routed nowhere, so the host may join the bridge
+NAT_LAB_NET = "198.20"  # a lab with routers: an "internet" that libp2p counts as public (module docstring)
+HOST_IP = f"{BENCH_NET}.0.254"
 PREFIX_LEN = 16
 MAX_NODES = 1000
 MAX_ROUTERS = 200
 
 
-def router_wan_ip(router: int) -> str:
-    return f"198.18.250.{1 + router}"
+def router_wan_ip(router: int, net: str = NAT_LAB_NET) -> str:
+    return f"{net}.250.{1 + router}"
 
 
 def router_lan_ip(router: int) -> str:
-    return f"198.19.{router}.1"
+    return f"192.168.{router}.1"
 
 
-def node_ip(index: int) -> str:
-    return f"198.18.{1 + index // 250}.{1 + index % 250}"
+def node_ip(index: int, net: str = BENCH_NET) -> str:
+    return f"{net}.{1 + index // 250}.{1 + index % 250}"
 
 
 def lab_unavailable() -> str | None:
@@ -158,6 +164,8 @@ class Lab:
             raise ValueError(f"nat maps node indices (< {self.nodes}) to routers (< {MAX_ROUTERS}), not {self.nat}")
         if self.nat and self.loopback:
             raise ValueError("NAT needs the namespaced lab (root)")
+        if self.nat and self.host_link:
+            raise ValueError(f"a lab with routers lives on {NAT_LAB_NET}.0.0/16, a real range the host must not route to: pass host_link=False")
         if len(self.tag) > 7 or not self.tag.isalnum():
             raise ValueError("a lab tag is at most 7 letters or digits (interface names are limited to 15 characters)")
         self.processes: dict[int, _Process] = {}
@@ -174,14 +182,23 @@ class Lab:
     def hub(self) -> str:
         return f"{self.tag}-hub"
 
+    @property
+    def net(self) -> str:
+        """The first two octets of the public side's /16 (see the module docstring)."""
+        return NAT_LAB_NET if self.nat else BENCH_NET
+
     def ip(self, index: int) -> str:
         """The address node `index` listens at (a private one behind a router)."""
         if self.loopback:
             return "127.0.0.1"
         if index in self.nat:
             router = self.nat[index]
-            return f"198.19.{router}.{2 + sorted(i for i, r in self.nat.items() if r == router).index(index)}"
-        return node_ip(index)
+            return f"192.168.{router}.{2 + sorted(i for i, r in self.nat.items() if r == router).index(index)}"
+        return node_ip(index, self.net)
+
+    def wan_ip(self, router: int) -> str:
+        """Where router `router`'s NAT'd nodes appear to come from."""
+        return router_wan_ip(router, self.net)
 
     def router(self, router: int) -> str:
         return f"{self.tag}-r{router}"
@@ -255,7 +272,7 @@ class Lab:
         _run("ip", "link", "set", hub_port, "netns", self.hub)
         _run("ip", "-n", self.hub, "link", "set", hub_port, "master", "br0", "up")
         _run("ip", "-n", ns, "link", "set", wan, "name", "wan")
-        _run("ip", "-n", ns, "addr", "add", f"{router_wan_ip(router)}/{PREFIX_LEN}", "dev", "wan")
+        _run("ip", "-n", ns, "addr", "add", f"{self.wan_ip(router)}/{PREFIX_LEN}", "dev", "wan")
         _run("ip", "-n", ns, "link", "add", "lan", "type", "bridge")
         _run("ip", "-n", ns, "addr", "add", f"{router_lan_ip(router)}/24", "dev", "lan")
         for link in ("lo", "wan", "lan"):

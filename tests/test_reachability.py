@@ -1,11 +1,15 @@
-"""Behind NAT or not: the observed-address answer on the wire, and the verdict drawn from the answers."""
+"""Behind NAT or not: the observed-address answer on the wire, the verdict drawn from the answers, and the
+daemon a NAT'd node runs to get a relay slot (the slot itself needs public addresses: tests/test_nat.py)."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
 
 import msgpack
 import pytest
 
-from node.transport.reachability import has_relay_address, verdict
+from node.transport.reachability import has_relay_address, start_relay_client, verdict, wait_for_relay_address
 from protocol import ProtocolRejection, Refusal
 from protocol.reachability import decode_observed, encode_observed
 
@@ -40,3 +44,56 @@ def test_verdict():
     assert verdict(own, []) == "direct"  # nobody answered (the first node of a swarm): as before the check
     assert verdict(own, ["/p2p-circuit", "junk"]) == "direct"  # answers without an IP say nothing
     assert has_relay_address(["/ip4/198.18.1.1/tcp/1/p2p/QmA/p2p-circuit/p2p/QmB"]) and not has_relay_address(own)
+
+
+class ScriptedAddresses:
+    """A P2P stand-in whose daemon reports no address, then a direct one, then a relay slot too."""
+
+    def __init__(self):
+        self.calls = 0
+
+    async def get_visible_maddrs(self, latest: bool = False):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("No multiaddrs found")  # hivemind's way of saying: none yet
+        direct = ["/ip4/192.168.0.2/tcp/4001/p2p/QmB"]
+        return direct if self.calls < 3 else [*direct, "/ip4/198.20.1.1/tcp/1/p2p/QmA/p2p-circuit/p2p/QmB"]
+
+
+def test_waiting_for_a_relay_slot_returns_the_circuit_addresses_or_nothing_at_its_bound():
+    assert asyncio.run(wait_for_relay_address(ScriptedAddresses(), timeout=30, every_s=0.01)) == ["/ip4/198.20.1.1/tcp/1/p2p/QmA/p2p-circuit/p2p/QmB"]
+
+    class NeverRelayed(ScriptedAddresses):
+        async def get_visible_maddrs(self, latest: bool = False):
+            self.calls += 1
+            return ["/ip4/192.168.0.2/tcp/4001/p2p/QmB"]
+
+    never = NeverRelayed()
+    assert asyncio.run(wait_for_relay_address(never, timeout=0.05, every_s=0.01)) == [] and never.calls >= 2
+
+
+def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_private():
+    """The flags hivemind cannot pass reach p2pd's command line, and the DHT node shuts its handed-over daemon down."""
+    from node.transport.protobuf_shim import import_hivemind_isolated
+
+    import_hivemind_isolated()
+    from hivemind.dht.node import DHTNode
+
+    async def run():
+        relay = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            maddrs = [str(a) for a in await relay.get_visible_maddrs()]
+            node = await start_relay_client(DHTNode, {"initial_peers": maddrs, "client_mode": True},
+                                            {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "trusted_relays": maddrs})
+            daemon = node.p2p._child
+            try:
+                argv = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().split(b"\0")
+                assert {b"-relayDiscovery=0", b"-autoRelay=1", b"-forceReachabilityPrivate=1", b"-dhtClient=1"} <= set(argv), argv
+                assert any(arg.startswith(b"-trustedRelays=") for arg in argv), argv
+            finally:
+                await node.shutdown()
+            assert daemon.returncode is not None
+        finally:
+            await relay.shutdown()
+
+    asyncio.run(run())

@@ -71,7 +71,8 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     validated (node/transport/records.py); refused ones are counted in `refusals` (a
     stats.RecordRefusals) when given. `behind_nat`: nobody can dial this node, so it is a DHT
     client (no peer keeps it in a routing table it could not answer from) and its daemon asks
-    the bootstrap peers for a circuit relay reservation (autorelay, them as trusted relays)."""
+    the bootstrap peers for a circuit relay slot; a DHT server's daemon is told it is public,
+    so that it relays for them (node/transport/reachability.py says why both are forced)."""
     from node.transport.protobuf_shim import import_hivemind_isolated
 
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
@@ -80,28 +81,32 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     from node.transport.records import SwarmRecordValidator, bound_key_storage
 
     swarm = config.swarm
-    p2p_options = {}
+    client_mode = swarm.client_mode if client_mode is None else client_mode
+    p2p_options = dict(host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs or None, startup_timeout=swarm.p2pd_startup_timeout_s)
     if identity_path is not None:
         from node.transport.p2p_key import load_or_create_p2p_key
 
         load_or_create_p2p_key(identity_path)  # ours is written 0600 and atomically; hivemind would write its own otherwise
         p2p_options["identity_path"] = str(identity_path)
+    relay_client = behind_nat and bool(swarm.initial_peers)  # with no bootstrap peer there is nobody to ask for a relay slot
     if behind_nat:
-        p2p_options.update(use_auto_relay=True, trusted_relays=swarm.initial_peers or None,
-                           check_if_identity_free=False)  # its own daemon just left: the check would see its ghost
+        p2p_options["check_if_identity_free"] = False  # its own daemon just left: the check would see its ghost
         client_mode = True
+    if relay_client:
+        p2p_options["trusted_relays"] = swarm.initial_peers
+    elif not client_mode:
+        p2p_options["force_reachability"] = "public"
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
-            dht = await DHTNode.create(
-                initial_peers=swarm.initial_peers or None,
-                client_mode=swarm.client_mode if client_mode is None else client_mode,
-                host_maddrs=swarm.host_maddrs,
-                announce_maddrs=swarm.announce_maddrs or None,
-                startup_timeout=swarm.p2pd_startup_timeout_s,
-                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
-                **p2p_options,
-            )
+            dht_options = dict(initial_peers=swarm.initial_peers or None, client_mode=client_mode,
+                               record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals))
+            if relay_client:
+                from node.transport.reachability import start_relay_client
+
+                dht = await start_relay_client(DHTNode, dht_options, p2p_options)
+            else:
+                dht = await DHTNode.create(**dht_options, **p2p_options)
             bound_key_storage(dht, refusals)
             return dht
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
@@ -143,8 +148,15 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
     if reachability == "direct":
         await serve_observed_address(dht.p2p)  # only a node others can dial tells others where it sees them
     else:
-        from node.transport.reachability import hold_links
+        from node.transport.reachability import RELAY_WAIT_S, hold_links, wait_for_relay_address
 
+        if swarm.initial_peers:
+            relayed = await wait_for_relay_address(dht.p2p, RELAY_WAIT_S)
+            if relayed:
+                reachability = "relayed"
+                log.info("a relay reserved this node a slot: peers can dial it at %s", relayed)
+            else:
+                log.warning("no relay slot within %.0fs: this node is reached only over the connections it opens until one is reserved", RELAY_WAIT_S)
         dht.links_task = asyncio.create_task(hold_links(dht, swarm.heartbeat_interval_s), name="hold-links")
     return dht, reachability
 

@@ -10,16 +10,27 @@ and `swarm.announce_maddrs` implies "direct" (the user forwarded a port and said
 
 Why not p2pd's own AutoNAT: the daemon does run it, but its verdict is not exposed on its
 control socket, and it needs several peers able to dial back before it says anything (in the
-lab with two public peers it showed no verdict within 20 s). Its circuit relay client
-(autorelay) is asked for: an outbound-only node's daemon is started with the bootstrap peers as
-trusted relays, and once a reservation shows in its addresses (/p2p-circuit) it reports
-"relayed". Measured: autorelay waits a fixed 3 minutes before its first attempt and got no
-reservation within 5 (benchmarks/RESULTS.md, "Behind NAT"), so today a NAT'd node stays
-"outbound-only". What an outbound-only node does differently is in `create_dht_node`
+lab with two public peers it showed no verdict within 20 s). So the verdict is handed to the
+daemon instead (`force_reachability`): a node that joins as a DHT server is told it is public,
+which starts its circuit relay service at once (go-libp2p runs that service only on a host it
+believes public, and AutoNAT may not have said so yet when the first NAT'd peer asks); an
+outbound-only node is told it is private and asks its bootstrap peers, and only them, for a
+relay slot (`start_relay_client`). Once a slot is reserved its addresses include
+/p2p-circuit ones, and it reports "relayed": peers that have no connection to it dial it
+through the relay (their daemons find those addresses by asking the DHT peers it is
+connected to), and libp2p's hole punching (DCUtR) then moves the link to a direct one where
+the caller can be dialed. What an outbound-only node does besides is in `create_dht_node`
 (DHT client mode: nobody puts it in a routing table it cannot answer from) and in the
-transport (it announces no gossip address, peers do not try to re-dial it): everything
-else reaches it over the connections it opened itself, which libp2p streams use in either
-direction.
+transport (it announces no gossip address, peers do not try to re-dial it, and it keeps
+links open to its DHT neighbourhood, `hold_links`): streams run either way over connections
+it opened itself.
+
+What it took, measured in benchmarks/lab.py (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
+0.32): with the daemon's defaults (relay discovery on) autorelay waits a fixed 3-minute boot
+delay until it has 4 candidates, and never acts on a host whose AutoNAT has not said
+"private"; with discovery off (`-relayDiscovery=0`, a flag hivemind does not expose, hence
+`RELAY_CLIENT_FLAGS`), the bootstrap peers as static relays and reachability forced private,
+the reservation came within a second of the daemon's start.
 """
 
 from __future__ import annotations
@@ -105,6 +116,52 @@ async def measure_reachability(p2p, bootstrap_peer_ids: list[str], timeout: floa
 
 def has_relay_address(maddrs: list[str]) -> bool:
     return any("/p2p-circuit" in str(a) for a in maddrs)
+
+
+RELAY_CLIENT_FLAGS = {"relayDiscovery": False}  # static relays only: with discovery on, autorelay waits 3 minutes for 4 candidates
+RELAY_WAIT_S = 30.0  # how long a join waits for its relay slot (under a second on an idle machine); later ones are picked up by heartbeats
+
+
+async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dict):
+    """A DHT node whose daemon asks `p2p_options["trusted_relays"]` (and no one else) for a relay slot.
+
+    hivemind's `P2P.create` does not pass `-relayDiscovery`; its subclass here adds
+    RELAY_CLIENT_FLAGS to the daemon's command line, and the DHT node is handed that daemon
+    (and shuts it down with itself, as with one it started)."""
+    from hivemind.p2p import P2P
+
+    class RelayClientP2P(P2P):
+        @classmethod
+        def _make_process_args(cls, *args, **kwargs):
+            return P2P._make_process_args(*args, **kwargs, **RELAY_CLIENT_FLAGS)
+
+    p2p = await RelayClientP2P.create(initial_peers=dht_options.get("initial_peers"), dht_mode="client", use_auto_relay=True,
+                                      force_reachability="private", **p2p_options)
+    try:
+        node = await dht_node_class.create(p2p=p2p, **dht_options)
+    except BaseException:
+        await p2p.shutdown()
+        raise
+    node._should_shutdown_p2p = True  # hivemind leaves a daemon it was handed running; this one belongs to the node
+    return node
+
+
+async def wait_for_relay_address(p2p, timeout: float, every_s: float = 0.5) -> list[str]:
+    """This node's /p2p-circuit addresses once a relay reserved it a slot ([] if none within `timeout`).
+
+    Reading them with `latest=True` also refreshes hivemind's cached addresses, which the stage
+    server and the averaging announce later."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            maddrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+        except ValueError:  # no address at all yet: a host on neither a private nor a public IP shows only relay addresses
+            maddrs = []
+        relayed = [a for a in maddrs if "/p2p-circuit" in a]
+        if relayed or loop.time() >= deadline:
+            return relayed
+        await asyncio.sleep(every_s)
 
 
 MAX_HELD_LINKS = 32  # DHT peers an outbound-only node keeps a connection to: bounded whatever the swarm's size
