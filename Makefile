@@ -43,6 +43,7 @@ test: install
 
 lint: install
 	$(BIN)/python -m ruff check node protocol tests benchmarks docs
+	$(BIN)/python -m ruff format --check node protocol tests benchmarks docs
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

@@ -3,7 +3,8 @@
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --loss 0.01
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 50 --slow-fraction 0.5 --slow-mbit 20 --minutes 10
     sudo .venv/bin/python benchmarks/lab.py --nodes 8 --churn-every 30 --partition-at 120 --partition-for 60
-    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 20 --isolated 8 --minutes 8   # what the swarm costs in rounds/min
+    sudo .venv/bin/python benchmarks/lab.py --nodes 8 --mbit 20 --isolated 8 --minutes 8   # what the swarm costs in
+    rounds/min
 
 Topology: a hub namespace holds a bridge; node i lives in namespace `<tag>-n<i>` with one
 interface `eth0` at 198.18.<1 + i // 250>.<1 + i % 250>/16, joined to the bridge by a veth
@@ -121,7 +122,11 @@ class Link:
         return self.down_mbit if self.down_mbit is not None else self.mbit
 
     def describe(self) -> str:
-        rate = "unshaped" if self.up is None and self.down is None else f"{self.up or '-'}/{self.down or '-'} Mbit/s up/down"
+        rate = (
+            "unshaped"
+            if self.up is None and self.down is None
+            else f"{self.up or '-'}/{self.down or '-'} Mbit/s up/down"
+        )
         return rate + (f", {self.loss:.1%} loss each way" if self.loss else "")
 
 
@@ -155,7 +160,8 @@ class Lab:
     tag: str = field(default_factory=lambda: f"sl{uuid.uuid4().hex[:5]}")
     loopback: bool = False  # no namespaces (not root): every node on 127.0.0.1, shaping ignored
     host_link: bool = True  # join the root namespace to the bridge (HOST_IP), so the host can watch; tests leave it out
-    nat: dict[int, int] = field(default_factory=dict)  # node index -> the router it sits behind (see the module docstring)
+    # node index -> the router it sits behind (see the module docstring)
+    nat: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -165,7 +171,10 @@ class Lab:
         if self.nat and self.loopback:
             raise ValueError("NAT needs the namespaced lab (root)")
         if self.nat and self.host_link:
-            raise ValueError(f"a lab with routers lives on {NAT_LAB_NET}.0.0/16, a real range the host must not route to: pass host_link=False")
+            raise ValueError(
+                f"a lab with routers lives on {NAT_LAB_NET}.0.0/16, a real range the host must not route to: pass "
+                "host_link=False"
+            )
         if len(self.tag) > 7 or not self.tag.isalnum():
             raise ValueError("a lab tag is at most 7 letters or digits (interface names are limited to 15 characters)")
         self.processes: dict[int, _Process] = {}
@@ -254,7 +263,16 @@ class Lab:
                 _run("ip", "link", "set", port, "netns", far)
                 _run("ip", "-n", far, "link", "set", port, "master", "lan" if index in self.nat else "br0", "up")
                 _run("ip", "-n", ns, "link", "set", f"{self.tag}v{index}", "name", "eth0")
-                _run("ip", "-n", ns, "addr", "add", f"{self.ip(index)}/{24 if index in self.nat else PREFIX_LEN}", "dev", "eth0")
+                _run(
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self.ip(index)}/{24 if index in self.nat else PREFIX_LEN}",
+                    "dev",
+                    "eth0",
+                )
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 if index in self.nat:
@@ -280,15 +298,39 @@ class Lab:
         _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         iptables = ["ip", "netns", "exec", ns, "iptables"]
         _run(*iptables, "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE")
-        _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(
+            *iptables,
+            "-A",
+            "FORWARD",
+            "-i",
+            "wan",
+            "-o",
+            "lan",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED",
+            "-j",
+            "ACCEPT",
+        )
         _run(*iptables, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-j", "DROP")
 
     def dial(self, source: int, ip: str, port: int, timeout_s: float = 3.0) -> bool:
         """Whether a TCP connection from node `source`'s namespace to ip:port opens (the NAT check)."""
-        probe = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
-                 "except OSError:\n    sys.exit(1)\n")
+        probe = (
+            "import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+            "timeout=float(sys.argv[3])).close()\n"
+            "except OSError:\n    sys.exit(1)\n"
+        )
         prefix = [] if self.loopback else ["ip", "netns", "exec", self.ns(source)]
-        return subprocess.run([*prefix, sys.executable, "-c", probe, ip, str(port), str(timeout_s)], capture_output=True, timeout=timeout_s + 30).returncode == 0
+        return (
+            subprocess.run(
+                [*prefix, sys.executable, "-c", probe, ip, str(port), str(timeout_s)],
+                capture_output=True,
+                timeout=timeout_s + 30,
+            ).returncode
+            == 0
+        )
 
     def down(self) -> None:
         """Stop every process this lab started (their process groups), then remove its namespaces and links."""
@@ -309,7 +351,12 @@ class Lab:
 
     def _save_registry(self) -> None:
         REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
-        record = {"owner_pid": os.getpid(), "tag": self.tag, "nodes": self.nodes, "process_groups": [p.popen.pid for p in self.processes.values()]}
+        record = {
+            "owner_pid": os.getpid(),
+            "tag": self.tag,
+            "nodes": self.nodes,
+            "process_groups": [p.popen.pid for p in self.processes.values()],
+        }
         tmp = self._registry.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         tmp.replace(self._registry)
@@ -331,8 +378,23 @@ class Lab:
         for chain in ("INPUT", "OUTPUT"):
             _run("ip", "netns", "exec", ns, "iptables", "-F", chain)
             if link.loss:
-                _run("ip", "netns", "exec", ns, "iptables", "-A", chain, "-m", "statistic", "--mode", "random",
-                     "--probability", f"{link.loss:.6f}", "-j", "DROP")
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "iptables",
+                    "-A",
+                    chain,
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    f"{link.loss:.6f}",
+                    "-j",
+                    "DROP",
+                )
 
     def partition(self, cut_off: set[int]) -> None:
         """Cut the nodes in `cut_off` from the others (and from the host); they still reach each other."""
@@ -356,7 +418,9 @@ class Lab:
         prefix = [] if self.loopback else ["ip", "netns", "exec", self.ns(index)]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            popen = subprocess.Popen(prefix + argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+            popen = subprocess.Popen(
+                prefix + argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
         restarts = self.processes[index].restarts + 1 if index in self.processes else 0
         self.processes[index] = _Process(index, argv, log, popen, restarts)
         if not self.loopback:
@@ -385,7 +449,8 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
 
 
 def _remove(tag: str, nodes: int) -> None:
-    """Delete a lab's namespaces, routers included (which deletes their veth ends, and so the pairs), and its host link."""
+    """Delete a lab's namespaces, routers included (which deletes their veth ends, and so the pairs), and its host
+    link."""
     for index in range(nodes):
         _run("ip", "netns", "del", f"{tag}-n{index}", check=False)
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():  # routers, however many the lab had
@@ -453,7 +518,10 @@ def wait_worker_file(lab: Lab, index: int, path: Path, what: str, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if not lab.alive(index) or time.monotonic() > deadline:
-            raise RuntimeError(f"worker {index} {'exited' if not lab.alive(index) else 'hung'} before {what}; see {lab.processes[index].log}")
+            raise RuntimeError(
+                f"worker {index} {'exited' if not lab.alive(index) else 'hung'} before {what}; see "
+                f"{lab.processes[index].log}"
+            )
         time.sleep(0.05)
     return path.read_text()
 
@@ -474,8 +542,18 @@ def start_workers(lab: Lab, argv_of, scratch: Path) -> None:
 
 
 def node_argv(lab: Lab, index: int, state_dir: Path, bootstrap: str | None, sets: list[str], fresh: bool) -> list[str]:
-    argv = [sys.executable, "-m", "node.cli", "join", "--state-dir", str(state_dir), "--set", f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
-            "--set", f"name=lab-{index}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "join",
+        "--state-dir",
+        str(state_dir),
+        "--set",
+        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
+        "--set",
+        f"name=lab-{index}",
+    ]
     for item in sets:
         argv += ["--set", item]
     if bootstrap:
@@ -500,21 +578,42 @@ def wait_for_address(state_dir: Path, ip: str, timeout_s: float, proc: subproces
     raise RuntimeError(f"no address on {ip} in {path} after {timeout_s:.0f}s")
 
 
-def start_swarm(lab: Lab, root: Path, sets: list[str], env: dict[str, str] | None = None, start_timeout_s: float = 1800, swarm_nodes: int | None = None) -> str:
-    """Node 0 first, then every other node (of the first swarm_nodes, default all) joining it at its lab address; node 0's address."""
+def start_swarm(
+    lab: Lab,
+    root: Path,
+    sets: list[str],
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 1800,
+    swarm_nodes: int | None = None,
+) -> str:
+    """Node 0 first, then every other node (of the first swarm_nodes, default all) joining it at its lab address; node
+    0's address."""
     state0 = root / "n0"
     lab.run(0, node_argv(lab, 0, state0, None, sets, fresh=True), root / "n0.out", env)
     bootstrap = wait_for_address(state0, lab.ip(0), start_timeout_s, lab.processes[0].popen)
     for index in range(1, lab.nodes if swarm_nodes is None else swarm_nodes):
-        lab.run(index, node_argv(lab, index, root / f"n{index}", bootstrap, sets, fresh=True), root / f"n{index}.out", env)
+        lab.run(
+            index, node_argv(lab, index, root / f"n{index}", bootstrap, sets, fresh=True), root / f"n{index}.out", env
+        )
     return bootstrap
 
 
 def isolated_argv(lab: Lab, index: int, state_dir: Path, sets: list[str]) -> list[str]:
     """The swarm's own config with no network at all (`train`), all 8 questions of a round local
     (SAPO's 8/0): the baseline of what the swarm costs in throughput."""
-    argv = [sys.executable, "-m", "node.cli", "train", "--config", str(REPO / "configs" / "swarm.yaml"), "--state-dir", str(state_dir),
-            "--set", f"name=lab-{index}", "--fresh"]
+    argv = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "train",
+        "--config",
+        str(REPO / "configs" / "swarm.yaml"),
+        "--state-dir",
+        str(state_dir),
+        "--set",
+        f"name=lab-{index}",
+        "--fresh",
+    ]
     for item in [*sets, "swarm.transport=none", "swarm.local_questions=8", "swarm.external_questions=0"]:
         argv += ["--set", item]
     return argv
@@ -556,29 +655,60 @@ def node_summary(state_dir: Path) -> dict:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
     swarm = json.loads((state_dir / "swarm.json").read_text()) if (state_dir / "swarm.json").exists() else {}
     totals = swarm.get("totals", {})
-    return {"rounds": rows[-1]["round"] if rows else 0, "rounds_per_min": rounds_per_minute(rows), "seconds_by_phase": seconds_by_phase(rows), "external_questions": sum(r.get("external_questions", 0) for r in rows),
-            "gossip_messages_received": totals.get("gossip_messages_received", 0), "batches_accepted": totals.get("batches_accepted", 0)}
+    return {
+        "rounds": rows[-1]["round"] if rows else 0,
+        "rounds_per_min": rounds_per_minute(rows),
+        "seconds_by_phase": seconds_by_phase(rows),
+        "external_questions": sum(r.get("external_questions", 0) for r in rows),
+        "gossip_messages_received": totals.get("gossip_messages_received", 0),
+        "batches_accepted": totals.get("batches_accepted", 0),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--mbit", type=float, default=None, help="every node's link rate, both directions (default: unshaped)")
+    parser.add_argument(
+        "--mbit", type=float, default=None, help="every node's link rate, both directions (default: unshaped)"
+    )
     parser.add_argument("--up-mbit", type=float, default=None, help="upload rate (overrides --mbit)")
     parser.add_argument("--down-mbit", type=float, default=None, help="download rate (overrides --mbit)")
     parser.add_argument("--loss", type=float, default=0.0, help="packet loss per direction, e.g. 0.01")
-    parser.add_argument("--slow-fraction", type=float, default=0.0, help="this fraction of the nodes (the last ones) gets --slow-mbit")
+    parser.add_argument(
+        "--slow-fraction", type=float, default=0.0, help="this fraction of the nodes (the last ones) gets --slow-mbit"
+    )
     parser.add_argument("--slow-mbit", type=float, default=20.0)
-    parser.add_argument("--minutes", type=float, default=0.0, help="run this long, then stop and report (0: until Ctrl-C)")
-    parser.add_argument("--churn-every", type=float, default=0.0, help="kill -9 a random non-bootstrap node every this many seconds")
-    parser.add_argument("--churn-down", type=float, default=5.0, help="seconds a churned node stays dead before its restart")
-    parser.add_argument("--partition-at", type=float, default=None, help="seconds after the start to cut the upper half of the nodes off")
+    parser.add_argument(
+        "--minutes", type=float, default=0.0, help="run this long, then stop and report (0: until Ctrl-C)"
+    )
+    parser.add_argument(
+        "--churn-every", type=float, default=0.0, help="kill -9 a random non-bootstrap node every this many seconds"
+    )
+    parser.add_argument(
+        "--churn-down", type=float, default=5.0, help="seconds a churned node stays dead before its restart"
+    )
+    parser.add_argument(
+        "--partition-at",
+        type=float,
+        default=None,
+        help="seconds after the start to cut the upper half of the nodes off",
+    )
     parser.add_argument("--partition-for", type=float, default=60.0)
-    parser.add_argument("--state-root", type=Path, default=None, help="where node state goes (default: a new temporary directory)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node")
+    parser.add_argument(
+        "--state-root", type=Path, default=None, help="where node state goes (default: a new temporary directory)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every node"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the churn schedule")
-    parser.add_argument("--isolated", type=int, default=0, metavar="K",
-                        help="also run K nodes with `train` (no network) beside the swarm, in namespaces of their own: the throughput baseline under the same machine load")
+    parser.add_argument(
+        "--isolated",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run K nodes with `train` (no network) beside the swarm, in namespaces of their own: the throughput "
+        "baseline under the same machine load",
+    )
     parser.add_argument("--cleanup", action="store_true", help="only remove what killed labs left behind, then exit")
     args = parser.parse_args()
 
@@ -602,13 +732,25 @@ def main() -> int:
             fast = Link(mbit=args.mbit, up_mbit=args.up_mbit, down_mbit=args.down_mbit, loss=args.loss)
             link = fast if index < slow_from else Link(mbit=args.slow_mbit, loss=args.loss)
             lab.shape(index, link)
-            print(f"node {index}: {lab.ip(index)} in {'127.0.0.1' if lab.loopback else lab.ns(index)}, {link.describe()}", flush=True)
+            print(
+                f"node {index}: {lab.ip(index)} in {'127.0.0.1' if lab.loopback else lab.ns(index)}, {link.describe()}",
+                flush=True,
+            )
         for index in range(args.nodes, args.nodes + args.isolated):
             lab.run(index, isolated_argv(lab, index, root / f"n{index}", args.set), root / f"n{index}.out")
         bootstrap = start_swarm(lab, root, args.set, swarm_nodes=args.nodes)
         swarm_id = next((s.split("=", 1)[1] for s in args.set if s.startswith("swarm.swarm_id=")), None)
-        print(f"swarm started; watch it from this host with:\n  .venv/bin/swarm-node peers --initial-peers {bootstrap}" + (f" --swarm-id {swarm_id}" if swarm_id else "")
-              + (f"\n{args.isolated} isolated node(s) train beside it (nodes {args.nodes}-{args.nodes + args.isolated - 1}, no network)" if args.isolated else ""), flush=True)
+        print(
+            f"swarm started; watch it from this host with:\n  .venv/bin/swarm-node peers --initial-peers {bootstrap}"
+            + (f" --swarm-id {swarm_id}" if swarm_id else "")
+            + (
+                f"\n{args.isolated} isolated node(s) train beside it (nodes "
+                f"{args.nodes}-{args.nodes + args.isolated - 1}, no network)"
+                if args.isolated
+                else ""
+            ),
+            flush=True,
+        )
         next_churn = args.churn_every or None
         restart_at: dict[int, float] = {}
         partition_end = None
@@ -628,49 +770,98 @@ def main() -> int:
                     del restart_at[victim]
                     events.append({"t": round(now, 1), "event": "restart", "node": victim})
                     print(f"{now:6.0f}s: restarted node {victim} (resumes its state)", flush=True)
-            if args.partition_at is not None and partition_end is None and now >= args.partition_at and not lab.loopback:
+            if (
+                args.partition_at is not None
+                and partition_end is None
+                and now >= args.partition_at
+                and not lab.loopback
+            ):
                 cut = set(range(args.nodes // 2, args.nodes))
                 lab.partition(cut)
                 partition_end = now + args.partition_for
                 events.append({"t": round(now, 1), "event": "partition", "nodes": sorted(cut)})
-                print(f"{now:6.0f}s: partitioned nodes {sorted(cut)} from the others for {args.partition_for:.0f}s", flush=True)
+                print(
+                    f"{now:6.0f}s: partitioned nodes {sorted(cut)} from the others for {args.partition_for:.0f}s",
+                    flush=True,
+                )
             if partition_end is not None and lab.partitioned and now >= partition_end:
                 lab.heal()
                 events.append({"t": round(now, 1), "event": "heal"})
                 print(f"{now:6.0f}s: healed the partition", flush=True)
             for index in range(args.nodes + args.isolated):
                 if index not in restart_at and not lab.alive(index):
-                    print(f"{now:6.0f}s: node {index} exited on its own ({lab.processes[index].popen.returncode}); see {lab.processes[index].log}", flush=True)
+                    print(
+                        f"{now:6.0f}s: node {index} exited on its own ({lab.processes[index].popen.returncode}); see "
+                        f"{lab.processes[index].log}",
+                        flush=True,
+                    )
                     restart_at[index] = float("inf")  # reported once, not restarted
             time.sleep(1.0)
     except KeyboardInterrupt:
         print("stopping the lab", flush=True)
     finally:
         lab.down()
-    nodes = {index: {**node_summary(root / f"n{index}"), "restarts": lab.processes[index].restarts if index in lab.processes else 0,
-                     "link": lab.links.get(index, Link()).describe(), "isolated": index >= args.nodes} for index in range(args.nodes + args.isolated)}
+    nodes = {
+        index: {
+            **node_summary(root / f"n{index}"),
+            "restarts": lab.processes[index].restarts if index in lab.processes else 0,
+            "link": lab.links.get(index, Link()).describe(),
+            "isolated": index >= args.nodes,
+        }
+        for index in range(args.nodes + args.isolated)
+    }
     for index, summary in nodes.items():
         print(f"node {index}: {summary}")
+
     def mean_rate(isolated: bool) -> float | None:
-        rates = [n["rounds_per_min"] for n in nodes.values() if n["isolated"] == isolated and n["rounds_per_min"] is not None]
+        rates = [
+            n["rounds_per_min"] for n in nodes.values() if n["isolated"] == isolated and n["rounds_per_min"] is not None
+        ]
         return sum(rates) / len(rates) if rates else None
 
     def mean_phases(isolated: bool) -> dict[str, float] | None:
-        # the nodes mean_rate counts: one slow first round (held-out evaluation included) must not stand for a node's steady rounds
-        phases = [n["seconds_by_phase"] for n in nodes.values() if n["isolated"] == isolated and n["seconds_by_phase"] and n["rounds_per_min"] is not None]
+        # the nodes mean_rate counts: one slow first round (held-out evaluation included) must not stand for a node's
+        # steady rounds
+        phases = [
+            n["seconds_by_phase"]
+            for n in nodes.values()
+            if n["isolated"] == isolated and n["seconds_by_phase"] and n["rounds_per_min"] is not None
+        ]
         return {k: sum(p[k] for p in phases) / len(phases) for k in phases[0]} if phases else None
 
     swarm_rate, isolated_rate = mean_rate(False), mean_rate(True)
     swarm_phases, isolated_phases = mean_phases(False), mean_phases(True)
     if swarm_rate and isolated_rate:
-        print(f"rounds per minute: swarm nodes {swarm_rate:.1f}, isolated nodes {isolated_rate:.1f} (swarm/isolated {swarm_rate / isolated_rate:.3f})")
+        print(
+            f"rounds per minute: swarm nodes {swarm_rate:.1f}, isolated nodes {isolated_rate:.1f} (swarm/isolated "
+            f"{swarm_rate / isolated_rate:.3f})"
+        )
     for label, phases in (("swarm", swarm_phases), ("isolated", isolated_phases)):
         if phases:
-            print(f"seconds per round, {label} nodes: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in phases.items()))
-    print(json.dumps({"benchmark": "lab", "lab": not lab.loopback, "nodes": args.nodes, "isolated_nodes": args.isolated, "mbit": args.mbit, "loss": args.loss, "rtt_ms": None,
-                      "rounds_per_min": {"swarm": swarm_rate, "isolated": isolated_rate}, "seconds_by_phase": {"swarm": swarm_phases, "isolated": isolated_phases},
-                      "swarm_vs_isolated_throughput": swarm_rate / isolated_rate if swarm_rate and isolated_rate else None,
-                      "minutes": round((time.monotonic() - started) / 60, 2), "events": events, "per_node": nodes, "state_root": str(root)}))
+            print(
+                f"seconds per round, {label} nodes: "
+                + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in phases.items())
+            )
+    print(
+        json.dumps(
+            {
+                "benchmark": "lab",
+                "lab": not lab.loopback,
+                "nodes": args.nodes,
+                "isolated_nodes": args.isolated,
+                "mbit": args.mbit,
+                "loss": args.loss,
+                "rtt_ms": None,
+                "rounds_per_min": {"swarm": swarm_rate, "isolated": isolated_rate},
+                "seconds_by_phase": {"swarm": swarm_phases, "isolated": isolated_phases},
+                "swarm_vs_isolated_throughput": swarm_rate / isolated_rate if swarm_rate and isolated_rate else None,
+                "minutes": round((time.monotonic() - started) / 60, 2),
+                "events": events,
+                "per_node": nodes,
+                "state_root": str(root),
+            }
+        )
+    )
     return 0
 
 

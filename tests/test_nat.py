@@ -23,9 +23,20 @@ from lab import Lab, lab_unavailable  # noqa: E402
 
 pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
-SWARM_SETS = [*TINY_OVERRIDES, "swarm.transport=dht", "swarm.swarm_id=nat-test", "swarm.window_s=2", "swarm.heartbeat_interval_s=1",
-              "swarm.heartbeat_ttl_s=15", "swarm.external_questions=2", "swarm.local_questions=2", "tasks.format_reward=0.1",
-              "checkpoint_keep=1", "eval_every=0", "torch_threads=1"]
+SWARM_SETS = [
+    *TINY_OVERRIDES,
+    "swarm.transport=dht",
+    "swarm.swarm_id=nat-test",
+    "swarm.window_s=2",
+    "swarm.heartbeat_interval_s=1",
+    "swarm.heartbeat_ttl_s=15",
+    "swarm.external_questions=2",
+    "swarm.local_questions=2",
+    "tasks.format_reward=0.1",
+    "checkpoint_keep=1",
+    "eval_every=0",
+    "torch_threads=1",
+]
 
 
 def config_file(tmp_path, base: str, sets: list[str]):
@@ -38,11 +49,26 @@ def config_file(tmp_path, base: str, sets: list[str]):
     return path
 
 
-def start(lab: Lab, index: int, tmp_path, config, env, command: str = "join", bootstrap: list[str] = (), extra: list[str] = ()) -> str:
+def start(
+    lab: Lab, index: int, tmp_path, config, env, command: str = "join", bootstrap: list[str] = (), extra: list[str] = ()
+) -> str:
     """Run `swarm-node COMMAND` as node `index` (listening on its lab address); its first address once it listens."""
     state = tmp_path / f"n{index}"
-    argv = [sys.executable, "-m", "node.cli", command, "--config", str(config), "--state-dir", str(state),
-            "--set", f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]', "--set", f"name=nat-{index}", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        command,
+        "--config",
+        str(config),
+        "--state-dir",
+        str(state),
+        "--set",
+        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
+        "--set",
+        f"name=nat-{index}",
+        *extra,
+    ]
     if bootstrap:
         argv += ["--initial-peers", *bootstrap]
     process = lab.run(index, argv, tmp_path / f"n{index}.out", env)
@@ -89,9 +115,25 @@ def wait_uses(lab: Lab, tmp_path, user: int, source: int) -> None:
 
 
 def reachability_listed(lab: Lab, index: int, bootstrap: str, env) -> dict[str, str]:
-    result = subprocess.run(["ip", "netns", "exec", lab.ns(index), *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "nat-test", "--json")],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
-    return {row["display_name"]: row["reachability"] for row in json.loads(result.stdout)} if result.returncode == 0 else {}
+    result = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            lab.ns(index),
+            *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "nat-test", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
+    return (
+        {row["display_name"]: row["reachability"] for row in json.loads(result.stdout)}
+        if result.returncode == 0
+        else {}
+    )
 
 
 def test_a_node_behind_nat_and_two_public_nodes_use_each_others_rollouts(tmp_path, model_cache, cli_env):
@@ -105,7 +147,12 @@ def test_a_node_behind_nat_and_two_public_nodes_use_each_others_rollouts(tmp_pat
             for source in range(3):
                 if user != source:
                     wait_uses(lab, tmp_path, user, source)
-        listed = wait_for(lambda: (r := reachability_listed(lab, 1, bootstrap, cli_env)) and len(r) == 3 and r, 60, "peers to list all three", interval=2)
+        listed = wait_for(
+            lambda: (r := reachability_listed(lab, 1, bootstrap, cli_env)) and len(r) == 3 and r,
+            60,
+            "peers to list all three",
+            interval=2,
+        )
         assert listed["nat-0"] == listed["nat-1"] == "direct" and listed["nat-2"] == "relayed", listed
         assert "behind NAT" in (tmp_path / "n2" / "node.log").read_text()
 
@@ -128,9 +175,16 @@ def test_a_node_behind_nat_pairs_with_a_public_node_for_noloco(tmp_path, model_c
     """An exchange lasts at most its window (timeout_s <= window_s): with timeout_s=90 over 30 s windows a node that
     waited alone started its next exchange 3 windows on, so two nodes whose first ones fell in adjacent windows
     (the NAT'd node joins ~10 s later, more on a loaded machine) stayed a window apart for good (seen: 5
-    exchanges in a row skipped, each a window off its partner's, in their metrics); node/averaging/service.py takes each exchange's round from the window it starts in."""
-    sets = [*SWARM_SETS, "swarm.external_questions=0", "averaging.method=noloco", "averaging.every_steps=2", "averaging.window_s=60",
-            "averaging.timeout_s=60"]
+    exchanges in a row skipped, each a window off its partner's, in their metrics); node/averaging/service.py takes
+    each exchange's round from the window it starts in."""
+    sets = [
+        *SWARM_SETS,
+        "swarm.external_questions=0",
+        "averaging.method=noloco",
+        "averaging.every_steps=2",
+        "averaging.window_s=60",
+        "averaging.timeout_s=60",
+    ]
     config = config_file(tmp_path, "swarm.yaml", sets)
     with Lab(2, host_link=False, nat={1: 0}) as lab:
         bootstrap = start(lab, 0, tmp_path, config, cli_env)
@@ -139,7 +193,10 @@ def test_a_node_behind_nat_pairs_with_a_public_node_for_noloco(tmp_path, model_c
 
         def averaged(index: int) -> bool:
             assert lab.alive(index), (tmp_path / f"n{index}.out").read_text()[-3000:]
-            return any(isinstance(r.get("outer_step"), dict) and r["outer_step"].get("outcome") == "averaged" for r in read_rows(tmp_path / f"n{index}"))
+            return any(
+                isinstance(r.get("outer_step"), dict) and r["outer_step"].get("outcome") == "averaged"
+                for r in read_rows(tmp_path / f"n{index}")
+            )
 
         for index in range(2):
             wait_for(lambda: averaged(index), 300, f"node {index} to average with its partner", interval=1)
@@ -152,7 +209,9 @@ def test_a_public_driver_drives_a_stage_server_behind_nat(tmp_path, model_cache,
     config = config_file(tmp_path, "pipeline.yaml", sets)
     with Lab(3, host_link=False, nat={1: 0}) as lab:
         bootstrap = start(lab, 0, tmp_path, config, cli_env, command="serve", extra=["--stage", "0"])
-        natted = start(lab, 1, tmp_path, config, cli_env, command="serve", bootstrap=[bootstrap], extra=["--stage", "1"])
+        natted = start(
+            lab, 1, tmp_path, config, cli_env, command="serve", bootstrap=[bootstrap], extra=["--stage", "1"]
+        )
         assert_nat_in_place(lab, 0, 1, natted, bootstrap)
 
         def serving(index: int) -> list[dict]:

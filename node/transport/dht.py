@@ -43,8 +43,15 @@ from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from node.transport.kv import MAX_VALUES_PER_KEY, read_values
 from protocol import MessageKind, PeerStats, ProtocolRejection, Refusal
-from protocol.shards import (HEARTBEAT_SHARDS, heartbeat_shards_to_read, peers_key, rollout_key, rollout_shard_count, rollout_write_levels,
-                             shard_of)
+from protocol.shards import (
+    HEARTBEAT_SHARDS,
+    heartbeat_shards_to_read,
+    peers_key,
+    rollout_key,
+    rollout_shard_count,
+    rollout_write_levels,
+    shard_of,
+)
 from protocol.version import PROTOCOL_MAJOR
 from protocol.bounded import BoundedDict
 
@@ -62,7 +69,13 @@ def key_prefix(swarm_id: str) -> str:
     return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
 
 
-async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, refusals=None, identity_path: Path | None = None, behind_nat: bool = False):
+async def create_dht_node(
+    config: NodeConfig,
+    client_mode: bool | None = None,
+    refusals=None,
+    identity_path: Path | None = None,
+    behind_nat: bool = False,
+):
     """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
 
     Any one reachable initial peer suffices (p2pd dials them all). `identity_path` is the
@@ -82,13 +95,19 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
 
     swarm = config.swarm
     client_mode = swarm.client_mode if client_mode is None else client_mode
-    p2p_options = dict(host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs or None, startup_timeout=swarm.p2pd_startup_timeout_s)
+    p2p_options = dict(
+        host_maddrs=swarm.host_maddrs,
+        announce_maddrs=swarm.announce_maddrs or None,
+        startup_timeout=swarm.p2pd_startup_timeout_s,
+    )
     if identity_path is not None:
         from node.transport.p2p_key import load_or_create_p2p_key
 
-        load_or_create_p2p_key(identity_path)  # ours is written 0600 and atomically; hivemind would write its own otherwise
+        # ours is written 0600 and atomically; hivemind would write its own otherwise
+        load_or_create_p2p_key(identity_path)
         p2p_options["identity_path"] = str(identity_path)
-    relay_client = behind_nat and bool(swarm.initial_peers)  # with no bootstrap peer there is nobody to ask for a relay slot
+    # with no bootstrap peer there is nobody to ask for a relay slot
+    relay_client = behind_nat and bool(swarm.initial_peers)
     if behind_nat:
         p2p_options["check_if_identity_free"] = False  # its own daemon just left: the check would see its ghost
         client_mode = True
@@ -99,8 +118,11 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
     delay, last_error = swarm.bootstrap_backoff_s, None
     for attempt in range(1, swarm.bootstrap_attempts + 1):
         try:
-            dht_options = dict(initial_peers=swarm.initial_peers or None, client_mode=client_mode,
-                               record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals))
+            dht_options = dict(
+                initial_peers=swarm.initial_peers or None,
+                client_mode=client_mode,
+                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
+            )
             if relay_client:
                 from node.transport.reachability import start_relay_client
 
@@ -113,14 +135,30 @@ async def create_dht_node(config: NodeConfig, client_mode: bool | None = None, r
             last_error = exc
             if attempt == swarm.bootstrap_attempts:
                 break
-            log.warning("cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs", attempt, swarm.bootstrap_attempts, exc, delay)
+            log.warning(
+                "cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs",
+                attempt,
+                swarm.bootstrap_attempts,
+                exc,
+                delay,
+            )
             await asyncio.sleep(delay)
             delay *= 2
     if not swarm.initial_peers:
         raise SwarmJoinError(f"could not start a new swarm after {swarm.bootstrap_attempts} attempts: {last_error}")
-    tried = "; ".join([f"{maddr} ({verdict})" for maddr, verdict in zip(swarm.initial_peers, await asyncio.gather(*(probe_tcp(m) for m in swarm.initial_peers)))])
-    raise SwarmJoinError(f"could not join the swarm after {swarm.bootstrap_attempts} attempts; none of the {len(swarm.initial_peers)} initial peer(s) "
-                         f"answered: {tried}. Last error: {last_error}")
+    tried = "; ".join(
+        [
+            f"{maddr} ({verdict})"
+            for maddr, verdict in zip(
+                swarm.initial_peers, await asyncio.gather(*(probe_tcp(m) for m in swarm.initial_peers))
+            )
+        ]
+    )
+    raise SwarmJoinError(
+        f"could not join the swarm after {swarm.bootstrap_attempts} attempts; none of the {len(swarm.initial_peers)} "
+        "initial peer(s) "
+        f"answered: {tried}. Last error: {last_error}"
+    )
 
 
 async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None):
@@ -130,7 +168,9 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
     from node.transport.reachability import measure_reachability, serve_observed_address
 
     swarm = config.swarm
-    dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=swarm.reachability == "outbound-only")
+    dht = await create_dht_node(
+        config, refusals=refusals, identity_path=identity_path, behind_nat=swarm.reachability == "outbound-only"
+    )
     reachability = swarm.reachability
     if reachability == "auto":
         if swarm.announce_maddrs:
@@ -138,11 +178,16 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
         else:
             bootstrap_ids = list(dht_addresses_by_peer(swarm.initial_peers))
             reachability, observed = await measure_reachability(dht.p2p, bootstrap_ids, swarm.dht_timeout_s)
-            log.info("reachability %s: bootstrap peers see this node at %s", reachability, observed or "(nobody answered)")
+            log.info(
+                "reachability %s: bootstrap peers see this node at %s", reachability, observed or "(nobody answered)"
+            )
             if reachability == "outbound-only":
-                log.warning("this node is behind NAT (peers see it at %s): it joins as a DHT client, asks its bootstrap peers "
-                            "for a relay, and is reached over the connections it opens; forward a port and set "
-                            "swarm.announce_maddrs to be dialed directly", observed)
+                log.warning(
+                    "this node is behind NAT (peers see it at %s): it joins as a DHT client, asks its bootstrap peers "
+                    "for a relay, and is reached over the connections it opens; forward a port and set "
+                    "swarm.announce_maddrs to be dialed directly",
+                    observed,
+                )
                 await shutdown_dht(dht)
                 dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=True)
     if reachability == "direct":
@@ -156,13 +201,18 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
                 reachability = "relayed"
                 log.info("a relay reserved this node a slot: peers can dial it at %s", relayed)
             else:
-                log.warning("no relay slot within %.0fs: this node is reached only over the connections it opens until one is reserved", RELAY_WAIT_S)
+                log.warning(
+                    "no relay slot within %.0fs: this node is reached only over the connections it opens until one is "
+                    "reserved",
+                    RELAY_WAIT_S,
+                )
         dht.links_task = asyncio.create_task(hold_links(dht, swarm.heartbeat_interval_s), name="hold-links")
     return dht, reachability
 
 
 async def probe_tcp(maddr: str, timeout: float = 3.0) -> str:
-    """Why a bootstrap address may have failed, as a user can act on it: no TCP listener, a timeout (a firewall or NAT), or TCP fine."""
+    """Why a bootstrap address may have failed, as a user can act on it: no TCP listener, a timeout (a firewall or
+    NAT), or TCP fine."""
     parts = maddr.split("/")
     if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
         return "not a TCP address: not probed"
@@ -213,7 +263,12 @@ def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[s
     ips = []
     for maddr in dht_addresses:
         parts = maddr.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ("0.0.0.0", "::") and (parts[1], parts[2]) not in ips:
+        if (
+            len(parts) > 2
+            and parts[1] in ("ip4", "ip6")
+            and parts[2] not in ("0.0.0.0", "::")
+            and (parts[1], parts[2]) not in ips
+        ):
             ips.append((parts[1], parts[2]))
     ips.sort(key=lambda ip: ip[1].startswith("127.") or ip[1] == "::1")  # stable: keeps p2pd's order otherwise
     routable = []
@@ -231,8 +286,14 @@ class DHTTransport(Transport):
     """Rollout gossip and heartbeats over a swarm session (node/transport/session.py) someone else opened and
     closes: this transport signs with the session's writer and reads through its DHT node, never its own."""
 
-    def __init__(self, session, stats: SwarmStats, fingerprint: str, heartbeat: Callable[[], PeerStats],
-                 on_addresses: Callable[[list[str]], None] | None = None):
+    def __init__(
+        self,
+        session,
+        stats: SwarmStats,
+        fingerprint: str,
+        heartbeat: Callable[[], PeerStats],
+        on_addresses: Callable[[list[str]], None] | None = None,
+    ):
         self.session = session
         self.config = session.config
         self.identity = session.identity
@@ -245,7 +306,8 @@ class DHTTransport(Transport):
         self.gossip_addresses: list[str] = []
         self.receiver = BatchReceiver(self.config.swarm, self.identity.node_id, fingerprint, stats)
         self._heartbeat_task: asyncio.Task | None = None
-        self._dht_peers_seen: BoundedDict[str, list[str]] = BoundedDict(MAX_DHT_PEERS_REMEMBERED)  # PeerID -> maddrs, least recently seen first
+        # PeerID -> maddrs, least recently seen first
+        self._dht_peers_seen: BoundedDict[str, list[str]] = BoundedDict(MAX_DHT_PEERS_REMEMBERED)
         self._last_rejoin = time.monotonic()
         self.dht_peers_rejoined = 0
         self.swarm_size = 1  # live nodes, this one included, estimated from the heartbeat shards last read
@@ -271,15 +333,25 @@ class DHTTransport(Transport):
 
         # A round decodes at most max_batches_read_per_round values: buffering more between rounds only holds memory
         # (the oldest are dropped, and counted, past it).
-        self.gossip = LibP2PGossip(listen_host=listen_ip(self.config.swarm.host_maddrs), listen_port=self.config.swarm.gossip_port,
-                                   max_buffered=2 * self.config.swarm.max_batches_read_per_round)
+        self.gossip = LibP2PGossip(
+            listen_host=listen_ip(self.config.swarm.host_maddrs),
+            listen_port=self.config.swarm.gossip_port,
+            max_buffered=2 * self.config.swarm.max_batches_read_per_round,
+        )
         listening = await self.gossip.start()
         # Behind NAT nobody can dial the gossip host: it dials out, and gossipsub uses those links both ways.
-        self.gossip_addresses = routable_gossip_addresses(listening, self.session.addresses) if self.session.reachability == "direct" else []
+        self.gossip_addresses = (
+            routable_gossip_addresses(listening, self.session.addresses)
+            if self.session.reachability == "direct"
+            else []
+        )
         log.info("gossip listens at %s; advertised to peers as %s", listening, self.gossip_addresses)
         if any(a.split("/")[2:3] in (["0.0.0.0"], ["::"]) for a in self.gossip_addresses):
-            log.warning("gossip advertises a wildcard address (%s): peers on other machines cannot dial it; "
-                        "set swarm.announce_maddrs or listen on a routable IP", self.gossip_addresses)
+            log.warning(
+                "gossip advertises a wildcard address (%s): peers on other machines cannot dial it; "
+                "set swarm.announce_maddrs or listen on a routable IP",
+                self.gossip_addresses,
+            )
         await self.gossip.subscribe(self.rollouts_topic)
 
     async def connect_gossip_peers(self) -> None:
@@ -322,14 +394,20 @@ class DHTTransport(Transport):
         candidates = dht_addresses_by_peer(self.config.swarm.initial_peers)
         candidates.update(self._dht_peers_seen)
         candidates.pop(self.session.dht.peer_id.to_base58(), None)
-        lost = [(PeerID.from_base58(p), maddrs) for p, maddrs in candidates.items() if PeerID.from_base58(p) not in self.session.dht.protocol.routing_table]
+        lost = [
+            (PeerID.from_base58(p), maddrs)
+            for p, maddrs in candidates.items()
+            if PeerID.from_base58(p) not in self.session.dht.protocol.routing_table
+        ]
         if len(lost) > REJOIN_PEERS_PER_PASS:
             lost = random.sample(lost, REJOIN_PEERS_PER_PASS)
         timeout = self.config.swarm.dht_timeout_s
 
         async def reach(peer_id, maddrs: list[str]) -> bool:
             try:
-                await asyncio.wait_for(self.session.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout)
+                await asyncio.wait_for(
+                    self.session.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout
+                )
             except Exception as exc:  # unreachable (still cut off, or gone): normal, the ping below says so
                 log.debug("DHT peer %s not reachable at %s: %r", peer_id, maddrs, exc)
                 return False
@@ -339,7 +417,10 @@ class DHTTransport(Transport):
         back = sum(result is True for result in results)
         if back:
             self.dht_peers_rejoined += back
-            log.info("%d DHT peer(s) that had dropped out of the routing table answered again; looking up the neighbourhood", back)
+            log.info(
+                "%d DHT peer(s) that had dropped out of the routing table answered again; looking up the neighbourhood",
+                back,
+            )
             await asyncio.wait_for(self.session.dht.find_nearest_nodes([self.session.dht.node_id]), timeout)
         return back
 
@@ -361,15 +442,27 @@ class DHTTransport(Transport):
     # publishing ----------------------------------------------------------------------
 
     async def _store(self, key: str, record) -> None:
-        """Store a SignedRecord under our subkey (it expires records.RECORD_TTL_S after signing: readers judge freshness by its timestamp)."""
+        """Store a SignedRecord under our subkey (it expires records.RECORD_TTL_S after signing: readers judge
+        freshness by its timestamp)."""
         ok = await self.session.writer.store(self.session.dht, key, record, self.config.swarm.dht_timeout_s)
         if not ok:
-            log.warning("the DHT did not accept %s (%d bytes) within %.0fs", key, len(record.data), self.config.swarm.dht_timeout_s)
+            log.warning(
+                "the DHT did not accept %s (%d bytes) within %.0fs",
+                key,
+                len(record.data),
+                self.config.swarm.dht_timeout_s,
+            )
 
     async def publish_heartbeat(self) -> None:
-        stats = dataclasses.replace(self.heartbeat(), addresses=self.session.addresses, gossip_addresses=self.gossip_addresses,
-                                    reachability=self.session.reachability)
-        await self._store(peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.session.writer.sign(stats))
+        stats = dataclasses.replace(
+            self.heartbeat(),
+            addresses=self.session.addresses,
+            gossip_addresses=self.gossip_addresses,
+            reachability=self.session.reachability,
+        )
+        await self._store(
+            peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.session.writer.sign(stats)
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -398,7 +491,11 @@ class DHTTransport(Transport):
         now = time.time()
         window = int(now // swarm.window_s)
         count, shards = self.rollout_shards()
-        keys = [(rollout_key(self.prefix, window - k, count, shard), shard) for k in range(swarm.collect_windows) for shard in shards]
+        keys = [
+            (rollout_key(self.prefix, window - k, count, shard), shard)
+            for k in range(swarm.collect_windows)
+            for shard in shards
+        ]
         reads = await asyncio.gather(*(read_values(self.session.dht, key, swarm.dht_timeout_s) for key, _ in keys))
         values: list[tuple[object, object]] = []
         for (key, shard), found in zip(keys, reads):
@@ -407,8 +504,13 @@ class DHTTransport(Transport):
                 continue
             for subkey, raw in found:
                 self.stats.count_read(raw)
-                if isinstance(subkey, str) and shard_of(subkey, count) != shard:  # one identity must not fill other shards
-                    self.receiver.refuse_once(subkey[:64], raw, ProtocolRejection(Refusal.WRONG_SHARD, f"stored under shard {shard} of {count}"))
+                # one identity must not fill other shards
+                if isinstance(subkey, str) and shard_of(subkey, count) != shard:
+                    self.receiver.refuse_once(
+                        subkey[:64],
+                        raw,
+                        ProtocolRejection(Refusal.WRONG_SHARD, f"stored under shard {shard} of {count}"),
+                    )
                     continue
                 values.append((subkey, raw))
         if self.gossip is not None:
@@ -426,7 +528,12 @@ class DHTTransport(Transport):
         if self.gossip is not None:  # push first: it is the low-latency path, the DHT record is for late readers
             await self.gossip.publish(self.rollouts_topic, record.data)
         levels = rollout_write_levels(rollout_shard_count(self.swarm_size))
-        await asyncio.gather(*(self._store(rollout_key(self.prefix, window, level, shard_of(self.identity.node_id, level)), record) for level in levels))
+        await asyncio.gather(
+            *(
+                self._store(rollout_key(self.prefix, window, level, shard_of(self.identity.node_id, level)), record)
+                for level in levels
+            )
+        )
         self.stats.batches_published += 1
         self.stats.questions_published += keep
         self.stats.bytes_published += len(record.data)
@@ -449,8 +556,13 @@ def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
-async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = None, shards: list[int] | None = None,
-                          limit: int | None = MAX_VALUES_PER_KEY) -> list[tuple[PeerStats, float]]:
+async def read_peer_stats(
+    dht,
+    config: NodeConfig,
+    stats: SwarmStats | None = None,
+    shards: list[int] | None = None,
+    limit: int | None = MAX_VALUES_PER_KEY,
+) -> list[tuple[PeerStats, float]]:
     """Live peers' verified heartbeats with their signing time, from the given heartbeat shards (None: all of
     them, the whole swarm), at most `limit` per shard (None: all); refused ones are counted in `stats` when given."""
     from node.transport.records import read_records
@@ -462,6 +574,24 @@ async def read_peer_stats(dht, config: NodeConfig, stats: SwarmStats | None = No
     now = time.time()
     prefix = key_prefix(config.swarm.swarm_id)
     shards = list(range(HEARTBEAT_SHARDS)) if shards is None else shards
-    reads = await asyncio.gather(*(read_records(dht, peers_key(prefix, shard), config.swarm.swarm_id, MessageKind.PEER_STATS, config.swarm.dht_timeout_s, limit,
-                                                refused, once=stats.heartbeats_refused_once if stats is not None else None) for shard in shards))
-    return [(e.message, e.timestamp) for envelopes in reads for e in envelopes if now - e.timestamp <= config.swarm.heartbeat_ttl_s]
+    reads = await asyncio.gather(
+        *(
+            read_records(
+                dht,
+                peers_key(prefix, shard),
+                config.swarm.swarm_id,
+                MessageKind.PEER_STATS,
+                config.swarm.dht_timeout_s,
+                limit,
+                refused,
+                once=stats.heartbeats_refused_once if stats is not None else None,
+            )
+            for shard in shards
+        )
+    )
+    return [
+        (e.message, e.timestamp)
+        for envelopes in reads
+        for e in envelopes
+        if now - e.timestamp <= config.swarm.heartbeat_ttl_s
+    ]

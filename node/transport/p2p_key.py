@@ -36,15 +36,22 @@ def load_or_create_p2p_key(path: Path) -> str:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
+        data = crypto_pb2.PrivateKey(
+            key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()
+        ).SerializeToString()
         write_private_file(path, data)
         return PeerID.from_identity(data).to_base58()
     with os.fdopen(fd, "rb") as file:
         mode = os.fstat(file.fileno()).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise PermissionError(f"p2p key {path} is accessible by group/others (mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}")
+            raise PermissionError(
+                f"p2p key {path} is accessible by group/others (mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}"
+            )
         data = file.read()
     try:
         return PeerID.from_identity(data).to_base58()
     except Exception as exc:  # protobuf or DER errors: one readable line, not a traceback from deep inside
-        raise ValueError(f"{path} is not a p2p daemon key ({type(exc).__name__}); move it away to make a new one (the node's /p2p/ id changes)") from exc
+        raise ValueError(
+            f"{path} is not a p2p daemon key ({type(exc).__name__}); move it away to make a new one (the node's /p2p/ "
+            "id changes)"
+        ) from exc

@@ -72,7 +72,9 @@ async def ask_observed(p2p, peer_id: str, timeout: float) -> str | None:
     from hivemind.p2p import PeerID
 
     try:
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), OBSERVED_ADDRESS_HANDLER), timeout)
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), OBSERVED_ADDRESS_HANDLER), timeout
+        )
     except Exception as exc:  # unreachable, or a peer without the handler: it just does not count
         log.debug("no observed address from %s: %r", peer_id, exc)
         return None
@@ -118,8 +120,11 @@ def has_relay_address(maddrs: list[str]) -> bool:
     return any("/p2p-circuit" in str(a) for a in maddrs)
 
 
-RELAY_CLIENT_FLAGS = {"relayDiscovery": False}  # static relays only: with discovery on, autorelay waits 3 minutes for 4 candidates
-RELAY_WAIT_S = 30.0  # how long a join waits for its relay slot (under a second on an idle machine); later ones are picked up by heartbeats
+RELAY_CLIENT_FLAGS = {
+    "relayDiscovery": False
+}  # static relays only: with discovery on, autorelay waits 3 minutes for 4 candidates
+# how long a join waits for its relay slot (under a second on an idle machine); later ones are picked up by heartbeats
+RELAY_WAIT_S = 30.0
 
 
 async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dict):
@@ -135,8 +140,13 @@ async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dic
         def _make_process_args(cls, *args, **kwargs):
             return P2P._make_process_args(*args, **kwargs, **RELAY_CLIENT_FLAGS)
 
-    p2p = await RelayClientP2P.create(initial_peers=dht_options.get("initial_peers"), dht_mode="client", use_auto_relay=True,
-                                      force_reachability="private", **p2p_options)
+    p2p = await RelayClientP2P.create(
+        initial_peers=dht_options.get("initial_peers"),
+        dht_mode="client",
+        use_auto_relay=True,
+        force_reachability="private",
+        **p2p_options,
+    )
     try:
         node = await dht_node_class.create(p2p=p2p, **dht_options)
     except BaseException:
@@ -156,7 +166,8 @@ async def wait_for_relay_address(p2p, timeout: float, every_s: float = 0.5) -> l
     while True:
         try:
             maddrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
-        except ValueError:  # no address at all yet: a host on neither a private nor a public IP shows only relay addresses
+        # no address at all yet: a host on neither a private nor a public IP shows only relay addresses
+        except ValueError:
             maddrs = []
         relayed = [a for a in maddrs if "/p2p-circuit" in a]
         if relayed or loop.time() >= deadline:
@@ -179,8 +190,12 @@ async def hold_links(dht, every_s: float, limit: int = MAX_HELD_LINKS) -> None:
 
     while True:
         try:
-            found = await asyncio.wait_for(dht.find_nearest_nodes([dht.node_id], k_nearest=limit, exclude_self=True), every_s)
-            nearest = set(found.get(dht.node_id, {}).values()) | set(list(dht.protocol.routing_table.peer_id_to_uid)[:limit])
+            found = await asyncio.wait_for(
+                dht.find_nearest_nodes([dht.node_id], k_nearest=limit, exclude_self=True), every_s
+            )
+            nearest = set(found.get(dht.node_id, {}).values()) | set(
+                list(dht.protocol.routing_table.peer_id_to_uid)[:limit]
+            )
             connected = {peer.peer_id for peer in await dht.p2p.list_peers()}
             wanted = [peer for peer in nearest if peer not in connected]
             log.debug("holding links: %d nearest DHT peers, %d to dial", len(nearest), len(wanted))
