@@ -371,6 +371,8 @@ def spread(values: list[float]) -> dict:
 
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    # one transport at a time (--transport): a run through the DHT must not stand in for its seed's in-process one
+    runs = [run for run in runs if run.get("transport", "inprocess") == args.transport]
     if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
         runs = [run for run in runs if run["rounds_limit"] is not None or run["budget_s"] == args.report_budget]
     # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
@@ -638,7 +640,7 @@ def main() -> None:
         "--transport",
         choices=["inprocess", "dht"],
         default="inprocess",
-        help="dht: the nodes talk through real p2p daemons on 127.0.0.1",
+        help="dht: the nodes talk through real p2p daemons on 127.0.0.1; with --report: the runs of this transport",
     )
     parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
     parser.add_argument("--report", action="store_true", help="only summarize --results")
