@@ -482,6 +482,9 @@ def report(args) -> None:
             )
         summary["specialists"] = table
         swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
+        # the best arm among those run on the most seeds: a 2-seed pilot must not outrank a 3-seed result
+        most_seeds = max((len(row["seeds"]) for row in swarm_rows.values()), default=0)
+        swarm_rows = {arm: row for arm, row in swarm_rows.items() if len(row["seeds"]) == most_seeds}
         if swarm_rows:
             best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["weak_gain_points_vs_silo"]["mean"])
             summary["best_arm"] = best
