@@ -441,18 +441,6 @@ class DHTTransport(Transport):
 
     # publishing ----------------------------------------------------------------------
 
-    async def _store(self, key: str, record) -> None:
-        """Store a SignedRecord under our subkey (it expires records.RECORD_TTL_S after signing: readers judge
-        freshness by its timestamp)."""
-        ok = await self.session.writer.store(self.session.dht, key, record, self.config.swarm.dht_timeout_s)
-        if not ok:
-            log.warning(
-                "the DHT did not accept %s (%d bytes) within %.0fs",
-                key,
-                len(record.data),
-                self.config.swarm.dht_timeout_s,
-            )
-
     async def publish_heartbeat(self) -> None:
         stats = dataclasses.replace(
             self.heartbeat(),
@@ -460,9 +448,7 @@ class DHTTransport(Transport):
             gossip_addresses=self.gossip_addresses,
             reachability=self.session.reachability,
         )
-        await self._store(
-            peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), self.session.writer.sign(stats)
-        )
+        await self.session.store(peers_key(self.prefix, shard_of(self.identity.node_id, HEARTBEAT_SHARDS)), stats)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -530,7 +516,9 @@ class DHTTransport(Transport):
         levels = rollout_write_levels(rollout_shard_count(self.swarm_size))
         await asyncio.gather(
             *(
-                self._store(rollout_key(self.prefix, window, level, shard_of(self.identity.node_id, level)), record)
+                self.session.store(
+                    rollout_key(self.prefix, window, level, shard_of(self.identity.node_id, level)), record
+                )
                 for level in levels
             )
         )

@@ -72,15 +72,17 @@ class SwarmSession:
             atomic_write_text(self.state_dir / ADDRESSES_FILE, "".join(a + "\n" for a in addresses))
         return True
 
-    async def store(self, key: str, message: Message) -> bool:
-        """Sign `message` and store it under `key` and this node's subkey; False (and a warning) when the DHT did not
-        take it in time."""
+    async def store(self, key: str, message) -> bool:
+        """Store `message` under `key` and this node's subkey: a Message (signed here) or a records.SignedRecord
+        (signed by `writer.sign`, e.g. once for several keys); False (and a warning) when the DHT did not take it
+        in time."""
         if self.writer is None:
             raise RuntimeError("a viewer's swarm session signs nothing: open it with join_swarm to publish")
         timeout = self.config.swarm.dht_timeout_s
         ok = await self.writer.store(self.dht, key, message, timeout)
         if not ok:
-            log.warning("the DHT did not take our %s under %s within %.0fs", type(message).__name__, key, timeout)
+            what = f"{len(message.data)} signed bytes" if not isinstance(message, Message) else type(message).__name__
+            log.warning("the DHT did not take our %s under %s within %.0fs", what, key, timeout)
         return ok
 
     async def close(self) -> None:
