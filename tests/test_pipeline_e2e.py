@@ -43,7 +43,7 @@ def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, 
     pipe.stage_rows(lambda rows: not rows[0]["servers"] and all(row["servers"] for row in rows[1:]))
     replacement = pipe.serve("auto")  # the least-served stage is the dead one
     event = pipe.serving(replacement)
-    assert (event["method"], event["stage"]) == ("checkfree_plus", 0)
+    assert (event["method"], event["stage"]) == ("checkfree_plus", 0), event  # its cause says what it saw
     assert [s["stage"] for s in event["sources"]] == [1]
     assert pipe.recovered(driver, 0)["recovery_s"] > 0
     rows = pipe.steps(driver, 2)

@@ -12,6 +12,7 @@ from node.pipeline.selection import (
     movers,
     plan_move,
     spare_assignment,
+    stages_to_report,
     update_empty_since,
 )
 from node.pipeline.stagemap import StageMap
@@ -96,6 +97,31 @@ def test_a_lost_stage_is_chosen_before_one_that_only_went_silent_and_before_any_
     assert choose_stage(view)[0] == 2
 
 
+def test_a_report_superseded_by_a_slow_server_does_not_come_back_for_a_newcomer():
+    # stage 2 was reported 7 s ago and its new server announced after that, 6 s ago: not fresh, but not lost either;
+    # stage 1's server went silent. Both are holes to a newcomer; neither is ranked as reported lost.
+    view = live_view(
+        stage_map(
+            (server("a", 0), 0.5), (server("b", 1), 9.0), (server("c", 2), 6.0), (server("d", 3), 0.5), lost={2: 7.0}
+        ),
+        NOW,
+        FRESH,
+    )
+    assert view.lost == {} and holes(view) == [1, 2]
+    assert choose_stage(view) == (1, "auto: no live server")
+
+
+def test_a_driver_does_not_report_a_stage_whose_server_announced_after_failing_it():
+    slow, dead, loading = server("c", 2), server("e", 0), server("f", 3, state="loading")
+    seen = stage_map((dead, 3.0), (server("b", 1), 0.5), (slow, 0.2), (loading, 0.5))
+    failed_at = {slow.node_id: NOW - 1.0, dead.node_id: NOW - 2.0}  # both timed out; only the slow one spoke since
+    assert stages_to_report(seen, [0, 2, 3], failed_at) == [0]
+    # a stage with no announcement left at all is reported
+    assert stages_to_report(stage_map((server("b", 1), 0.5)), [0, 2], {}) == [0, 2]
+    # a server that failed after its last announcement is not taken for alive
+    assert stages_to_report(seen, [2], {slow.node_id: NOW - 0.1}) == [2]
+
+
 def test_a_loading_server_fills_a_hole_for_the_next_chooser():
     view = live_view(
         stage_map((server("a", 0), 0.5), (server("b", 1, state="loading"), 0.5), (server("d", 3), 0.5)), NOW, FRESH
@@ -161,6 +187,20 @@ def test_a_replica_moves_to_a_stage_empty_past_the_grace_period():
     lone = servers[0]
     # the only server of stage 0 never leaves it
     assert plan_move(view, lone, {2: NOW - 7}, NOW, grace_s=6.0, balance_quality=0.75) is None
+
+
+def test_a_replica_does_not_leave_a_stage_whose_other_server_may_be_dead():
+    # stage 1's other server last announced 7 s ago: within the 8 s TTL, so the TTL view still lists it (a driver's
+    # later report replaced the one that named it), but not re-signed within the fresh window
+    lone, stale, me = server("a", 0), server("b", 1), server("x", 1)
+    view = live_view(stage_map((lone, 0.2), (stale, 7.0), (me, 0.2), (server("d", 3), 0.2)), NOW, 8.0)
+    assert [s.node_id for s in movers(view, stale)] == [me.node_id]
+    assert plan_move(view, me, {2: NOW - 7}, NOW, 6.0, 0.75, fresh_s=FRESH) is None
+    # once it re-signs, "x" may go
+    view = live_view(stage_map((lone, 0.2), (stale, 0.5), (me, 0.2), (server("d", 3), 0.2)), NOW, 8.0)
+    assert plan_move(view, me, {2: NOW - 7}, NOW, 6.0, 0.75, fresh_s=FRESH) == Move(
+        2, "stage 2 had no live server for 7.0s"
+    )
 
 
 def test_a_replica_moves_for_throughput_only_when_the_bottleneck_rises_enough():

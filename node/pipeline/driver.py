@@ -35,6 +35,7 @@ import torch
 
 from node.config import NodeConfig
 from node.pipeline.client import HopFailed, call_stage, handler_name
+from node.pipeline.selection import stages_to_report
 from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
@@ -122,6 +123,8 @@ class PipelineRouter:
         self.map = StageMap(self.pipeline.num_stages)
         self._map_read_at = -1e9
         self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
+        # node id -> unix time of the failure that put it on the avoid list (compared with its announcements)
+        self.failed_at: BoundedDict[str, float] = BoundedDict(4096)
         self.strikes: BoundedDict[str, int] = BoundedDict(4096)  # node id -> hops failed in a row
         self.hop_failures: Counter[str] = Counter()
         self.wrong_fingerprint = 0
@@ -155,6 +158,7 @@ class PipelineRouter:
         self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
         if self.strikes[node_id] >= STRIKES or failure.reason == "timeout":
             self.avoid[node_id] = time.monotonic() + self.pipeline.avoid_s
+            self.failed_at[node_id] = time.time()
             self.strikes.pop(node_id, None)
         log.info("hop failed: %s", failure)
 
@@ -252,10 +256,9 @@ class PipelineRouter:
             if not missing:
                 return
             now = time.monotonic()
-            # a report would hide their servers' announcements
-            rebuilding = [i for i in missing if self.map.loading.get(i)]
-            if now - reported >= WAIT_LOG_EVERY_S / 3 and len(rebuilding) < len(missing):
-                await self.report_lost([i for i in missing if i not in rebuilding])
+            lost = stages_to_report(self.map, missing, self.failed_at)
+            if now - reported >= WAIT_LOG_EVERY_S / 3 and lost:
+                await self.report_lost(lost)
                 reported = now
             if now - said >= WAIT_LOG_EVERY_S:
                 log.warning(

@@ -40,6 +40,7 @@ single move from the same map, so two servers never leave one stage at once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from node.pipeline.stagemap import StageMap
@@ -62,14 +63,38 @@ def live_view(stage_map: StageMap, now: float, fresh_s: float) -> StageMap:
         lost_at = stage_map.lost.get(item.stage)
         return now - signed <= fresh_s and (lost_at is None or item.state == "spare" or signed > lost_at)
 
-    kept = [s for group in (*stage_map.servers.values(), *stage_map.loading.values()) for s in group] + stage_map.spares
-    kept = [s for s in kept if counted(s)]
-    standing = {i: t for i, t in stage_map.lost.items() if not any(s.stage == i and s.state != "spare" for s in kept)}
+    announced = [s for group in (*stage_map.servers.values(), *stage_map.loading.values()) for s in group]
+    kept = [s for s in announced + stage_map.spares if counted(s)]
+    # a report is superseded by any later announcement of its stage, fresh or not: a live server that is only slow
+    # to re-announce must not bring back an old report (it would rank its stage before a really dead one)
+    standing = {
+        i: t
+        for i, t in stage_map.lost.items()
+        if not any(s.stage == i and stage_map.signed_at.get(s.node_id, now) > t for s in announced)
+    }
     view = StageMap.from_announcements(
         stage_map.num_stages, kept, {s.node_id: stage_map.signed_at.get(s.node_id, now) for s in kept}, standing
     )
     view.refused = stage_map.refused
     return view
+
+
+def stages_to_report(stage_map: StageMap, missing: list[int], failed_at: dict[str, float]) -> list[int]:
+    """The stages a driver that finds `missing` without a usable server reports lost: not those being rebuilt
+    (a loading server is there), nor those with a server that announced after it failed our call (`failed_at`:
+    node id -> unix time of that failure). That one is alive, only slow or briefly stuck: a report, signed now,
+    would hide its earlier announcements from every chooser until it announces again, and a waiting driver
+    re-reports every few seconds, so a newcomer would rebuild a stage that has a server and leave a dead one
+    empty. (A dead server's clock running ahead of ours by more than the time since its last announcement could
+    make it look alive here until its announcement ages out of the TTL.)"""
+
+    def announced_since_failing(stage: int) -> bool:
+        return any(
+            stage_map.signed_at.get(s.node_id, 0.0) > failed_at.get(s.node_id, math.inf)
+            for s in stage_map.servers.get(stage, [])
+        )
+
+    return [i for i in missing if not stage_map.loading.get(i) and not announced_since_failing(i)]
 
 
 def holes(view: StageMap) -> list[int]:
@@ -153,9 +178,20 @@ def plan_move(
     now: float,
     grace_s: float,
     balance_quality: float,
+    fresh_s: float = math.inf,
 ) -> Move | None:
-    """Should this serving server (`me`, its current announcement) move, and where? See the module docstring."""
-    if me.state != "serving" or len(_serving(view, me.stage, me)) < 2:
+    """Should this serving server (`me`, its current announcement) move, and where? See the module docstring.
+
+    It leaves its stage only while another server of it re-signed within `fresh_s` (see `fresh_window_s`): a
+    killed replica's last announcement stays in a TTL view, and comes back into it when the driver's next report
+    replaces the one that named its stage; counting it as company would move the stage's only live server away.
+    """
+    company = [
+        s
+        for s in _serving(view, me.stage, me)
+        if s.node_id != me.node_id and now - view.signed_at.get(s.node_id, -math.inf) <= fresh_s
+    ]
+    if me.state != "serving" or not company:
         return None
     overdue = [i for i in holes(view) if now - empty_since.get(i, now) >= grace_s]
     free = [s.node_id for s in movers(view, me)]

@@ -309,8 +309,8 @@ class StageServer:
             return None
         now = time.time()
         # A server slow to announce must not set replicas moving: a stage is empty when a driver reported it lost, or
-        # when
-        # its announcements aged out of the TTL (not the newcomers' stricter freshness).
+        # when its announcements aged out of the TTL (not the newcomers' stricter freshness). The company a mover
+        # leaves behind must be fresh, though (plan_move's fresh_s).
         view = live_view(self._latest_map, now, self.pipeline.announce_ttl_s)
         self._empty_since = update_empty_since(self._empty_since, view, now)
         return plan_move(
@@ -320,6 +320,7 @@ class StageServer:
             now,
             self.pipeline.rebalance_grace_s,
             self.pipeline.balance_quality,
+            fresh_s=fresh_window_s(self.pipeline.announce_interval_s, self.pipeline.announce_ttl_s),
         )
 
     async def move(self, move: Move) -> RecoveryEvent:
