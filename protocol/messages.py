@@ -365,8 +365,14 @@ class StageLost:
     driver, replaced by its next). Why: a killed server's last announcement stays readable
     until it ages out, so a joining server or a spare would count it as live and pick
     another stage. Readers honour a report until the stage announces again: a server
-    announcement of a named stage signed before the report is not counted as live
-    (node/pipeline/selection.py)."""
+    announcement of a named stage signed before the stage was found lost is not counted as
+    live (node/pipeline/selection.py).
+
+    Minor 7, `lost_at`: when each stage was found lost, so that a driver can keep naming a
+    stage that was rebuilt (its dead server's last announcement must stay hidden until it
+    ages out) without hiding the new server, and re-publish without re-dating older losses.
+    A reader takes each time no later than the envelope's timestamp; a minor 4-6 report has
+    none, and its stages count as lost at its timestamp."""
 
     KIND: ClassVar[MessageKind] = MessageKind.STAGE_LOST
 
@@ -374,6 +380,8 @@ class StageLost:
     model_fingerprint: str  # the whole model's fingerprint, as in StageAnnouncement
     num_stages: int  # S: how the model is split (1..MAX_STAGES)
     stages: list[int]  # the stages found lost, each in [0, S), no repeats, at most MAX_LOST_STAGES; [] withdraws
+    # minor 7: unix time each of `stages` was found lost (same length), or [] (they count from the signature)
+    lost_at: list[float] = since_minor(7, list)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -381,7 +389,14 @@ class StageLost:
             "model_fingerprint": self.model_fingerprint,
             "num_stages": self.num_stages,
             "stages": list(self.stages),
+            "lost_at": list(self.lost_at),
         }
+
+    def times(self, signed_at: float) -> dict[int, float]:
+        """stage -> when it was found lost, none later than `signed_at` (the envelope's timestamp)."""
+        if not self.lost_at:
+            return {stage: signed_at for stage in self.stages}
+        return {stage: min(t, signed_at) for stage, t in zip(self.stages, self.lost_at)}
 
     @classmethod
     def from_wire(cls, obj: Any, limits: Limits = DEFAULT_LIMITS, *, minor: int = PROTOCOL_MINOR) -> Self:
@@ -394,11 +409,17 @@ class StageLost:
         ]
         if len(set(stages)) != len(stages):
             reject(Refusal.BAD_VALUE, f"stages {stages} repeat a stage")
+        lost_at = []
+        if "lost_at" in f:  # absent from a minor 4-6 sender
+            lost_at = [check_float(t, "lost_at", lo=0.0) for t in check_list(f["lost_at"], "lost_at", MAX_LOST_STAGES)]
+            if lost_at and len(lost_at) != len(stages):
+                reject(Refusal.BAD_VALUE, f"lost_at has {len(lost_at)} times for {len(stages)} stages")
         return cls(
             node_id=f["node_id"],
             model_fingerprint=check_str(f["model_fingerprint"], "model_fingerprint", MAX_FINGERPRINT_CHARS),
             num_stages=num_stages,
             stages=stages,
+            lost_at=lost_at,
         )
 
     def claimed_node_id(self) -> str | None:

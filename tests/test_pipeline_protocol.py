@@ -23,7 +23,7 @@ GOLDEN_STAGE_LOST_1_5 = (  # as a 1.5 sender encoded it (minor 6 changed the DHT
     "d0abe2c5a6e5a12c655a30cf8b9421d0f9acfc55a42efead72bf266cc8cc26afe126278180e227557d33d7ce35090705"
 )
 
-GOLDEN_STAGE_LOST = (  # this minor's encoding (6): a change here breaks every deployed driver and server
+GOLDEN_STAGE_LOST_1_6 = (  # as a 1.6 sender encoded it: no lost_at, the stages count as lost when it was signed
     "92c4ab97920106aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
     "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000084a76e6f64655f6964d928353634373561613735343633"
     "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
@@ -32,8 +32,24 @@ GOLDEN_STAGE_LOST = (  # this minor's encoding (6): a change here breaks every d
 )
 
 
+GOLDEN_STAGE_LOST = (  # this minor's encoding (7): a change here breaks every deployed driver and server
+    "92c4c697920107aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
+    "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000085a76e6f64655f6964d928353634373561613735343633"
+    "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
+    "696e792d7177656eaa6e756d5f73746167657304a6737461676573920102a76c6f73745f617492cb41d954fc40200000"
+    "cb41d954fc40d00000c4402c027f1286759572738d39e56c27614c99c77a65355c52d2fb293a4e2486bf215c6840ff78"
+    "f24fd445a9b83c521ee85236b2e39d0e424636779a5923f36c560a"
+)
+
+
 def make_report(**overrides) -> StageLost:
-    fields = {"node_id": IDENTITY.node_id, "model_fingerprint": "tiny-qwen", "num_stages": 4, "stages": [1, 2]}
+    fields = {
+        "node_id": IDENTITY.node_id,
+        "model_fingerprint": "tiny-qwen",
+        "num_stages": 4,
+        "stages": [1, 2],
+        "lost_at": [1_700_000_000.5, 1_700_000_003.25],
+    }
     return StageLost(**{**fields, **overrides})
 
 
@@ -41,8 +57,17 @@ def test_golden_stage_lost():
     assert encode(make_report(), seq=3).hex() == GOLDEN_STAGE_LOST
     envelope = decode(bytes.fromhex(GOLDEN_STAGE_LOST))
     assert envelope.message == make_report() and envelope.kind == "stage_lost"
-    assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_4)).message == make_report()
-    assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_5)).message == make_report()
+    for older in (GOLDEN_STAGE_LOST_1_4, GOLDEN_STAGE_LOST_1_5, GOLDEN_STAGE_LOST_1_6):
+        assert decode(bytes.fromhex(older)).message == make_report(lost_at=[])
+
+
+def test_each_stage_counts_as_lost_from_when_it_was_found_and_never_after_the_report_was_signed():
+    assert make_report().times(signed_at=1_700_000_010.0) == {1: 1_700_000_000.5, 2: 1_700_000_003.25}
+    # a time after the signature is taken as the signature's: a report cannot hide announcements made after it
+    assert make_report().times(signed_at=1_700_000_001.0) == {1: 1_700_000_000.5, 2: 1_700_000_001.0}
+    # an older sender's report has no times: every stage counts from its signature
+    assert make_report(lost_at=[]).times(signed_at=1_700_000_010.0) == {1: 1_700_000_010.0, 2: 1_700_000_010.0}
+    assert decode(encode(make_report(lost_at=[]))).message.lost_at == []  # the same, from this minor
 
 
 @pytest.mark.parametrize(
@@ -56,6 +81,11 @@ def test_golden_stage_lost():
         ({**make_report().to_wire(), "num_stages": 0}, Refusal.BAD_VALUE),
         ({**make_report().to_wire(), "node_id": "not-hex"}, Refusal.BAD_VALUE),
         ({k: v for k, v in make_report().to_wire().items() if k != "stages"}, Refusal.BAD_STRUCTURE),
+        ({k: v for k, v in make_report().to_wire().items() if k != "lost_at"}, Refusal.BAD_STRUCTURE),  # minor 7 has it
+        ({**make_report().to_wire(), "lost_at": [1.0]}, Refusal.BAD_VALUE),  # one time for two stages
+        ({**make_report().to_wire(), "lost_at": [1.0, -1.0]}, Refusal.BAD_VALUE),
+        ({**make_report().to_wire(), "lost_at": [1.0, float("nan")]}, Refusal.BAD_VALUE),
+        ({**make_report().to_wire(), "lost_at": [1.0, 2]}, Refusal.BAD_STRUCTURE),  # an int is not a time
     ],
 )
 def test_malformed_reports_are_refused(payload, reason):
@@ -72,4 +102,4 @@ def test_a_report_is_signed_by_the_driver_it_names():
 
 
 def test_an_empty_report_withdraws():
-    assert decode(encode(make_report(stages=[]))).message.stages == []
+    assert decode(encode(make_report(stages=[], lost_at=[]))).message.stages == []

@@ -9,14 +9,15 @@ from node.pipeline.selection import (
     fresh_window_s,
     holes,
     live_view,
+    lost_report,
     movers,
     plan_move,
     spare_assignment,
     stages_to_report,
     update_empty_since,
 )
-from node.pipeline.stagemap import StageMap
-from protocol import StageAnnouncement
+from node.pipeline.stagemap import StageMap, latest_losses
+from protocol import StageAnnouncement, StageLost
 
 NOW = 1_700_000_000.0
 FRESH = fresh_window_s(announce_interval_s=2.0, announce_ttl_s=8.0)
@@ -250,3 +251,29 @@ def test_two_servers_of_a_stage_never_both_leave_it_for_holes():
     since = {2: NOW - 10, 3: NOW - 10}
     moves = [plan_move(view, s, since, NOW, 6.0, 0.75) for s in servers]
     assert moves == [None, None, Move(2, "stage 2 had no live server for 10.0s")]
+
+
+def test_a_driver_keeps_a_rebuilt_stage_in_its_report_with_its_old_time_until_the_dead_announcements_age_out():
+    # stage 2 found lost at NOW - 4 (earlier in this wait); now stage 0 is lost too, and 2 was rebuilt
+    report = lost_report({2: NOW - 4}, [0], dated={2}, now=NOW, hold_s=8.0)
+    assert report == {2: NOW - 4, 0: NOW}  # 2 is still named, not re-dated: its new server is not hidden
+    assert lost_report(report, [0], dated={2, 0}, now=NOW + 5, hold_s=8.0) == {0: NOW}  # 2 aged out, 0 kept its time
+    # found lost again in a later wait (served in between): dated anew
+    assert lost_report({2: NOW - 4}, [2], dated=set(), now=NOW, hold_s=8.0) == {2: NOW}
+
+
+def test_readers_take_each_stage_from_when_it_was_found_lost():
+    dead, rebuilt = server("c", 2), server("e", 2)
+    report = StageLost(
+        node_id="d" * 40, model_fingerprint="m", num_stages=4, stages=[0, 2], lost_at=[NOW - 0.5, NOW - 4.0]
+    )
+    lost = latest_losses([(report, NOW - 0.5)], "m", 4)
+    assert lost == {0: NOW - 0.5, 2: NOW - 4.0}
+    view = live_view(
+        stage_map((dead, 6.0), (rebuilt, 3.0), (server("b", 1), 0.2), lost={i: NOW - t for i, t in lost.items()}),
+        NOW,
+        8.0,
+    )
+    # the killed server of stage 2 stays hidden, the one that rebuilt it after the loss counts
+    assert [s.node_id for s in view.servers[2]] == [rebuilt.node_id] and 2 not in view.lost
+    assert holes(view) == [0, 3]

@@ -35,7 +35,7 @@ import torch
 
 from node.config import NodeConfig
 from node.pipeline.client import HopFailed, call_stage, handler_name
-from node.pipeline.selection import stages_to_report
+from node.pipeline.selection import lost_report, stages_to_report
 from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
@@ -125,6 +125,7 @@ class PipelineRouter:
         self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
         # node id -> unix time of the failure that put it on the avoid list (compared with its announcements)
         self.failed_at: BoundedDict[str, float] = BoundedDict(4096)
+        self.lost_at: dict[int, float] = {}  # what our lost report names: stage -> unix time we found it lost
         self.strikes: BoundedDict[str, int] = BoundedDict(4096)  # node id -> hops failed in a row
         self.hop_failures: Counter[str] = Counter()
         self.wrong_fingerprint = 0
@@ -250,6 +251,7 @@ class PipelineRouter:
         Meanwhile: report the missing stages lost, and say which ones we wait for every WAIT_LOG_EVERY_S."""
         started = time.monotonic()
         said = reported = -math.inf
+        dated: set[int] = set()  # stages found lost in this wait (they keep that time in our reports)
         while True:
             await self.refresh(force=True)
             missing = self.missing_stages()
@@ -257,8 +259,10 @@ class PipelineRouter:
                 return
             now = time.monotonic()
             lost = stages_to_report(self.map, missing, self.failed_at)
+            self.lost_at = lost_report(self.lost_at, lost, dated, time.time(), self.pipeline.announce_ttl_s)
+            dated.update(lost)
             if now - reported >= WAIT_LOG_EVERY_S / 3 and lost:
-                await self.report_lost(lost)
+                await self.report_lost(self.lost_at)
                 reported = now
             if now - said >= WAIT_LOG_EVERY_S:
                 log.warning(
@@ -270,14 +274,14 @@ class PipelineRouter:
                 said = now
             await asyncio.sleep(min(1.0, self.pipeline.announce_interval_s))
 
-    async def report_lost(self, stages: list[int]) -> None:
-        """Publish our signed report that every server of `stages` failed (see protocol.StageLost)."""
+    async def report_lost(self, lost_at: dict[int, float]) -> None:
+        """Publish our signed report of the stages whose every server failed, and since when (protocol.StageLost)."""
         if self.reporter is None:
             return
         try:
-            await self.reporter.publish(stages)
+            await self.reporter.publish(lost_at)
         except Exception as exc:  # noqa: BLE001 - a report is a hint to choosers; the driver waits on whether it was stored or not
-            log.warning("could not publish the lost report of stage(s) %s: %s", stages, exc)
+            log.warning("could not publish the lost report of stage(s) %s: %s", sorted(lost_at), exc)
 
     def missing_stages(self) -> list[int]:
         return [i for i in range(self.pipeline.num_stages) if not self.map.live(i, self.avoided())]

@@ -97,6 +97,22 @@ def stages_to_report(stage_map: StageMap, missing: list[int], failed_at: dict[st
     return [i for i in missing if not stage_map.loading.get(i) and not announced_since_failing(i)]
 
 
+def lost_report(
+    previous: dict[int, float], found: list[int], dated: set[int], now: float, hold_s: float
+) -> dict[int, float]:
+    """A driver's next report (stage -> when found lost) from its last one and the stages it `found` lost now.
+
+    A stage keeps the time it was first found in this wait (`dated`: those found earlier in it), so publishing
+    again does not re-date it; found again in a later wait (it was served in between), it is dated anew. A stage
+    no longer found stays named for `hold_s` (the announcements' TTL) after its loss: until then its dead
+    server's last announcement is readable, and dropping the stage from the report (the record is replaced)
+    would let every reader count that server as live again, beside the one that rebuilt the stage."""
+    report = {i: t for i, t in previous.items() if now - t < hold_s}
+    for i in found:
+        report[i] = previous[i] if i in dated and i in previous else now
+    return report
+
+
 def holes(view: StageMap) -> list[int]:
     """Stages with no serving and no loading server, reported-lost ones first, then by index."""
     empty = [i for i in range(view.num_stages) if not view.servers.get(i) and not view.loading.get(i)]

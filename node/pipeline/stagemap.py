@@ -10,7 +10,7 @@ servers pick their stage from it (`auto`: least live capacity), spares watch it 
 stage with no server left, and recoveries find their sources in it.
 
 Lost reports: key `<swarm prefix>/stages-lost`, subkey = a driver's node id, value = a signed
-`protocol.StageLost` naming the stages whose every server failed its calls. Choosers read
+`protocol.StageLost` naming the stages whose every server failed its calls, and when each was found so. Choosers read
 both keys and count as live only what `selection.live_view` keeps: announcements refreshed
 within a couple of announce intervals and not older than a lost report of their stage.
 """
@@ -159,12 +159,12 @@ async def read_lost_reports(dht, config: NodeConfig) -> list[tuple[StageLost, fl
 
 
 def latest_losses(reports: list[tuple[StageLost, float]], model_fingerprint: str, num_stages: int) -> dict[int, float]:
-    """stage -> time of the latest report naming it, over the reports about this pipeline."""
+    """stage -> the latest time a report about this pipeline says it was found lost."""
     lost: dict[int, float] = {}
     for report, signed in reports:
         if report.model_fingerprint == model_fingerprint and report.num_stages == num_stages:
-            for stage in report.stages:
-                lost[stage] = max(lost.get(stage, 0.0), signed)
+            for stage, found in report.times(signed).items():
+                lost[stage] = max(lost.get(stage, 0.0), found)
     return lost
 
 
@@ -212,12 +212,15 @@ class LostReporter:
         self.model_fingerprint = model_fingerprint
         self.key = lost_key(session.config.swarm.swarm_id)
 
-    async def publish(self, stages: list[int]) -> bool:
+    async def publish(self, lost_at: dict[int, float]) -> bool:
+        """Replace our report with `lost_at` (stage -> unix time we found it lost)."""
+        stages = sorted(lost_at)[:MAX_LOST_STAGES]
         report = StageLost(
             node_id=self.session.identity.node_id,
             model_fingerprint=self.model_fingerprint,
             num_stages=self.session.config.pipeline.num_stages,
-            stages=sorted(set(stages))[:MAX_LOST_STAGES],
+            stages=stages,
+            lost_at=[float(lost_at[i]) for i in stages],
         )
         return await self.session.store(self.key, report)
 
