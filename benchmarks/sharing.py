@@ -369,6 +369,16 @@ def spread(values: list[float]) -> dict:
     }
 
 
+def arm_label(run: dict) -> str:
+    """The arm, and the --set overrides it ran with, if any: `sapo_imitate[kl_beta=0.04]`."""
+    overrides = run.get("overrides") or []
+    return run["arm"] + (f"[{','.join(o.split('.')[-1] for o in overrides)}]" if overrides else "")
+
+
+def base_arm(label: str) -> str:
+    return label.split("[")[0]
+
+
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     # one transport at a time (--transport): a run through the DHT must not stand in for its seed's in-process one
@@ -379,8 +389,8 @@ def report(args) -> None:
     if args.report_arms:
         runs = [run for run in runs if run["arm"] in args.report_arms]
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
-    for run in runs:  # the newest run of each (setting, arm, seed) counts
-        by_key.setdefault((run["setting"], run["arm"]), {})[run["seed"]] = run
+    for run in runs:  # the newest run of each (setting, arm and its --set overrides, seed) counts
+        by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
     summary: dict = {"benchmark": "sharing"}
     silo_round_s = (
         statistics.fmean(
@@ -421,7 +431,8 @@ def report(args) -> None:
             row["weak_gain_points_vs_silo"] = spread(
                 [100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common]
             )
-            if arm in SWARM_ARMS and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
+            swarm_arm = base_arm(arm) in SWARM_ARMS
+            if swarm_arm and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
                 control = spec_arms["silo_imitate"]
                 row["weak_gain_points_vs_silo_imitate"] = spread(
@@ -430,7 +441,7 @@ def report(args) -> None:
                         for s in common
                     ]
                 )
-            charge = args.network_charge * silo_round_s if arm in SWARM_ARMS else 0.0
+            charge = args.network_charge * silo_round_s if swarm_arm else 0.0
             speedups, speedups_net = [], []
             for s in common:
                 # S = the compute the silo needs to reach its final held-out / what this arm needs to reach it
@@ -481,6 +492,7 @@ def report(args) -> None:
                 flush=True,
             )
         summary["specialists"] = table
+        # an arm run with --set overrides is a variant (its label says which), never the shipped arm
         swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
         # the best arm among those run on the most seeds: a 2-seed pilot must not outrank a 3-seed result
         most_seeds = max((len(row["seeds"]) for row in swarm_rows.values()), default=0)
