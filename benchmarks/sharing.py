@@ -391,6 +391,11 @@ def report(args) -> None:
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
     for run in runs:  # the newest run of each (setting, arm and its --set overrides, seed) counts
         by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
+    # the sparse setting's runs are compared at one horizon (--rounds) at a time: a longer run is another figure
+    sparse_by_rounds: dict[int, dict[str, dict[int, dict]]] = {}
+    for run in runs:
+        if run["setting"] == "sparse":
+            sparse_by_rounds.setdefault(run["rounds_limit"], {}).setdefault(arm_label(run), {})[run["seed"]] = run
     summary: dict = {"benchmark": "sharing"}
     silo_round_s = (
         statistics.fmean(
@@ -524,23 +529,31 @@ def report(args) -> None:
         best = summary.get("best_arm")
         summary["homogeneous_ratio_per_seed"] = ratios.get(best) if best else None
         summary["homogeneous_ratios"] = ratios
-    # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours
-    sparse = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "sparse"}
-    for name, silo_arm in (
-        ("sapo_ratio_vs_paper_silo_per_seed", "paper_silo"),
-        ("sapo_ratio_vs_our_silo_per_seed", "silo"),
-    ):
-        if "paper_sapo" in sparse and silo_arm in sparse:
-            common = sorted(set(sparse["paper_sapo"]) & set(sparse[silo_arm]))
-            summary[name] = [
-                statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"])
-                / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"])
-                for s in common
-            ]
-            print(
-                f"sparse: paper's 4/4 cumulative reward / {silo_arm}, per seed {[round(r, 3) for r in summary[name]]}",
-                flush=True,
-            )
+    # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours, at each horizon run; the summary's
+    # per-seed fields keep the horizon with the most seeds of the paper's two arms (then the longest)
+    horizons: dict[int, dict[str, list[float]]] = {}
+    for rounds, sparse in sorted(sparse_by_rounds.items()):
+        for name, silo_arm in (
+            ("sapo_ratio_vs_paper_silo_per_seed", "paper_silo"),
+            ("sapo_ratio_vs_our_silo_per_seed", "silo"),
+        ):
+            if "paper_sapo" in sparse and silo_arm in sparse:
+                common = sorted(set(sparse["paper_sapo"]) & set(sparse[silo_arm]))
+                horizons.setdefault(rounds, {})[name] = [
+                    statistics.fmean(sparse["paper_sapo"][s]["cumulative_reward"])
+                    / statistics.fmean(sparse[silo_arm][s]["cumulative_reward"])
+                    for s in common
+                ]
+                ratios = [round(r, 3) for r in horizons[rounds][name]]
+                print(
+                    f"sparse, {rounds} rounds: paper's 4/4 cumulative reward / {silo_arm}, seeds {common}: {ratios}",
+                    flush=True,
+                )
+    if horizons:
+        kept = max(horizons, key=lambda r: (len(horizons[r].get("sapo_ratio_vs_paper_silo_per_seed", [])), r or 0))
+        summary.update(horizons[kept])
+        summary["sparse_rounds"] = kept
+        summary["sparse_by_rounds"] = {str(r): ratios for r, ratios in horizons.items()}
     if "silo" in spec_arms:
         summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
