@@ -26,7 +26,8 @@ the same map agree without talking.
 Rebalancing (`plan_move`), checked by each serving server every announce interval:
 1. a stage left with no server for `grace_s` (as this server observed it) gets a replica of
    a stage that has several: the movers are every server of such a stage but its keeper
-   (the smallest node id), ranked by node id; the k-th mover takes the k-th hole;
+   (the smallest node id), ranked by node id; the k-th mover takes the k-th hole; a server moves
+   only while another server of its stage is fresh (a dead replica's announcement is no company);
 2. else, when every stage is served and every server has measured its throughput, Petals'
    rule: the one move that raises the pipeline's bottleneck (the least total samples/s of any
    stage) the most is made if it raises it by more than 1/`balance_quality`, and only by the
