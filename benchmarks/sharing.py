@@ -244,7 +244,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
-        if args.rounds is None and sum(rounds) % (NODES * 50) == 0:
+        if sum(rounds) % (NODES * 50) == 0:  # progress, in budget and in --rounds runs alike
             print(
                 f"  {setting} {arm} seed {seed}: rounds {rounds}, compute {[round(c) for c in compute]} s, "
                 f"{time.monotonic() - started:.0f} s wall",
