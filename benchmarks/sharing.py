@@ -372,7 +372,8 @@ def spread(values: list[float]) -> dict:
 def arm_label(run: dict) -> str:
     """The arm, and the --set overrides it ran with, if any: `sapo_imitate[kl_beta=0.04]`."""
     overrides = run.get("overrides") or []
-    return run["arm"] + (f"[{','.join(o.split('.')[-1] for o in overrides)}]" if overrides else "")
+    short = [key.split(".")[-1] + "=" + value for key, _, value in (o.partition("=") for o in overrides)]
+    return run["arm"] + (f"[{','.join(short)}]" if short else "")
 
 
 def base_arm(label: str) -> str:
