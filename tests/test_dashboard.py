@@ -20,7 +20,7 @@ from rich.console import Console
 from node.dashboard.server import MAX_REQUEST_BYTES, DashboardServer
 from node.dashboard.sources import DashboardSources, MetricsTail, PeerHistory
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
-from tests.helpers.swarm import SwarmProcess, wait_for
+from tests.helpers.swarm import SwarmProcess, peers_listed, wait_for
 
 PEER_ROW = dict(
     node_id="12D3KooWAbcdefghijklmnop",
@@ -271,16 +271,8 @@ def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml,
         wait_for(ready, 300, "two peers, three metrics rows and some heartbeat history on the dashboard", interval=1)
 
         # /api/peers is what `swarm-node peers --json` prints (the same function): same peers, same fields.
-        listed = subprocess.run(
-            cli("peers", "--initial-peers", bootstrap[0], "--swarm-id", "test-swarm", "--json"),
-            capture_output=True,
-            text=True,
-            env=cli_env,
-            cwd=REPO,
-            timeout=CLI_TIMEOUT_S,
-        )
-        assert listed.returncode == 0, listed.stderr
-        from_cli, from_api = json.loads(listed.stdout.strip().splitlines()[-1]), get_json(url + "api/peers")
+        from_cli = peers_listed(bootstrap[0], "test-swarm", cli_env, must_succeed=True)
+        from_api = get_json(url + "api/peers")
         assert [r["node_id"] for r in from_cli] == [r["node_id"] for r in from_api] and [set(r) for r in from_cli] == [
             set(r) for r in from_api
         ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
 import time
 
 import msgpack
@@ -15,9 +14,8 @@ from node.stats import RecordRefusals
 from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
 from protocol import shards as shard_keys
 from protocol import AveragingReady, MessageKind, NodeIdentity, decode_message, encode_message
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.messages import stats_message
-from tests.helpers.swarm import SwarmProcess, read_rows, wait_for
+from tests.helpers.swarm import SwarmProcess, peers_listed, read_rows, wait_for
 
 SWARM = "test-swarm"
 log = logging.getLogger(__name__)
@@ -176,16 +174,7 @@ async def _poisoned_holder_scenario():
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(
-        cli("peers", "--initial-peers", address, "--swarm-id", SWARM, "--json"),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=CLI_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return peers_listed(address, SWARM, env, must_succeed=True)
 
 
 async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]:

@@ -4,15 +4,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
-from tests.helpers.swarm import read_rows, wait_for
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES
+from tests.helpers.swarm import peers_listed, read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lab import Lab, Link, lab_unavailable, node_summary, start_swarm  # noqa: E402
@@ -42,21 +40,7 @@ def prebuilt(model_cache):
 
 def listed_by(lab: Lab, index: int, bootstrap: str, env) -> set[str]:
     """Display names of the live peers, as `swarm-node peers` run inside node `index`'s namespace lists them."""
-    result = subprocess.run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            lab.ns(index),
-            *cli("peers", "--initial-peers", bootstrap, "--swarm-id", SWARM_ID, "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=CLI_TIMEOUT_S,
-    )
-    return {row["display_name"] for row in json.loads(result.stdout)} if result.returncode == 0 else set()
+    return {row["display_name"] for row in peers_listed(bootstrap, SWARM_ID, env, netns=lab.ns(index))}
 
 
 def last_round(state_dir) -> int:

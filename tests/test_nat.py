@@ -7,16 +7,15 @@ public node to the NAT'd node's listening port fails, while the NAT'd node dials
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from node.config import dump_config, load_config
 from protocol import NodeIdentity
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.helpers.common import REPO, TINY_OVERRIDES
 from tests.helpers.pipeline import PIPELINE_OVERRIDES, assert_trains, recoveries
-from tests.helpers.swarm import read_rows, wait_for
+from tests.helpers.swarm import peers_listed, read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lab import Lab, lab_unavailable  # noqa: E402
@@ -115,25 +114,8 @@ def wait_uses(lab: Lab, tmp_path, user: int, source: int) -> None:
 
 
 def reachability_listed(lab: Lab, index: int, bootstrap: str, env) -> dict[str, str]:
-    result = subprocess.run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            lab.ns(index),
-            *cli("peers", "--initial-peers", bootstrap, "--swarm-id", "nat-test", "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=CLI_TIMEOUT_S,
-    )
-    return (
-        {row["display_name"]: row["reachability"] for row in json.loads(result.stdout)}
-        if result.returncode == 0
-        else {}
-    )
+    rows = peers_listed(bootstrap, "nat-test", env, netns=lab.ns(index))
+    return {row["display_name"]: row["reachability"] for row in rows}
 
 
 def test_a_node_behind_nat_and_two_public_nodes_use_each_others_rollouts(tmp_path, model_cache, cli_env):

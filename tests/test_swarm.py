@@ -9,7 +9,7 @@ import pytest
 
 from node.config import load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
-from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, read_rows, wait_for
+from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, peers_listed, read_rows, wait_for
 
 
 def uses_peers(state_dir) -> bool:
@@ -17,16 +17,7 @@ def uses_peers(state_dir) -> bool:
 
 
 def peers_json(env, address: str) -> list[dict]:
-    result = subprocess.run(
-        cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=CLI_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return peers_listed(address, "test-swarm", env, must_succeed=True)
 
 
 def wait_for_peers(env, address: str, count: int) -> list[dict]:

@@ -15,8 +15,8 @@ import pytest
 
 from node.config import dump_config, load_config
 from node.transport.dht import routable_gossip_addresses
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
-from tests.helpers.swarm import SWARM_OVERRIDES, read_rows, wait_for
+from tests.helpers.common import REPO, cli
+from tests.helpers.swarm import SWARM_OVERRIDES, peers_listed, read_rows, wait_for
 
 
 def _netns_unavailable() -> str | None:
@@ -146,22 +146,7 @@ def test_gossip_and_rollouts_cross_two_hosts(model_cache, tmp_path, cli_env, two
                 interval=1,
             )
         # What each node advertises, as a third party on host b reads it from the DHT: dialable addresses only.
-        peers = subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                two_hosts[1],
-                *cli("peers", "--initial-peers", address, "--swarm-id", "test-swarm", "--json"),
-            ],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-            cwd=REPO,
-            timeout=CLI_TIMEOUT_S,
-        )
-        assert peers.returncode == 0, peers.stderr[-2000:]
-        rows = json.loads(peers.stdout.splitlines()[0])
+        rows = peers_listed(address, "test-swarm", cli_env, netns=two_hosts[1], must_succeed=True)
         advertised = {row["node_id"]: row["gossip_addresses"] for row in rows}
         assert len(advertised) == 2 and all(advertised.values()), advertised
         assert not [a for addresses in advertised.values() for a in addresses if "/0.0.0.0/" in a or "/ip6/::/" in a], (

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.helpers.common import REPO, TINY_OVERRIDES, cli
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
 
 SWARM_OVERRIDES = [
     *TINY_OVERRIDES,
@@ -27,6 +27,25 @@ SWARM_OVERRIDES = [
     "checkpoint_keep=1",
     "eval_every=0",
 ]
+
+
+def peers_listed(
+    bootstrap: str, swarm_id: str, env, netns: str | None = None, must_succeed: bool = False
+) -> list[dict]:
+    """The rows of `swarm-node peers --json` joined through `bootstrap`, run inside network namespace `netns` if
+    given. A failed command gives [] (a caller polls until the rows it waits for appear), or fails the test with its
+    stderr when `must_succeed`."""
+    inside = ["ip", "netns", "exec", netns] if netns else []
+    result = subprocess.run(
+        [*inside, *cli("peers", "--initial-peers", bootstrap, "--swarm-id", swarm_id, "--json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert result.returncode == 0 or not must_succeed, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else []
 
 
 # Every wait below is a hang guard, never a speed check: it returns as soon as its condition holds,
