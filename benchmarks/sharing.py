@@ -389,14 +389,15 @@ def report(args) -> None:
     # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
     if args.report_arms:
         runs = [run for run in runs if run["arm"] in args.report_arms]
+    # the newest run of each (setting, arm and its --set overrides, seed) counts; the sparse setting's runs are
+    # compared at one horizon (--rounds) at a time: a longer run is another figure, not a newer one
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
-    for run in runs:  # the newest run of each (setting, arm and its --set overrides, seed) counts
-        by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
-    # the sparse setting's runs are compared at one horizon (--rounds) at a time: a longer run is another figure
     sparse_by_rounds: dict[int, dict[str, dict[int, dict]]] = {}
     for run in runs:
         if run["setting"] == "sparse":
             sparse_by_rounds.setdefault(run["rounds_limit"], {}).setdefault(arm_label(run), {})[run["seed"]] = run
+        else:
+            by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
     summary: dict = {"benchmark": "sharing"}
     silo_round_s = (
         statistics.fmean(
