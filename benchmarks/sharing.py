@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import fcntl
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -59,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
+from node.compute import RoundWork, UnitCosts, model_shape_key  # noqa: E402
 from node.tasks import materialize  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
 from protocol import TaskSpec  # noqa: E402
@@ -78,6 +80,9 @@ ARM_BASE = [
     "swarm.external_use=policy",
     "trainer.imitation_coef=0.0",
     "trainer.importance_level=token",
+    "trainer.imitation_token_weight=uniform",
+    "trainer.imitation_coef_final=null",
+    "swarm.local_draw=mix",
 ]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
@@ -109,6 +114,17 @@ ARMS = {
         "swarm.generated_questions=8",
         "swarm.imitation=own",
         "trainer.imitation_coef=4.0",
+    ],
+    # own questions drawn after peers' groups, so that the round's batch keeps each specialty's share of the mix
+    "sapo_balance": [*SWARM_IMITATE, "trainer.imitation_coef=4.0", "swarm.local_draw=balance"],
+    # and CHORD's imitation: per-token weight p (1 - p), coefficient 4 -> 1 over 500 updates
+    "sapo_balance_chord": [
+        *SWARM_IMITATE,
+        "trainer.imitation_coef=4.0",
+        "swarm.local_draw=balance",
+        "trainer.imitation_token_weight=p_one_minus_p",
+        "trainer.imitation_coef_final=1.0",
+        "trainer.imitation_decay_updates=500",
     ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [
@@ -207,11 +223,33 @@ async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict
             node.backend.close()
 
 
+def unit_costs(node: Node, path: Path) -> UnitCosts:
+    config = node.model.config
+    shape = model_shape_key(config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+    return UnitCosts.load(path, shape)
+
+
 async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int, args) -> dict:
     questions = heldout_questions(nodes[0].config)
-    compute = [0.0] * NODES
+    costs = unit_costs(nodes[0], args.costs)
+    cpu = [0.0] * NODES
+    units = [0.0] * NODES
+    # the budget's axis: compute units (the load cannot move them) or, as before 2026-11-26, CPU seconds
+    compute = units if args.axis == "units" else cpu
+    phases = [{"generation_s": 0.0, "scoring_s": 0.0, "sharing_s": 0.0, "update_s": 0.0} for _ in nodes]
+    work = [RoundWork() for _ in nodes]
     rounds = [0] * NODES
-    curves: list[list[dict]] = [[{"compute_s": 0.0, "round": 0, **evaluate(node, questions)}] for node in nodes]
+
+    def point(i: int, node: Node) -> dict:
+        return {
+            "compute_s": compute[i],
+            "cpu_s": cpu[i],
+            "units": units[i],
+            "round": rounds[i],
+            **evaluate(node, questions),
+        }
+
+    curves: list[list[dict]] = [[point(i, node)] for i, node in enumerate(nodes)]
     rewards: list[list[float]] = [[] for _ in nodes]
     groups_used: list[list[int]] = [[] for _ in nodes]
     importance: list[float] = []
@@ -230,7 +268,12 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             node = nodes[i]
             before = time.process_time()
             row = await node.run_round()
-            compute[i] += time.process_time() - before
+            cpu[i] += time.process_time() - before
+            round_work = RoundWork.from_dict(row["work"])
+            units[i] += costs.units(round_work)
+            work[i] = work[i] + round_work
+            for phase in phases[i]:
+                phases[i][phase] += row.get(phase, 0.0)
             rounds[i] += 1
             rewards[i].append(row["reward_mean"])
             groups_used[i].append(row["groups_used"])
@@ -243,17 +286,22 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             imitated.append(row.get("imitation_sequences", 0))
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
-                curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
+                curves[i].append(point(i, node))
         if sum(rounds) % (NODES * 50) == 0:  # progress, in budget and in --rounds runs alike
             print(
-                f"  {setting} {arm} seed {seed}: rounds {rounds}, compute {[round(c) for c in compute]} s, "
+                f"  {setting} {arm} seed {seed}: rounds {rounds}, {args.axis} {[round(c) for c in compute]}, "
                 f"{time.monotonic() - started:.0f} s wall",
                 flush=True,
             )
     if args.rounds is not None:
         for i, node in enumerate(nodes):
-            curves[i].append({"compute_s": compute[i], "round": rounds[i], **evaluate(node, questions)})
+            curves[i].append(point(i, node))
     return {
+        "axis": args.axis,
+        "cpu_s": cpu,
+        "units": units,
+        "work": [w.as_dict() for w in work],
+        "phases_s": phases,
         "setting": setting,
         "arm": arm,
         "seed": seed,
@@ -276,6 +324,80 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "wall_s": time.monotonic() - started,
         "finished": time.time(),
     }
+
+
+async def round_cost(args) -> dict:
+    """What a round of each arm costs, its arms' nodes interleaved round by round so that they share the machine's load:
+    CPU seconds and compute units per round, each phase's share, and how well units predict the CPU seconds."""
+    phases = ("generation_s", "scoring_s", "sharing_s", "update_s")
+    with tempfile.TemporaryDirectory() as scratch:
+        arms = {arm: await make_nodes(args.setting, arm, args.seeds[0], scratch, args) for arm in args.arms}
+        costs = unit_costs(next(iter(arms.values()))[0], args.costs)
+        rows: dict[str, list[dict]] = {arm: [] for arm in arms}
+        try:
+            for warm in (True, False):  # a few rounds first: the first ones build caches and are not typical
+                for _ in range(args.round_cost_warmup if warm else args.round_cost):
+                    for arm, nodes in arms.items():
+                        for node in nodes:
+                            before = time.process_time()
+                            row = await node.run_round()
+                            cpu = time.process_time() - before
+                            if not warm:
+                                split = costs.split(RoundWork.from_dict(row["work"]))
+                                rows[arm].append({"cpu_s": cpu, "units": sum(split.values()), "split": split, **row})
+        finally:
+            for nodes in arms.values():
+                for node in nodes:
+                    await node.stop_services()
+                    node.backend.close()
+    table = {}
+    for arm, arm_rows in rows.items():
+        table[arm] = {
+            "rounds": len(arm_rows),
+            "cpu_s_per_round": statistics.fmean(r["cpu_s"] for r in arm_rows),
+            "units_per_round": statistics.fmean(r["units"] for r in arm_rows),
+            "cpu_s_by_phase": {phase: statistics.fmean(r.get(phase, 0.0) for r in arm_rows) for phase in phases},
+            "units_by_kind": {
+                kind: statistics.fmean(r["split"][kind] for r in arm_rows) for kind in arm_rows[0]["split"]
+            },
+            "work_per_round": {key: statistics.fmean(r["work"][key] for r in arm_rows) for key in arm_rows[0]["work"]},
+        }
+        table[arm]["units_per_cpu_s"] = table[arm]["units_per_round"] / table[arm]["cpu_s_per_round"]
+    every = [r for arm_rows in rows.values() for r in arm_rows]
+    mean_cpu = statistics.fmean(r["cpu_s"] for r in every)
+    # how well units predict a round's CPU time: R^2 of cpu = k * units (k fitted), over every round of every arm
+    k = sum(r["cpu_s"] * r["units"] for r in every) / sum(r["units"] ** 2 for r in every)
+    residual = sum((r["cpu_s"] - k * r["units"]) ** 2 for r in every)
+    total = sum((r["cpu_s"] - mean_cpu) ** 2 for r in every)
+    summary = {
+        "benchmark": "sharing_round_cost",
+        "setting": args.setting,
+        "seed": args.seeds[0],
+        "arms": table,
+        "cpu_s_per_unit_fitted": k,
+        "units_predict_cpu_r2": 1 - residual / total,
+        "load_average_1min": os.getloadavg()[0],
+    }
+    if "silo" in table:
+        summary["round_cost_ratio_vs_silo"] = {
+            arm: {
+                "units": row["units_per_round"] / table["silo"]["units_per_round"],
+                "cpu_s": row["cpu_s_per_round"] / table["silo"]["cpu_s_per_round"],
+            }
+            for arm, row in table.items()
+        }
+    for arm, row in table.items():
+        ratio = summary.get("round_cost_ratio_vs_silo", {}).get(arm)
+        print(
+            f"{arm:20s} {row['cpu_s_per_round']:.3f} CPU s, {row['units_per_round']:.3f} units a round"
+            + (f" ({ratio['cpu_s']:.2f}x / {ratio['units']:.2f}x a silo round)" if ratio else "")
+            + "; CPU s by phase "
+            + ", ".join(f"{phase.removesuffix('_s')} {v:.3f}" for phase, v in row["cpu_s_by_phase"].items())
+            + "; units by kind "
+            + ", ".join(f"{kind} {v:.3f}" for kind, v in row["units_by_kind"].items()),
+            flush=True,
+        )
+    return summary
 
 
 def append_result(path: Path, result: dict) -> None:
@@ -380,8 +502,20 @@ def base_arm(label: str) -> str:
     return label.split("[")[0]
 
 
+def on_axis(run: dict) -> dict:
+    """The run as the report reads it: `compute_s` and `budget_s` on the run's own axis (units runs: compute units)."""
+    if run.get("axis", "cpu") != "units":
+        return run
+    view = dict(run)
+    view["compute_s"] = run["units"]
+    view["curves"] = [[{**p, "compute_s": p["units"]} for p in curve] for curve in run["curves"]]
+    return view
+
+
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    # one axis at a time: a budget in units and one in CPU seconds are not the same work
+    runs = [on_axis(run) for run in runs if run.get("axis", "cpu") == args.axis]
     # one transport at a time (--transport): a run through the DHT must not stand in for its seed's in-process one
     runs = [run for run in runs if run.get("transport", "inprocess") == args.transport]
     if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
@@ -641,7 +775,17 @@ def main() -> None:
     parser.add_argument("--setting", choices=["specialists", "homogeneous", "sparse"], default="specialists")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo", "sapo", "sapo_cap"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--budget", type=float, default=300.0, help="CPU seconds of compute per node")
+    parser.add_argument(
+        "--budget", type=float, default=300.0, help="compute per node, on --axis (units: idle-machine CPU seconds)"
+    )
+    parser.add_argument(
+        "--axis",
+        choices=["units", "cpu"],
+        default="units",
+        help="the budget's axis: compute units (node/compute.py; load-free) or this process's CPU seconds; with "
+        "--report: the runs of this axis",
+    )
+    parser.add_argument("--costs", type=Path, default=REPO / "benchmarks" / "compute_costs.json")
     parser.add_argument("--points", type=int, default=6, help="held-out evaluations along the budget")
     parser.add_argument(
         "--rounds",
@@ -673,6 +817,14 @@ def main() -> None:
         help="dht: the nodes talk through real p2p daemons on 127.0.0.1; with --report: the runs of this transport",
     )
     parser.add_argument("--gate", action="store_true", help="only print the warm-start gate")
+    parser.add_argument(
+        "--round-cost",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only measure what a round of each of --arms costs (ROUNDS rounds per node, arms interleaved)",
+    )
+    parser.add_argument("--round-cost-warmup", type=int, default=5)
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(
@@ -698,6 +850,9 @@ def main() -> None:
         return
     if args.gate:
         gate(args)
+        return
+    if args.round_cost:
+        print(json.dumps(asyncio.run(round_cost(args))))
         return
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:

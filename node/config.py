@@ -202,6 +202,15 @@ class TrainerConfig(_Section):
     optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
     imitation_max_sequences: int = Field(32, ge=1)
     """Demonstrations learned per round at most (the heaviest first): bounds the imitation term's compute."""
+    imitation_token_weight: Literal["uniform", "p_one_minus_p"] = "uniform"
+    """Per-token weight of a demonstration's NLL: 'uniform', or CHORD's p (1 - p) with p the policy's probability of
+    the token (detached): tokens the policy already holds firmly, or finds absurd, are spared, so imitation teaches
+    the uncertain tokens instead of overwriting the policy."""
+    imitation_coef_final: float | None = Field(None, ge=0)
+    """Where the imitation coefficient ends (None: it stays imitation_coef): it moves linearly from imitation_coef
+    over imitation_decay_updates policy updates, then holds (CHORD's decaying mu)."""
+    imitation_decay_updates: int = Field(500, ge=1)
+    """Policy updates over which the imitation coefficient moves to imitation_coef_final."""
 
 
 class SwarmConfig(_Section):
@@ -238,6 +247,11 @@ class SwarmConfig(_Section):
     own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only
     their right answers in the imitation term: the node's policy step is the silo's, on its own I groups, and peers
     teach it only where they know more. Needs swarm.imitation own_and_stronger_peers."""
+    local_draw: Literal["mix", "balance"] = "mix"
+    """How the node draws its own questions each round: 'mix', from the task mix; 'balance', after choosing the J
+    peers' groups, so that the round's I + J groups hold each specialty in its share of the mix (MT-GRPO's
+    ratio-preserving batch): a node whose peers bring the specialties it lacks answers its own, and keeps the
+    on-policy groups on what it knows that a silo would have (node/local_rollouts.balanced_counts)."""
     max_rescored_per_round: int | None = Field(None, ge=1)
     """Peer groups re-generated and re-scored per round at most, in the order they are drawn (None: 2 x J). Groups
     are drawn on their claimed rewards first and only the drawn ones are re-scored, so a round's work does not

@@ -20,6 +20,28 @@ class RoundTimings:
     update_s: float = 0.0
 
 
+def apportion(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """`total` split in proportion to the weights, rounded by largest remainder (ties: in key order)."""
+    mass = sum(weights.values())
+    if total <= 0 or mass <= 0:
+        return {label: 0 for label in weights}
+    exact = {label: total * w / mass for label, w in weights.items()}
+    counts = {label: int(share) for label, share in exact.items()}
+    by_remainder = sorted(weights, key=lambda label: -(exact[label] - counts[label]))
+    for label in by_remainder[: total - sum(counts.values())]:
+        counts[label] += 1
+    return counts
+
+
+def balanced_counts(own: int, batch: int, mix: dict[str, float], supplied: dict[str, int]) -> dict[str, int]:
+    """How many of its `own` questions a node draws in each specialty (swarm.local_draw 'balance'), so that with the
+    peers' groups `supplied` its round's `batch` groups hold each specialty in its share of the mix (MT-GRPO's
+    ratio-preserving batch): its own draws fill what peers did not bring, in proportion to what is missing, and
+    follow the mix when nothing is (peers brought too much of some specialty, or all of it)."""
+    missing = {label: max(0.0, share * batch - supplied.get(label, 0)) for label, share in mix.items()}
+    return apportion(own, missing if sum(missing.values()) > 0 else mix)
+
+
 class LocalRollouts:
     def __init__(self, config: NodeConfig, tasks: TaskSource, backend: RolloutBackend):
         self.config = config

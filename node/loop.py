@@ -9,9 +9,11 @@ publish own groups -> collect J external groups and re-score them locally -> GRP
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +26,8 @@ from node.rollouts import build_rollout_backend
 from node.rollouts.base import RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
-from node.local_rollouts import LocalRollouts
+from node.compute import RoundWork
+from node.local_rollouts import LocalRollouts, balanced_counts
 from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
@@ -205,17 +208,34 @@ class Node:
         swarm = self.config.swarm
         outer_step = self.averaging.apply_if_done() if self.averaging else None
         generated = swarm.generated_questions or swarm.local_questions
-        questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
+        external_groups: list[RolloutGroup] = []
+        sharing_s = 0.0
+        balance = swarm.local_draw == "balance" and swarm.external_questions > 0
+        if balance:  # peers' groups first: the node's own questions fill the specialties they did not bring
+            start = time.perf_counter()
+            external_groups = await self._peer_groups(round_)
+            sharing_s += time.perf_counter() - start
+            counts = balanced_counts(
+                generated,
+                swarm.local_questions + swarm.external_questions,
+                self.tasks.mix_weights,
+                Counter(self.tasks.label(g.spec) for g in external_groups),
+            )
+            questions = self.tasks.batch_by_label(first_draw=self.round * generated, counts=counts)
+        else:
+            questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
+        work_before = copy.copy(self.backend.work)
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
+        generation_work = self.backend.work.since(work_before)
         shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
         if shared:
             await self.transport.publish(round_, self.policy_version, shared)
-        external_groups: list[RolloutGroup] = []
-        if swarm.external_questions:
-            received = await self.transport.collect(round_)
-            external_groups = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+        if swarm.external_questions and not balance:
+            start = time.perf_counter()
+            external_groups = await self._peer_groups(round_)
+            sharing_s += time.perf_counter() - start
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
@@ -266,7 +286,18 @@ class Node:
             **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": timings.generation_s,
             "scoring_s": timings.scoring_s,
+            **({"sharing_s": sharing_s} if swarm.external_questions else {}),
             "update_s": timings.update_s,
+            # what the round cost in work, whatever the machine's load (node/compute.py weighs it)
+            "work": RoundWork(
+                prefill_tokens=generation_work.prefill_tokens,
+                decode_tokens=generation_work.decode_tokens,
+                forward_tokens=stats.forward_tokens,
+                train_tokens=stats.train_tokens,
+                optimizer_steps=stats.optimizer_steps,
+                scored_completions=sum(len(g.completions) for g in local_groups)
+                + (self.sharing.rescored_completions_last_round if swarm.external_questions else 0),
+            ).as_dict(),
         }
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
@@ -280,6 +311,11 @@ class Node:
         if round_ % self.config.checkpoint_every == 0:
             await asyncio.to_thread(self.save)
         return row
+
+    async def _peer_groups(self, round_: int) -> list[RolloutGroup]:
+        """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py)."""
+        received = await self.transport.collect(round_)
+        return await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
 
     def prometheus(self) -> str:
         return self.telemetry.prometheus(self.round, self.policy_version, self.averaging)

@@ -112,6 +112,7 @@ class PeerRollouts:
         self.mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self.peer_rates: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_PEER_RATES)
         self.rescored_last_round = 0
+        self.rescored_completions_last_round = 0  # graded here: part of a round's work (node/compute.py)
         # counts each refused group
         self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))
 
@@ -141,6 +142,7 @@ class PeerRollouts:
         )
         chosen: list[RolloutGroup] = []
         self.rescored_last_round = 0
+        self.rescored_completions_last_round = 0
         for item in order:
             if len(chosen) == self.config.swarm.external_questions or self.rescored_last_round == self.rescore_budget:
                 break
@@ -148,6 +150,7 @@ class PeerRollouts:
             rescored = self.rescore(item)
             if rescored is None:
                 continue
+            self.rescored_completions_last_round += len(rescored[0].completions)
             group, correct = rescored
             if is_uniform(group.rewards):
                 continue  # it claimed a spread it does not have: scored here, found empty, replaced

@@ -189,6 +189,25 @@ class TaskSource:
     def batch(self, first_draw: int, count: int) -> list[Question]:
         return [materialize(self.spec(first_draw + i)) for i in range(count)]
 
+    @property
+    def mix_weights(self) -> dict[str, float]:
+        """Each specialty's share of the mix (weights normalized)."""
+        total = sum(self._weights)
+        return {d.display_label: w / total for d, w in zip(self.config.datasets, self._weights)}
+
+    def batch_by_label(self, first_draw: int, counts: dict[str, int]) -> list[Question]:
+        """counts[label] questions of each specialty: draws first_draw.. of that specialty's own dataset stream (the
+        same draws, the same questions; specialties are different datasets, so their draws never coincide)."""
+        by_label = {d.display_label: d for d in self.config.datasets}
+        unknown = sorted(set(counts) - set(by_label))
+        if unknown:
+            raise TaskError(f"no specialties {unknown} in the task mix {sorted(by_label)}")
+        return [
+            materialize(TaskSpec(by_label[label].name, by_label[label].config, self.seed, first_draw + i))
+            for label, count in counts.items()
+            for i in range(count)
+        ]
+
     def prompt(self, question: Question) -> str:
         return self.config.prompt_template.format(question=question.text)
 

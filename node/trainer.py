@@ -9,11 +9,17 @@ so that a peer's sample never counts more than one's own. A peer's group may als
 capability corrections (node/sharing.py): its advantages are taken against omega * mean(r) instead
 of mean(r), and its loss is scaled by a discrepancy coefficient.
 With trainer.imitation_coef > 0 the loss also holds an imitation term,
-    imitation_coef * sum_i v_i * NLL_i / (demonstration tokens),
+    imitation_coef * sum_i v_i * sum_t phi_t * NLL_i,t / (demonstration tokens),
 over the round's demonstrations: right answers marked with a weight v (a peer's where it knows more than
-this node, and the node's own to anchor what it knows; node/sharing.py), whatever their reward spread.
-The loss is averaged over all completion tokens of the round (DAPO's token-level mean),
-whatever the micro-batching.
+this node, and the node's own to anchor what it knows; node/sharing.py), whatever their reward spread;
+phi_t = 1, or CHORD's p_t (1 - p_t) (trainer.imitation_token_weight), which spares the tokens the policy
+already holds and those it finds absurd; the coefficient may decay (CHORD's mu, trainer.imitation_coef_final).
+The policy term is averaged over all its completion tokens (DAPO's token-level mean), whatever the
+micro-batching.
+
+Cost: one forward and backward per micro-batch carries both terms (a demonstration that is also a
+policy-term completion is not run twice), and with one epoch a round pi_old is that forward, detached:
+the policy has not moved yet, so no separate no-grad pass over peers' samples is needed.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ class TrainStats:
     imitation_sequences: int = 0
     imitation_nll: float | None = None
     """Mean negative log-likelihood per token of the round's demonstrations (swarm.imitation), before the step."""
+    train_tokens: int = 0
+    """Token positions through forward and backward (pads included): the update's compute."""
+    forward_tokens: int = 0
+    """Token positions through no-grad forwards (pi_old with several epochs, the KL reference)."""
+    optimizer_steps: int = 0
 
 
 def group_advantages(rewards: list[float], eps: float, baseline_scale: float = 1.0) -> list[float]:
@@ -128,21 +139,37 @@ def completion_logprobs(
     return out, mask
 
 
-def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
+def padded_positions(rows: list[tuple[list[int], list[int]]]) -> int:
+    """Token positions one forward over `rows` runs through the model (right-padded to the longest prompt+completion):
+    what a forward costs, pads included."""
+    return len(rows) * max(len(prompt) + len(completion) for prompt, completion in rows)
+
+
+def _pad_rows(rows: list[list[float]], width: int, device: torch.device | None = None) -> torch.Tensor:
     out = torch.zeros((len(rows), width))
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row)
-    return out
+    return out.to(device) if device is not None else out
 
 
 @dataclass
-class _Sample:
+class TrainingRow:
+    """One completion of the round's update: in the policy-gradient term, in the imitation term, or in both, so that
+    a demonstration already in the batch costs no forward of its own."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
-    advantage: float
-    behaviour_logprobs: list[float] | None
-    on_policy: bool
+    advantage: float = 0.0
+    behaviour_logprobs: list[float] | None = None
+    on_policy: bool = True
     loss_scale: float = 1.0
+    in_policy_term: bool = True
+    imitation_weight: float = 0.0
+    """Weight of this completion as a demonstration (0: none)."""
+
+    @property
+    def pair(self) -> tuple[list[int], list[int]]:
+        return self.prompt_ids, self.completion_ids
 
 
 class GRPOTrainer:
@@ -171,8 +198,13 @@ class GRPOTrainer:
         if config.kl_beta > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
 
-    def _samples(self, groups: list[RolloutGroup], stats: TrainStats) -> list[_Sample]:
-        samples = []
+    def training_rows(
+        self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = (), stats: TrainStats | None = None
+    ) -> list[TrainingRow]:
+        """The round's rows: each completion of a group with a reward spread (policy term), the demonstrations marked on
+        one of them where the same tokens are there, and a row of its own for each other demonstration."""
+        stats = stats if stats is not None else TrainStats()
+        rows = []
         for group in groups:
             if self.config.drop_uniform_groups and is_uniform(group.rewards):
                 stats.groups_dropped += 1
@@ -183,8 +215,8 @@ class GRPOTrainer:
             ):
                 if not completion.completion_ids:
                     continue  # nothing to score; never divides the loss by zero tokens
-                samples.append(
-                    _Sample(
+                rows.append(
+                    TrainingRow(
                         prompt_ids=completion.prompt_ids,
                         completion_ids=completion.completion_ids,
                         advantage=advantage,
@@ -193,26 +225,56 @@ class GRPOTrainer:
                         loss_scale=group.loss_scale,
                     )
                 )
-        return samples
+        if self.config.imitation_coef > 0:
+            unmarked = {}
+            for row in rows:
+                unmarked.setdefault((tuple(row.prompt_ids), tuple(row.completion_ids)), row)
+            for weight, completion in self._demonstrations([*groups, *demonstration_groups]):
+                row = unmarked.pop((tuple(completion.prompt_ids), tuple(completion.completion_ids)), None)
+                if row is not None:
+                    row.imitation_weight = weight
+                else:
+                    rows.append(
+                        TrainingRow(
+                            completion.prompt_ids,
+                            completion.completion_ids,
+                            in_policy_term=False,
+                            imitation_weight=weight,
+                        )
+                    )
+        return rows
 
-    @torch.no_grad()
-    def _old_logprobs(self, batch: list[_Sample]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """pi_old for the ratio, and the importance weight w.r.t. the behaviour policy (None: all on-policy)."""
-        width = max(len(s.completion_ids) for s in batch)
-        if all(s.on_policy for s in batch):
-            return _pad_rows([s.behaviour_logprobs for s in batch], width), None
-        recomputed, _ = completion_logprobs(
-            self.model, [(s.prompt_ids, s.completion_ids) for s in batch], self.pad_id, self.temperature
-        )
-        old = recomputed.clone()
+    def frozen_logprobs(
+        self, batch: list[TrainingRow], current: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """pi_old for the ratio, the importance weight w.r.t. the behaviour policy (None: every policy row on-policy),
+        and the token positions of the no-grad forward this took (0: none).
+
+        `current`: the log-probs of the batch under the policy before this round's step, detached. With one epoch a
+        round that is the training forward itself, so no second forward is needed; without it one is run here."""
+        width = max(len(row.completion_ids) for row in batch)
+        policy = [row for row in batch if row.in_policy_term]
+        device = current.device if current is not None else None
+        if all(row.on_policy for row in policy):
+            behaviour = [row.behaviour_logprobs if row.in_policy_term else [] for row in batch]
+            return _pad_rows(behaviour, width, device), None, 0
+        positions = 0
+        if current is None:
+            with torch.no_grad():
+                current, _ = completion_logprobs(self.model, [row.pair for row in batch], self.pad_id, self.temperature)
+            positions = padded_positions([row.pair for row in batch])
+        old = current.clone()
         weights = torch.ones_like(old)
-        for i, sample in enumerate(batch):
-            n = len(sample.completion_ids)
-            if sample.on_policy:
-                old[i, :n] = torch.tensor(sample.behaviour_logprobs)
-            elif sample.behaviour_logprobs is not None:
-                weights[i, :n] = self._importance_weights(recomputed[i, :n], torch.tensor(sample.behaviour_logprobs))
-        return old, weights
+        for i, row in enumerate(batch):
+            n = len(row.completion_ids)
+            if not row.in_policy_term:
+                continue
+            if row.on_policy:
+                old[i, :n] = torch.tensor(row.behaviour_logprobs, dtype=old.dtype, device=old.device)
+            elif row.behaviour_logprobs is not None:
+                behaviour = torch.tensor(row.behaviour_logprobs, dtype=old.dtype, device=old.device)
+                weights[i, :n] = self._importance_weights(current[i, :n], behaviour)
+        return old, weights, positions
 
     def _importance_weights(self, current: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
         """The importance weight of each token of one off-policy sample (see the module docstring)."""
@@ -221,63 +283,99 @@ class GRPOTrainer:
             return (ratio ** (1.0 + self.config.importance_alpha)).expand_as(current)
         return torch.exp(current - behaviour).clamp(max=self.config.importance_cap)
 
+    def imitation_coef_now(self) -> float:
+        """The imitation term's weight at this policy version: trainer.imitation_coef, moved linearly to
+        imitation_coef_final over imitation_decay_updates updates (CHORD's decaying weight), then held."""
+        config = self.config
+        if config.imitation_coef_final is None:
+            return config.imitation_coef
+        done = min(1.0, self.policy_version / config.imitation_decay_updates)
+        return config.imitation_coef + done * (config.imitation_coef_final - config.imitation_coef)
+
     def step(self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> TrainStats:
         """One optimizer step on `groups` (the policy-gradient term, and the imitation term over their marked right
         answers) and on `demonstration_groups`, whose right answers enter the imitation term only."""
         stats = TrainStats()
-        samples = self._samples(groups, stats)
-        total_tokens = sum(len(s.completion_ids) for s in samples)
-        stats.tokens = total_tokens
-        demonstrations = (
-            self._demonstrations([*groups, *demonstration_groups]) if self.config.imitation_coef > 0 else []
-        )
-        if total_tokens == 0 and not demonstrations:
+        rows = self.training_rows(groups, demonstration_groups, stats)
+        policy_tokens = sum(len(row.completion_ids) for row in rows if row.in_policy_term)
+        demonstrations = [row for row in rows if row.imitation_weight > 0]
+        demonstration_tokens = sum(len(row.completion_ids) for row in demonstrations)
+        stats.tokens = policy_tokens
+        stats.imitation_sequences = len(demonstrations)
+        if not rows:
             return stats  # every group uniform or empty: no update, policy version unchanged
+        coef = self.imitation_coef_now()
         self.model.train()
         micro = self.config.micro_batch_size
-        batches = [samples[i : i + micro] for i in range(0, len(samples), micro)]
-        frozen = [self._old_logprobs(batch) for batch in batches]
-        weighted = [
-            weights[i, : len(s.completion_ids)]
-            for batch, (_, weights) in zip(batches, frozen)
-            if weights is not None
-            for i, s in enumerate(batch)
-            if not s.on_policy and s.behaviour_logprobs is not None
-        ]
-        if weighted:
-            stats.importance_weight_mean = torch.cat(weighted).mean().item()
-        loss_sum = clipped = kl_sum = 0.0
-        for _ in range(self.config.epochs_per_round):
+        batches = [rows[i : i + micro] for i in range(0, len(rows), micro)]
+        frozen = None
+        if self.config.epochs_per_round > 1:  # pi_old must not move with the first epoch's step: fixed before it
+            frozen = [self.frozen_logprobs(batch) for batch in batches]
+            stats.forward_tokens += sum(positions for _, _, positions in frozen)
+        weighted: list[torch.Tensor] = []
+        loss_sum = clipped = kl_sum = nll_sum = 0.0
+        for epoch in range(self.config.epochs_per_round):
             self.optimizer.zero_grad(set_to_none=True)
-            for batch, (old, weights) in zip(batches, frozen):
-                rows = [(s.prompt_ids, s.completion_ids) for s in batch]
-                logprobs, mask = completion_logprobs(self.model, rows, self.pad_id, self.temperature)
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = completion_logprobs(self.reference, rows, self.pad_id, self.temperature)
-                advantages = torch.tensor([s.advantage for s in batch], dtype=logprobs.dtype)
-                if any(s.loss_scale != 1.0 for s in batch):
-                    scales = torch.tensor([s.loss_scale for s in batch], dtype=logprobs.dtype)[:, None]
-                    weights = scales if weights is None else weights * scales
-                loss, info = policy_loss(
-                    logprobs,
-                    old,
-                    advantages,
-                    mask,
-                    self.config.eps_low,
-                    self.config.eps_high,
-                    weights,
-                    ref,
-                    self.config.kl_beta,
-                )
-                (loss / total_tokens).backward()
-                loss_sum += loss.item()
-                clipped += info["clipped_tokens"].item()
-                kl_sum += info["kl_sum"].item()
-            if demonstrations:
-                stats.imitation_nll = self._imitation_backward(demonstrations)
-                stats.imitation_sequences = len(demonstrations)
+            for k, batch in enumerate(batches):
+                pairs = [row.pair for row in batch]
+                logprobs, mask = completion_logprobs(self.model, pairs, self.pad_id, self.temperature)
+                stats.train_tokens += padded_positions(pairs)
+                if frozen is not None:
+                    old, weights, _ = frozen[k]
+                else:
+                    old, weights, positions = self.frozen_logprobs(batch, logprobs.detach())
+                    stats.forward_tokens += positions
+                if epoch == 0 and weights is not None:
+                    weighted += [
+                        weights[i, : len(row.completion_ids)]
+                        for i, row in enumerate(batch)
+                        if row.in_policy_term and not row.on_policy and row.behaviour_logprobs is not None
+                    ]
+                loss = logprobs.new_zeros(())
+                in_policy = torch.tensor([row.in_policy_term for row in batch], device=mask.device)
+                if policy_tokens and in_policy.any():
+                    ref = None
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref, _ = completion_logprobs(self.reference, pairs, self.pad_id, self.temperature)
+                        stats.forward_tokens += padded_positions(pairs)
+                    advantages = torch.tensor(
+                        [row.advantage for row in batch], dtype=logprobs.dtype, device=mask.device
+                    )
+                    if any(row.loss_scale != 1.0 for row in batch):
+                        scales = torch.tensor(
+                            [row.loss_scale for row in batch], dtype=logprobs.dtype, device=mask.device
+                        )[:, None]
+                        weights = scales if weights is None else weights * scales
+                    policy_sum, info = policy_loss(
+                        logprobs,
+                        old,
+                        advantages,
+                        mask & in_policy[:, None],
+                        self.config.eps_low,
+                        self.config.eps_high,
+                        weights,
+                        ref,
+                        self.config.kl_beta,
+                    )
+                    loss = loss + policy_sum / policy_tokens
+                    loss_sum += policy_sum.item()
+                    clipped += info["clipped_tokens"].item()
+                    kl_sum += info["kl_sum"].item()
+                demonstration_weights = torch.tensor(
+                    [row.imitation_weight for row in batch], dtype=logprobs.dtype, device=mask.device
+                )[:, None]
+                if demonstration_tokens and bool((demonstration_weights > 0).any()):
+                    token_nll = -(logprobs * mask)
+                    token_weights = demonstration_weights
+                    if self.config.imitation_token_weight == "p_one_minus_p":
+                        p = logprobs.detach().exp()
+                        token_weights = token_weights * p * (1 - p)
+                    loss = loss + coef * (token_nll * token_weights).sum() / demonstration_tokens
+                    if epoch == 0:  # before the step
+                        nll_sum += (token_nll.detach() * (demonstration_weights > 0)).sum().item()
+                if loss.requires_grad:
+                    loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(
@@ -285,13 +383,18 @@ class GRPOTrainer:
                     "refused"
                 )
             self.optimizer.step()
+            stats.optimizer_steps += 1
             stats.grad_norm = grad_norm.item()
             # a pipeline's stages clip and report their own norms
             stage_norms = getattr(self.optimizer, "last_grad_norms", None)
             if stage_norms:
                 stats.grad_norm = math.sqrt(sum(n * n for n in stage_norms.values()))
         self.model.eval()
-        epoch_tokens = max(1, total_tokens * self.config.epochs_per_round)  # 0: only demonstrations this round
+        if weighted:
+            stats.importance_weight_mean = torch.cat(weighted).mean().item()
+        if demonstrations:
+            stats.imitation_nll = nll_sum / demonstration_tokens
+        epoch_tokens = max(1, policy_tokens * self.config.epochs_per_round)  # 0: only demonstrations this round
         stats.loss = loss_sum / epoch_tokens
         stats.clip_fraction = clipped / epoch_tokens
         stats.kl = kl_sum / epoch_tokens
@@ -306,20 +409,3 @@ class GRPOTrainer:
         imitation_max_sequences."""
         weighted = sorted(((g.imitation_weight, c) for g in groups for c in g.demonstrations()), key=lambda wc: -wc[0])
         return weighted[: self.config.imitation_max_sequences]
-
-    def _imitation_backward(self, demonstrations: list[tuple[float, Completion]]) -> float:
-        """Accumulate imitation_coef x the weighted mean token NLL of the demonstrations into .grad; the unweighted
-        mean NLL."""
-        total_tokens = sum(len(c.completion_ids) for _, c in demonstrations)
-        nll_sum = 0.0
-        micro = self.config.micro_batch_size
-        for start in range(0, len(demonstrations), micro):
-            batch = demonstrations[start : start + micro]
-            logprobs, mask = completion_logprobs(
-                self.model, [(c.prompt_ids, c.completion_ids) for _, c in batch], self.pad_id, self.temperature
-            )
-            weights = torch.tensor([w for w, _ in batch], dtype=logprobs.dtype)[:, None]
-            token_nll = -(logprobs * mask)
-            ((token_nll * weights).sum() * self.config.imitation_coef / total_tokens).backward()
-            nll_sum += token_nll.sum().item()
-        return nll_sum / total_tokens

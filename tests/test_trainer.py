@@ -141,11 +141,9 @@ def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
     # behaviour much less likely than now -> weight capped at 2; much more likely -> weight < 1
     stale_low = _completion([3], [4, 5], version=1, logprobs=(current[0] - 5.0).tolist())
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
-    samples = trainer._samples(
-        [RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])],
-        type("S", (), {"groups_used": 0, "groups_dropped": 0})(),
-    )
-    old, weights = trainer._old_logprobs(samples)
+    rows = trainer.training_rows([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])])
+    old, weights, positions = trainer.frozen_logprobs(rows)
+    assert positions == 2 * 3  # its own no-grad forward: two rows of prompt + completion
     assert torch.allclose(old[0], current[0], atol=1e-6)
     assert torch.allclose(weights[0], torch.full((2,), 2.0))
     assert torch.allclose(weights[1], torch.full((2,), math.exp(-0.5)), atol=1e-5)
@@ -196,11 +194,10 @@ def test_sequence_importance_weight_is_exponential_and_never_above_one(tiny_poli
     likelier_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] + 0.5).tolist())  # s = exp(-0.5)
     # s = exp(5), capped at 1
     unlikely_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] - 5.0).tolist())
-    samples = trainer._samples(
-        [RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])],
-        type("S", (), {"groups_used": 0, "groups_dropped": 0})(),
+    rows = trainer.training_rows(
+        [RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])]
     )
-    _, weights = trainer._old_logprobs(samples)
+    _, weights, _ = trainer.frozen_logprobs(rows)
     # s * s^alpha, one value for the whole sequence
     assert torch.allclose(weights[0], torch.full((2,), math.exp(-1.0)), atol=1e-5)
     assert torch.allclose(weights[1], torch.ones(2))
@@ -321,3 +318,92 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
         temperature=1.0,
     )
     assert capped.step(many).imitation_sequences == 4  # the four heaviest
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
+    """With one epoch a round the policy has not moved when the loss is taken: pi_old of a peer's sample is the training
+    forward, detached. Same gradient as a separate no-grad pass, and no such pass is run."""
+    import copy
+
+    prompt = [3]
+    with torch.no_grad():
+        current, _ = completion_logprobs(tiny_policy, [(prompt, [4, 1]), (prompt, [5, 1])], 0, 1.0)
+    # a peer's group: behaviour log-probs 0.3 above ours on the first, 0.2 below on the second (weights e^-0.3, e^0.2)
+    peer = RolloutGroup(
+        TaskSpec("x", {}, 0, 0),
+        [
+            _completion(prompt, [4, 1], version=-1, logprobs=(current[0] + 0.3).tolist()),
+            _completion(prompt, [5, 1], version=-1, logprobs=(current[1] - 0.2).tolist()),
+        ],
+        [1.0, 0.0],
+        source="peer",
+    )
+    model = copy.deepcopy(tiny_policy)
+    trainer = GRPOTrainer(TrainerConfig(max_grad_norm=1e9), model, pad_id=0, temperature=1.0, policy_version=5)
+    stats = trainer.step([peer])
+    assert stats.forward_tokens == 0 and stats.train_tokens == 2 * 3
+    # by hand: ratio 1 (its gradient that of log pi), A = +-0.5 / (sqrt(0.5) + eps), weights min(2, pi / pi_behaviour)
+    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
+    reference = copy.deepcopy(tiny_policy)
+    logprobs, _ = completion_logprobs(reference, [(prompt, [4, 1]), (prompt, [5, 1])], 0, 1.0)
+    (-advantage * math.exp(-0.3) * logprobs[0].sum() + advantage * math.exp(0.2) * logprobs[1].sum()).div(4).backward()
+    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-5)
+    assert stats.importance_weight_mean == pytest.approx((math.exp(-0.3) + math.exp(0.2)) / 2, abs=1e-4)
+    # two epochs: pi_old must stay where the round began, so it is computed first, by a no-grad pass of its own
+    two = GRPOTrainer(TrainerConfig(epochs_per_round=2), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
+    assert two.step([peer]).forward_tokens == 2 * 3
+
+
+def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):
+    """A right answer that is both a policy-term completion and a demonstration: one row, both terms, one forward."""
+    import copy
+
+    prompt, good, bad = [3], [4, 1], [5, 6, 1]
+    group = RolloutGroup(
+        TaskSpec("x", {}, 0, 0),
+        [_completion(prompt, good), _completion(prompt, bad)],
+        [1.0, 0.0],
+        correct=[True, False],
+        imitation_weight=0.5,
+    )
+    model = copy.deepcopy(tiny_policy)
+    trainer = GRPOTrainer(TrainerConfig(imitation_coef=2.0, max_grad_norm=1e9), model, 0, 1.0)
+    stats = trainer.step([group])
+    assert stats.train_tokens == 2 * 4 and stats.forward_tokens == 0 and stats.imitation_sequences == 1
+    # off-policy rows (no behaviour log-probs): ratio 1; policy term over 5 tokens; imitation 2 x 0.5 x NLL(good) / 2
+    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
+    reference = copy.deepcopy(tiny_policy)
+    logprobs, _ = completion_logprobs(reference, [(prompt, good), (prompt, bad)], 0, 1.0)
+    policy = (-advantage * logprobs[0, :2].sum() + advantage * logprobs[1, :3].sum()) / 5
+    (policy + 2.0 * 0.5 * -logprobs[0, :2].sum() / 2).backward()
+    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-5)
+
+
+def test_chord_token_weight_spares_what_the_policy_holds(tiny_policy):
+    import copy
+
+    prompt, demo = [3], [6, 7, 1]
+    group = RolloutGroup(
+        TaskSpec("x", {}, 0, 0), [_completion(prompt, demo)], [1.0], correct=[True], imitation_weight=1.0
+    )
+    model = copy.deepcopy(tiny_policy)
+    config = TrainerConfig(imitation_coef=1.0, imitation_token_weight="p_one_minus_p", max_grad_norm=1e9)
+    GRPOTrainer(config, model, 0, 1.0).step([group])
+    reference = copy.deepcopy(tiny_policy)
+    logprobs, _ = completion_logprobs(reference, [(prompt, demo)], 0, 1.0)
+    p = logprobs.detach().exp()[0, :3]
+    (-(p * (1 - p) * logprobs[0, :3]).sum() / 3).backward()
+    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-6)
+
+
+def test_the_imitation_coefficient_decays_linearly_then_holds(tiny_policy):
+    config = TrainerConfig(imitation_coef=4.0, imitation_coef_final=1.0, imitation_decay_updates=100)
+    trainer = GRPOTrainer(config, tiny_policy, 0, 1.0)
+    for version, expected in ((0, 4.0), (50, 2.5), (100, 1.0), (400, 1.0)):
+        trainer.policy_version = version
+        assert trainer.imitation_coef_now() == pytest.approx(expected)
+    assert GRPOTrainer(TrainerConfig(imitation_coef=3.0), tiny_policy, 0, 1.0).imitation_coef_now() == 3.0

@@ -57,8 +57,28 @@ class RolloutGroup:
         return out
 
 
+@dataclass
+class GenerationWork:
+    """What a backend's sampling has cost, in token positions through the model (node/compute.py weighs them)."""
+
+    prefill_tokens: int = 0
+    """Prompt positions of the prefill forwards, pads included."""
+    decode_tokens: int = 0
+    """One per row of each decoding forward: a finished row keeps its slot until its batch ends."""
+
+    def since(self, earlier: GenerationWork) -> GenerationWork:
+        return GenerationWork(self.prefill_tokens - earlier.prefill_tokens, self.decode_tokens - earlier.decode_tokens)
+
+
 class RolloutBackend(ABC):
     """Generates completions with the current policy."""
+
+    @property
+    def work(self) -> GenerationWork:
+        """What this backend's sampling has cost so far (cumulative; a copy of it marks a point to measure from)."""
+        if "_work" not in self.__dict__:
+            self._work = GenerationWork()
+        return self._work
 
     @abstractmethod
     def generate(self, prompts: list[str], n: int, seed: int, greedy: bool = False) -> list[list[Completion]]:

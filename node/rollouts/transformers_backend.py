@@ -106,6 +106,7 @@ class TransformersBackend(RolloutBackend):
             logits_to_keep=1,
             **cache,
         )
+        self.work.prefill_tokens += input_ids.numel()
         next_position = position_ids[:, -1:] + 1
         for t in range(self.config.max_new_tokens):
             tokens, logprobs = sample_next(
@@ -128,6 +129,7 @@ class TransformersBackend(RolloutBackend):
                 use_cache=True,
                 **cache,
             )
+            self.work.decode_tokens += batch
             next_position = next_position + 1
         if was_training:
             self.model.train()

@@ -81,6 +81,9 @@ class VLLMBackend(RolloutBackend):
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.engine.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         eos_id = self.tokenizer.eos_token_id
+        # the engine neither pads nor keeps finished rows: each prompt's prefill once, each sampled token once
+        self.work.prefill_tokens += sum(map(len, prompt_ids))
+        self.work.decode_tokens += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
         groups = []
         for ids, output in zip(prompt_ids, outputs):
             group = []

@@ -1,0 +1,85 @@
+"""A round's work, counted, and what it costs in compute units: an axis the machine's load cannot move.
+
+CPU seconds of one process swing with the other load on a shared machine (the same silo round took 0.44 to
+0.79 CPU s at different hours of one day: benchmarks/RESULTS.md, "sharing"), so budgets and curves that
+compare ways of training are drawn against the work a node does instead: token positions through the
+sampler's prefill and decoding forwards, through no-grad forwards and through forward + backward, and
+completions scored. Each kind is weighed by its CPU cost per unit for the model's shape, calibrated once on
+an idle machine (benchmarks/compute_units.py writes benchmarks/compute_costs.json); a compute unit is then
+one idle-machine CPU second of that work.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass
+class RoundWork:
+    """What one round did (the held-out evaluation excluded)."""
+
+    prefill_tokens: int = 0
+    """Prompt positions through the sampler's prefill forwards, pads included."""
+    decode_tokens: int = 0
+    """Rows through the sampler's decoding forwards, one per row and step."""
+    forward_tokens: int = 0
+    """Positions through no-grad forwards of the update (pi_old with several epochs, the KL reference)."""
+    train_tokens: int = 0
+    """Positions through the update's forward and backward, pads included."""
+    scored_completions: int = 0
+    """Completions graded: the node's own, and peers' re-scored here."""
+    optimizer_steps: int = 0
+    """Optimizer steps (gradient clipping and AdamW over every parameter: a cost per step, not per token)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int]) -> RoundWork:
+        return cls(**{f.name: int(values.get(f.name, 0)) for f in fields(cls)})
+
+    def __add__(self, other: RoundWork) -> RoundWork:
+        return RoundWork(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Idle-machine CPU seconds (one torch thread) of one unit of each kind of work, for one model shape."""
+
+    prefill_token: float
+    decode_token: float
+    forward_token: float
+    train_token: float
+    scored_completion: float
+    optimizer_step: float
+
+    def units(self, work: RoundWork) -> float:
+        return sum(self.split(work).values())
+
+    def split(self, work: RoundWork) -> dict[str, float]:
+        """The units of each kind of work."""
+        return {
+            "generation": self.prefill_token * work.prefill_tokens + self.decode_token * work.decode_tokens,
+            "no_grad_forward": self.forward_token * work.forward_tokens,
+            "forward_backward": self.train_token * work.train_tokens,
+            "scoring": self.scored_completion * work.scored_completions,
+            "optimizer": self.optimizer_step * work.optimizer_steps,
+        }
+
+    @classmethod
+    def load(cls, path: Path, shape: str) -> UnitCosts:
+        """The costs calibrated for `shape` (model_shape_key) in the calibration file."""
+        try:
+            table = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no compute-unit calibration at {path}: run benchmarks/compute_units.py") from None
+        if shape not in table:
+            raise KeyError(f"{path} has no calibration for model shape {shape!r} (calibrated: {sorted(table)})")
+        return cls(**{f.name: float(table[shape]["costs"][f.name]) for f in fields(cls)})
+
+
+def model_shape_key(hidden_size: int, num_layers: int, intermediate_size: int, vocab_size: int) -> str:
+    """The calibration file's key for a model: costs per token depend on these."""
+    return f"h{hidden_size}-l{num_layers}-i{intermediate_size}-v{vocab_size}"
