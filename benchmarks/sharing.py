@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import fcntl
 import json
 import os
@@ -56,12 +57,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.compute import RoundWork, UnitCosts, model_shape_key  # noqa: E402
 from node.tasks import materialize  # noqa: E402
+from node.trainer import completion_logprobs  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
 from protocol import TaskSpec  # noqa: E402
 
@@ -160,6 +164,11 @@ def parse_warmup_steps(items: list[str]) -> dict[str, int]:
     return steps
 
 
+def own_specialty(setting: str, node: int) -> str | None:
+    """The specialty node `node` was warm-started on (None: both)."""
+    return SPECIALTIES[node * len(SPECIALTIES) // NODES] if setting == "specialists" else None
+
+
 def weak_specialty(setting: str, node: int) -> str | None:
     """The specialty node `node` was not warm-started on (None: it was warm-started on both)."""
     if setting != "specialists":
@@ -213,6 +222,27 @@ def evaluate(node: Node, questions: list) -> dict[str, float]:
     return {"all": overall, **{label: score.accuracy for label, score in by_label.items()}}
 
 
+KL_PROMPTS = 64  # held-out questions of the node's own specialty, each answered KL_SAMPLES times
+KL_SAMPLES = 4
+
+
+def kl_to_warm_start(node: Node, warm, questions: list) -> float:
+    """KL(pi_t || pi_warm) on the node's own specialty (RL's Razor's predictor of forgetting): sequences sampled from
+    pi_t on held-out prompts, mean over them of sum_t log pi_t - log pi_warm (the sampler's log-probs are pi_t's at
+    its temperature; pi_warm's are recomputed at the same temperature)."""
+    prompts = [node.tasks.prompt(q) for q in questions[:KL_PROMPTS]]
+    samples = [c for group in node.backend.generate(prompts, KL_SAMPLES, seed=7) for c in group if c.completion_ids]
+    with torch.no_grad():
+        warm_logprobs, mask = completion_logprobs(
+            warm,
+            [(c.prompt_ids, c.completion_ids) for c in samples],
+            node.tokenizer.pad_token_id,
+            node.config.rollout.temperature,
+        )
+    current = sum(sum(c.logprobs) for c in samples)
+    return (current - float((warm_logprobs * mask).sum())) / len(samples)
+
+
 async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict:
     nodes = await make_nodes(setting, arm, seed, scratch, args)
     try:
@@ -240,8 +270,16 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     work = [RoundWork() for _ in nodes]
     rounds = [0] * NODES
 
+    # each node's warm start, frozen: how far training has moved it on what it knew
+    warm = [copy.deepcopy(node.model).eval() for node in nodes]
+    own_questions = [
+        [q for q in questions if node.tasks.label(q.spec) == own_specialty(setting, i)] for i, node in enumerate(nodes)
+    ]
+
     def point(i: int, node: Node) -> dict:
+        kl = {"kl_own_vs_warm": kl_to_warm_start(node, warm[i], own_questions[i])} if own_questions[i] else {}
         return {
+            **kl,
             "compute_s": compute[i],
             "cpu_s": cpu[i],
             "units": units[i],
@@ -566,6 +604,11 @@ def report(args) -> None:
             row["weak_final"] = spread([mean_metric(seeds[s], budget, "weak") for s in common])
             row["own_final"] = spread([mean_metric(seeds[s], budget, "own") for s in common])
             row["both_final"] = spread([mean_metric(seeds[s], budget, "all") for s in common])
+            if all("kl_own_vs_warm" in seeds[s]["curves"][0][-1] for s in common):
+                # RL's Razor: how far the node moved from its warm start on what it knew (nats per sequence)
+                row["kl_own_vs_warm_final"] = spread(
+                    [statistics.fmean(curve[-1]["kl_own_vs_warm"] for curve in seeds[s]["curves"]) for s in common]
+                )
             row["both_gain_points_vs_silo"] = spread(
                 [100 * (mean_metric(seeds[s], budget, "all") - mean_metric(silo[s], budget, "all")) for s in common]
             )

@@ -345,3 +345,89 @@ def test_demonstrations_only_needs_imitation_of_peers(tiny_config):
 
     with pytest.raises(ConfigError, match="demonstrations_only"):
         tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.external_use=demonstrations_only")
+
+
+def test_apportion_and_balanced_counts_hand_computed():
+    from node.local_rollouts import apportion, balanced_counts
+
+    # 4 over weights 1:1:1 -> 1.33 each: floors 1, 1, 1; the one left goes to the first of the tied remainders
+    assert apportion(4, {"a": 1.0, "b": 1.0, "c": 1.0}) == {"a": 2, "b": 1, "c": 1}
+    assert apportion(5, {"a": 0.7, "b": 0.3}) == {"a": 4, "b": 1}  # 3.5 / 1.5: both remainders 0.5, first wins
+    assert apportion(0, {"a": 1.0}) == {"a": 0}
+    mix = {"add": 0.5, "subtract": 0.5}
+    # a batch of 8 holds 4 of each; peers brought 3 subtract and 1 add: the node's 4 fill 3 add and 1 subtract
+    assert balanced_counts(4, 8, mix, {"subtract": 3, "add": 1}) == {"add": 3, "subtract": 1}
+    # peers brought 4 subtract: all 4 own questions are additions
+    assert balanced_counts(4, 8, mix, {"subtract": 4}) == {"add": 4, "subtract": 0}
+    # nothing from peers: 4 of each missing, so 2 and 2
+    assert balanced_counts(4, 8, mix, {}) == {"add": 2, "subtract": 2}
+    # three specialties, 2 subtract from peers: missing 2.67 / 0.67 / 2.67 of 6 -> 1.78 / 0.44 / 1.78 -> 2 / 0 / 2
+    three = {"add": 1 / 3, "subtract": 1 / 3, "chain_sum": 1 / 3}
+    assert balanced_counts(4, 8, three, {"subtract": 2}) == {"add": 2, "subtract": 0, "chain_sum": 2}
+    # peers brought more than the batch holds of what they bring, nothing is missing elsewhere: the mix decides
+    assert balanced_counts(2, 2, mix, {"add": 5, "subtract": 5}) == {"add": 1, "subtract": 1}
+
+
+def test_questions_drawn_by_specialty_are_that_specialtys_and_reproducible():
+    from node.tasks import TaskError
+
+    source = TaskSource(TasksConfig(datasets=MIX), seed=9)
+    questions = source.batch_by_label(first_draw=40, counts={"add": 2, "chain_sum": 1})
+    assert [source.label(q.spec) for q in questions] == ["add", "add", "chain_sum"]
+    assert [q.spec.index for q in questions] == [40, 41, 40]
+    again = TaskSource(TasksConfig(datasets=MIX), seed=9).batch_by_label(40, {"add": 2, "chain_sum": 1})
+    assert [q.text for q in again] == [q.text for q in questions]
+    with pytest.raises(TaskError, match="multiply"):
+        source.batch_by_label(0, {"multiply": 1})
+    assert source.mix_weights == pytest.approx({"add": 1 / 3, "subtract": 1 / 3, "chain_sum": 1 / 3})
+
+
+@pytest.mark.parametrize("draw", ["mix", "balance"])
+def test_a_balancing_node_answers_the_specialties_its_peers_did_not_bring(tiny_config, tmp_path, draw):
+    """swarm.local_draw 'balance': the peers' groups are chosen first, and the node's own questions fill the
+    specialties they left short (hand-computed above: 2 subtract from peers -> 2 add, 0 subtract, 2 chain_sum)."""
+    import asyncio
+
+    from node.rollouts.base import Completion, RolloutGroup
+    from node.transport.inprocess import InProcessExchange, InProcessTransport
+    from tests.helpers.rollouts import ScriptedBackend
+
+    exchange = InProcessExchange()
+    asked: list[list[str]] = []
+
+    def all_wrong(backend, prompts, call):
+        asked.append(prompts)
+        return [[backend.wrong(p)] * 4 for p in prompts]
+
+    learner = Node(
+        tiny_config(
+            f"tasks.datasets={json.dumps(MIX)}",
+            "swarm.transport=dht",
+            "swarm.local_questions=4",
+            "swarm.external_questions=4",
+            f"swarm.local_draw={draw}",
+            "eval_every=0",
+            state_dir=tmp_path / "learner",
+        ),
+        rollout_backend=ScriptedBackend.factory(all_wrong),
+    )
+    peer = Node(tiny_config(f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", state_dir=tmp_path / "peer"))
+    for node in (learner, peer):
+        node.load()
+        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+    by_mix = learner.tasks.batch(first_draw=0, count=4)
+    balanced = learner.tasks.batch_by_label(first_draw=0, counts={"add": 2, "chain_sum": 2})
+    learner.backend.remember({learner.tasks.prompt(q): q.answer for q in [*by_mix, *balanced]})
+    groups = []
+    for index in range(2):
+        spec = spec_of("subtract", index)
+        texts = (materialize(spec).answer, "nope")
+        groups.append(RolloutGroup(spec, [Completion([1], [2], t, None, "stop", policy_version=0) for t in texts], [1, 0]))
+    asyncio.run(peer.transport.publish(1, 0, groups))
+    row = asyncio.run(learner.run_round())
+    expected = balanced if draw == "balance" else by_mix
+    assert asked[0] == [learner.tasks.prompt(q) for q in expected]
+    assert row["external_questions"] == 2
+    # the round's work: 4 own questions x 4 completions scored, and each peer group's 2 re-scored here
+    assert row["work"]["scored_completions"] == 4 * 4 + 2 * 2
+    assert row["work"]["train_tokens"] > 0 and row["work"]["optimizer_steps"] == 1

@@ -1,0 +1,67 @@
+"""A round's work counted (node/compute.py) and weighed in compute units; the sampler's own count of its forwards."""
+
+import copy
+import json
+
+import pytest
+
+from node.compute import RoundWork, UnitCosts, model_shape_key
+from node.loop import Node
+
+COSTS = UnitCosts(
+    prefill_token=1e-4,
+    decode_token=2e-4,
+    forward_token=3e-4,
+    train_token=5e-4,
+    scored_completion=1e-5,
+    optimizer_step=0.01,
+)
+
+
+def test_units_hand_computed():
+    work = RoundWork(
+        prefill_tokens=1000,
+        decode_tokens=200,
+        forward_tokens=100,
+        train_tokens=2000,
+        scored_completions=64,
+        optimizer_steps=1,
+    )
+    # 0.1 + 0.04 generation, 0.03 no-grad, 1.0 forward-backward, 0.00064 scoring, 0.01 optimizer
+    assert COSTS.split(work) == pytest.approx(
+        {"generation": 0.14, "no_grad_forward": 0.03, "forward_backward": 1.0, "scoring": 0.00064, "optimizer": 0.01}
+    )
+    assert COSTS.units(work) == pytest.approx(1.18064)
+    assert COSTS.units(work + work) == pytest.approx(2 * 1.18064)
+    assert RoundWork.from_dict(work.as_dict()) == work
+    assert RoundWork.from_dict({"train_tokens": 5}) == RoundWork(train_tokens=5)  # kinds a row lacks count 0
+
+
+def test_costs_load_by_model_shape_and_say_what_is_missing(tmp_path):
+    path = tmp_path / "costs.json"
+    shape = model_shape_key(256, 4, 512, 100)
+    path.write_text(json.dumps({shape: {"costs": COSTS.__dict__}}))
+    assert UnitCosts.load(path, shape) == COSTS
+    with pytest.raises(KeyError, match="h64-l2"):
+        UnitCosts.load(path, model_shape_key(64, 2, 128, 100))
+    with pytest.raises(FileNotFoundError, match="compute_units.py"):
+        UnitCosts.load(tmp_path / "none.json", shape)
+
+
+def test_the_sampler_counts_the_positions_it_runs(tiny_config):
+    node = Node(tiny_config("rollout.max_new_tokens=5", "rollout.generation_batch_size=6"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 3)]
+    before = copy.copy(node.backend.work)
+    groups = node.backend.generate(prompts, n=4, seed=1)
+    done = node.backend.work.since(before)
+    widths = [len(node.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    rows = [w for w in widths for _ in range(4)]
+    completions = [c for g in groups for c in g]
+    prefill = decode = 0
+    for start in range(0, 12, 6):  # two sampler batches of 6 rows, each left-padded to its longest prompt
+        batch = slice(start, start + 6)
+        prefill += 6 * max(rows[batch])
+        # the first token comes from the prefill; each further step runs all 6 rows until the batch's longest ends
+        decode += 6 * (max(len(c.completion_ids) for c in completions[batch]) - 1)
+    assert (done.prefill_tokens, done.decode_tokens) == (prefill, decode)
