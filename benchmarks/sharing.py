@@ -570,7 +570,20 @@ def report(args) -> None:
             sparse_by_rounds.setdefault(run["rounds_limit"], {}).setdefault(arm_label(run), {})[run["seed"]] = run
         else:
             by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
-    summary: dict = {"benchmark": "sharing"}
+    summary: dict = {"benchmark": "sharing", "compute_axis": args.axis, "baseline": args.baseline}
+    if args.baseline != "silo":  # the best single-node recipe plays the silo every arm is measured against
+        for setting in {setting for setting, _ in by_key}:
+            if (setting, args.baseline) in by_key:
+                plain = by_key.pop((setting, "silo"), None)
+                if plain:
+                    by_key[(setting, "silo_plain")] = plain
+                by_key[(setting, "silo")] = by_key.pop((setting, args.baseline))
+        print(f"the silo below is {args.baseline!r} (plain SAPO-less silo: 'silo_plain')")
+    summary["four_specialists_gain_points_per_node_and_seed"] = None  # the four-specialist setting: not run yet
+    if args.round_cost_results.exists():
+        costs = [json.loads(line) for line in args.round_cost_results.read_text().splitlines() if line.strip()]
+        if costs and "round_cost_ratio_vs_silo" in costs[-1]:
+            summary["round_cost_ratio_vs_silo"] = costs[-1]["round_cost_ratio_vs_silo"]
     silo_round_s = (
         statistics.fmean(
             c / r
@@ -614,6 +627,9 @@ def report(args) -> None:
             )
             row["weak_gain_points_vs_silo"] = spread(
                 [100 * (mean_metric(seeds[s], budget, "weak") - mean_metric(silo[s], budget, "weak")) for s in common]
+            )
+            row["own_gain_points_vs_silo"] = spread(
+                [100 * (mean_metric(seeds[s], budget, "own") - mean_metric(silo[s], budget, "own")) for s in common]
             )
             swarm_arm = base_arm(arm) in SWARM_ARMS
             if swarm_arm and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
@@ -682,14 +698,17 @@ def report(args) -> None:
         most_seeds = max((len(row["seeds"]) for row in swarm_rows.values()), default=0)
         swarm_rows = {arm: row for arm, row in swarm_rows.items() if len(row["seeds"]) == most_seeds}
         if swarm_rows:
-            best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["weak_gain_points_vs_silo"]["mean"])
+            # the swarm must add: the best arm is the one that ends highest on both specialties together
+            best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["both_gain_points_vs_silo"]["mean"])
             summary["best_arm"] = best
             summary["seeds"] = table[best]["seeds"]
+            summary["both_gain_points_per_seed"] = table[best]["both_gain_points_vs_silo"]["per_seed"]
+            summary["own_gain_points_per_seed"] = table[best]["own_gain_points_vs_silo"]["per_seed"]
             summary["heldout_gain_weak_points_per_seed"] = table[best]["weak_gain_points_vs_silo"]["per_seed"]
             summary["speedup_per_seed"] = table[best]["speedup"]["per_seed"]
             summary["speedup_with_network_per_seed"] = table[best]["speedup_with_network"]["per_seed"]
         if args.plot:
-            plot(spec_arms, args.plot)
+            plot(spec_arms, args.plot, args.axis, args.baseline)
     # homogeneous: never below the silo
     homo = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "homogeneous"}
     if "silo" in homo:
@@ -791,21 +810,23 @@ def load_matched(spec_arms: dict) -> dict:
     return out
 
 
-def plot(spec_arms: dict, path: Path) -> None:
+def plot(spec_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (("weak", "the specialty it lacked"), ("own", "its own specialty"), ("all", "both specialties"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for arm, seeds in sorted(spec_arms.items()):
-        for ax, which, title in ((axes[0], "weak", "the node's weak specialty"), (axes[1], "all", "both specialties")):
+        label = f"{baseline} (the silo)" if arm == "silo" and baseline != "silo" else arm
+        for ax, (which, title) in zip(axes, panels):
             curves = [mean_curve(run, which) for run in seeds.values()]
             xs = curves[0][0]
             ys = [statistics.fmean(c[1][k] for c in curves) for k in range(len(xs))]
-            ax.plot(xs, ys, label=f"{arm} ({len(curves)} seeds)")
+            ax.plot(xs, ys, label=f"{label} ({len(curves)} seeds)")
             ax.set_title(f"held-out accuracy on {title}")
-            ax.set_xlabel("node compute (CPU seconds)")
+            ax.set_xlabel("node compute (compute units)" if axis == "units" else "node compute (CPU seconds)")
     axes[0].set_ylabel("greedy accuracy, mean of 4 nodes and seeds")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -868,6 +889,18 @@ def main() -> None:
         help="only measure what a round of each of --arms costs (ROUNDS rounds per node, arms interleaved)",
     )
     parser.add_argument("--round-cost-warmup", type=int, default=5)
+    parser.add_argument(
+        "--round-cost-results",
+        type=Path,
+        default=REPO / "benchmarks" / "results" / "sharing_round_cost.jsonl",
+        help="--round-cost appends its JSON line here; --report quotes the newest",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="silo",
+        choices=[arm for arm in ARMS if arm not in SWARM_ARMS],
+        help="--report: the single-node arm every arm is measured against (the best single-node recipe)",
+    )
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument(
@@ -895,7 +928,9 @@ def main() -> None:
         gate(args)
         return
     if args.round_cost:
-        print(json.dumps(asyncio.run(round_cost(args))))
+        result = asyncio.run(round_cost(args))
+        append_result(args.round_cost_results, result)
+        print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
