@@ -7,10 +7,8 @@ import time
 from dataclasses import dataclass
 
 from node.config import NodeConfig
-from node.rollouts.base import RolloutBackend, RolloutGroup
-from node.sharing import score_group
-from node.tasks import Question, TaskSource
-from node.trainer import is_uniform
+from node.rollouts.base import RolloutBackend, RolloutGroup, is_uniform
+from node.tasks import Question, TaskSource, score_group
 
 
 @dataclass

@@ -23,7 +23,7 @@ from node.config import NodeConfig, dump_config
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import RolloutBackend, RolloutGroup
+from node.rollouts.base import RolloutBackend, RolloutGroup, is_uniform
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.compute import RoundWork
@@ -32,7 +32,6 @@ from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
-from node.trainer import is_uniform
 from node.transport import ExternalGroup, Transport
 from protocol import NodeIdentity, PeerStats, Refusal
 

@@ -32,10 +32,9 @@ import random
 from collections.abc import Callable, Mapping
 
 from node.config import NodeConfig
-from node.rollouts.base import Completion, RolloutGroup
+from node.rollouts.base import Completion, RolloutGroup, is_uniform
 from node.stats import SwarmStats
-from node.tasks import Question, TaskError, TaskSource, grade, materialize
-from node.trainer import is_uniform
+from node.tasks import TaskError, TaskSource, materialize, score_group
 from node.transport.base import ExternalGroup
 from protocol import Refusal, TaskSpec
 from protocol.bounded import BoundedDict
@@ -57,21 +56,6 @@ def weighted_sample(items: list, weights: list[float], count: int, rng: random.R
     """`count` distinct items, each draw proportional to the weights of those left (Efraimidis-Spirakis keys)."""
     keyed = sorted(((rng.random() ** (1.0 / w), i) for i, w in enumerate(weights)), reverse=True)
     return [items[i] for _, i in keyed[:count]]
-
-
-def score_group(
-    question: Question, completions: list[Completion], source: str, format_reward: float
-) -> tuple[RolloutGroup, int]:
-    """The group with its locally computed rewards, and how many of its completions are right."""
-    grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
-    group = RolloutGroup(
-        spec=question.spec,
-        completions=completions,
-        rewards=[g.reward for g in grades],
-        source=source,
-        correct=[g.correct for g in grades],
-    )
-    return group, sum(g.correct for g in grades)
 
 
 def imitation_weight(this_node: float | None, peer: float) -> float:

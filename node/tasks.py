@@ -20,6 +20,7 @@ from typing import Any
 import reasoning_gym
 
 from node.config import ConfigError, TasksConfig
+from node.rollouts.base import Completion, RolloutGroup
 from protocol.specs import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,21 @@ def grade(question: Question, completion: str, finished: bool, format_reward: fl
         log.debug("scorer of %s raised on %r; scored 0", question.spec.dataset, answer[:80], exc_info=True)
         correctness = 0.0
     return Grade(correctness + (format_reward if finished else 0.0), correctness >= 1.0)
+
+
+def score_group(
+    question: Question, completions: list[Completion], source: str, format_reward: float
+) -> tuple[RolloutGroup, int]:
+    """The group with its locally computed rewards, and how many of its completions are right."""
+    grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
+    group = RolloutGroup(
+        spec=question.spec,
+        completions=completions,
+        rewards=[g.reward for g in grades],
+        source=source,
+        correct=[g.correct for g in grades],
+    )
+    return group, sum(g.correct for g in grades)
 
 
 class TaskSource:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from node.config import TrainerConfig
-from node.rollouts.base import Completion, RolloutGroup
+from node.rollouts.base import Completion, RolloutGroup, is_uniform
 
 
 @dataclass
@@ -70,10 +70,6 @@ def group_advantages(rewards: list[float], eps: float, baseline_scale: float = 1
     if not is_uniform(rewards) and baseline * baseline_scale < values.max():
         baseline = baseline * baseline_scale
     return ((values - baseline) / (std + eps)).tolist()
-
-
-def is_uniform(rewards: list[float]) -> bool:
-    return max(rewards) - min(rewards) < 1e-9
 
 
 def policy_loss(

@@ -26,6 +26,12 @@ def test_rollout_data_types_are_torch_free():
     assert "torch" not in loaded and "node.trainer" not in loaded
 
 
+def test_choosing_own_and_peers_rollouts_is_torch_free():
+    """Which rollouts a node trains on is decided without a model library (grading sits with the tasks)."""
+    loaded = imported_after(["node.sharing", "node.local_rollouts", "node.compute"])
+    assert "torch" not in loaded and "node.trainer" not in loaded
+
+
 # The layers, lowest first (docs/ARCHITECTURE.md explains each). A module may import from its own layer
 # and the layers below it, never from one above. A module missing here fails the test: place it.
 LAYERS = [

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     import torch
 
 
+def is_uniform(rewards: list[float]) -> bool:
+    """Whether a group's rewards are all equal: no learning signal (GRPO's advantages are all zero)."""
+    return max(rewards) - min(rewards) < 1e-9
+
+
 @dataclass
 class Completion:
     """One sampled completion, exactly as the trainer will score it."""
