@@ -752,7 +752,7 @@ def report(args) -> None:
         summary.update(horizons[kept])
         summary["sparse_rounds"] = kept
         summary["sparse_by_rounds"] = {str(r): ratios for r, ratios in horizons.items()}
-    if "silo" in spec_arms:
+    if "silo" in spec_arms and args.axis == "cpu":  # compute units are load-free already
         summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
 
