@@ -1,0 +1,140 @@
+"""What the policy update costs before and after it was made one forward per micro-batch, side by side.
+
+Before (commit ea1a190, loaded from git into its own module): pi_old of every micro-batch that holds a
+peer's sample came from an extra no-grad forward, and the imitation term ran its own forward and
+backward over demonstrations already in the batch. After (node/trainer.py): one forward and backward per
+micro-batch carries both terms, and with one epoch pi_old is that forward, detached.
+
+Rounds are real: the 4 specialist nodes of benchmarks/sharing.py run --rounds rounds of an arm in
+lockstep; each round's trainer inputs (its groups and demonstration groups) are recorded, then both
+trainers step a copy of the same weights on each recorded round, alternating, one torch thread;
+CPU seconds of this process (time.process_time), the median over rounds. The gradients they apply are
+checked to agree (the same update, computed once instead of twice).
+
+    .venv/bin/python benchmarks/update_cost.py --arms silo sapo_imitate
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BEFORE = "ea1a190"
+
+
+def trainer_module_at(commit: str):
+    source = subprocess.run(
+        ["git", "show", f"{commit}:node/trainer.py"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"trainer_{commit}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"trainer_{commit}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+async def record_rounds(arm: str, rounds: int, args) -> tuple[list, object]:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sharing
+
+    recorded = []
+    with tempfile.TemporaryDirectory() as scratch:
+        nodes = await sharing.make_nodes("specialists", arm, 0, scratch, args)
+        learner = nodes[0]
+        step = learner.trainer.step
+
+        def recording_step(groups, demonstration_groups=()):
+            recorded.append((copy.deepcopy(groups), copy.deepcopy(list(demonstration_groups))))
+            return step(groups, demonstration_groups)
+
+        learner.trainer.step = recording_step
+        try:
+            for _ in range(rounds):
+                for node in nodes:
+                    await node.run_round()
+        finally:
+            for node in nodes:
+                await node.stop_services()
+                node.backend.close()
+        return recorded, learner
+
+
+def time_step(trainer_class, config, model, tokenizer, temperature, groups, demonstrations, version):
+    trainer = trainer_class(config, copy.deepcopy(model), tokenizer.pad_token_id, temperature, policy_version=version)
+    before = time.process_time()
+    trainer.step(groups, demonstrations)
+    elapsed = time.process_time() - before
+    return elapsed, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=["silo", "sapo_imitate"])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup-steps", nargs="+", default=["add=125", "subtract=230", "both=260"])
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sharing
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    args.warmup_steps = sharing.parse_warmup_steps(args.warmup_steps)
+    args.transport, args.set, args.config, args.sparse_warmup_steps = "inprocess", [], sharing.CONFIG, 60
+    old = trainer_module_at(BEFORE)
+    from node.trainer import GRPOTrainer
+
+    summary = {"benchmark": "update_cost", "before_commit": BEFORE, "arms": {}}
+    for arm in args.arms:
+        recorded, learner = asyncio.run(record_rounds(arm, args.rounds, args))
+        config, model, tokenizer = learner.config, learner.model, learner.tokenizer
+        temperature = config.rollout.temperature
+        before_s, after_s, drift = [], [], []
+        for groups, demonstrations in recorded:
+            # the policy version the groups were sampled at: the node's own count them on-policy, as in the round
+            version = max((c.policy_version for g in groups for c in g.completions), default=0)
+            t_old, w_old = time_step(
+                old.GRPOTrainer, config.trainer, model, tokenizer, temperature, groups, demonstrations, version
+            )
+            t_new, w_new = time_step(
+                GRPOTrainer, config.trainer, model, tokenizer, temperature, groups, demonstrations, version
+            )
+            before_s.append(t_old)
+            after_s.append(t_new)
+            drift.append(float((w_old - w_new).abs().max()))
+        row = {
+            "updates": len(recorded),
+            "before_cpu_s_median": statistics.median(before_s),
+            "after_cpu_s_median": statistics.median(after_s),
+            "after_over_before": statistics.median(a / b for a, b in zip(after_s, before_s)),
+            "max_weight_difference": max(drift),
+        }
+        summary["arms"][arm] = row
+        print(
+            f"{arm:14s} update {row['before_cpu_s_median']:.3f} -> {row['after_cpu_s_median']:.3f} CPU s "
+            f"({row['after_over_before']:.2f}x), weights after the step differ by at most "
+            f"{row['max_weight_difference']:.1e}",
+            flush=True,
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
