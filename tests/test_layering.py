@@ -31,7 +31,7 @@ def test_rollout_data_types_are_torch_free():
 LAYERS = [
     ("wire", ["protocol"]),
     ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
-    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights"]),
+    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.device"]),
     (
         "network and policy",
         ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"],
