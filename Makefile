@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser netlab run test test-slow test-container lint bench clean
+.PHONY: install browser netlab run test test-slow test-container lint bench gpu-wheels clean
 
 install: $(STAMP) browser netlab
 
@@ -52,6 +52,19 @@ test-slow: install
 # on a local Debian base and this machine's wheels, then runs the image: tests/test_container.py.
 test-container: install
 	$(BIN)/python -m pytest -q -m slow tests/test_container.py
+
+# The packages a lent GPU machine needs for an isolated node (benchmarks/gpu_round.py): benchmarks/gpu_wheels.txt, as
+# wheels for its Python 3.12 (those marked "source only" as source archives, built there), into .whl/ (ignored by git;
+# the device call carries it).
+gpu-wheels:
+	mkdir -p .whl
+	grep -v 'source only' benchmarks/gpu_wheels.txt > .whl/binary.txt
+	grep 'source only' benchmarks/gpu_wheels.txt > .whl/source.txt
+	$(PYTHON) -m pip download -q --no-deps --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --only-binary=:all: -d .whl -r .whl/binary.txt
+	$(PYTHON) -m pip download -q --no-deps --no-binary=:all: -d .whl -r .whl/source.txt
+	rm .whl/binary.txt .whl/source.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

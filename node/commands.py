@@ -68,14 +68,16 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     if node.identity is not None:
         console.print(f"node id {node.identity.node_id}", highlight=False)
     start = f"resuming at round {node.round}" if node.round else "fresh start"
+    device = node.telemetry.device
     console.print(
-        f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path}, {start}",
+        f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path} "
+        f"({config.model.dtype}) on {device}, {start}",
         highlight=False,
     )
     target = None if config.rounds is None else node.round + config.rounds
     title = (
         f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
-    )
+    ) + f" on {device}"
     with RoundDisplay(console, node.round, target, title=title) as display:
         await node.run(config.rounds, stop, on_round=display.update)
     console.print(

@@ -8,6 +8,7 @@ variables or globals. YAML files in `configs/` are parsed into this tree, CLI ov
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,12 +62,22 @@ class ModelConfig(_Section):
 
     name_or_path: str = "default"
     """'default' for the embedded tiny model built offline, else a local HF directory or hub id."""
+    device: str = "auto"
+    """Where the policy trains and samples: 'auto' (the GPU torch sees, else the CPU), 'cpu', 'cuda' or 'cuda:N'
+    (node/device.py)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the policy."""
+    """Parameter dtype of the policy; bfloat16 is refused on a GPU that does not compute in it (before Ampere)."""
     cache_dir: str | None = None
     """Where the built default model is cached (default: $SWARM_NODE_CACHE or ~/.cache/swarm-node)."""
     default: DefaultModelConfig = DefaultModelConfig()
     """Settings of the embedded default model."""
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N (N a GPU's index), got {value!r}")
+        return value
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from node.config import NodeConfig, dump_config
+from node.device import describe_device, model_device
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
@@ -99,6 +100,7 @@ class Node:
         self.model, self.tokenizer, self.trainer = loaded.model, loaded.tokenizer, loaded.trainer
         self.fingerprint, self.model_parameters, self.round = loaded.fingerprint, loaded.parameters, loaded.round
         self._outer_state = loaded.outer_state
+        self.telemetry.device = describe_device(model_device(self.model))
         self._build_rollouts(self.trainer.policy_version)
         if loaded.rng is not None:
             restore_rng(loaded.rng)

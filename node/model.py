@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from node.config import ModelConfig, NodeConfig
+from node.device import HOST, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_policy(path: str | Path, dtype: str = "float32") -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+def load_policy(
+    path: str | Path, dtype: str = "float32", device: torch.device = HOST
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The policy saved at `path`, in `dtype` on `device` (node/device.py resolves both from the config)."""
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
     return model, tokenizer
 
 
@@ -130,11 +134,15 @@ def ensure_default_model(config: NodeConfig, progress=None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
+    # initialised on the CPU (the same weights whatever the device), warm-started in float32 where the policy trains
     model = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    device = resolve_device(config.model)
+    model.to(device)
     log.info(
-        "building the default model (%.2fM parameters) with %d warm-start steps",
+        "building the default model (%.2fM parameters) with %d warm-start steps on %s",
         sum(p.numel() for p in model.parameters()) / 1e6,
         config.model.default.warmup_steps,
+        device,
     )
     warm_start(model, tokenizer, config, progress=progress)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
@@ -149,10 +157,12 @@ def ensure_default_model(config: NodeConfig, progress=None) -> Path:
     return target
 
 
-def resolve_initial_policy(config: NodeConfig, progress=None) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """The policy a fresh node starts from."""
+def resolve_initial_policy(
+    config: NodeConfig, progress=None, device: torch.device | None = None
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The policy a fresh node starts from, on `device` (None: the one model.device names)."""
     if config.model.name_or_path == "default":
         path: str | Path = ensure_default_model(config, progress=progress)
     else:
         path = config.model.name_or_path
-    return load_policy(path, config.model.dtype)
+    return load_policy(path, config.model.dtype, resolve_device(config.model) if device is None else device)

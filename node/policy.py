@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from node.config import NodeConfig
+from node.device import HOST, resolve_device
 from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.state import StateStore
@@ -45,8 +46,11 @@ class LocalPolicy:
     def load(self, progress: bool | None = None) -> LoadedPolicy:
         config = self.config
         checkpoint = self.store.latest()
+        device = resolve_device(config.model)
         if checkpoint is not None:
-            model, tokenizer = load_policy(checkpoint, config.model.dtype)
+            # a checkpoint is read on the CPU whatever device wrote it; the model and, through load_state_dict, the
+            # optimizer's state follow the parameters to this node's device
+            model, tokenizer = load_policy(checkpoint, config.model.dtype, device)
             state = self.store.load_trainer_state(checkpoint)
             model.eval()
             trainer = GRPOTrainer(
@@ -59,7 +63,7 @@ class LocalPolicy:
             loaded = LoadedPolicy(model, tokenizer, trainer, state.round, "", 0, rng=state.rng, outer_state=state.outer)
         else:
             torch.manual_seed(config.seed)
-            model, tokenizer = resolve_initial_policy(config, progress=progress)
+            model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)
             model.eval()
             trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, 0)
             log.info("starting fresh from %s", config.model.name_or_path)
@@ -101,7 +105,9 @@ class PipelinePolicy:
 
         config, pipeline = self.config, self.config.pipeline
         torch.manual_seed(config.seed)
-        initial, tokenizer = resolve_initial_policy(config)
+        # the driver holds no weight of the policy (the stage servers do, on their devices): the initial model only
+        # tells the architecture and the fingerprint, so it stays on the CPU, and so do the driver's few tensors
+        initial, tokenizer = resolve_initial_policy(config, device=HOST)
         model = RemoteCausalLM(
             initial.config, pipeline.num_stages, pipeline.checkfree_plus, pipeline.attempts_per_micro_batch
         )

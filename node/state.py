@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from node.device import HOST
 from node.files import atomic_write_text, fsync_dir, fsync_tree
 from node.model import save_policy
 
@@ -108,7 +109,9 @@ class StateStore:
         return int(checkpoint.name.removeprefix(CHECKPOINT_PREFIX))
 
     def load_trainer_state(self, checkpoint: Path) -> TrainerState:
-        data = torch.load(checkpoint / "trainer.pt", weights_only=False)
+        """Read on the CPU: a checkpoint a GPU wrote loads on a machine without one (the optimizer's state moves to
+        the parameters' device in load_state_dict)."""
+        data = torch.load(checkpoint / "trainer.pt", map_location=HOST, weights_only=False)
         return TrainerState(
             round=data["round"],
             policy_version=data["policy_version"],

@@ -29,6 +29,7 @@ class Telemetry:
         self.accuracy: float | None = None
         self.accuracy_by_dataset: dict[str, float] = {}  # per specialty of the task mix
         self.tokens_per_s = 0.0  # of the last round
+        self.device = ""  # where the policy trains, as node.device.describe_device says it (set once it is loaded)
 
     def record_round(self, row: dict[str, Any]) -> None:
         ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731
@@ -77,6 +78,7 @@ class Telemetry:
             gossip_addresses=[],  # the transport fills in its own
             outer_steps=averaging.stats.succeeded if averaging else 0,
             outer_steps_skipped=averaging.stats.skipped if averaging else 0,
+            device=self.device,
         )
 
     def prometheus(self, round_: int, policy_version: int, averaging=None) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from node.config import TrainerConfig
+from node.device import model_device
 from node.rollouts.base import Completion, RolloutGroup, is_uniform
 
 
@@ -110,29 +111,32 @@ def policy_loss(
 def completion_logprobs(
     model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of each completion token given its prompt: [batch, max_completion], mask.
+    """Log-probs of each completion token given its prompt: [batch, max_completion], mask; on the model's device.
 
-    Sequences are right-padded with positions 0..n-1, the same positions the sampler used.
+    Sequences are right-padded with positions 0..n-1, the same positions the sampler used. The
+    batch is laid out on the CPU and moved once (a copy per tensor, not one per row).
     """
+    device = model_device(model)
     seqs = [prompt + completion for prompt, completion in rows]
     width = max(map(len, seqs))
+    max_completion = max(len(c) for _, c in rows)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[i, : len(seq)] = 1
-    position_ids = torch.arange(width).expand(len(seqs), width)
+    # where completion token j of row i is scored: targets[i, len(prompt) - 1 + j] (0 past its end, masked)
+    scored_at = torch.zeros((len(rows), max_completion), dtype=torch.long)
+    mask = torch.zeros((len(rows), max_completion), dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(rows):
+        input_ids[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+        attention_mask[i, : len(seqs[i])] = 1
+        scored_at[i, : len(completion)] = torch.arange(len(prompt) - 1, len(seqs[i]) - 1)
+        mask[i, : len(completion)] = True
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    scored_at, mask = scored_at.to(device), mask.to(device)
+    position_ids = torch.arange(width, device=device).expand(len(seqs), width)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     targets = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # targets[:, j] scores token j+1
-    max_completion = max(len(c) for _, c in rows)
-    out = torch.zeros((len(rows), max_completion), dtype=targets.dtype)
-    mask = torch.zeros((len(rows), max_completion), dtype=torch.bool)
-    for i, (prompt, completion) in enumerate(rows):
-        start = len(prompt) - 1
-        out[i, : len(completion)] = targets[i, start : start + len(completion)]
-        mask[i, : len(completion)] = True
-    return out, mask
+    return targets.gather(1, scored_at).masked_fill(~mask, 0.0), mask
 
 
 def padded_positions(rows: list[tuple[list[int], list[int]]]) -> int:
@@ -142,10 +146,12 @@ def padded_positions(rows: list[tuple[list[int], list[int]]]) -> int:
 
 
 def _pad_rows(rows: list[list[float]], width: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rows of floats right-padded with zeros to `width`, on `device` (the trainer's, GRPOTrainer.device; None: left
+    on the CPU, where they are laid out)."""
     out = torch.zeros((len(rows), width))
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row)
-    return out.to(device) if device is not None else out
+    return out if device is None else out.to(device)
 
 
 @dataclass
@@ -191,8 +197,13 @@ class GRPOTrainer:
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.reference = None
-        if config.kl_beta > 0:
+        if config.kl_beta > 0:  # a copy of the policy, on the policy's device (a deep copy stays where it is)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters are: every tensor the update makes for the policy goes there."""
+        return model_device(self.model)
 
     def training_rows(
         self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = (), stats: TrainStats | None = None
@@ -250,7 +261,7 @@ class GRPOTrainer:
         round that is the training forward itself, so no second forward is needed; without it one is run here."""
         width = max(len(row.completion_ids) for row in batch)
         policy = [row for row in batch if row.in_policy_term]
-        device = current.device if current is not None else None
+        device = self.device
         if all(row.on_policy for row in policy):
             behaviour = [row.behaviour_logprobs if row.in_policy_term else [] for row in batch]
             return _pad_rows(behaviour, width, device), None, 0

@@ -16,6 +16,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from node.config import NodeConfig
+from node.device import model_device
 from node.tasks import TaskSource
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,10 @@ log = logging.getLogger(__name__)
 WARMSTART_SEED_OFFSET = 2_000_000_033
 
 
-def supervised_batch(tokenizer, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+answer+eos sequences; labels only on the answer and eos."""
+def supervised_batch(
+    tokenizer, prompts: list[str], answers: list[str], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+answer+eos sequences on `device`; labels only on the answer and eos."""
     rows, label_rows = [], []
     for prompt, answer in zip(prompts, answers):
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -39,7 +42,8 @@ def supervised_batch(tokenizer, prompts: list[str], answers: list[str]) -> dict[
         input_ids[i, : len(row)] = torch.tensor(row)
         labels[i, : len(row)] = torch.tensor(label_row)
         attention_mask[i, : len(row)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    # built on the CPU and moved once: three copies per step, not one per row
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device), "attention_mask": attention_mask.to(device)}
 
 
 def warm_start(
@@ -79,7 +83,9 @@ def warm_start(
     try:
         for step in range(settings.warmup_steps):
             questions = source.batch(step * settings.warmup_batch_size, settings.warmup_batch_size)
-            batch = supervised_batch(tokenizer, [source.prompt(q) for q in questions], [q.answer for q in questions])
+            batch = supervised_batch(
+                tokenizer, [source.prompt(q) for q in questions], [q.answer for q in questions], model_device(model)
+            )
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

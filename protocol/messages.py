@@ -208,6 +208,9 @@ class PeerStats:
     # minor 5: how peers can reach the node, as it measured it: one of REACHABILITY ("": not measured yet).
     # Unverifiable by the reader: a node that claims "direct" and is not only costs its callers a failed dial.
     reachability: str = since_minor(5, str)
+    # minor 8: where the node trains, as it describes it: "cpu", or "cuda:0 " and the card's name ("": a minor 0-7
+    # sender). For people reading the peers table; unverifiable, and nothing is decided on it.
+    device: str = since_minor(8, str)
 
     _COUNTS: ClassVar[tuple[str, ...]] = (
         "model_parameters",
@@ -244,6 +247,8 @@ class PeerStats:
         values["gossip_addresses"] = check_addresses(
             f["gossip_addresses"], "gossip_addresses", limits.max_addresses, limits.max_name_chars
         )
+        if "device" in f:  # absent from a minor 0-7 sender
+            values["device"] = check_str(f["device"], "device", limits.max_name_chars)
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
             if values["reachability"] not in REACHABILITY:

@@ -10,6 +10,7 @@ PROTOCOL_MAJOR = 1
 # What each minor appended: 1 stage announcements (pipeline), signed averaging announcements;
 # 2 PeerStats.accuracy_by_dataset; 3 p2p_maddrs in stage and averaging announcements (a caller on another host
 # dials them); 4 StageLost reports (pipeline drivers); 5 PeerStats.reachability (nodes behind NAT); 6 sharded DHT
-# keys for heartbeats and rollouts (protocol/shards.py); 7 StageLost.lost_at (when each stage was found lost).
-PROTOCOL_MINOR = 7
+# keys for heartbeats and rollouts (protocol/shards.py); 7 StageLost.lost_at (when each stage was found lost);
+# 8 PeerStats.device (where the node trains).
+PROTOCOL_MINOR = 8
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"  # as a PeerStats.protocol_version string

@@ -39,6 +39,7 @@ PEER_ROW = dict(
     uptime_s=3600.0,
     last_seen=0.0,
     accuracy_by_dataset={"basic_arithmetic": 0.5, "fraction_simplification": 0.25},
+    device="cuda:0 NVIDIA GeForce RTX 4090",
 )
 
 

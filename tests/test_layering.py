@@ -37,7 +37,7 @@ def test_choosing_own_and_peers_rollouts_is_torch_free():
 LAYERS = [
     ("wire", ["protocol"]),
     ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
-    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.compute"]),
+    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.compute", "node.device"]),
     (
         "network and policy",
         ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"],

@@ -422,7 +422,9 @@ def test_a_balancing_node_answers_the_specialties_its_peers_did_not_bring(tiny_c
     for index in range(2):
         spec = spec_of("subtract", index)
         texts = (materialize(spec).answer, "nope")
-        groups.append(RolloutGroup(spec, [Completion([1], [2], t, None, "stop", policy_version=0) for t in texts], [1, 0]))
+        groups.append(
+            RolloutGroup(spec, [Completion([1], [2], t, None, "stop", policy_version=0) for t in texts], [1, 0])
+        )
     asyncio.run(peer.transport.publish(1, 0, groups))
     row = asyncio.run(learner.run_round())
     expected = balanced if draw == "balance" else by_mix

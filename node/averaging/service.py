@@ -21,6 +21,7 @@ from node.aio import cancel_and_wait
 from node.averaging.outer import OuterOptimizerState, apply_with_drift, diloco_step, float_parameters, noloco_step
 from node.weights.validation import relative_distance
 from node.config import NodeConfig
+from node.device import HOST
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class OuterStepService:
             return False  # one exchange per window: peers pair up by window
         self._last_window = window
         self.last_trigger_version = policy_version
+        # the snapshot leaves the device here: the exchange and the outer rule never touch the live parameters
         self._theta_sent = {
-            k: v.detach().to("cpu", torch.float32).clone() for k, v in float_parameters(self.model).items()
+            k: v.detach().to(HOST, torch.float32).clone() for k, v in float_parameters(self.model).items()
         }
         self.stats.attempted += 1
         self._task = asyncio.create_task(
@@ -100,11 +102,13 @@ class OuterStepService:
                 self.outer, self.outer.outer_delta(result.mean_theta), self.config.outer_lr, self.config.momentum()
             )
         params = float_parameters(self.model)
-        now = {k: v.detach().to("cpu", torch.float32) for k, v in params.items()}
+        # the rule runs on the CPU in fp32 (where phi and the partners' weights are); the result goes back to the
+        # parameters' device and dtype
+        now = {k: v.detach().to(HOST, torch.float32) for k, v in params.items()}
         final = apply_with_drift(now, theta_sent, new_theta)
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(final[name].to(param.dtype))
+                param.copy_(final[name].to(param.device, param.dtype))
         self.stats.succeeded += 1
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received

@@ -15,6 +15,7 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
     ("node", lambda r, now: r["node_id"][:12], -1),
     ("name", lambda r, now: r["display_name"][:16], 1),
     ("reach", lambda r, now: r.get("reachability") or "-", 2),  # direct / relayed / outbound-only (behind NAT)
+    ("device", lambda r, now: short_device(r.get("device") or "-"), 4),  # cpu, or the card (cuda:N NVIDIA ...)
     ("round", lambda r, now: str(r["round"]), 0),
     ("policy", lambda r, now: str(r["policy_version"]), 3),
     ("reward", lambda r, now: f"{r['reward_mean']:.3f}", 0),
@@ -29,6 +30,13 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
     ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
     ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
 )
+
+
+def short_device(device: str) -> str:
+    """'cuda:0 NVIDIA GeForce RTX 4090' as 'RTX 4090', 'cpu' as itself: the card's model, in 12 characters at most
+    (`--json` has the whole description)."""
+    words = [word for word in device.split()[1:] if word not in ("NVIDIA", "GeForce", "Tesla")] or device.split()
+    return " ".join(words[:2])[:12]
 
 
 def weakest_specialty(by_dataset: dict[str, float]) -> str:

@@ -21,6 +21,7 @@ import torch
 
 from node.weights.codec import encode_weights
 from node.config import PipelineConfig
+from node.device import model_device
 from node.pipeline.stages import PipelineStage, StagePlan, part_tensors
 from node.pipeline.tensors import TensorRefused, expect
 from protocol.pipeline import StageCall
@@ -62,6 +63,9 @@ class StageBackend:
         self.hf_config = hf_config
         self.plan = plan
         self.stage = stage
+        # where the stage's weights are (the server placed them: node/device.py); each call's tensors come off the wire
+        # on the CPU and are moved here, and its results go back to the CPU for the wire (node/pipeline/tensors.py)
+        self.device = model_device(stage)
         self.index = stage.index
         self.max_len = pipeline.max_sequence_length or hf_config.max_position_embeddings
         self.step = step
@@ -179,8 +183,9 @@ class StageBackend:
     # helpers ------------------------------------------------------------------------------
 
     def _expect(self, tensors, name: str, dtype, shape) -> torch.Tensor:
+        """The named input, checked, on this stage's device."""
         try:
-            return expect(tensors, name, dtype, shape)
+            return expect(tensors, name, dtype, shape).to(self.device)
         except TensorRefused as exc:
             raise BackendRefused(exc.reason, exc.detail) from None
 

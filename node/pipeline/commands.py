@@ -76,6 +76,7 @@ async def _join(config, console: Console, role: str):
     """The swarm session and initial model: what both roles need first."""
     import torch
 
+    from node.device import HOST
     from node.model import model_fingerprint, resolve_initial_policy
     from node.transport.session import join_swarm
     from protocol import NodeIdentity
@@ -85,7 +86,8 @@ async def _join(config, console: Console, role: str):
     state_dir = config.resolved_state_dir()
     identity = NodeIdentity.load_or_create(state_dir / "identity.key")
     torch.manual_seed(config.seed)
-    model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config)
+    # on the CPU: a stage server copies its stage out of it, and moves only that to model.device (pipeline/server.py)
+    model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config, None, HOST)
     fingerprint = model_fingerprint(model, tokenizer)
     session = await join_swarm(config, identity, state_dir)
     console.print(

@@ -44,6 +44,7 @@ import time
 import torch
 
 from node.aio import cancel_and_wait
+from node.device import resolve_device
 from node.weights.codec import CodecError, EncodedWeights, decode_weights
 from node.weights.validation import WeightsRefused, validate_partner_weights
 from node.pipeline.backend import StageBackend
@@ -96,6 +97,9 @@ class StageServer:
         self.model_fingerprint = model_fingerprint
         self.state_dir = session.state_dir
         self.plan = stage_plan(config, self.hf_config)
+        # the stage this server serves trains here (model.device); it is built and loaded on the CPU, where the
+        # initial model and the fetched weights are, and moved once loaded
+        self.device = resolve_device(config.model)
         # the p2p stream protocol of this model's calls
         self.protocol = handler_name(config.swarm.swarm_id, model_fingerprint)
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
@@ -236,7 +240,7 @@ class StageServer:
         if event.method != "initial":
             self.recoveries += 1
         self.handler.backend = StageBackend(
-            self.pipeline, self.hf_config, self.plan, stage, step=event.step, lr_scale=event.lr_scale
+            self.pipeline, self.hf_config, self.plan, stage.to(self.device), step=event.step, lr_scale=event.lr_scale
         )
         self.handler.state = "serving"
         self._last_replica_sync = -1

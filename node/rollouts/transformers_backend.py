@@ -14,17 +14,24 @@ import torch
 from transformers import DynamicCache
 
 from node.config import RolloutConfig
+from node.device import HOST, model_device
 from node.rollouts.base import Completion, RolloutBackend
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    rows: list[list[int]], pad_id: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded token ids and their attention mask, laid out on the CPU and moved to `device` once (None: left
+    there)."""
     width = max(map(len, rows))
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
         attention_mask[i, width - len(row) :] = 1
-    return input_ids, attention_mask
+    if device is None:
+        return input_ids, attention_mask
+    return input_ids.to(device), attention_mask.to(device)
 
 
 def sample_next(
@@ -68,7 +75,9 @@ class TransformersBackend(RolloutBackend):
         self.policy_version = policy_version
 
     def generate(self, prompts: list[str], n: int, seed: int, greedy: bool = False) -> list[list[Completion]]:
-        generator = torch.Generator().manual_seed(seed)
+        # sampling draws where the logits are (a CPU generator cannot drive a GPU's multinomial); the same seed
+        # gives the same completions on one kind of device, not across kinds
+        generator = torch.Generator(device=model_device(self.model)).manual_seed(seed)
         encoded = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         flat = [ids for ids in encoded for _ in range(n)]
         results: list[Completion] = []
@@ -84,13 +93,14 @@ class TransformersBackend(RolloutBackend):
         was_training = self.model.training
         self.model.eval()
         eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        input_ids, attention_mask = left_pad(prompt_rows, pad_id)
+        device = model_device(self.model)  # the KV-cache loop runs there; completions leave it once, at the end
+        input_ids, attention_mask = left_pad(prompt_rows, pad_id, device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         batch = len(prompt_rows)
-        tokens_out = torch.full((batch, self.config.max_new_tokens), pad_id, dtype=torch.long)
-        logprobs_out = torch.zeros((batch, self.config.max_new_tokens))
-        lengths = torch.zeros(batch, dtype=torch.long)
-        finished = torch.zeros(batch, dtype=torch.bool)
+        tokens_out = torch.full((batch, self.config.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs_out = torch.zeros((batch, self.config.max_new_tokens), device=device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
         # A forward that declares `cache` (transformers 5.24 on) fills our own cache object in
         # place. Older releases, and a model that keeps its cache elsewhere (the pipeline's
         # remote sessions), return theirs in `past_key_values`, handed back on the next call.
@@ -119,7 +129,7 @@ class TransformersBackend(RolloutBackend):
             finished |= tokens == eos_id
             if finished.all() or t + 1 == self.config.max_new_tokens:
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
             if not fills_in_place:
                 cache = {"past_key_values": out.past_key_values}
             out = self.model(
@@ -133,6 +143,7 @@ class TransformersBackend(RolloutBackend):
             next_position = next_position + 1
         if was_training:
             self.model.train()
+        tokens_out, logprobs_out, lengths = tokens_out.to(HOST), logprobs_out.to(HOST), lengths.tolist()
         completions = []
         for i, prompt_ids in enumerate(prompt_rows):
             ids = tokens_out[i, : lengths[i]].tolist()

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from node.device import HOST
 from protocol.refusals import SentencedEnum
 
 
@@ -44,11 +45,12 @@ class WeightsRefused(Exception):
 
 
 def relative_distance(local: dict[str, torch.Tensor], received: dict[str, torch.Tensor]) -> float:
-    """||received - local|| / (||local|| + 1e-12), with both norms taken over all tensors at once (float64)."""
+    """||received - local|| / (||local|| + 1e-12), with both norms taken over all tensors at once (float64, on the CPU:
+    received weights arrive there, and ours may be on a GPU)."""
     diff_sq = local_sq = 0.0
     for name, mine in local.items():
-        mine64 = mine.detach().to(torch.float64)
-        diff_sq += float((received[name].detach().to(torch.float64) - mine64).square().sum())
+        mine64 = mine.detach().to(HOST, torch.float64)
+        diff_sq += float((received[name].detach().to(HOST, torch.float64) - mine64).square().sum())
         local_sq += float(mine64.square().sum())
     return math.sqrt(diff_sq) / (math.sqrt(local_sq) + 1e-12)
 

@@ -11,6 +11,7 @@ const PEER_COLUMNS = [
   ["node", (r) => r.node_id.slice(0, 12), "text id"],
   ["name", (r) => r.display_name, "text"],
   ["reach", (r) => r.reachability || "-", "text"],
+  ["device", (r) => r.device || "-", "text"],
   ["round", (r) => r.round],
   ["policy", (r) => r.policy_version],
   ["reward", (r) => fixed(r.reward_mean, 3)],

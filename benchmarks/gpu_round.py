@@ -1,0 +1,188 @@
+"""A node on a GPU beside the same node on that machine's CPU (issue #34): prepared for a lent GPU machine.
+
+The default model at a larger shape (about 34M parameters: hidden 512, 8 layers, 8 heads, MLP 2048; `--set` changes
+it), warm-started once on the first device, trains isolated for the same number of rounds on each device in turn
+(`--device`, default cuda then cpu), from the same weights. Per device: rounds/s, generated tokens/s, update seconds
+per round, peak GPU memory, held-out accuracy before and after. First, on the first device, the sampler's behaviour
+log-probs are checked against the trainer's recomputation, at the tolerance the CPU tests use
+(tests/test_rollouts.py::test_behaviour_logprobs_match_the_trainer, float32). One JSON line goes to
+`--out` (default `$OUT/gpu_round.json`, else stdout only); progress goes to stdout. A device's rounds stop early, and
+say so, when its share of `--budget-s` is spent, so the command ends inside the lent machine's 10 minutes.
+
+On the lent machine (Python 3.12, CUDA torch 2.11, transformers 5.17, no network): what the node imports beyond the
+machine's packages travels in .whl/ (ignored by git, about 17 MiB): the wheels benchmarks/gpu_wheels.txt lists, and
+three source archives pip builds there offline, downloaded here by `make gpu-wheels`. The device tool's call, from the
+repository's root (about 1 minute of installs and the warm start, 8 of rounds; $OUT/gpu_round.json comes back):
+
+    run(kind left out, carry=[".whl"], timeout_s=600, command=
+        "python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade
+         --target /tmp/site .whl/*.whl .whl/*.tar.gz && export PYTHONPATH=/tmp/site:$PWD || exit;
+         PYTHONUNBUFFERED=1 python3 benchmarks/gpu_round.py")
+
+Here, on the CPU, it is tested in its tiny mode (tests/test_gpu_round.py):
+
+    .venv/bin/python benchmarks/gpu_round.py --device cpu --tiny --out /tmp/gpu_round.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from node.config import load_config  # noqa: E402
+from node.device import describe_device, model_device  # noqa: E402
+from node.loop import Node  # noqa: E402
+from node.model import ensure_default_model  # noqa: E402
+from node.trainer import completion_logprobs  # noqa: E402
+
+LOGPROB_ATOL = 1e-4  # tests/test_rollouts.py: the sampler's behaviour log-probs against the trainer's, float32
+LARGER = [  # about 34M parameters: tens of millions, a few seconds a round on a GPU
+    "model.default.hidden_size=512",
+    "model.default.num_layers=8",
+    "model.default.num_heads=8",
+    "model.default.intermediate_size=2048",
+]
+TINY = [  # tests/helpers/common.py's tiny model: the CPU test of this script
+    "model.default.hidden_size=32",
+    "model.default.num_layers=2",
+    "model.default.num_heads=2",
+    "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=128",
+    "model.default.warmup_steps=5",
+    "model.default.warmup_batch_size=8",
+    "swarm.local_questions=2",
+    "rollout.completions_per_question=4",
+    "rollout.max_new_tokens=4",
+    "tasks.heldout_size=8",
+]
+
+
+def check_behaviour_logprobs(node: Node) -> dict:
+    """Sample with the node's backend and recompute with the trainer's function, on the policy's device."""
+    temperature = node.config.rollout.temperature
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 4)]
+    flat = [c for group in node.backend.generate(prompts, n=4, seed=1) for c in group]
+    recomputed, _ = completion_logprobs(
+        node.model, [(c.prompt_ids, c.completion_ids) for c in flat], node.tokenizer.pad_token_id, temperature
+    )
+    worst = max(
+        (recomputed[i, : len(c.logprobs)].cpu() - torch.tensor(c.logprobs)).abs().max().item()
+        for i, c in enumerate(flat)
+    )
+    return {"max_abs_diff": worst, "atol": LOGPROB_ATOL, "ok": worst <= LOGPROB_ATOL, "sequences": len(flat)}
+
+
+async def run_arm(node: Node, rounds: int, budget_s: float) -> list[dict]:
+    rows, start = [], time.monotonic()
+    while len(rows) < rounds and time.monotonic() - start < budget_s:
+        rows.append(await node.run_round())
+        print(
+            f"  round {node.round:3d} reward {rows[-1]['reward_mean']:.3f} tokens/s {rows[-1]['tokens_per_s']:.0f} "
+            f"update {rows[-1]['update_s']:.2f}s step {rows[-1]['step_s']:.2f}s",
+            flush=True,
+        )
+    return rows
+
+
+def arm(config_args: list[str], device: str, rounds: int, budget_s: float, state_dir: str, check: bool) -> dict:
+    config = load_config(
+        REPO / "configs" / "isolated.yaml", [*config_args, f"model.device={device}"], state_dir=state_dir
+    )
+    node = Node(config)
+    node.load(fresh=True, progress=False)
+    where = model_device(node.model)
+    print(f"{describe_device(where)}: {node.model_parameters / 1e6:.1f}M parameters, {config.model.dtype}", flush=True)
+    result: dict = {"device": describe_device(where), "dtype": config.model.dtype}
+    if check:
+        result["behaviour_logprobs"] = check_behaviour_logprobs(node)
+        print(f"  behaviour log-probs against the trainer's: {result['behaviour_logprobs']}", flush=True)
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
+        torch.cuda.reset_peak_memory_stats(where)
+    result["heldout_before"] = node.evaluator.accuracy()
+    start = time.monotonic()
+    rows = asyncio.run(run_arm(node, rounds, budget_s))
+    wall = time.monotonic() - start
+    if len(rows) < rounds:
+        print(f"  stopped after {len(rows)} of {rounds} rounds: this device's {budget_s:.0f}s are spent", flush=True)
+    result["heldout_after"] = node.evaluator.accuracy()
+    tokens = sum(r["tokens"] for r in rows)
+    result |= {
+        "rounds": len(rows),
+        "rounds_asked": rounds,
+        "wall_s": wall,
+        "rounds_per_s": len(rows) / wall,
+        "generated_tokens_per_s": tokens / max(sum(r["generation_s"] for r in rows), 1e-9),
+        "update_s_mean": statistics.fmean(r["update_s"] for r in rows),
+        "step_s_mean": statistics.fmean(r["step_s"] for r in rows),
+        "policy_version": node.policy_version,
+        "peak_gpu_memory_mib": torch.cuda.max_memory_allocated(where) / 2**20 if where.type == "cuda" else None,
+    }
+    print(f"  {json.dumps(result)}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", action="append", help="a device to train on, in order (default: cuda, then cpu)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds on each device")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="wall seconds for all devices' rounds together")
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny model and 2 rounds (a CPU check)")
+    parser.add_argument("--set", action="append", default=[], help="config overrides, as for swarm-node train")
+    parser.add_argument("--out", default=None, help="where the JSON line goes (default: $OUT/gpu_round.json)")
+    args = parser.parse_args()
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    devices = args.device or ["cuda", "cpu"]
+    rounds = 2 if args.tiny else args.rounds
+    config_args = [*(TINY if args.tiny else LARGER), "eval_every=0", "checkpoint_every=1000", *args.set]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.environ.setdefault("SWARM_NODE_CACHE", f"{scratch}/cache")
+        first = load_config(
+            REPO / "configs" / "isolated.yaml", [*config_args, f"model.device={devices[0]}"], state_dir=scratch
+        )
+        ensure_default_model(first, progress=False)  # the warm start, once, on the first device
+        warm_start_s = time.monotonic() - started
+        print(f"default model built in {warm_start_s:.0f}s", flush=True)
+        arms = []
+        for i, device in enumerate(devices):
+            share = (args.budget_s - (time.monotonic() - started)) / (len(devices) - i)
+            arms.append(arm(config_args, device, rounds, share, f"{scratch}/{device}", check=i == 0))
+    line = {
+        "benchmark": "gpu_round",
+        "tiny": args.tiny,
+        "overrides": config_args,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "warm_start_s": warm_start_s,
+        "arms": arms,
+        "speedup_rounds_per_s": arms[0]["rounds_per_s"] / arms[-1]["rounds_per_s"] if len(arms) > 1 else None,
+        "wall_s": time.monotonic() - started,
+    }
+    text = json.dumps(line)
+    print(text, flush=True)
+    out = args.out or (os.environ.get("OUT") and str(Path(os.environ["OUT"]) / "gpu_round.json"))
+    if out:
+        Path(out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
