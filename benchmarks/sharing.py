@@ -394,7 +394,7 @@ async def round_cost(args) -> dict:
             "rounds": len(arm_rows),
             "cpu_s_per_round": statistics.fmean(r["cpu_s"] for r in arm_rows),
             "units_per_round": statistics.fmean(r["units"] for r in arm_rows),
-            "cpu_s_by_phase": {phase: statistics.fmean(r.get(phase, 0.0) for r in arm_rows) for phase in phases},
+            "wall_s_by_phase": {phase: statistics.fmean(r.get(phase, 0.0) for r in arm_rows) for phase in phases},
             "units_by_kind": {
                 kind: statistics.fmean(r["split"][kind] for r in arm_rows) for kind in arm_rows[0]["split"]
             },
@@ -429,8 +429,8 @@ async def round_cost(args) -> dict:
         print(
             f"{arm:20s} {row['cpu_s_per_round']:.3f} CPU s, {row['units_per_round']:.3f} units a round"
             + (f" ({ratio['cpu_s']:.2f}x / {ratio['units']:.2f}x a silo round)" if ratio else "")
-            + "; CPU s by phase "
-            + ", ".join(f"{phase.removesuffix('_s')} {v:.3f}" for phase, v in row["cpu_s_by_phase"].items())
+            + "; wall s by phase "
+            + ", ".join(f"{phase.removesuffix('_s')} {v:.3f}" for phase, v in row["wall_s_by_phase"].items())
             + "; units by kind "
             + ", ".join(f"{kind} {v:.3f}" for kind, v in row["units_by_kind"].items()),
             flush=True,

@@ -204,10 +204,11 @@ class TrainerConfig(_Section):
     a peer's sample never counts more than one's own."""
     importance_alpha: float = Field(1.0, ge=0)
     """alpha of the 'sequence' weight: larger damps samples this policy finds unlikely harder."""
-    imitation_coef: float = Field(0.0, ge=0)
+    imitation_coef: float = Field(4.0, ge=0)
     """Weight of an imitation term in the policy loss (0: none): the mean token negative log-likelihood of the round's
-    demonstrations (swarm.imitation), each weighted by its group's imitation weight. A peer's right answer in a
-    specialty
+    demonstrations (swarm.imitation), each weighted by its group's imitation weight. A node's own right answers learned
+    so beside GRPO's step (rejection-sampling fine-tuning) made a node alone 4-7 points better held-out at the same
+    compute (benchmarks/RESULTS.md, "sharing on compute units"): on by default. A peer's right answer in a specialty
     this node rarely gets right is a demonstration the policy-gradient term, weighted by how unlikely this policy finds
     it, hardly learns from. Inside the loss, it shares the policy's optimizer step: a separate supervised step with an
     optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
@@ -247,9 +248,9 @@ class SwarmConfig(_Section):
     peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
     P_peer / P_this, both clipped to [0.1, 10]; P_this is this node's accuracy moving average in the specialty,
     P_peer the peer's re-scored pass rate there. Nodes that know the same things see omega ~ 1: no change."""
-    imitation: Literal["none", "own", "own_and_stronger_peers"] = "none"
-    """Which right answers are demonstrations for the imitation term (trainer.imitation_coef): 'own', this node's
-    own right answers (rejection-sampling fine-tuning, the silo's control);
+    imitation: Literal["none", "own", "own_and_stronger_peers"] = "own"
+    """Which right answers are demonstrations for the imitation term (trainer.imitation_coef): 'none'; 'own' (the
+    default), this node's own right answers (rejection-sampling fine-tuning: the best single-node recipe measured);
     'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
     the share of its pass rate this node lacks in the specialty, (P_peer - P_this) / P_peer (node/sharing.py).
     Its own answers anchor what the node knows: demonstrations of one specialty alone teach it and erase the other."""
@@ -336,10 +337,10 @@ class SwarmConfig(_Section):
     @property
     def imitation_in_effect(self) -> str:
         """`imitation` as it applies: learning from stronger peers needs their groups, so a node that takes none
-        (external_questions 0, as every isolated node) imitates nothing: `configs/swarm.yaml` trained alone is a
-        plain silo, not one that also imitates its own answers."""
+        (external_questions 0, as every isolated node) imitates its own right answers only: `configs/swarm.yaml`
+        trained alone is the best single-node recipe, the same as `configs/isolated.yaml`."""
         if self.imitation == "own_and_stronger_peers" and self.external_questions == 0:
-            return "none"
+            return "own"
         return self.imitation
 
 

@@ -92,8 +92,8 @@ def test_join_without_a_config_runs_what_configs_swarm_yaml_says():
     "sets, in_effect",
     [
         ([], "own_and_stronger_peers"),
-        (["swarm.external_questions=0"], "none"),  # no peers' groups: nothing to learn from them
-        (["swarm.transport=none", "swarm.external_questions=0"], "none"),  # isolated: a plain silo
+        (["swarm.external_questions=0"], "own"),  # no peers' groups: its own right answers only
+        (["swarm.transport=none", "swarm.external_questions=0"], "own"),  # isolated: the best silo
         (["swarm.imitation=own", "swarm.external_questions=0"], "own"),
     ],
 )

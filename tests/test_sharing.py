@@ -184,13 +184,18 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
     assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
 
 
-def test_imitation_needs_its_weight_and_is_off_without_peers(tiny_config):
+def test_imitation_needs_its_weight_and_keeps_to_own_answers_without_peers(tiny_config):
     from node.config import ConfigError
 
     with pytest.raises(ConfigError, match="imitation_coef"):
-        tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.imitation=own_and_stronger_peers")
+        tiny_config(
+            "swarm.transport=dht",
+            "swarm.external_questions=4",
+            "swarm.imitation=own_and_stronger_peers",
+            "trainer.imitation_coef=0",
+        )
     alone = tiny_config("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")  # isolated: no peers
-    assert alone.swarm.imitation_in_effect == "none"
+    assert alone.swarm.imitation_in_effect == "own"  # its own right answers: the best single-node recipe
 
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):

@@ -308,7 +308,7 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
     # off: demonstrations ignored
     assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))
 
-    plain = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
+    plain = GRPOTrainer(TrainerConfig(imitation_coef=0.0), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
     assert not plain.step([_demonstration_group([_completion(prompt, demo)], [True], weight=1.0)]).stepped
     many = [_demonstration_group([_completion(prompt, [4 + i, 1])], [True], weight=0.1 * (i + 1)) for i in range(6)]
     capped = GRPOTrainer(
