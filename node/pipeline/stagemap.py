@@ -143,6 +143,14 @@ async def read_announcements(dht, config: NodeConfig) -> tuple[list[tuple[StageA
     )
 
 
+async def announced_addresses(dht, config: NodeConfig) -> list[list[str]]:
+    """The p2p daemon addresses of every live stage announcement in the swarm (every model's pipeline), one list per
+    announcer: where a stage server's or a driver's session membership finds its peers again after a partition (they
+    read no heartbeats)."""
+    announcements, _ = await read_announcements(dht, config)
+    return [list(announcement.p2p_maddrs) for announcement, _ in announcements]
+
+
 async def read_lost_reports(dht, config: NodeConfig) -> list[tuple[StageLost, float]]:
     """Drivers' verified lost reports younger than the record lifetime, with the time each was signed."""
     from node.transport.records import read_records
