@@ -18,7 +18,7 @@ import time
 from node.config import load_config
 from node.stats import SwarmStats
 from node.transport.dht import DHTTransport
-from node.transport.membership import dht_addresses_by_peer
+from node.transport.joining import dht_addresses_by_peer
 from node.transport.session import SwarmSession, join_swarm
 from protocol import NodeIdentity
 from tests.helpers.messages import stats_message

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.config import NodeConfig
-from node.transport.dht import key_prefix
+from node.transport.joining import key_prefix
 from protocol import MessageKind, StageAnnouncement, StageLost
 from protocol.messages import MAX_LOST_STAGES
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from node.aio import cancel_and_wait
+from node.transport.joining import dht_addresses_by_peer
 from node.transport.reachability import hold_links
 from protocol.bounded import BoundedDict
 
@@ -44,20 +45,6 @@ REJOIN_PEERS_PER_PASS = 16  # lost peers re-contacted per rejoin pass: bounds th
 # Where a membership learns peers' addresses besides what it is handed: the addresses each peer published in a
 # record (multiaddrs ending in /p2p/<PeerID>), one list per peer
 AddressSource = Callable[[], Awaitable[Iterable[list[str]]]]
-
-
-def dht_addresses_by_peer(addresses: Iterable[str]) -> dict[str, list[str]]:
-    """Group multiaddrs ending in /p2p/<PeerID> by PeerID; anything else (untrusted input) is skipped."""
-    from multiaddr import Multiaddr
-
-    grouped: dict[str, list[str]] = {}
-    for text in addresses:
-        try:
-            peer_id = Multiaddr(text)["p2p"]
-        except Exception:  # malformed or without /p2p/: nothing to dial
-            continue
-        grouped.setdefault(peer_id, []).append(text)
-    return grouped
 
 
 class Membership:

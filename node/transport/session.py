@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from node.config import NodeConfig
+from node.transport.joining import create_dht_node, key_prefix, shutdown_dht, start_swarm_dht
 from node.transport.membership import Membership
 from protocol import Message, NodeIdentity
 
@@ -37,7 +38,6 @@ class SwarmSession:
         identity: NodeIdentity | None = None,
         state_dir: Path | None = None,
     ) -> None:
-        from node.transport.dht import key_prefix
         from node.transport.records import RecordWriter
 
         self.config = config
@@ -100,8 +100,6 @@ class SwarmSession:
         self.membership.check_alive()
 
     async def close(self) -> None:
-        from node.transport.dht import shutdown_dht
-
         await self.membership.stop()
         if self.dht is not None:
             await shutdown_dht(self.dht)
@@ -112,8 +110,7 @@ async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path
     """Join as a node that signs records: its daemon key is kept in `state_dir` (the same /p2p/ id after
     a restart), its reachability measured, its addresses written to `state_dir`/addresses.txt.
     Refused DHT records are counted in `refusals` (a stats.RecordRefusals) when given; raises
-    dht.SwarmJoinError when no initial peer answers. Its membership runs until the session closes."""
-    from node.transport.dht import start_swarm_dht
+    joining.SwarmJoinError when no initial peer answers. Its membership runs until the session closes."""
     from node.transport.p2p_key import P2P_KEY_FILE
 
     dht, reachability = await start_swarm_dht(config, state_dir / P2P_KEY_FILE, refusals=refusals)
@@ -125,7 +122,5 @@ async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path
 
 async def watch_swarm(config: NodeConfig, refusals=None) -> SwarmSession:
     """Join as a read-only viewer: a DHT client with a throwaway daemon key, that signs and serves nothing."""
-    from node.transport.dht import create_dht_node
-
     dht = await create_dht_node(config, client_mode=True, refusals=refusals)
     return SwarmSession(config, dht, reachability="outbound-only")
