@@ -41,7 +41,7 @@ import_hivemind_isolated()
 
 from node.config import NodeConfig, load_config  # noqa: E402
 from node.tasks import materialize  # noqa: E402
-from node.transport.dht import key_prefix, shutdown_dht  # noqa: E402
+from node.transport.joining import key_prefix, shutdown_dht  # noqa: E402
 from node.transport.records import RecordWriter, SwarmRecordValidator, bound_key_storage  # noqa: E402
 from protocol import NodeIdentity, PeerStats, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec  # noqa: E402
 from protocol.shards import (  # noqa: E402

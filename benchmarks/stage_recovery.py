@@ -76,7 +76,7 @@ from node.pipeline.server import StageServer  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import expected_fingerprints, pipeline_limits  # noqa: E402
 from node.state import StateStore  # noqa: E402
-from node.transport.dht import shutdown_dht  # noqa: E402
+from node.transport.joining import shutdown_dht  # noqa: E402
 from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 

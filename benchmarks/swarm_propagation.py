@@ -50,7 +50,8 @@ from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.stats import SwarmStats  # noqa: E402
 from node.transport.batches import decode_verified  # noqa: E402
-from node.transport.dht import DHTTransport, read_peer_stats  # noqa: E402
+from node.transport.dht import DHTTransport  # noqa: E402
+from node.transport.peers import read_peer_stats  # noqa: E402
 from node.transport.kv import read_key  # noqa: E402
 from node.transport.session import join_swarm  # noqa: E402
 from protocol.shards import rollout_key  # noqa: E402

@@ -1,4 +1,4 @@
-"""Ending the node's background tasks at shutdown.
+"""Ending the node's background tasks at shutdown, and stopping loudly when one of them dies.
 
 Python 3.11's `asyncio.wait_for` returns its result instead of raising when a cancellation
 arrives in the same loop iteration as the awaited future's result (fixed in 3.12). A service
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RECANCEL_EVERY_S = 1.0  # a task in its own cleanup gets this long before it is cancelled again
 
@@ -38,3 +41,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: flo
     for task in tasks:  # an exception a task ended with is retrieved here, not reported as never retrieved
         if task.done() and not task.cancelled() and task.exception() is not None:
             log.debug("%s: a task ended with %r", what, task.exception())
+
+
+async def run_supervised(work: Awaitable[T], services: Iterable[asyncio.Task], what: str) -> T:
+    """Await `work` while the background `services` run. If one of them dies of an exception first, `work` is
+    cancelled and a RuntimeError raised from that exception: a dead service stops the process loudly instead of
+    leaving it to limp on. Cancelling the caller cancels `work` too."""
+    main = asyncio.ensure_future(work)
+    watched = set(services)
+    try:
+        while True:
+            done, watched = await asyncio.wait({main, *watched}, return_when=asyncio.FIRST_COMPLETED)
+            if main in done:
+                return main.result()
+            watched.discard(main)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise RuntimeError(f"{what}: the {task.get_name()} service died") from task.exception()
+    finally:
+        if not main.done():
+            await cancel_and_wait([main], what)

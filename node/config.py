@@ -315,8 +315,8 @@ class SwarmConfig(_Section):
     heartbeat_ttl_s: float = Field(30.0, gt=0)
     """A peer whose last heartbeat is older than this is considered gone."""
     rejoin_interval_s: float = Field(15.0, gt=0)
-    """How often the node pings bootstrap peers and peers seen in heartbeats that dropped out of its DHT routing table
-    (a healed partition is otherwise never rejoined)."""
+    """How often a joined process (any role) pings bootstrap peers and peers seen in signed records (heartbeats, stage
+    announcements) that dropped out of its DHT routing table (a healed partition is otherwise never rejoined)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus counters on http://127.0.0.1:PORT/metrics (None: off)."""
     metrics_host: str = "127.0.0.1"

@@ -63,7 +63,7 @@ def run_command(
 ) -> int:
     """Run a command's coroutine to its exit code: a swarm it cannot join is an error message and EXIT_ERROR,
     an interrupt that reaches here (a second Ctrl-C) `interrupted`, after `on_interrupt` says what was kept."""
-    from node.transport.dht import SwarmJoinError
+    from node.transport.joining import SwarmJoinError
 
     try:
         return asyncio.run(main)

@@ -3,7 +3,7 @@
 import asyncio
 import logging
 
-from node.aio import cancel_and_wait
+from node.aio import cancel_and_wait, run_supervised
 
 
 def test_a_loop_that_swallows_a_cancellation_still_ends():
@@ -67,5 +67,63 @@ def test_a_task_that_never_ends_is_left_with_a_warning(caplog):
         assert "immortal test task: 1 task(s) still running" in caplog.text
         released.set()
         await task
+
+    asyncio.run(scenario())
+
+
+def test_a_service_that_dies_stops_the_work_beside_it_loudly():
+    async def scenario():
+        cancelled = []
+
+        async def work():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async def service():
+            await asyncio.sleep(0.05)
+            raise ValueError("a bug in the service")
+
+        task = asyncio.create_task(service(), name="membership")
+        try:
+            await run_supervised(work(), [task], "stage server")
+        except RuntimeError as failure:
+            assert "membership" in str(failure) and isinstance(failure.__cause__, ValueError)
+        else:
+            raise AssertionError("the dead service went unnoticed")
+        assert cancelled
+
+    asyncio.run(scenario())
+
+
+def test_supervised_work_returns_its_result_and_is_cancelled_with_its_caller():
+    async def scenario():
+        async def service():
+            await asyncio.sleep(60)
+
+        task = asyncio.create_task(service())
+        assert await run_supervised(asyncio.sleep(0.01, result=7), [task], "driver") == 7
+        assert not task.done()  # the services are the caller's to stop
+
+        cancelled = []
+
+        async def work():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        caller = asyncio.create_task(run_supervised(work(), [task], "driver"))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        try:
+            await caller
+        except asyncio.CancelledError:
+            pass
+        assert cancelled and caller.cancelled()
+        await cancel_and_wait([task], "test")
 
     asyncio.run(scenario())

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from node.averaging.pairing import Frame, PairAverager
-from node.transport.dht import shutdown_dht
+from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import assert_untouched, averagers, ordered_identities, snapshot, swarm, weights
 
 

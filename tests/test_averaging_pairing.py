@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node.averaging.pairing import PairAverager, pair_partner
-from node.transport.dht import shutdown_dht
+from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import (
     OTHER_PREFIX,
     PREFIX,

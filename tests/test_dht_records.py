@@ -135,7 +135,7 @@ async def _poisoned_holder_scenario():
     from hivemind.dht.node import DHTNode
     from hivemind.dht.routing import DHTID
 
-    from node.transport.dht import key_prefix, shutdown_dht
+    from node.transport.joining import key_prefix, shutdown_dht
 
     loop_errors: list[dict] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
@@ -185,7 +185,7 @@ async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]
     from hivemind.p2p import PeerID
     from hivemind.utils import get_dht_time
 
-    from node.transport.dht import key_prefix, shutdown_dht
+    from node.transport.joining import key_prefix, shutdown_dht
 
     attacker = await DHTNode.create(initial_peers=[address], client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     target = PeerID.from_base58(address.rsplit("/p2p/", 1)[1])

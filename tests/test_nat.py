@@ -6,6 +6,7 @@ public node to the NAT'd node's listening port fails, while the NAT'd node dials
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -15,6 +16,7 @@ from node.config import dump_config, load_config
 from protocol import NodeIdentity
 from tests.helpers.common import REPO, TINY_OVERRIDES
 from tests.helpers.pipeline import PIPELINE_OVERRIDES, assert_trains, recoveries
+from tests.helpers.netlab import start_command
 from tests.helpers.swarm import peers_listed, read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -48,36 +50,8 @@ def config_file(tmp_path, base: str, sets: list[str]):
     return path
 
 
-def start(
-    lab: Lab, index: int, tmp_path, config, env, command: str = "join", bootstrap: list[str] = (), extra: list[str] = ()
-) -> str:
-    """Run `swarm-node COMMAND` as node `index` (listening on its lab address); its first address once it listens."""
-    state = tmp_path / f"n{index}"
-    argv = [
-        sys.executable,
-        "-m",
-        "node.cli",
-        command,
-        "--config",
-        str(config),
-        "--state-dir",
-        str(state),
-        "--set",
-        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
-        "--set",
-        f"name=nat-{index}",
-        *extra,
-    ]
-    if bootstrap:
-        argv += ["--initial-peers", *bootstrap]
-    process = lab.run(index, argv, tmp_path / f"n{index}.out", env)
-
-    def listening():
-        assert process.poll() is None, (tmp_path / f"n{index}.out").read_text()[-3000:]
-        path = state / "addresses.txt"
-        return path.exists() and path.read_text().split()
-
-    return wait_for(listening, 180, f"node {index} to listen", interval=0.5)[0]
+# every node of these tests is named nat-<index>
+start = functools.partial(start_command, name="nat")
 
 
 def port_of(maddr: str) -> int:

@@ -14,7 +14,7 @@ import torch
 from node.config import load_config
 from node.loop import Node
 from node.tasks import materialize
-from node.transport.dht import key_prefix
+from node.transport.joining import key_prefix
 from protocol import NodeIdentity, RolloutBatch, RolloutCompletion, RolloutQuestion, TaskSpec, encode_message
 from protocol.shards import rollout_key
 from tests.helpers.common import REPO

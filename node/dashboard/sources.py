@@ -55,7 +55,7 @@ def peer_rows(peers) -> list[dict[str, Any]]:
 async def read_peer_rows(dht, config, stats=None) -> list[dict[str, Any]]:
     """Every live peer's verified heartbeat, from every heartbeat shard (the listing is the one read that grows
     with the swarm): what `swarm-node peers --json` prints and `/api/peers` serves (the page shows 256 of them)."""
-    from node.transport.dht import read_peer_stats
+    from node.transport.peers import read_peer_stats
 
     return peer_rows(await read_peer_stats(dht, config, stats, limit=None))
 

@@ -13,7 +13,7 @@ import asyncio
 
 import msgpack
 
-from node.transport.dht import key_prefix
+from node.transport.joining import key_prefix
 from node.transport.framing import FramingError, open_stream, read_frame, write_frame
 from protocol import ProtocolRejection, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, parse_refusal

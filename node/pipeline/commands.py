@@ -4,6 +4,9 @@ Both join the swarm's DHT like `join` does (the first node of a swarm prints the
 the others pass as --initial-peers and writes it to <state-dir>/addresses.txt), build the
 initial model only to know its architecture and fingerprint (and, for a server of a
 pipeline that has not trained yet, its first weights), and stop cleanly on Ctrl-C/SIGTERM.
+Their session's membership keeps them joined (node/transport/membership.py), as it does a
+training node: it learns where its peers are from the stage announcements, since neither
+role reads heartbeats, and a membership service that dies stops the command.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ async def _join(config, console: Console, role: str):
 
     from node.device import HOST
     from node.model import model_fingerprint, resolve_initial_policy
+    from node.pipeline.stagemap import announced_addresses
     from node.transport.session import join_swarm
     from protocol import NodeIdentity
 
@@ -90,6 +94,7 @@ async def _join(config, console: Console, role: str):
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config, None, HOST)
     fingerprint = model_fingerprint(model, tokenizer)
     session = await join_swarm(config, identity, state_dir)
+    session.membership.add_source(lambda: announced_addresses(session.dht, config))
     console.print(
         f"{role} {identity.node_id} ({session.reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in "
         f"{config.pipeline.num_stages} stages; others can join with --initial-peers {' '.join(session.addresses)}",
@@ -99,6 +104,7 @@ async def _join(config, console: Console, role: str):
 
 
 async def _serve(config, console: Console) -> int:
+    from node.aio import run_supervised
     from node.pipeline.server import StageServer
 
     session, model, _, fingerprint = await _join(config, console, "stage server")
@@ -112,7 +118,7 @@ async def _serve(config, console: Console) -> int:
         metrics = MetricsServer(config.swarm.metrics_host, config.swarm.metrics_port, server.prometheus)
         await metrics.start()
     try:
-        await server.run()
+        await run_supervised(server.run(), session.membership.tasks, "stage server")
     except asyncio.CancelledError:
         console.print(f"stopped serving stage {server.index} at step {server.step}", highlight=False)
     finally:
@@ -124,6 +130,7 @@ async def _serve(config, console: Console) -> int:
 
 
 async def _drive(config, console: Console, steps: int | None) -> int:
+    from node.aio import run_supervised
     from node.pipeline.corpus import training_corpus, validation_corpus
     from node.pipeline.driver import PipelineRouter
     from node.pipeline.lm import LMDriver
@@ -164,7 +171,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
         )
 
     try:
-        await driver.run(steps, stop, on_step=show)
+        await run_supervised(driver.run(steps, stop, on_step=show), session.membership.tasks, "driver")
     finally:
         await session.close()
     console.print(f"stopped at step {driver.step}; metrics in {store.root / 'metrics.jsonl'}", highlight=False)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.config import NodeConfig
-from node.transport.dht import key_prefix
+from node.transport.joining import key_prefix
 from protocol import MessageKind, StageAnnouncement, StageLost
 from protocol.messages import MAX_LOST_STAGES
 
@@ -141,6 +141,14 @@ async def read_announcements(dht, config: NodeConfig) -> tuple[list[tuple[StageA
     return [(e.message, e.timestamp) for e in envelopes if now - e.timestamp <= config.pipeline.announce_ttl_s], len(
         refused
     )
+
+
+async def announced_addresses(dht, config: NodeConfig) -> list[list[str]]:
+    """The p2p daemon addresses of every live stage announcement in the swarm (every model's pipeline), one list per
+    announcer: where a stage server's or a driver's session membership finds its peers again after a partition (they
+    read no heartbeats)."""
+    announcements, _ = await read_announcements(dht, config)
+    return [list(announcement.p2p_maddrs) for announcement, _ in announcements]
 
 
 async def read_lost_reports(dht, config: NodeConfig) -> list[tuple[StageLost, float]]:

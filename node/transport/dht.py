@@ -1,9 +1,6 @@
-"""Swarm transport over a hivemind DHT: membership, heartbeats and rollout gossip.
-
-The DHT node runs inside the node's own asyncio loop (`DHTNode`, not the `hivemind.DHT`
-child process): the child's uvloop pipe can die on values above ~16 KB and leave its
-caller waiting forever (../shared/NOTES.md), and our loop is free anyway since torch work
-runs in worker threads.
+"""The rollout transport over the swarm's hivemind DHT: heartbeats and rollout gossip. (Joining the DHT is
+node/transport/joining.py, listing peers node/transport/peers.py, keeping the process joined its session's
+membership, node/transport/membership.py.)
 
 Keys, all namespaced by protocol major version and swarm id, sharded (protocol/shards.py):
     swarm-node/v1/<swarm>/peers/<h>                         subkey = node id, value = signed PeerStats
@@ -16,7 +13,8 @@ shard count its estimate of the swarm's size gives (one shard, every batch, up t
 and at most `swarm.max_batches_read_per_round` values decoded per round, DHT and gossip
 together, drawn at random from those it has not processed yet; the rest are counted as
 left unread. Its heartbeat loop reads only as many heartbeat shards as it needs to keep a
-few hundred peers in view; it estimates the swarm's size from them.
+few hundred peers in view; it estimates the swarm's size from them, and hands the DHT addresses
+they carry to the session's membership (node/transport/membership.py), which keeps the node joined.
 Every value is an envelope signed by its sender; a value whose signer is not the node id
 it is stored under is refused, and so is anything that fails the protocol's checks: first
 by the DHT's record validator (node/transport/records.py), so that no value can poison a
@@ -32,17 +30,17 @@ import dataclasses
 import logging
 import random
 import time
-from pathlib import Path
 from typing import Callable
 
 from node.aio import cancel_and_wait
-from node.config import NodeConfig
 from node.stats import SwarmStats
 from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
-from node.transport.kv import MAX_VALUES_PER_KEY, read_values
-from protocol import MessageKind, PeerStats, ProtocolRejection, Refusal
+from node.transport.joining import key_prefix  # noqa: F401 - where node/averaging/fingerprint.py still imports it
+from node.transport.kv import read_values
+from node.transport.peers import read_peer_stats
+from protocol import PeerStats, ProtocolRejection, Refusal
 from protocol.shards import (
     HEARTBEAT_SHARDS,
     heartbeat_shards_to_read,
@@ -52,196 +50,8 @@ from protocol.shards import (
     rollout_write_levels,
     shard_of,
 )
-from protocol.version import PROTOCOL_MAJOR
-from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
-
-MAX_DHT_PEERS_REMEMBERED = 256  # DHT addresses from peers' signed heartbeats, kept to find them again after a partition
-REJOIN_PEERS_PER_PASS = 16  # lost peers re-contacted per rejoin pass: bounds the work whatever the heartbeats claim
-
-
-class SwarmJoinError(RuntimeError):
-    """The node could not start its p2p daemon or reach any initial peer."""
-
-
-def key_prefix(swarm_id: str) -> str:
-    return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
-
-
-async def create_dht_node(
-    config: NodeConfig,
-    client_mode: bool | None = None,
-    refusals=None,
-    identity_path: Path | None = None,
-    behind_nat: bool = False,
-):
-    """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
-
-    Any one reachable initial peer suffices (p2pd dials them all). `identity_path` is the
-    daemon's key file (node/transport/p2p_key.py): with it the node keeps its /p2p/ id across
-    restarts; without it (viewers, `peers`) the daemon takes a throwaway one. Its records are
-    validated (node/transport/records.py); refused ones are counted in `refusals` (a
-    stats.RecordRefusals) when given. `behind_nat`: nobody can dial this node, so it is a DHT
-    client (no peer keeps it in a routing table it could not answer from) and its daemon asks
-    the bootstrap peers for a circuit relay slot; a DHT server's daemon is told it is public,
-    so that it relays for them (node/transport/reachability.py says why both are forced)."""
-    from node.transport.protobuf_shim import import_hivemind_isolated
-
-    import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
-    from hivemind.dht.node import DHTNode
-
-    from node.transport.records import SwarmRecordValidator, bound_key_storage
-
-    swarm = config.swarm
-    client_mode = swarm.client_mode if client_mode is None else client_mode
-    p2p_options = dict(
-        host_maddrs=swarm.host_maddrs,
-        announce_maddrs=swarm.announce_maddrs or None,
-        startup_timeout=swarm.p2pd_startup_timeout_s,
-    )
-    if identity_path is not None:
-        from node.transport.p2p_key import load_or_create_p2p_key
-
-        # ours is written 0600 and atomically; hivemind would write its own otherwise
-        load_or_create_p2p_key(identity_path)
-        p2p_options["identity_path"] = str(identity_path)
-    # with no bootstrap peer there is nobody to ask for a relay slot
-    relay_client = behind_nat and bool(swarm.initial_peers)
-    if behind_nat:
-        p2p_options["check_if_identity_free"] = False  # its own daemon just left: the check would see its ghost
-        client_mode = True
-    if relay_client:
-        p2p_options["trusted_relays"] = swarm.initial_peers
-    elif not client_mode:
-        p2p_options["force_reachability"] = "public"
-    delay, last_error = swarm.bootstrap_backoff_s, None
-    for attempt in range(1, swarm.bootstrap_attempts + 1):
-        try:
-            dht_options = dict(
-                initial_peers=swarm.initial_peers or None,
-                client_mode=client_mode,
-                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
-            )
-            if relay_client:
-                from node.transport.reachability import start_relay_client
-
-                dht = await start_relay_client(DHTNode, dht_options, p2p_options)
-            else:
-                dht = await DHTNode.create(**dht_options, **p2p_options)
-            bound_key_storage(dht, refusals)
-            return dht
-        except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...
-            last_error = exc
-            if attempt == swarm.bootstrap_attempts:
-                break
-            log.warning(
-                "cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs",
-                attempt,
-                swarm.bootstrap_attempts,
-                exc,
-                delay,
-            )
-            await asyncio.sleep(delay)
-            delay *= 2
-    if not swarm.initial_peers:
-        raise SwarmJoinError(f"could not start a new swarm after {swarm.bootstrap_attempts} attempts: {last_error}")
-    tried = "; ".join(
-        [
-            f"{maddr} ({verdict})"
-            for maddr, verdict in zip(
-                swarm.initial_peers, await asyncio.gather(*(probe_tcp(m) for m in swarm.initial_peers))
-            )
-        ]
-    )
-    raise SwarmJoinError(
-        f"could not join the swarm after {swarm.bootstrap_attempts} attempts; none of the {len(swarm.initial_peers)} "
-        "initial peer(s) "
-        f"answered: {tried}. Last error: {last_error}"
-    )
-
-
-async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None):
-    """Start a node's DHT node and measure its reachability (node/transport/reachability.py);
-    a node found behind NAT restarts its daemon as one (same key, so the same peer id).
-    Returns (dht, reachability)."""
-    from node.transport.reachability import measure_reachability, serve_observed_address
-
-    swarm = config.swarm
-    dht = await create_dht_node(
-        config, refusals=refusals, identity_path=identity_path, behind_nat=swarm.reachability == "outbound-only"
-    )
-    reachability = swarm.reachability
-    if reachability == "auto":
-        if swarm.announce_maddrs:
-            reachability = "direct"
-        else:
-            bootstrap_ids = list(dht_addresses_by_peer(swarm.initial_peers))
-            reachability, observed = await measure_reachability(dht.p2p, bootstrap_ids, swarm.dht_timeout_s)
-            log.info(
-                "reachability %s: bootstrap peers see this node at %s", reachability, observed or "(nobody answered)"
-            )
-            if reachability == "outbound-only":
-                log.warning(
-                    "this node is behind NAT (peers see it at %s): it joins as a DHT client, asks its bootstrap peers "
-                    "for a relay, and is reached over the connections it opens; forward a port and set "
-                    "swarm.announce_maddrs to be dialed directly",
-                    observed,
-                )
-                await shutdown_dht(dht)
-                dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=True)
-    if reachability == "direct":
-        await serve_observed_address(dht.p2p)  # only a node others can dial tells others where it sees them
-    else:
-        from node.transport.reachability import RELAY_WAIT_S, hold_links, wait_for_relay_address
-
-        if swarm.initial_peers:
-            relayed = await wait_for_relay_address(dht.p2p, RELAY_WAIT_S)
-            if relayed:
-                reachability = "relayed"
-                log.info("a relay reserved this node a slot: peers can dial it at %s", relayed)
-            else:
-                log.warning(
-                    "no relay slot within %.0fs: this node is reached only over the connections it opens until one is "
-                    "reserved",
-                    RELAY_WAIT_S,
-                )
-        dht.links_task = asyncio.create_task(hold_links(dht, swarm.heartbeat_interval_s), name="hold-links")
-    return dht, reachability
-
-
-async def probe_tcp(maddr: str, timeout: float = 3.0) -> str:
-    """Why a bootstrap address may have failed, as a user can act on it: no TCP listener, a timeout (a firewall or
-    NAT), or TCP fine."""
-    parts = maddr.split("/")
-    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
-        return "not a TCP address: not probed"
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parts[2], int(parts[4])), timeout)
-    except asyncio.TimeoutError:
-        return f"no TCP answer within {timeout:.0f}s: host down, or a firewall/NAT in the way"
-    except (OSError, ValueError) as exc:
-        return f"TCP connect failed: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
-    writer.close()
-    return "TCP port open, but the p2p handshake failed: a different peer id there, or another program on that port"
-
-
-async def shutdown_dht(dht, timeout: float = 10.0) -> None:
-    """Shut the DHT node and its p2pd down, without hanging when p2pd is already gone.
-
-    A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
-    signal that asked the node to stop, and a polite shutdown would then wait forever.
-    """
-    links = getattr(dht, "links_task", None)  # start_swarm_dht's link keeper of an outbound-only node
-    if links is not None:
-        await cancel_and_wait([links], "link keeper")
-    try:
-        await asyncio.wait_for(dht.shutdown(), timeout)
-    except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
-        log.warning("DHT shutdown did not complete (%s); leaving anyway", type(exc).__name__)
-        process = getattr(getattr(dht, "p2p", None), "_child", None)
-        if process is not None and process.returncode is None:
-            process.kill()
 
 
 def listen_ip(host_maddrs: list[str]) -> str:
@@ -284,7 +94,9 @@ def routable_gossip_addresses(gossip_addresses: list[str], dht_addresses: list[s
 
 class DHTTransport(Transport):
     """Rollout gossip and heartbeats over a swarm session (node/transport/session.py) someone else opened and
-    closes: this transport signs with the session's writer and reads through its DHT node, never its own."""
+    closes: this transport signs with the session's writer and reads through its DHT node, never its own. Keeping
+    the node joined (rejoining after a partition, addresses, links) is the session's membership; this transport
+    hands it the addresses in the heartbeats it reads."""
 
     def __init__(
         self,
@@ -300,16 +112,14 @@ class DHTTransport(Transport):
         self.stats = stats
         self.fingerprint = fingerprint
         self.heartbeat = heartbeat
-        self.on_addresses = on_addresses  # told the addresses peers dial us at, at start and whenever they change
+        # told the addresses peers dial us at, at start and whenever they change (the session's membership
+        # refreshes them)
+        self.on_addresses = on_addresses
         self.prefix = session.prefix
         self.gossip = None
         self.gossip_addresses: list[str] = []
         self.receiver = BatchReceiver(self.config.swarm, self.identity.node_id, fingerprint, stats)
         self._heartbeat_task: asyncio.Task | None = None
-        # PeerID -> maddrs, least recently seen first
-        self._dht_peers_seen: BoundedDict[str, list[str]] = BoundedDict(MAX_DHT_PEERS_REMEMBERED)
-        self._last_rejoin = time.monotonic()
-        self.dht_peers_rejoined = 0
         self.swarm_size = 1  # live nodes, this one included, estimated from the heartbeat shards last read
         self._next_heartbeat_shard = 0  # the heartbeat loop reads shards in turn, from here
 
@@ -322,6 +132,7 @@ class DHTTransport(Transport):
     async def start(self) -> None:
         if self.on_addresses:
             self.on_addresses(self.session.addresses)
+            self.session.address_listeners.append(self.on_addresses)
         if self.config.swarm.gossip == "libp2p":
             await self._start_gossip()
         await self.publish_heartbeat()
@@ -357,7 +168,7 @@ class DHTTransport(Transport):
     async def connect_gossip_peers(self) -> None:
         """Read the next heartbeat shards (enough to keep a few hundred peers in view, all of them in a
         small swarm), estimate the swarm's size from them, dial the gossip addresses peers announce
-        (new ones only), and remember their DHT addresses."""
+        (new ones only), and hand the DHT addresses of those that can be dialed to the session's membership."""
         read = heartbeat_shards_to_read(self.swarm_size)
         shards = [(self._next_heartbeat_shard + k) % HEARTBEAT_SHARDS for k in range(read)]
         self._next_heartbeat_shard = (self._next_heartbeat_shard + read) % HEARTBEAT_SHARDS
@@ -366,65 +177,16 @@ class DHTTransport(Transport):
         self.swarm_size = 1 + (round(len(others) * HEARTBEAT_SHARDS / read) if read < HEARTBEAT_SHARDS else len(others))
         self.stats.swarm_size_estimate = self.swarm_size
         peers = [stats for stats, _ in live if stats.node_id != self.identity.node_id]
-        self._remember_dht_peers(peers)
+        for stats in peers:
+            if stats.reachability in ("", "direct"):  # one that cannot be dialed keeps its own links to us up
+                self.session.membership.remember(stats.addresses)
         addresses = [a for stats in peers for a in stats.gossip_addresses]
         if addresses and self.gossip is not None:
             await self.gossip.connect(addresses)
 
-    async def _refresh_addresses(self) -> None:
-        if await self.session.refresh_addresses() and self.on_addresses:
-            self.on_addresses(self.session.addresses)
-
-    def _remember_dht_peers(self, peers: list[PeerStats]) -> None:
-        for stats in peers:
-            if stats.reachability not in ("", "direct"):
-                continue  # it cannot be dialed at its addresses; it keeps its own links to us up
-            for peer_id, maddrs in dht_addresses_by_peer(stats.addresses).items():
-                self._dht_peers_seen[peer_id] = maddrs
-
-    async def rejoin_lost_peers(self) -> int:
-        """Ping the bootstrap peers and peers seen in heartbeats that fell out of the DHT routing table.
-
-        hivemind only looks up peers its routing table leads to: after a partition each side has
-        dropped the other, and when the link heals nothing would bring them back together. Returns
-        how many came back (their neighbourhood is then looked up again)."""
-        from hivemind.p2p import PeerID
-        from multiaddr import Multiaddr
-
-        candidates = dht_addresses_by_peer(self.config.swarm.initial_peers)
-        candidates.update(self._dht_peers_seen)
-        candidates.pop(self.session.dht.peer_id.to_base58(), None)
-        lost = [
-            (PeerID.from_base58(p), maddrs)
-            for p, maddrs in candidates.items()
-            if PeerID.from_base58(p) not in self.session.dht.protocol.routing_table
-        ]
-        if len(lost) > REJOIN_PEERS_PER_PASS:
-            lost = random.sample(lost, REJOIN_PEERS_PER_PASS)
-        timeout = self.config.swarm.dht_timeout_s
-
-        async def reach(peer_id, maddrs: list[str]) -> bool:
-            try:
-                await asyncio.wait_for(
-                    self.session.dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout
-                )
-            except Exception as exc:  # unreachable (still cut off, or gone): normal, the ping below says so
-                log.debug("DHT peer %s not reachable at %s: %r", peer_id, maddrs, exc)
-                return False
-            return await asyncio.wait_for(self.session.dht.protocol.call_ping(peer_id), timeout) is not None
-
-        results = await asyncio.gather(*(reach(peer_id, maddrs) for peer_id, maddrs in lost), return_exceptions=True)
-        back = sum(result is True for result in results)
-        if back:
-            self.dht_peers_rejoined += back
-            log.info(
-                "%d DHT peer(s) that had dropped out of the routing table answered again; looking up the neighbourhood",
-                back,
-            )
-            await asyncio.wait_for(self.session.dht.find_nearest_nodes([self.session.dht.node_id]), timeout)
-        return back
-
     async def stop(self) -> None:
+        if self.on_addresses in self.session.address_listeners:
+            self.session.address_listeners.remove(self.on_addresses)
         if self._heartbeat_task is not None:
             await cancel_and_wait([self._heartbeat_task], "heartbeat loop")
         if self.gossip is not None:
@@ -432,7 +194,9 @@ class DHTTransport(Transport):
             self.gossip = None
 
     def check_alive(self) -> None:
-        """Raise if a background service died: the node must stop loudly, not limp on."""
+        """Raise if a background service died, the session's membership included (the node checks only its
+        transport): the node must stop loudly, not limp on."""
+        self.session.check_alive()
         task = self._heartbeat_task
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError("the heartbeat service died") from task.exception()
@@ -454,18 +218,10 @@ class DHTTransport(Transport):
         while True:
             await asyncio.sleep(self.config.swarm.heartbeat_interval_s)
             try:
-                if self.session.reachability != "direct":
-                    await self._refresh_addresses()
                 await self.publish_heartbeat()
                 await self.connect_gossip_peers()
             except Exception as exc:  # a lost store is retried next beat; the loop must not die of it
                 log.warning("heartbeat not published: %s", exc)
-            if time.monotonic() - self._last_rejoin >= self.config.swarm.rejoin_interval_s:
-                self._last_rejoin = time.monotonic()
-                try:
-                    await self.rejoin_lost_peers()
-                except Exception as exc:  # retried next pass
-                    log.warning("rejoining lost DHT peers failed: %r", exc)
 
     def rollout_shards(self) -> tuple[int, list[int]]:
         """(shard count, the shards this round reads): the count from the swarm size estimate, the shards at random."""
@@ -528,58 +284,3 @@ class DHTTransport(Transport):
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
         return await read_peer_stats(self.session.dht, self.config, self.stats)
-
-
-def dht_addresses_by_peer(addresses: list[str]) -> dict[str, list[str]]:
-    """Group multiaddrs ending in /p2p/<PeerID> by PeerID; anything else (untrusted input) is skipped."""
-    from multiaddr import Multiaddr
-
-    grouped: dict[str, list[str]] = {}
-    for text in addresses:
-        try:
-            peer_id = Multiaddr(text)["p2p"]
-        except Exception:  # malformed or without /p2p/: nothing to dial
-            continue
-        grouped.setdefault(peer_id, []).append(text)
-    return grouped
-
-
-async def read_peer_stats(
-    dht,
-    config: NodeConfig,
-    stats: SwarmStats | None = None,
-    shards: list[int] | None = None,
-    limit: int | None = MAX_VALUES_PER_KEY,
-) -> list[tuple[PeerStats, float]]:
-    """Live peers' verified heartbeats with their signing time, from the given heartbeat shards (None: all of
-    them, the whole swarm), at most `limit` per shard (None: all); refused ones are counted in `stats` when given."""
-    from node.transport.records import read_records
-
-    def refused(peer: str, rejection: ProtocolRejection) -> None:
-        if stats is not None:
-            stats.reject_heartbeat(peer, rejection)
-
-    now = time.time()
-    prefix = key_prefix(config.swarm.swarm_id)
-    shards = list(range(HEARTBEAT_SHARDS)) if shards is None else shards
-    reads = await asyncio.gather(
-        *(
-            read_records(
-                dht,
-                peers_key(prefix, shard),
-                config.swarm.swarm_id,
-                MessageKind.PEER_STATS,
-                config.swarm.dht_timeout_s,
-                limit,
-                refused,
-                once=stats.heartbeats_refused_once if stats is not None else None,
-            )
-            for shard in shards
-        )
-    )
-    return [
-        (e.message, e.timestamp)
-        for envelopes in reads
-        for e in envelopes
-        if now - e.timestamp <= config.swarm.heartbeat_ttl_s
-    ]

@@ -20,10 +20,11 @@ relay slot (`start_relay_client`). Once a slot is reserved its addresses include
 through the relay (their daemons find those addresses by asking the DHT peers it is
 connected to), and libp2p's hole punching (DCUtR) then moves the link to a direct one where
 the caller can be dialed. What an outbound-only node does besides is in `create_dht_node`
-(DHT client mode: nobody puts it in a routing table it cannot answer from) and in the
-transport (it announces no gossip address, peers do not try to re-dial it, and it keeps
-links open to its DHT neighbourhood, `hold_links`): streams run either way over connections
-it opened itself.
+(DHT client mode: nobody puts it in a routing table it cannot answer from), in the
+transport (it announces no gossip address, peers do not try to re-dial it) and in its session's
+membership (node/transport/membership.py: it keeps links open to its DHT neighbourhood,
+`hold_links`, and picks up a relay slot reserved after the join): streams run either way over
+connections it opened itself.
 
 What it took, measured in benchmarks/lab.py (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
 0.32): with the daemon's defaults (relay discovery on) autorelay waits a fixed 3-minute boot

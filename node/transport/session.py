@@ -7,14 +7,19 @@ their p2p key in the state directory so that their address survives a restart), 
 the read-only viewers (`peers`, the dashboard). Components are handed the session, or only the part
 they use (a DHT node to read from, the writer to sign with), and never start a DHT node or a writer
 of their own: one identity, one sequence of record numbers, one place that knows how a node joins.
+A joined session also keeps the node joined (node/transport/membership.py: address refresh, the link keeper,
+rejoining after a partition), for every role alike.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from node.config import NodeConfig
+from node.transport.joining import create_dht_node, key_prefix, shutdown_dht, start_swarm_dht
+from node.transport.membership import Membership
 from protocol import Message, NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -33,7 +38,6 @@ class SwarmSession:
         identity: NodeIdentity | None = None,
         state_dir: Path | None = None,
     ) -> None:
-        from node.transport.dht import key_prefix
         from node.transport.records import RecordWriter
 
         self.config = config
@@ -46,6 +50,9 @@ class SwarmSession:
         self.prefix = key_prefix(config.swarm.swarm_id)
         self.writer = RecordWriter(identity, config.swarm.swarm_id) if identity is not None else None
         self.addresses: list[str] = []
+        self.address_listeners: list[Callable[[list[str]], None]] = []  # told the new addresses when they change
+        # what keeps a joined node joined; started by join_swarm (a viewer's session never starts it)
+        self.membership = Membership(self)
 
     @property
     def peer_id(self) -> str:
@@ -54,7 +61,8 @@ class SwarmSession:
 
     async def refresh_addresses(self) -> bool:
         """Ask the daemon where peers reach us (a node behind NAT gains /p2p-circuit addresses once a relay
-        reserves it a slot) and keep them in the state directory's addresses file; True when they changed."""
+        reserves it a slot), keep them in the state directory's addresses file and tell the address listeners; True
+        when they changed."""
         from node.files import atomic_write_text
         from node.transport.reachability import has_relay_address
 
@@ -70,6 +78,8 @@ class SwarmSession:
         self.addresses = addresses
         if self.state_dir is not None:
             atomic_write_text(self.state_dir / ADDRESSES_FILE, "".join(a + "\n" for a in addresses))
+        for listener in list(self.address_listeners):
+            listener(addresses)
         return True
 
     async def store(self, key: str, message) -> bool:
@@ -85,9 +95,12 @@ class SwarmSession:
             log.warning("the DHT did not take our %s under %s within %.0fs", what, key, timeout)
         return ok
 
-    async def close(self) -> None:
-        from node.transport.dht import shutdown_dht
+    def check_alive(self) -> None:
+        """Raise if a service that keeps this node joined died."""
+        self.membership.check_alive()
 
+    async def close(self) -> None:
+        await self.membership.stop()
         if self.dht is not None:
             await shutdown_dht(self.dht)
             self.dht = None
@@ -97,19 +110,17 @@ async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path
     """Join as a node that signs records: its daemon key is kept in `state_dir` (the same /p2p/ id after
     a restart), its reachability measured, its addresses written to `state_dir`/addresses.txt.
     Refused DHT records are counted in `refusals` (a stats.RecordRefusals) when given; raises
-    dht.SwarmJoinError when no initial peer answers."""
-    from node.transport.dht import start_swarm_dht
+    joining.SwarmJoinError when no initial peer answers. Its membership runs until the session closes."""
     from node.transport.p2p_key import P2P_KEY_FILE
 
     dht, reachability = await start_swarm_dht(config, state_dir / P2P_KEY_FILE, refusals=refusals)
     session = SwarmSession(config, dht, reachability, identity, state_dir)
     await session.refresh_addresses()
+    await session.membership.start()
     return session
 
 
 async def watch_swarm(config: NodeConfig, refusals=None) -> SwarmSession:
     """Join as a read-only viewer: a DHT client with a throwaway daemon key, that signs and serves nothing."""
-    from node.transport.dht import create_dht_node
-
     dht = await create_dht_node(config, client_mode=True, refusals=refusals)
     return SwarmSession(config, dht, reachability="outbound-only")

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from node.averaging.pairing import PairAverager
-from node.transport.dht import shutdown_dht
+from node.transport.joining import shutdown_dht
 
 PREFIX = "swarm-node/v1/test-swarm/avg/aaaaaaaaaaaaaaaa"
 OTHER_PREFIX = "swarm-node/v1/test-swarm/avg/bbbbbbbbbbbbbbbb"

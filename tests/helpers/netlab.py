@@ -1,0 +1,53 @@
+"""`swarm-node` commands in the swarm lab (benchmarks/lab.py): each in its own network namespace, listening on its
+lab address."""
+
+from __future__ import annotations
+
+import sys
+
+from tests.helpers.common import REPO
+from tests.helpers.swarm import wait_for
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from lab import Lab  # noqa: E402
+
+
+def start_command(
+    lab: Lab,
+    index: int,
+    tmp_path,
+    config,
+    env,
+    command: str = "join",
+    bootstrap: list[str] = (),
+    extra: list[str] = (),
+    name: str = "lab",
+) -> str:
+    """Run `swarm-node COMMAND` as node `index` (state in tmp_path/n<index>, output in tmp_path/n<index>.out, display
+    name <name>-<index>); its first address once it listens."""
+    state = tmp_path / f"n{index}"
+    argv = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        command,
+        "--config",
+        str(config),
+        "--state-dir",
+        str(state),
+        "--set",
+        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
+        "--set",
+        f"name={name}-{index}",
+        *extra,
+    ]
+    if bootstrap:
+        argv += ["--initial-peers", *bootstrap]
+    process = lab.run(index, argv, tmp_path / f"n{index}.out", env)
+
+    def listening():
+        assert process.poll() is None, (tmp_path / f"n{index}.out").read_text()[-3000:]
+        path = state / "addresses.txt"
+        return path.exists() and path.read_text().split()
+
+    return wait_for(listening, 180, f"node {index} to listen", interval=0.5)[0]
