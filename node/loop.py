@@ -2,8 +2,10 @@
 
 One round = draw I local questions -> sample G completions each -> score locally ->
 publish own groups -> collect J external groups and re-score them locally -> GRPO update
--> record metrics -> checkpoint. Torch work runs in a worker thread so the asyncio loop
-(and the transport services beside it) keep running while the policy generates or trains.
+-> record metrics (and the round's work, node/compute.py) -> checkpoint. With swarm.local_draw
+'balance' the J external groups are collected first and the I local questions fill the specialties
+they left short. Torch work runs in a worker thread so the asyncio loop (and the transport services
+beside it) keep running while the policy generates or trains.
 """
 
 from __future__ import annotations
