@@ -6,7 +6,13 @@ During the cut the driver cannot reach the upper stages: it abandons its step, r
 can rebuild them: there is no spare and no replica, and no server moves off a stage it alone serves). After the heal
 it must step again through the same servers, and no stage may have been rebuilt. What makes it possible is every
 process's session membership (node/transport/membership.py): after the cut each half has dropped the other from its
-DHT routing table, and without the rejoin pass they never meet again (issue #36: `serve` and `drive` had none).
+DHT routing table, and without the rejoin pass they never meet again (issue #36: `serve` and `drive` had none; with
+their membership stopped, the driver of the 4-stage run still waited for stages 2 and 3 when the test's 15-minute
+guard after the heal ran out).
+
+The cut lasts 60 s in both versions: a cut of about 20 s healed without any rejoin pass (measured: the driver stepped
+3 s after the heal with every membership stopped), since connections that outlive the cut carry the requests sent
+during it and each request puts its sender back into the receiver's routing table; a 60 s cut outlasts them.
 
 Every wait is a hang guard on an event (a log line, the driver's step counter, its recovery records), never a speed
 check; how long the way back took is printed (run with -s), not asserted.
@@ -120,8 +126,8 @@ def check(summary: dict, stages: int) -> None:
 
 @pytest.mark.timeout(1800)
 def test_a_pipeline_cut_in_two_steps_again_after_the_heal(pipeline_yaml, tmp_path, cli_env):
-    """The short version: 2 stages, stage 1's server cut off for 20 s."""
-    check(cut_and_heal(tmp_path, pipeline_yaml, cli_env, stages=2, cut_s=20), stages=2)
+    """The short version: 2 stages, stage 1's server cut off for 60 s (3 processes to start instead of 5)."""
+    check(cut_and_heal(tmp_path, pipeline_yaml, cli_env, stages=2, cut_s=60), stages=2)
 
 
 @pytest.mark.slow
