@@ -47,6 +47,7 @@ from node.device import describe_device, model_device  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.model import ensure_default_model  # noqa: E402
 from node.trainer import completion_logprobs  # noqa: E402
+from tests.helpers.common import TINY_OVERRIDES  # noqa: E402 - the tests' tiny model: this script's CPU test
 
 LOGPROB_ATOL = 1e-4  # tests/test_rollouts.py: the sampler's behaviour log-probs against the trainer's, float32
 LARGER = [  # about 34M parameters: tens of millions, a few seconds a round on a GPU
@@ -54,19 +55,6 @@ LARGER = [  # about 34M parameters: tens of millions, a few seconds a round on a
     "model.default.num_layers=8",
     "model.default.num_heads=8",
     "model.default.intermediate_size=2048",
-]
-TINY = [  # tests/helpers/common.py's tiny model: the CPU test of this script
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=5",
-    "model.default.warmup_batch_size=8",
-    "swarm.local_questions=2",
-    "rollout.completions_per_question=4",
-    "rollout.max_new_tokens=4",
-    "tasks.heldout_size=8",
 ]
 
 
@@ -151,7 +139,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     devices = args.device or ["cuda", "cpu"]
     rounds = 2 if args.tiny else args.rounds
-    config_args = [*(TINY if args.tiny else LARGER), "eval_every=0", "checkpoint_every=1000", *args.set]
+    config_args = [*(TINY_OVERRIDES if args.tiny else LARGER), "eval_every=0", "checkpoint_every=1000", *args.set]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         os.environ.setdefault("SWARM_NODE_CACHE", f"{scratch}/cache")

@@ -1,6 +1,7 @@
 """Shutdown ends background loops even when a cancellation is swallowed."""
 
 import asyncio
+import functools
 import logging
 
 from node.aio import cancel_and_wait, run_supervised
@@ -71,16 +72,18 @@ def test_a_task_that_never_ends_is_left_with_a_warning(caplog):
     asyncio.run(scenario())
 
 
+async def work_that_records_its_cancellation(cancelled: list) -> None:
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+
+
 def test_a_service_that_dies_stops_the_work_beside_it_loudly():
     async def scenario():
         cancelled = []
-
-        async def work():
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                cancelled.append(True)
-                raise
+        work = functools.partial(work_that_records_its_cancellation, cancelled)
 
         async def service():
             await asyncio.sleep(0.05)
@@ -108,13 +111,7 @@ def test_supervised_work_returns_its_result_and_is_cancelled_with_its_caller():
         assert not task.done()  # the services are the caller's to stop
 
         cancelled = []
-
-        async def work():
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                cancelled.append(True)
-                raise
+        work = functools.partial(work_that_records_its_cancellation, cancelled)
 
         caller = asyncio.create_task(run_supervised(work(), [task], "driver"))
         await asyncio.sleep(0.05)
