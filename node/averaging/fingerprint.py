@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from node.model import model_fingerprint
-from node.transport.dht import key_prefix
+from node.transport.joining import key_prefix
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

@@ -37,7 +37,6 @@ from node.stats import SwarmStats
 from node.rollouts.base import RolloutGroup
 from node.transport.base import ExternalGroup, Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
-from node.transport.joining import key_prefix  # noqa: F401 - where node/averaging/fingerprint.py still imports it
 from node.transport.kv import read_values
 from node.transport.peers import read_peer_stats
 from protocol import PeerStats, ProtocolRejection, Refusal
