@@ -325,8 +325,9 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for k, batch in enumerate(batches):
                 pairs = [row.pair for row in batch]
+                positions_here = padded_positions(pairs)
                 logprobs, mask = completion_logprobs(self.model, pairs, self.pad_id, self.temperature)
-                stats.train_tokens += padded_positions(pairs)
+                stats.train_tokens += positions_here
                 if frozen is not None:
                     old, weights, _ = frozen[k]
                 else:
@@ -339,13 +340,14 @@ class GRPOTrainer:
                         if row.in_policy_term and not row.on_policy and row.behaviour_logprobs is not None
                     ]
                 loss = logprobs.new_zeros(())
-                in_policy = torch.tensor([row.in_policy_term for row in batch], device=mask.device)
-                if policy_tokens and in_policy.any():
+                # decided on the rows, not on a device tensor: no GPU sync per micro-batch
+                if any(row.in_policy_term for row in batch):
+                    in_policy = torch.tensor([row.in_policy_term for row in batch], device=mask.device)
                     ref = None
                     if self.reference is not None:
                         with torch.no_grad():
                             ref, _ = completion_logprobs(self.reference, pairs, self.pad_id, self.temperature)
-                        stats.forward_tokens += padded_positions(pairs)
+                        stats.forward_tokens += positions_here
                     advantages = torch.tensor(
                         [row.advantage for row in batch], dtype=logprobs.dtype, device=mask.device
                     )
@@ -369,10 +371,10 @@ class GRPOTrainer:
                     loss_sum += policy_sum.item()
                     clipped += info["clipped_tokens"].item()
                     kl_sum += info["kl_sum"].item()
-                demonstration_weights = torch.tensor(
-                    [row.imitation_weight for row in batch], dtype=logprobs.dtype, device=mask.device
-                )[:, None]
-                if demonstration_tokens and bool((demonstration_weights > 0).any()):
+                if any(row.imitation_weight > 0 for row in batch):
+                    demonstration_weights = torch.tensor(
+                        [row.imitation_weight for row in batch], dtype=logprobs.dtype, device=mask.device
+                    )[:, None]
                     token_nll = -(logprobs * mask)
                     token_weights = demonstration_weights
                     if self.config.imitation_token_weight == "p_one_minus_p":
