@@ -87,6 +87,7 @@ ARM_BASE = [
     "trainer.imitation_token_weight=uniform",
     "trainer.imitation_coef_final=null",
     "swarm.local_draw=mix",
+    "swarm.peer_imitation_scale=1.0",
 ]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]

@@ -254,6 +254,11 @@ class SwarmConfig(_Section):
     'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
     the share of its pass rate this node lacks in the specialty, (P_peer - P_this) / P_peer (node/sharing.py).
     Its own answers anchor what the node knows: demonstrations of one specialty alone teach it and erase the other."""
+    peer_imitation_scale: float = Field(1.0, ge=0)
+    """Multiplies a stronger peer's demonstration weight, (P_peer - P_this) / P_peer, while the node's own right
+    answers keep weight 1: below 1, a peer's answers teach the specialty this node lacks more gently than its own
+    answers hold the one it knows (peers' answers are off this policy's distribution, and how far training moves
+    off it is what erases a held skill)."""
     external_use: Literal["policy", "demonstrations_only"] = "policy"
     """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
     own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only

@@ -22,8 +22,9 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    things see omega ~ 1 and nothing changes;
 4. with `swarm.imitation: own_and_stronger_peers`, marks a peer group's right answers as demonstrations for the
    trainer's imitation term (trainer.imitation_coef), weighted by the share of the peer's pass rate this
-   node lacks in the specialty (imitation_weight): the policy-gradient term weighs a peer's answer by how
-   likely this policy finds it, so the answers a node most lacks are the ones it learns least from there.
+   node lacks in the specialty (imitation_weight) times swarm.peer_imitation_scale: the policy-gradient term
+   weighs a peer's answer by how likely this policy finds it, so the answers a node most lacks are the ones it
+   learns least from there.
 """
 
 from __future__ import annotations
@@ -198,4 +199,6 @@ class PeerRollouts:
         if self.config.swarm.capability_aware:
             group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)
         if self.config.swarm.imitation_in_effect == "own_and_stronger_peers":
-            group.imitation_weight = imitation_weight(self.own_accuracy.get(label), peer_rate)
+            group.imitation_weight = self.config.swarm.peer_imitation_scale * imitation_weight(
+                self.own_accuracy.get(label), peer_rate
+            )

@@ -179,6 +179,13 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
     assert by_label["subtract"].imitation_weight == pytest.approx((0.75 - 0.1) / 0.75)
     assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
     assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
+    gentler = swarm_node(
+        "swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0", "swarm.peer_imitation_scale=0.25"
+    )
+    gentler.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.1})
+    by_label = {gentler.tasks.label(g.spec): g for g in gentler.sharing.choose(received, seed=0)}
+    assert by_label["subtract"].imitation_weight == pytest.approx(0.25 * (0.75 - 0.1) / 0.75)
+    assert by_label["add"].imitation_weight == 0.0
     off = swarm_node()
     off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
     assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
