@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -24,48 +21,23 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.common import REPO, TINY_OVERRIDES
+from tests.helpers.images import (
+    BUILD_TIMEOUT_S,
+    HOST_CA_BUNDLE,
+    debian_rootfs,
+    dockerfile_default,
+    has_local_torch,
+    host_pip_sources,
+    install_missing,
+    run,
+)
 from tests.helpers.swarm import SWARM_OVERRIDES, read_rows, wait_for
 
 BASE_IMAGE = "localhost/swarm-node-base:bookworm"
 IMAGE = "localhost/swarm-node:test"
-# debootstrap's minimal variant plus what the Dockerfile's build stage needs from its base.
-BASE_PACKAGES = "python3,python3-venv,python3-pip"
-# Building installs torch and ~100 packages, compiling two: a hang guard, not a speed check
-# (from empty storage on the loaded 2 cores: 6 min for the base, 11 for the image).
-BUILD_TIMEOUT_S = 3600
 
 # The suite's 600 s per test counts the fixtures too, and the first test builds the image.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * BUILD_TIMEOUT_S + 1800)]
-HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-
-
-def run(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
-    assert result.returncode == 0, (
-        f"{shlex.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    )
-    return result
-
-
-def install_missing(commands: dict[str, str]) -> str | None:
-    """Install the Debian packages ({command: package}) whose commands are missing; why not, if that failed."""
-    missing = sorted({package for command, package in commands.items() if not shutil.which(command)})
-    if not missing:
-        return None
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return f"{', '.join(missing)} missing and cannot be installed here (apt-get as root is needed)"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], capture_output=True, env=env, timeout=900)
-    installed = subprocess.run(
-        ["apt-get", "install", "-y", "-qq", *missing], capture_output=True, text=True, env=env, timeout=900
-    )
-    still_missing = [command for command in commands if not shutil.which(command)]
-    if still_missing:
-        return (
-            f"{', '.join(still_missing)} missing and `apt-get install {' '.join(missing)}` failed: "
-            f"{installed.stderr.strip()[-500:]}"
-        )
-    return None
 
 
 def image_exists(name: str) -> bool:
@@ -75,61 +47,16 @@ def image_exists(name: str) -> bool:
 def build_debian_base() -> None:
     """A Debian bookworm base with Python 3.11 and venv, the local stand-in for python:3.11-slim."""
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="swarm-node-rootfs-") as scratch:
-        rootfs = Path(scratch) / "rootfs"
-        run(
-            "nice",
-            "-n",
-            "10",
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={BASE_PACKAGES}",
-            "bookworm",
-            str(rootfs),
-            timeout=BUILD_TIMEOUT_S,
-        )
         container = run("buildah", "from", "scratch").stdout.strip()
         try:
             mount = run("buildah", "mount", container).stdout.strip()
-            # Downloaded packages and apt's lists would only make every layer above heavier.
-            packed = subprocess.Popen(
-                [
-                    "tar",
-                    "-C",
-                    str(rootfs),
-                    "--exclude=./var/cache/apt/archives/*.deb",
-                    "--exclude=./var/lib/apt/lists/*",
-                    "-c",
-                    ".",
-                ],
-                stdout=subprocess.PIPE,
-            )
-            run("tar", "-C", mount, "-x", stdin=packed.stdout)
-            assert packed.wait() == 0
+            with debian_rootfs(Path(scratch)) as packed:
+                run("tar", "-C", mount, "-x", stdin=packed)
             run("buildah", "umount", container)
             run("buildah", "config", "--cmd", "python3", container)
             run("buildah", "commit", "-q", container, BASE_IMAGE)
         finally:
             subprocess.run(["buildah", "rm", container], capture_output=True)
-
-
-def host_pip_sources() -> tuple[list[str], list[str]]:
-    """This machine's wheel folders and file:// indexes, from pip's configuration: (find-links folders, index URLs)."""
-    listed = run(sys.executable, "-m", "pip", "config", "list").stdout
-    folders, indexes = [], []
-    for line in listed.splitlines():
-        key, _, value = line.partition("=")
-        for source in value.strip("'\"").split():
-            if key.endswith(".find-links") and Path(source).is_dir() and source not in folders:
-                folders.append(source)
-            elif key.endswith(".extra-index-url") and source.startswith("file://") and source not in indexes:
-                indexes.append(source)
-    return folders, indexes
-
-
-def dockerfile_default(argument: str) -> str:
-    match = re.search(rf'^ARG {argument}="(.*)"$', (REPO / "Dockerfile").read_text(), re.MULTILINE)
-    assert match, f"the Dockerfile declares no default for {argument}"
-    return match.group(1)
 
 
 def build_image() -> None:
@@ -146,9 +73,10 @@ def build_image() -> None:
         *(option for url in indexes for option in ("--extra-index-url", url)),
     ]
     # torch from a local folder where one holds the CPU build, else from the Dockerfile's default source.
-    has_local_torch = any(next(Path(folder).glob("torch-2.13.0+cpu-*.whl"), None) for folder in folders)
     torch_source = (
-        shlex.join([*trust, *local]) if has_local_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
+        shlex.join([*trust, *local])
+        if has_local_torch(folders)
+        else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
     )
     run(
         "nice",

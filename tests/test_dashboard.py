@@ -8,7 +8,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -19,6 +18,7 @@ from rich.console import Console
 
 from node.dashboard.server import MAX_REQUEST_BYTES, DashboardServer
 from node.dashboard.sources import DashboardSources, MetricsTail, PeerHistory
+from tests.helpers.browser import chart_points, run_chromium
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
 from tests.helpers.swarm import SwarmProcess, peers_listed, wait_for
 
@@ -184,48 +184,6 @@ def test_shipped_page_loads_nothing_from_elsewhere():
 
 
 # a live swarm in a real browser -------------------------------------------------------------------
-
-
-def chromium_binary() -> str:
-    binary = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if binary is None:
-        pytest.fail(
-            "no chromium on PATH: `make install` installs it (apt-get install chromium), or set "
-            "CHROMIUM=/path/to/chromium"
-        )
-    return binary
-
-
-def run_chromium(profile: Path, *args: str, timeout: float = 180) -> str:
-    """Headless Chromium in its own process group (its zygote and renderers with it), killed as a group on timeout."""
-    command = [
-        chromium_binary(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        f"--user-data-dir={profile}",
-        "--hide-scrollbars",
-        "--window-size=1280,1400",
-        *args,
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    assert process.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out.decode()
-
-
-def chart_points(dom: str, chart: str) -> int:
-    match = re.search(rf'<svg[^>]*data-chart="{chart}"[^>]*>', dom)
-    assert match, f"no chart {chart} in the page"
-    points = re.search(r'data-points="(\d+)"', match.group(0))
-    return int(points.group(1)) if points else 0
 
 
 def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml, tmp_path, cli_env):

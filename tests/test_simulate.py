@@ -79,3 +79,36 @@ def test_simulate_starts_a_joined_swarm_with_a_dashboard_and_ctrl_c_stops_every_
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
         log.close()
+
+
+def test_node_set_overrides_one_node_over_the_shared_set(tmp_path):
+    from node.dashboard.simulate import LocalSwarm, parse_node_overrides
+
+    per_node = parse_node_overrides(['1:model.default.warmup_labels=["add"]', "1:seed=7", "0:name=first"], nodes=2)
+    assert per_node == {1: ['model.default.warmup_labels=["add"]', "seed=7"], 0: ["name=first"]}
+    swarm = LocalSwarm(tmp_path, 2, 0, overrides=["seed=3"], node_overrides=per_node)
+    second = swarm.command(1, ["/ip4/127.0.0.1/tcp/1/p2p/x"])
+    sets = [second[i + 1] for i, arg in enumerate(second) if arg == "--set"]
+    # the shared --set first, then this node's: the last one wins in the CLI
+    assert sets[-3:] == ["seed=3", 'model.default.warmup_labels=["add"]', "seed=7"]
+    first = swarm.command(0, [])
+    assert [first[i + 1] for i, arg in enumerate(first) if arg == "--set"][-2:] == ["seed=3", "name=first"]
+
+
+def test_node_set_refuses_what_it_cannot_place(tmp_path):
+    import pytest
+
+    from node.dashboard.simulate import parse_node_overrides
+
+    with pytest.raises(ValueError, match="node 4 does not exist"):
+        parse_node_overrides(["4:seed=1"], nodes=4)
+    with pytest.raises(ValueError, match="expected N:KEY=VALUE"):
+        parse_node_overrides(["seed=1"], nodes=4)
+    result = subprocess.run(
+        cli("simulate", "--nodes", "2", "--state-dir", str(tmp_path), "--node-set", "x:seed=1"),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert result.returncode != 0 and "expected N:KEY=VALUE" in result.stderr + result.stdout

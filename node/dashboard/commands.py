@@ -61,6 +61,13 @@ def add_dashboard_commands(sub) -> None:
     simulate.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a config field of every node (repeatable)"
     )
+    simulate.add_argument(
+        "--node-set",
+        action="append",
+        metavar="N:KEY=VALUE",
+        help="override a config field of node N only, over --set (repeatable): e.g. nodes that know different "
+        "things, 0:model.default.warmup_labels=[\"add\"]",
+    )
     simulate.set_defaults(handler=cmd_simulate)
 
 
@@ -131,10 +138,14 @@ def cmd_dashboard(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
-    from node.dashboard.simulate import LocalSwarm
+    from node.dashboard.simulate import LocalSwarm, parse_node_overrides
 
     if args.nodes < 1:
         return error("--nodes must be at least 1")
+    try:
+        node_overrides = parse_node_overrides(args.node_set or [], args.nodes)
+    except ValueError as exc:
+        return error(str(exc))
     root = Path(args.state_dir or "~/.swarm-node/simulate").expanduser()
     swarm = LocalSwarm(
         root,
@@ -143,6 +154,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
         rounds=args.rounds,
         config=args.config,
         overrides=list(args.set or []),
+        node_overrides=node_overrides,
         fresh=args.fresh,
         console=console,
     )

@@ -25,6 +25,19 @@ STOP_TIMEOUT_S = 120.0
 POLL_S = 0.5
 
 
+def parse_node_overrides(items: list[str], nodes: int) -> dict[int, list[str]]:
+    """`N:KEY=VALUE` items (simulate's --node-set) as {node index: [KEY=VALUE, ...]}, in the order given."""
+    out: dict[int, list[str]] = {}
+    for item in items:
+        index, colon, override = item.partition(":")
+        if not colon or not index.isdigit() or "=" not in override:
+            raise ValueError(f"--node-set {item!r}: expected N:KEY=VALUE, e.g. 1:model.default.warmup_labels=[\"add\"]")
+        if int(index) >= nodes:
+            raise ValueError(f"--node-set {item!r}: node {index} does not exist (nodes 0 to {nodes - 1})")
+        out.setdefault(int(index), []).append(override)
+    return out
+
+
 class LocalSwarm:
     def __init__(
         self,
@@ -34,11 +47,13 @@ class LocalSwarm:
         rounds: int | None = None,
         config: Path | None = None,
         overrides: list[str] = (),
+        node_overrides: dict[int, list[str]] | None = None,
         fresh: bool = False,
         console: Console | None = None,
     ) -> None:
         self.root, self.count, self.dashboard_port = root, nodes, dashboard_port
         self.rounds, self.config, self.overrides, self.fresh = rounds, config, list(overrides), fresh
+        self.node_overrides = node_overrides or {}
         self.console = console or Console()
         self.processes: list[subprocess.Popen] = []
         self._logs: list = []
@@ -47,7 +62,8 @@ class LocalSwarm:
     def state_dir(self, i: int) -> Path:
         return self.root / f"node-{i}"
 
-    def _command(self, i: int, initial_peers: list[str]) -> list[str]:
+    def command(self, i: int, initial_peers: list[str]) -> list[str]:
+        """Node i's `swarm-node join` command line."""
         args = [sys.executable, "-m", "node.cli", "join", "--state-dir", str(self.state_dir(i))]
         if self.config:
             args += ["--config", str(self.config)]
@@ -57,11 +73,12 @@ class LocalSwarm:
             args += ["--fresh"]
         if initial_peers:
             args += ["--initial-peers", *initial_peers]
-        # Ours first, so that the user's --set wins; one torch thread each: N nodes share the machine's cores.
+        # Ours first, so that the user's --set wins (and a --node-set over that); one torch thread each: N nodes share
+        # the machine's cores.
         sets = [f"name=node-{i}", "swarm.host_maddrs=" + json.dumps(["/ip4/127.0.0.1/tcp/0"]), "torch_threads=1"]
         if i == 0:
             sets.append(f"swarm.dashboard_port={self.dashboard_port}")
-        for item in sets + self.overrides:
+        for item in sets + self.overrides + self.node_overrides.get(i, []):
             args += ["--set", item]
         return args
 
@@ -73,7 +90,7 @@ class LocalSwarm:
         log = open(self.root / f"node-{i}.out", "w")
         self._logs.append(log)
         process = subprocess.Popen(
-            self._command(i, initial_peers),
+            self.command(i, initial_peers),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
