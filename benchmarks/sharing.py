@@ -71,8 +71,11 @@ from protocol import TaskSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "specialists.yaml"
+FOUR_CONFIG = REPO / "configs" / "four_specialists.yaml"
 NODES = 4
 SPECIALTIES = ("add", "subtract")
+# --setting four: node i warm-started on FOUR_SPECIALTIES[i] alone, every node measured on all four
+FOUR_SPECIALTIES = ("add", "subtract", "multiply", "lcm")
 HELDOUT_PER_SPECIALTY = 200
 
 # Every sharing knob an arm does not set, pinned: an arm means the same whatever the config file ships
@@ -144,9 +147,11 @@ SWARM_ARMS = {name for name, overrides in ARMS.items() if "swarm.external_questi
 
 
 def warm_start_overrides(setting: str, node: int, steps: dict[str, int], sparse_steps: int) -> list[str]:
-    if setting == "specialists":
-        own = SPECIALTIES[node * len(SPECIALTIES) // NODES]
-        return [f"model.default.warmup_steps={steps[own]}", f'model.default.warmup_labels=["{own}"]']
+    if setting in ("specialists", "four"):
+        own = own_specialty(setting, node)
+        # a specialty without steps of its own (--warmup-steps multiply=N) takes the homogeneous nodes' count
+        own_steps = steps.get(own, steps["both"])
+        return [f"model.default.warmup_steps={own_steps}", f'model.default.warmup_labels=["{own}"]']
     if setting == "homogeneous":
         return [f"model.default.warmup_steps={steps['both']}"]
     return [f"model.default.warmup_steps={sparse_steps}"]
@@ -166,12 +171,15 @@ def parse_warmup_steps(items: list[str]) -> dict[str, int]:
 
 
 def own_specialty(setting: str, node: int) -> str | None:
-    """The specialty node `node` was warm-started on (None: both)."""
+    """The specialty node `node` was warm-started on (None: all of them)."""
+    if setting == "four":
+        return FOUR_SPECIALTIES[node * len(FOUR_SPECIALTIES) // NODES]
     return SPECIALTIES[node * len(SPECIALTIES) // NODES] if setting == "specialists" else None
 
 
 def weak_specialty(setting: str, node: int) -> str | None:
-    """The specialty node `node` was not warm-started on (None: it was warm-started on both)."""
+    """The specialty node `node` was not warm-started on (None: it was warm-started on both, or it lacks three of
+    four)."""
     if setting != "specialists":
         return None
     own = SPECIALTIES[node * len(SPECIALTIES) // NODES]
@@ -209,7 +217,8 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
         if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
             overrides += ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.window_s=30"]
             overrides += [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
-        node = Node(load_config(str(args.config), overrides, state_dir=f"{scratch}/{setting}-{arm}-{seed}/{i}"))
+        config = FOUR_CONFIG if setting == "four" and args.config == CONFIG else args.config
+        node = Node(load_config(str(config), overrides, state_dir=f"{scratch}/{setting}-{arm}-{seed}/{i}"))
         node.load(fresh=True, progress=False)
         if args.transport == "inprocess":
             node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
@@ -350,6 +359,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps},
         "overrides": args.set,
         "weak": [weak_specialty(setting, i) for i in range(NODES)],
+        "own": [own_specialty(setting, i) for i in range(NODES)],
         "rounds": rounds,
         "compute_s": compute,
         "curves": curves,
@@ -580,7 +590,7 @@ def report(args) -> None:
                     by_key[(setting, "silo_plain")] = plain
                 by_key[(setting, "silo")] = by_key.pop((setting, args.baseline))
         print(f"the silo below is {args.baseline!r} (plain SAPO-less silo: 'silo_plain')")
-    summary["four_specialists_gain_points_per_node_and_seed"] = None  # the four-specialist setting: not run yet
+    summary.update(four_specialists(by_key))
     if args.round_cost_results.exists():
         costs = [json.loads(line) for line in args.round_cost_results.read_text().splitlines() if line.strip()]
         if costs and "round_cost_ratio_vs_silo" in costs[-1]:
@@ -758,6 +768,56 @@ def report(args) -> None:
     print(json.dumps(summary))
 
 
+def four_specialists(by_key: dict) -> dict:
+    """--setting four: each node's mean held-out over the four specialties at the budget, against the silo's node of
+    the same index and seed (the same warm start), and the worst specialty of each."""
+    four = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
+    if "silo" not in four:
+        return {"four_specialists_gain_points_per_node_and_seed": None}
+    silo, out = four["silo"], {}
+    for arm, seeds in sorted(four.items()):
+        common = sorted(set(seeds) & set(silo))
+        if not common:
+            continue
+        budget = min(seeds[s]["budget_s"] for s in common)
+
+        def final(run: dict, node: int, key: str) -> float:
+            return at_compute(run["curves"][node], key, budget)
+
+        gains = [[100 * (final(seeds[s], i, "all") - final(silo[s], i, "all")) for i in range(NODES)] for s in common]
+        worst = [[min(final(seeds[s], i, label) for label in FOUR_SPECIALTIES) for i in range(NODES)] for s in common]
+        by_specialty = {
+            label: statistics.fmean(final(seeds[s], i, label) for s in common for i in range(NODES))
+            for label in FOUR_SPECIALTIES
+        }
+        own = statistics.fmean(final(seeds[s], i, seeds[s]["own"][i]) for s in common for i in range(NODES))
+        out[arm] = {
+            "seeds": common,
+            "mean_final": statistics.fmean(final(seeds[s], i, "all") for s in common for i in range(NODES)),
+            "own_final": own,
+            "by_specialty_final": by_specialty,
+            "gain_points_per_node_and_seed": gains,
+            "gain_points_mean": statistics.fmean(g for per_seed in gains for g in per_seed),
+            "worst_specialty_per_node_and_seed": worst,
+            "rounds_per_node": statistics.fmean(r for s in common for r in seeds[s]["rounds"]),
+        }
+        print(
+            f"four specialists: {arm:13s} seeds {common}: 4-specialty mean {out[arm]['mean_final']:.3f} "
+            f"({out[arm]['gain_points_mean']:+.1f} points vs silo; per seed, per node "
+            f"{[[round(g, 1) for g in per_seed] for per_seed in gains]}), own {own:.3f}, by specialty "
+            f"{ {label: round(v, 3) for label, v in by_specialty.items()} }, worst per node "
+            f"{[[round(w, 3) for w in per_seed] for per_seed in worst]}",
+            flush=True,
+        )
+    swarm = {arm: row for arm, row in out.items() if arm in SWARM_ARMS}
+    best = max(swarm, key=lambda arm: swarm[arm]["gain_points_mean"]) if swarm else None
+    return {
+        "four_specialists": out,
+        "four_specialists_best_arm": best,
+        "four_specialists_gain_points_per_node_and_seed": out[best]["gain_points_per_node_and_seed"] if best else None,
+    }
+
+
 def mean_at_round(run: dict, round_: float, which: str) -> float:
     keys = [
         (
@@ -837,7 +897,7 @@ def plot(spec_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", choices=["specialists", "homogeneous", "sparse"], default="specialists")
+    parser.add_argument("--setting", choices=["specialists", "four", "homogeneous", "sparse"], default="specialists")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo", "sapo", "sapo_cap"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
