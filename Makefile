@@ -48,10 +48,12 @@ lint: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# Builds the Dockerfile with buildah (no Docker engine needed; installed with apt where missing)
-# on a local Debian base and this machine's wheels, then runs the image: tests/test_container.py.
+# Builds the Dockerfile with buildah (no Docker engine needed) and runs the image
+# (tests/test_container.py), then with a Docker engine of its own runs compose.yaml as shipped
+# (tests/test_compose_up.py); buildah, docker.io, docker-compose and debootstrap are installed with
+# apt where missing.
 test-container: install
-	$(BIN)/python -m pytest -q -m slow tests/test_container.py
+	$(BIN)/python -m pytest -q -m slow tests/test_container.py tests/test_compose_up.py
 
 # The packages a lent GPU machine needs for an isolated node (benchmarks/gpu_round.py): benchmarks/gpu_wheels.txt, as
 # wheels for its Python 3.12 (those marked "source only" as source archives, built there), into .whl/ (ignored by git;

@@ -23,7 +23,14 @@ PID_FILE = Path("/run/swarm-node-test-docker.pid")
 EXEC_ROOT = Path("/run/swarm-node-test-docker")
 # Kept between runs: the base image and the image's layers are cached there, so a second run rebuilds in seconds.
 DATA_ROOT = Path("/var/lib/swarm-node-test-docker")
-IPTABLES_TABLES = ("filter", "nat")
+# Each table as it is before anything is added: what iptables-save cannot print for a table that does not exist yet
+# (nf_tables creates a table on first use), and what restoring it must return to: no rules, no chains of its own,
+# every policy ACCEPT.
+EMPTY_TABLES = {
+    "filter": ("INPUT", "FORWARD", "OUTPUT"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+}
+IPTABLES_TABLES = tuple(EMPTY_TABLES)
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,10 @@ class HostNetworking:
 
 
 def _iptables_save(table: str) -> str:
-    return subprocess.run(["iptables-save", "--table", table], capture_output=True, text=True, check=True).stdout
+    saved = subprocess.run(["iptables-save", "--table", table], capture_output=True, text=True, check=True).stdout
+    if f"*{table}" in saved.splitlines():
+        return saved
+    return "\n".join([f"*{table}", *(f":{chain} ACCEPT [0:0]" for chain in EMPTY_TABLES[table]), "COMMIT", ""])
 
 
 def _rules(saved: str) -> list[str]:
@@ -82,12 +92,14 @@ def _link_names() -> list[str]:
 
 
 class DockerEngine:
-    """dockerd on SOCKET, its log in `log_path`; `env` is what docker and docker-compose need to reach it."""
+    """dockerd on SOCKET, its log in `log_path`; `env` is what docker and docker-compose need to reach it. The host's
+    networking is snapshot before it starts (`host_before`) and put back once it has stopped."""
 
     def __init__(self, log_path: Path):
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self.env = dict(os.environ, DOCKER_HOST=f"unix://{SOCKET}")
+        self.host_before: HostNetworking | None = None
 
     def start(self, timeout_s: float = 120) -> None:
         if PID_FILE.exists():  # a dockerd killed earlier can leave its PID file, which refuses the next start
@@ -95,6 +107,7 @@ class DockerEngine:
             if stale.isdigit() and Path(f"/proc/{stale}").exists():
                 raise RuntimeError(f"a test dockerd (PID {stale}) is still running on {SOCKET}")
             PID_FILE.unlink()
+        self.host_before = HostNetworking.now()
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [
@@ -127,14 +140,17 @@ class DockerEngine:
         return result
 
     def stop(self, timeout_s: float = 60) -> None:
-        """SIGTERM to our dockerd by its PID (it stops its containers first), SIGKILL past the timeout."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to our dockerd by its PID (it stops its containers first), SIGKILL past the timeout; then the host's
+        networking as it was before the start."""
+        if self.process is None or self.log.closed:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
         self.log.close()
         PID_FILE.unlink(missing_ok=True)
+        self.host_before.restore()
