@@ -48,7 +48,7 @@ class LocalWheels:
     def __init__(self, scratch: Path):
         folders, indexes = host_pip_sources()
         root = scratch / "served"
-        root.mkdir()
+        root.mkdir(parents=True)
         self.find_links, self.index_paths = [], []
         for i, folder in enumerate(folders):
             (root / f"links{i}").symlink_to(folder)
