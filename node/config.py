@@ -223,6 +223,12 @@ class TrainerConfig(_Section):
     over imitation_decay_updates policy updates, then holds (CHORD's decaying mu)."""
     imitation_decay_updates: int = Field(500, ge=1)
     """Policy updates over which the imitation coefficient moves to imitation_coef_final."""
+    distill_coef: float = Field(0.0, ge=0)
+    """Weight of an on-policy distillation term (0: none): on the node's own samples of a specialty where a peer's
+    policy is offered as its teacher (node/sharing.py, Teachers), the reverse KL from this policy's next-token
+    distribution to the teacher's at every completion position, KL(pi || pi_teacher), averaged over those positions.
+    The node's own samples carry the teacher's knowledge, so what it learns stays on its own distribution (what
+    keeps held skills), and a group all wrong still teaches, where GRPO has nothing to learn from it."""
 
 
 class SwarmConfig(_Section):

@@ -34,6 +34,7 @@ from node.local_rollouts import LocalRollouts, balanced_counts
 from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
+from node.teachers import Teachers
 from node.telemetry import Telemetry
 from node.transport import ExternalGroup, Transport
 from protocol import NodeIdentity, PeerStats, Refusal
@@ -151,6 +152,7 @@ class Node:
             self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse
         )
         self.evaluator = HeldoutEvaluator(self.tasks, self.backend)
+        self.teachers = Teachers(self.telemetry.accuracy_by_dataset, self.tasks.label)  # trainer.distill_coef
 
     @property
     def policy_version(self) -> int:
@@ -245,6 +247,8 @@ class Node:
         if swarm.imitation_in_effect != "none":
             for group in chosen_local:
                 group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
+        if self.config.trainer.distill_coef > 0:
+            self.teachers.assign(chosen_local)
         if swarm.external_use == "policy":
             stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
         else:
@@ -272,6 +276,11 @@ class Node:
             **(
                 {"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll}
                 if stats.imitation_sequences
+                else {}
+            ),
+            **(
+                {"distilled_sequences": stats.distilled_sequences, "distill_kl": stats.distill_kl}
+                if stats.distilled_sequences
                 else {}
             ),
             **self.policy.round_report(self.trainer),

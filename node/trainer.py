@@ -14,6 +14,10 @@ over the round's demonstrations: right answers marked with a weight v (a peer's 
 this node, and the node's own to anchor what it knows; node/sharing.py), whatever their reward spread;
 phi_t = 1, or CHORD's p_t (1 - p_t) (trainer.imitation_token_weight), which spares the tokens the policy
 already holds and those it finds absurd; the coefficient may decay (CHORD's mu, trainer.imitation_coef_final).
+With trainer.distill_coef > 0, on-policy distillation: on the node's own completions of a specialty whose group has
+a teacher (a peer's policy stronger there), distill_coef * sum_i,t KL(pi(.|x_i,<t) || pi_teacher(.|x_i,<t)) / (their
+completion tokens), the reverse KL over the whole vocabulary at each position, the teacher's forward run without
+gradients. Every completion of such a group counts, a group all wrong included.
 The policy term is averaged over all its completion tokens (DAPO's token-level mean), whatever the
 micro-batching.
 
@@ -56,6 +60,9 @@ class TrainStats:
     forward_tokens: int = 0
     """Token positions through no-grad forwards (pi_old with several epochs, the KL reference)."""
     optimizer_steps: int = 0
+    distill_kl: float | None = None
+    """Mean KL(pi || pi_teacher) per distilled completion token, before the step (None: nothing distilled)."""
+    distilled_sequences: int = 0
 
 
 def group_advantages(rewards: list[float], eps: float, baseline_scale: float = 1.0) -> list[float]:
@@ -116,6 +123,15 @@ def completion_logprobs(
     Sequences are right-padded with positions 0..n-1, the same positions the sampler used. The
     batch is laid out on the CPU and moved once (a copy per tensor, not one per row).
     """
+    targets, _, mask = completion_distributions(model, rows, pad_id, temperature)
+    return targets, mask
+
+
+def completion_distributions(
+    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """completion_logprobs, and the whole next-token log-distribution at each completion position: (log-probs
+    [batch, max_completion], log-distributions [batch, max_completion, vocab], mask), from one forward."""
     device = model_device(model)
     seqs = [prompt + completion for prompt, completion in rows]
     width = max(map(len, seqs))
@@ -136,7 +152,8 @@ def completion_logprobs(
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     targets = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # targets[:, j] scores token j+1
-    return targets.gather(1, scored_at).masked_fill(~mask, 0.0), mask
+    distributions = logprobs.gather(1, scored_at[..., None].expand(-1, -1, logprobs.size(-1)))
+    return targets.gather(1, scored_at).masked_fill(~mask, 0.0), distributions, mask
 
 
 def padded_positions(rows: list[tuple[list[int], list[int]]]) -> int:
@@ -168,6 +185,8 @@ class TrainingRow:
     in_policy_term: bool = True
     imitation_weight: float = 0.0
     """Weight of this completion as a demonstration (0: none)."""
+    teacher: torch.nn.Module | None = None
+    """The policy whose next-token distributions this completion is distilled toward (None: not distilled)."""
 
     @property
     def pair(self) -> tuple[list[int], list[int]]:
@@ -212,9 +231,17 @@ class GRPOTrainer:
         one of them where the same tokens are there, and a row of its own for each other demonstration."""
         stats = stats if stats is not None else TrainStats()
         rows = []
+        distilled = self.config.distill_coef > 0
         for group in groups:
+            teacher = group.teacher if distilled else None
             if self.config.drop_uniform_groups and is_uniform(group.rewards):
                 stats.groups_dropped += 1
+                if teacher is not None:  # no policy-gradient signal, but the teacher still has one
+                    rows += [
+                        TrainingRow(c.prompt_ids, c.completion_ids, in_policy_term=False, teacher=teacher)
+                        for c in group.completions
+                        if c.completion_ids
+                    ]
                 continue
             stats.groups_used += 1
             for completion, advantage in zip(
@@ -230,6 +257,7 @@ class GRPOTrainer:
                         behaviour_logprobs=completion.logprobs,
                         on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
                         loss_scale=group.loss_scale,
+                        teacher=teacher,
                     )
                 )
         if self.config.imitation_coef > 0:
@@ -307,6 +335,7 @@ class GRPOTrainer:
         policy_tokens = sum(len(row.completion_ids) for row in rows if row.in_policy_term)
         demonstrations = [row for row in rows if row.imitation_weight > 0]
         demonstration_tokens = sum(len(row.completion_ids) for row in demonstrations)
+        distilled_tokens = sum(len(row.completion_ids) for row in rows if row.teacher is not None)
         stats.tokens = policy_tokens
         stats.imitation_sequences = len(demonstrations)
         if not rows:
@@ -320,13 +349,15 @@ class GRPOTrainer:
             frozen = [self.frozen_logprobs(batch) for batch in batches]
             stats.forward_tokens += sum(positions for _, _, positions in frozen)
         weighted: list[torch.Tensor] = []
-        loss_sum = clipped = kl_sum = nll_sum = 0.0
+        loss_sum = clipped = kl_sum = nll_sum = distill_sum = 0.0
         for epoch in range(self.config.epochs_per_round):
             self.optimizer.zero_grad(set_to_none=True)
             for k, batch in enumerate(batches):
                 pairs = [row.pair for row in batch]
                 positions_here = padded_positions(pairs)
-                logprobs, mask = completion_logprobs(self.model, pairs, self.pad_id, self.temperature)
+                logprobs, distributions, mask = completion_distributions(
+                    self.model, pairs, self.pad_id, self.temperature
+                )
                 stats.train_tokens += positions_here
                 if frozen is not None:
                     old, weights, _ = frozen[k]
@@ -383,6 +414,13 @@ class GRPOTrainer:
                     loss = loss + coef * (token_nll * token_weights).sum() / demonstration_tokens
                     if epoch == 0:  # before the step
                         nll_sum += (token_nll.detach() * (demonstration_weights > 0)).sum().item()
+                taught = [i for i, row in enumerate(batch) if row.teacher is not None]
+                if taught:
+                    distill, positions = self._distillation(batch, taught, distributions, mask)
+                    stats.forward_tokens += positions
+                    loss = loss + self.config.distill_coef * distill / distilled_tokens
+                    if epoch == 0:
+                        distill_sum += distill.item()
                 if loss.requires_grad:
                     loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -403,6 +441,9 @@ class GRPOTrainer:
             stats.importance_weight_mean = torch.cat(weighted).mean().item()
         if demonstrations:
             stats.imitation_nll = nll_sum / demonstration_tokens
+        if distilled_tokens:
+            stats.distill_kl = distill_sum / distilled_tokens
+            stats.distilled_sequences = sum(1 for row in rows if row.teacher is not None)
         epoch_tokens = max(1, policy_tokens * self.config.epochs_per_round)  # 0: only demonstrations this round
         stats.loss = loss_sum / epoch_tokens
         stats.clip_fraction = clipped / epoch_tokens
@@ -412,6 +453,28 @@ class GRPOTrainer:
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
         return stats
+
+    def _distillation(
+        self, batch: list[TrainingRow], taught: list[int], distributions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """Sum over the taught rows' completion positions of KL(pi || pi_teacher), the whole vocabulary at each, and
+        the token positions of the teachers' no-grad forwards (one per teacher in the micro-batch)."""
+        total = distributions.new_zeros(())
+        positions = 0
+        by_teacher: dict[int, list[int]] = {}
+        for i in taught:
+            by_teacher.setdefault(id(batch[i].teacher), []).append(i)
+        for indices in by_teacher.values():
+            teacher = batch[indices[0]].teacher
+            pairs = [batch[i].pair for i in indices]
+            with torch.no_grad():
+                _, teacher_distributions, _ = completion_distributions(teacher, pairs, self.pad_id, self.temperature)
+            positions += padded_positions(pairs)
+            width = teacher_distributions.size(1)
+            student = distributions[indices, :width]
+            per_position = (student.exp() * (student - teacher_distributions.to(student.device))).sum(-1)
+            total = total + (per_position * mask[indices, :width]).sum()
+        return total, positions
 
     def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion]]:
         """The round's right answers marked for imitation, with their weights: the heaviest, up to

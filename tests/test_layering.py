@@ -28,7 +28,7 @@ def test_rollout_data_types_are_torch_free():
 
 def test_choosing_own_and_peers_rollouts_is_torch_free():
     """Which rollouts a node trains on is decided without a model library (grading sits with the tasks)."""
-    loaded = imported_after(["node.sharing", "node.local_rollouts", "node.compute"])
+    loaded = imported_after(["node.sharing", "node.local_rollouts", "node.compute", "node.teachers"])
     assert "torch" not in loaded and "node.trainer" not in loaded
 
 
@@ -48,6 +48,7 @@ LAYERS = [
             "node.policy",
             "node.local_rollouts",
             "node.sharing",
+            "node.teachers",
             "node.evaluation",
             "node.telemetry",
             "node.averaging",

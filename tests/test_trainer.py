@@ -407,3 +407,84 @@ def test_the_imitation_coefficient_decays_linearly_then_holds(tiny_policy):
         trainer.policy_version = version
         assert trainer.imitation_coef_now() == pytest.approx(expected)
     assert GRPOTrainer(TrainerConfig(imitation_coef=3.0), tiny_policy, 0, 1.0).imitation_coef_now() == 3.0
+
+
+def test_distillation_hand_computed_and_a_group_all_wrong_still_taught(tiny_policy):
+    """The distillation term: the sum over the taught completions' positions of KL(pi || pi_teacher) over the whole
+    vocabulary, divided by their token count; a group with no reward spread, which GRPO drops, is still taught."""
+    import copy
+
+    from node.trainer import completion_distributions
+
+    torch.manual_seed(1)
+    teacher = copy.deepcopy(tiny_policy)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt, good, bad = [3], [4, 1], [5, 6, 1]
+    spread = RolloutGroup(
+        TaskSpec("x", {}, 0, 0), [_completion(prompt, good), _completion(prompt, bad)], [1.0, 0.0], teacher=teacher
+    )
+    all_wrong = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, bad)] * 2, [0.0, 0.0], teacher=teacher)
+    pairs = [(prompt, good), (prompt, bad), (prompt, bad), (prompt, bad)]
+    with torch.no_grad():
+        _, teacher_dist, mask = completion_distributions(teacher, pairs, 0, 1.0)
+
+    def gradient(config: TrainerConfig, groups) -> tuple[torch.Tensor, object]:
+        model = copy.deepcopy(tiny_policy)
+        stats = GRPOTrainer(config, model, pad_id=0, temperature=1.0).step(groups)
+        return _flat_grad(model), stats
+
+    def by_hand(loss_of) -> torch.Tensor:
+        model = copy.deepcopy(tiny_policy)
+        logprobs, dist, _ = completion_distributions(model, pairs, 0, 1.0)
+        loss_of(logprobs, dist).backward()
+        return _flat_grad(model)
+
+    def kl(dist):  # per position, summed over the vocabulary, masked
+        return ((dist.exp() * (dist - teacher_dist)).sum(-1) * mask).sum()
+
+    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
+    config = TrainerConfig(imitation_coef=0.0, distill_coef=2.0, max_grad_norm=1e9)
+    got, stats = gradient(config, [spread, all_wrong])
+    # policy term on the spread group (5 tokens); distillation over all four completions (2 + 3 + 3 + 3 = 11 tokens)
+    expected = by_hand(
+        lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5 + 2.0 * kl(dist) / 11
+    )
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert stats.distilled_sequences == 4 and stats.groups_dropped == 1
+    with torch.no_grad():
+        _, student_dist, _ = completion_distributions(tiny_policy, pairs, 0, 1.0)
+    assert stats.distill_kl == pytest.approx(kl(student_dist).item() / 11, rel=1e-4)
+    # a teacher's forward is no-grad work: counted
+    assert stats.forward_tokens > 0
+    # off: no teacher's term, the all-wrong group gives nothing
+    off, off_stats = gradient(TrainerConfig(imitation_coef=0.0, max_grad_norm=1e9), [spread, all_wrong])
+    assert off_stats.distilled_sequences == 0
+    assert torch.allclose(
+        off, by_hand(lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5)
+    )
+    # the all-wrong group alone is a step: the teacher still has something to say
+    alone, alone_stats = gradient(config, [all_wrong])
+    assert alone_stats.stepped and alone_stats.tokens == 0 and alone.abs().sum() > 0
+
+
+def test_teachers_mark_the_groups_of_specialties_a_stronger_peer_offers():
+    from node.teachers import Teachers
+
+    accuracy = {"add": 0.9, "subtract": 0.1}
+    teachers = Teachers(accuracy, label_of=lambda spec: spec.dataset)
+    adder, subtracter, better = object(), object(), object()
+    teachers.offer("add", "peer-a", adder, 0.6)  # weaker than this node at add
+    teachers.offer("subtract", "peer-b", subtracter, 0.5)
+    teachers.offer("subtract", "peer-c", object(), 0.4)  # weaker than the one offered: ignored
+    groups = [RolloutGroup(TaskSpec(label, {}, 0, 0), [], []) for label in ("add", "subtract", "multiply")]
+    assert teachers.assign(groups) == 1
+    assert [g.teacher for g in groups] == [None, subtracter, None]
+    teachers.offer("subtract", "peer-d", better, 0.7)  # stronger: replaces
+    teachers.offer("multiply", "peer-e", adder, 0.45)  # a specialty never answered: the prior 0.5 is not beaten
+    teachers.assign(groups)
+    assert [g.teacher for g in groups] == [None, better, None]
+    accuracy["subtract"] = 0.8  # the node caught up: no teacher any more
+    teachers.assign(groups)
+    assert groups[1].teacher is None

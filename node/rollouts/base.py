@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from protocol.specs import TaskSpec
 
@@ -48,6 +48,9 @@ class RolloutGroup:
     bonus)."""
     imitation_weight: float = 0.0
     """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
+    teacher: Any = None
+    """A peer's policy (a torch module) that scores this group's completions token by token, for the distillation
+    term (trainer.distill_coef; None: no teacher). Set on the node's own groups only: distillation is on-policy."""
 
     def demonstrations(self) -> list[Completion]:
         """The group's distinct right answers (the same tokens twice teach nothing twice)."""
