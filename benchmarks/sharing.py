@@ -91,6 +91,7 @@ ARM_BASE = [
     "trainer.imitation_coef_final=null",
     "swarm.local_draw=mix",
     "swarm.peer_imitation_scale=1.0",
+    "trainer.distill_coef=0.0",
 ]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
@@ -133,6 +134,16 @@ ARMS = {
         "trainer.imitation_token_weight=p_one_minus_p",
         "trainer.imitation_coef_final=1.0",
         "trainer.imitation_decay_updates=500",
+    ],
+    # the silo's recipe, and peers' policies as teachers of the specialties they know better (on-policy distillation:
+    # the node's own samples scored token by token by the peer's policy; no rollouts exchanged)
+    "silo_distill": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "swarm.imitation=own",
+        "trainer.imitation_coef=4.0",
+        "trainer.distill_coef=1.0",
     ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [
@@ -253,6 +264,16 @@ def kl_to_warm_start(node: Node, warm, questions: list) -> float:
     return (current - float((warm_logprobs * mask).sum())) / len(samples)
 
 
+def offer_teachers(nodes: list[Node], learner: int) -> None:
+    """Each other node's live policy to node `learner`, as the teacher of every specialty at its current accuracy
+    (in-process, the peers themselves; a deployment would fetch a peer's weights and read its heartbeat). The teacher's
+    forward is counted in the learner's work; moving the weights (~10 MB a peer) is not."""
+    for j, peer in enumerate(nodes):
+        if j != learner:
+            for label, accuracy in peer.telemetry.accuracy_by_dataset.items():
+                nodes[learner].teachers.offer(label, f"node-{j}", peer.model, accuracy)
+
+
 async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict:
     nodes = await make_nodes(setting, arm, seed, scratch, args)
     try:
@@ -304,6 +325,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     rescored: list[int] = []
     omegas: list[float] = []
     imitated: list[int] = []
+    distilled: list[int] = []
     step = args.budget / args.points
     started = time.monotonic()
     while True:
@@ -314,6 +336,8 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             break
         for i in active:
             node = nodes[i]
+            if node.config.trainer.distill_coef > 0:
+                offer_teachers(nodes, i)
             before = time.process_time()
             row = await node.run_round()
             cpu[i] += time.process_time() - before
@@ -332,6 +356,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             if "external_omega_mean" in row:
                 omegas.append(row["external_omega_mean"])
             imitated.append(row.get("imitation_sequences", 0))
+            distilled.append(row.get("distilled_sequences", 0))
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append(point(i, node))
@@ -370,6 +395,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
         "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
+        "distilled_sequences_per_round": statistics.fmean(distilled),
         "wall_s": time.monotonic() - started,
         "finished": time.time(),
     }
