@@ -26,7 +26,7 @@ from node.device import describe_device, model_device
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import RolloutBackend, RolloutGroup, is_uniform
+from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup, is_uniform
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.compute import RoundWork
@@ -35,7 +35,7 @@ from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
-from node.transport import ExternalGroup, Transport
+from node.transport import Transport
 from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]

@@ -33,10 +33,9 @@ import random
 from collections.abc import Callable, Mapping
 
 from node.config import NodeConfig
-from node.rollouts.base import Completion, RolloutGroup, is_uniform
+from node.rollouts.base import Completion, ExternalGroup, RolloutGroup, is_uniform
 from node.stats import SwarmStats
 from node.tasks import TaskError, TaskSource, materialize, score_group
-from node.transport.base import ExternalGroup
 from protocol import Refusal, TaskSpec
 from protocol.bounded import BoundedDict
 

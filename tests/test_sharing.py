@@ -11,8 +11,8 @@ import pytest
 from node.config import TasksConfig
 from node.loop import Node
 from node.sharing import CAPABILITY_PRIOR, capability_correction, imitation_weight, weighted_sample
+from node.rollouts.base import ExternalGroup
 from node.tasks import TaskSource, materialize
-from node.transport.base import ExternalGroup
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
 
 ARITHMETIC = {

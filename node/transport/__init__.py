@@ -1,3 +1,3 @@
-from node.transport.base import ExternalGroup, Transport
+from node.transport.base import Transport
 
-__all__ = ["ExternalGroup", "Transport"]
+__all__ = ["Transport"]

@@ -7,23 +7,8 @@ groups; it never learns how they travel. Isolated mode uses `NullTransport`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
-from node.rollouts.base import RolloutGroup
-from protocol.messages import RolloutCompletion
-from protocol.specs import TaskSpec
-
-
-@dataclass
-class ExternalGroup:
-    """A peer's question and completions as received: its rewards are not trusted, the node re-scores."""
-
-    spec: TaskSpec
-    completions: list[RolloutCompletion]  # text and the sender's token ids / behaviour log-probs
-    claimed_rewards: list[float]  # advisory only: compared with our own scores, never trained on
-    peer_id: str
-    same_model: bool  # sender's model fingerprint equals ours: its token ids and log-probs are comparable
-    policy_version: int  # the sender's policy version (its own counter)
+from node.rollouts.base import ExternalGroup, RolloutGroup
 
 
 class Transport(ABC):

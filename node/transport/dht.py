@@ -34,8 +34,8 @@ from typing import Callable
 
 from node.aio import cancel_and_wait
 from node.stats import SwarmStats
-from node.rollouts.base import RolloutGroup
-from node.transport.base import ExternalGroup, Transport
+from node.rollouts.base import ExternalGroup, RolloutGroup
+from node.transport.base import Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from node.transport.kv import read_values
 from node.transport.peers import read_peer_stats

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from node.transport.base import ExternalGroup, Transport
-from node.rollouts.base import RolloutGroup
+from node.rollouts.base import ExternalGroup, RolloutGroup
+from node.transport.base import Transport
 
 
 class NullTransport(Transport):
