@@ -317,7 +317,7 @@ class Node:
 
     async def _peer_groups(self, round_: int) -> list[RolloutGroup]:
         """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py)."""
-        received = await self.transport.collect(round_)
+        received = await self.transport.collect()
         return await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
 
     def prometheus(self) -> str:

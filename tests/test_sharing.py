@@ -280,19 +280,19 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     answer = materialize(spec).answer
     completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
     asyncio.run(a.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
-    [received] = asyncio.run(b.transport.collect(1))
+    [received] = asyncio.run(b.transport.collect())
     assert received.peer_id == a.identity.node_id and received.spec == spec and received.claimed_rewards == [1.0, 0.0]
     [group] = b.sharing.choose([received], seed=0)
     assert group.rewards == [1.0, 0.0] and group.completions[0].text == answer
-    assert asyncio.run(b.transport.collect(2)) == []  # the same record read again is not news
+    assert asyncio.run(b.transport.collect()) == []  # the same record read again is not news
     genuine = exchange.latest[a.identity.node_id]
     asyncio.run(a.transport.publish(2, 1, [RolloutGroup(spec, completions, [1.0, 0.0])]))
     forged = bytearray(exchange.latest[a.identity.node_id])
     forged[-1] ^= 0xFF
     exchange.latest[a.identity.node_id] = bytes(forged)
-    assert asyncio.run(b.transport.collect(3)) == []
+    assert asyncio.run(b.transport.collect()) == []
     exchange.latest[a.identity.node_id] = genuine  # an old batch, genuinely signed, offered again: already used
-    assert asyncio.run(b.transport.collect(4)) == []
+    assert asyncio.run(b.transport.collect()) == []
     assert b.stats.refusals.by_peer() == {a.identity.node_id[:64]: {"bad_signature": 1}}
 
 

@@ -23,7 +23,7 @@ class Transport(ABC):
         """Offer this round's own scored groups to peers."""
 
     @abstractmethod
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         """Peers' groups verified by the protocol and not seen before; none when peers are missing."""
 
     def check_alive(self) -> None:

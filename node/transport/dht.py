@@ -227,7 +227,7 @@ class DHTTransport(Transport):
         count = rollout_shard_count(self.swarm_size)
         return count, sorted(random.sample(range(count), min(count, self.config.swarm.rollout_shards_read)))
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         swarm = self.config.swarm
         now = time.time()
         window = int(now // swarm.window_s)

@@ -51,5 +51,5 @@ class InProcessTransport(Transport):
         self.stats.questions_published += keep
         self.stats.bytes_published += len(record.data)
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         return self.receiver.receive(list(self.exchange.latest.items()), time.time())

@@ -10,5 +10,5 @@ class NullTransport(Transport):
     async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
         return None
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         return []
