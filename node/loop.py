@@ -35,7 +35,7 @@ from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
-from node.transport import Transport
+from node.transport import Transport, build_transport, needs_session
 from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
@@ -58,7 +58,8 @@ class Node:
             lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version)
         )
         self.store = StateStore(config.resolved_state_dir())
-        self.transport = transport  # built when not given: the null one in load(), the swarm's once the session is open
+        # built from swarm.transport when not given: in load(), or once the swarm session is open for one that needs it
+        self.transport = transport
         self.session = (
             None  # node.transport.session.SwarmSession: this node's one connection to the swarm (swarm.transport=dht)
         )
@@ -109,18 +110,18 @@ class Node:
         self.store.truncate_metrics(self.round)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
-        if self.transport is None and self.config.swarm.transport == "none":
-            from node.transport.null import NullTransport
+        if self.transport is None and not needs_session(self.config):
+            self.transport = self._build_transport()
 
-            self.transport = NullTransport()
-
-    async def _join_swarm(self) -> None:
-        from node.transport.dht import DHTTransport
-        from node.transport.session import join_swarm
-
-        self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
-        self.transport = DHTTransport(
-            self.session, self.stats, self.fingerprint, heartbeat=self.peer_stats, on_addresses=self._announce
+    def _build_transport(self) -> Transport:
+        """The transport swarm.transport names (node/transport/__init__.py), over this node's session if it has one."""
+        return build_transport(
+            self.config,
+            self.session,
+            self.stats,
+            self.fingerprint,
+            heartbeat=self.peer_stats,
+            on_addresses=self._announce,
         )
 
     def _announce(self, addresses: list[str]) -> None:
@@ -167,8 +168,11 @@ class Node:
 
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
-        if self.transport is None:
-            await self._join_swarm()
+        if self.transport is None:  # one that runs over the swarm session (load() built any other)
+            from node.transport.session import join_swarm
+
+            self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
+            self.transport = self._build_transport()
         await self.transport.start()
         await self.policy.attach(self.session, self.loaded, seed=self.stream_seed)
         if self.config.averaging.method != "none":

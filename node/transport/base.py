@@ -1,7 +1,8 @@
 """The swarm transport interface the node loop talks to.
 
 The loop publishes its own scored rollout groups each round and asks for up to J external
-groups; it never learns how they travel. Isolated mode uses `NullTransport`.
+groups; it never learns how they travel. `build_transport` (node/transport/__init__.py) builds the one
+`swarm.transport` names: `NullTransport` in isolation, `DHTTransport` in a swarm.
 """
 
 from __future__ import annotations
