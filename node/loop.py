@@ -15,7 +15,6 @@ import copy
 import hashlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +25,13 @@ from node.device import describe_device, model_device
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup, is_uniform
+from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.compute import RoundWork
-from node.local_rollouts import LocalRollouts, balanced_counts
+from node.local_rollouts import LocalRollouts
 from node.stats import MetricsServer, SwarmStats
-from node.sharing import PeerRollouts
+from node.sharing import PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
 from node.transport import Transport, build_transport, needs_session
@@ -210,49 +209,30 @@ class Node:
             await self.session.close()
 
     async def run_round(self) -> dict[str, Any]:
+        """Draw and generate, score, share, train, record: the sharing decisions are node/sharing.py's."""
         round_ = self.round + 1
         round_start = time.perf_counter()
         swarm = self.config.swarm
         outer_step = self.averaging.apply_if_done() if self.averaging else None
-        generated = swarm.generated_questions or swarm.local_questions
+        collect = when_to_collect_peers(swarm)
         external_groups: list[RolloutGroup] = []
         sharing_s = 0.0
-        balance = swarm.local_draw == "balance" and swarm.external_questions > 0
-        if balance:  # peers' groups first: the node's own questions fill the specialties they did not bring
-            start = time.perf_counter()
-            external_groups = await self._peer_groups(round_)
-            sharing_s += time.perf_counter() - start
-            counts = balanced_counts(
-                generated,
-                swarm.local_questions + swarm.external_questions,
-                self.tasks.mix_weights,
-                Counter(self.tasks.label(g.spec) for g in external_groups),
-            )
-            questions = self.tasks.batch_by_label(first_draw=self.round * generated, counts=counts)
-        else:
-            questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
+        if collect == "before_drawing":  # the node's own questions fill the specialties peers did not bring
+            external_groups, sharing_s = await self._peer_groups(round_)
+        questions = self.local.draw(self.round, balance_with=external_groups if collect == "before_drawing" else None)
         work_before = copy.copy(self.backend.work)
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
         generation_work = self.backend.work.since(work_before)
-        shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
-        if shared:
+        if shared := groups_to_publish(swarm, local_groups):
             await self.transport.publish(round_, self.policy_version, shared)
-        if swarm.external_questions and not balance:
-            start = time.perf_counter()
-            external_groups = await self._peer_groups(round_)
-            sharing_s += time.perf_counter() - start
+        if collect == "after_publishing":
+            external_groups, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
-        if swarm.imitation_in_effect != "none":
-            for group in chosen_local:
-                group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
-        if swarm.external_use == "policy":
-            stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
-        else:
-            stats = await asyncio.to_thread(self.trainer.step, chosen_local, external_groups)
+        stats = await asyncio.to_thread(self.trainer.step, *training_batch(swarm, chosen_local, external_groups))
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
@@ -319,10 +299,13 @@ class Node:
             await asyncio.to_thread(self.save)
         return row
 
-    async def _peer_groups(self, round_: int) -> list[RolloutGroup]:
-        """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py)."""
+    async def _peer_groups(self, round_: int) -> tuple[list[RolloutGroup], float]:
+        """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the
+        seconds it took."""
+        start = time.perf_counter()
         received = await self.transport.collect()
-        return await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+        chosen = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+        return chosen, time.perf_counter() - start
 
     def prometheus(self) -> str:
         return self.telemetry.prometheus(self.round, self.policy_version, self.averaging)
