@@ -28,7 +28,6 @@ from node.rollouts import build_rollout_backend
 from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
-from node.compute import RoundWork
 from node.local_rollouts import LocalRollouts
 from node.stats import MetricsServer, SwarmStats
 from node.sharing import PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
@@ -209,7 +208,8 @@ class Node:
             await self.session.close()
 
     async def run_round(self) -> dict[str, Any]:
-        """Draw and generate, score, share, train, record: the sharing decisions are node/sharing.py's."""
+        """Draw and generate, score, share, train, record: the sharing decisions are node/sharing.py's, the row
+        Telemetry's."""
         round_ = self.round + 1
         round_start = time.perf_counter()
         swarm = self.config.swarm
@@ -237,55 +237,23 @@ class Node:
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
         self.backend.sync_weights(self.model, self.policy_version)
-        row: dict[str, Any] = {
-            "round": round_,
-            "time": time.time(),
-            **summary,
-            "policy_version": self.policy_version,
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "clip_fraction": stats.clip_fraction,
-            "kl": stats.kl,
-            "groups_used": stats.groups_used,
-            "groups_dropped": stats.groups_dropped,
-            **(
-                {"importance_weight_mean": stats.importance_weight_mean}
-                if stats.importance_weight_mean is not None
-                else {}
-            ),
-            **(
-                {"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll}
-                if stats.imitation_sequences
-                else {}
-            ),
-            **self.policy.round_report(self.trainer),
-            "external_questions": len(external_groups),
-            **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
-            **(
-                {
-                    "external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
-                    "external_loss_scale_mean": sum(g.loss_scale for g in external_groups) / len(external_groups),
-                }
-                if external_groups and swarm.capability_aware
-                else {}
-            ),
-            "rejected": self.stats.take_round_rejections(),
-            **({"outer_step": outer_step} if outer_step else {}),
-            "generation_s": timings.generation_s,
-            "scoring_s": timings.scoring_s,
-            **({"sharing_s": sharing_s} if swarm.external_questions else {}),
-            "update_s": timings.update_s,
-            # what the round cost in work, whatever the machine's load (node/compute.py weighs it)
-            "work": RoundWork(
-                prefill_tokens=generation_work.prefill_tokens,
-                decode_tokens=generation_work.decode_tokens,
-                forward_tokens=stats.forward_tokens,
-                train_tokens=stats.train_tokens,
-                optimizer_steps=stats.optimizer_steps,
-                scored_completions=sum(len(g.completions) for g in local_groups)
-                + (self.sharing.rescored_completions_last_round if swarm.external_questions else 0),
-            ).as_dict(),
-        }
+        row = self.telemetry.round_row(
+            round_,
+            summary,
+            stats,
+            policy_version=self.policy_version,
+            policy_report=self.policy.round_report(self.trainer),
+            own_groups=local_groups,
+            peer_groups=external_groups,
+            peers_rescored=self.sharing.rescored_last_round,
+            peer_completions_rescored=self.sharing.rescored_completions_last_round,
+            outer_step=outer_step,
+            generation_s=timings.generation_s,
+            scoring_s=timings.scoring_s,
+            sharing_s=sharing_s,
+            update_s=timings.update_s,
+            generation_work=generation_work,
+        )
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
             row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluator.by_dataset)
