@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from node.config import NodeConfig
@@ -45,6 +46,22 @@ class LocalRollouts:
         self.config = config
         self.tasks = tasks
         self.backend = backend
+
+    def draw(self, rounds_done: int, balance_with: list[RolloutGroup] | None = None) -> list[Question]:
+        """This round's own questions, the next `generated_questions` of the node's stream: from the task mix, or,
+        given the peers' groups chosen first (swarm.local_draw 'balance'), as many of each specialty as make the
+        round's I + J groups hold the mix's shares (balanced_counts)."""
+        swarm = self.config.swarm
+        generated = swarm.generated_questions or swarm.local_questions
+        if balance_with is None:
+            return self.tasks.batch(first_draw=rounds_done * generated, count=generated)
+        counts = balanced_counts(
+            generated,
+            swarm.local_questions + swarm.external_questions,
+            self.tasks.mix_weights,
+            Counter(self.tasks.label(g.spec) for g in balance_with),
+        )
+        return self.tasks.batch_by_label(first_draw=rounds_done * generated, counts=counts)
 
     def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
         """The group with its locally computed rewards, and how many of its completions are correct."""

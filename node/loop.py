@@ -15,7 +15,6 @@ import copy
 import hashlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -26,17 +25,16 @@ from node.device import describe_device, model_device
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import RolloutBackend, RolloutGroup, is_uniform
+from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
 from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
-from node.compute import RoundWork
-from node.local_rollouts import LocalRollouts, balanced_counts
+from node.local_rollouts import LocalRollouts
 from node.stats import MetricsServer, SwarmStats
-from node.sharing import PeerRollouts
+from node.sharing import PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
 from node.tasks import TaskSource
 from node.teachers import Teachers
 from node.telemetry import Telemetry
-from node.transport import ExternalGroup, Transport
+from node.transport import Transport, build_transport, needs_session
 from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
@@ -59,7 +57,8 @@ class Node:
             lambda model, tokenizer, version: build_rollout_backend(config, model, tokenizer, version)
         )
         self.store = StateStore(config.resolved_state_dir())
-        self.transport = transport  # built when not given: the null one in load(), the swarm's once the session is open
+        # built from swarm.transport when not given: in load(), or once the swarm session is open for one that needs it
+        self.transport = transport
         self.session = (
             None  # node.transport.session.SwarmSession: this node's one connection to the swarm (swarm.transport=dht)
         )
@@ -110,18 +109,18 @@ class Node:
         self.store.truncate_metrics(self.round)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
-        if self.transport is None and self.config.swarm.transport == "none":
-            from node.transport.null import NullTransport
+        if self.transport is None and not needs_session(self.config):
+            self.transport = self._build_transport()
 
-            self.transport = NullTransport()
-
-    async def _join_swarm(self) -> None:
-        from node.transport.dht import DHTTransport
-        from node.transport.session import join_swarm
-
-        self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
-        self.transport = DHTTransport(
-            self.session, self.stats, self.fingerprint, heartbeat=self.peer_stats, on_addresses=self._announce
+    def _build_transport(self) -> Transport:
+        """The transport swarm.transport names (node/transport/__init__.py), over this node's session if it has one."""
+        return build_transport(
+            self.config,
+            self.session,
+            self.stats,
+            self.fingerprint,
+            heartbeat=self.peer_stats,
+            on_addresses=self._announce,
         )
 
     def _announce(self, addresses: list[str]) -> None:
@@ -169,8 +168,11 @@ class Node:
 
     async def start_services(self) -> None:
         """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
-        if self.transport is None:
-            await self._join_swarm()
+        if self.transport is None:  # one that runs over the swarm session (load() built any other)
+            from node.transport.session import join_swarm
+
+            self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
+            self.transport = self._build_transport()
         await self.transport.start()
         await self.policy.attach(self.session, self.loaded, seed=self.stream_seed)
         if self.config.averaging.method != "none":
@@ -208,109 +210,54 @@ class Node:
             await self.session.close()
 
     async def run_round(self) -> dict[str, Any]:
+        """Draw and generate, score, share, train, record: the sharing decisions are node/sharing.py's, the row
+        Telemetry's."""
         round_ = self.round + 1
         round_start = time.perf_counter()
         swarm = self.config.swarm
         outer_step = self.averaging.apply_if_done() if self.averaging else None
-        generated = swarm.generated_questions or swarm.local_questions
+        collect = when_to_collect_peers(swarm)
         external_groups: list[RolloutGroup] = []
         sharing_s = 0.0
-        balance = swarm.local_draw == "balance" and swarm.external_questions > 0
-        if balance:  # peers' groups first: the node's own questions fill the specialties they did not bring
-            start = time.perf_counter()
-            external_groups = await self._peer_groups(round_)
-            sharing_s += time.perf_counter() - start
-            counts = balanced_counts(
-                generated,
-                swarm.local_questions + swarm.external_questions,
-                self.tasks.mix_weights,
-                Counter(self.tasks.label(g.spec) for g in external_groups),
-            )
-            questions = self.tasks.batch_by_label(first_draw=self.round * generated, counts=counts)
-        else:
-            questions = self.tasks.batch(first_draw=self.round * generated, count=generated)
+        if collect == "before_drawing":  # the node's own questions fill the specialties peers did not bring
+            external_groups, sharing_s = await self._peer_groups(round_)
+        questions = self.local.draw(self.round, balance_with=external_groups if collect == "before_drawing" else None)
         work_before = copy.copy(self.backend.work)
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
         generation_work = self.backend.work.since(work_before)
-        shared = local_groups if swarm.publish == "all" else [g for g in local_groups if not is_uniform(g.rewards)]
-        if shared:
+        if shared := groups_to_publish(swarm, local_groups):
             await self.transport.publish(round_, self.policy_version, shared)
-        if swarm.external_questions and not balance:
-            start = time.perf_counter()
-            external_groups = await self._peer_groups(round_)
-            sharing_s += time.perf_counter() - start
+        if collect == "after_publishing":
+            external_groups, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
-        if swarm.imitation_in_effect != "none":
-            for group in chosen_local:
-                group.imitation_weight = 1.0  # its right answers, a group all right included: they anchor what it knows
         if self.config.trainer.distill_coef > 0:
             self.teachers.assign(chosen_local)
-        if swarm.external_use == "policy":
-            stats = await asyncio.to_thread(self.trainer.step, chosen_local + external_groups)
-        else:
-            stats = await asyncio.to_thread(self.trainer.step, chosen_local, external_groups)
+        stats = await asyncio.to_thread(self.trainer.step, *training_batch(swarm, chosen_local, external_groups))
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
         self.backend.sync_weights(self.model, self.policy_version)
-        row: dict[str, Any] = {
-            "round": round_,
-            "time": time.time(),
-            **summary,
-            "policy_version": self.policy_version,
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "clip_fraction": stats.clip_fraction,
-            "kl": stats.kl,
-            "groups_used": stats.groups_used,
-            "groups_dropped": stats.groups_dropped,
-            **(
-                {"importance_weight_mean": stats.importance_weight_mean}
-                if stats.importance_weight_mean is not None
-                else {}
-            ),
-            **(
-                {"imitation_sequences": stats.imitation_sequences, "imitation_nll": stats.imitation_nll}
-                if stats.imitation_sequences
-                else {}
-            ),
-            **(
-                {"distilled_sequences": stats.distilled_sequences, "distill_kl": stats.distill_kl}
-                if stats.distilled_sequences
-                else {}
-            ),
-            **self.policy.round_report(self.trainer),
-            "external_questions": len(external_groups),
-            **({"external_rescored": self.sharing.rescored_last_round} if swarm.external_questions else {}),
-            **(
-                {
-                    "external_omega_mean": sum(g.baseline_scale for g in external_groups) / len(external_groups),
-                    "external_loss_scale_mean": sum(g.loss_scale for g in external_groups) / len(external_groups),
-                }
-                if external_groups and swarm.capability_aware
-                else {}
-            ),
-            "rejected": self.stats.take_round_rejections(),
-            **({"outer_step": outer_step} if outer_step else {}),
-            "generation_s": timings.generation_s,
-            "scoring_s": timings.scoring_s,
-            **({"sharing_s": sharing_s} if swarm.external_questions else {}),
-            "update_s": timings.update_s,
-            # what the round cost in work, whatever the machine's load (node/compute.py weighs it)
-            "work": RoundWork(
-                prefill_tokens=generation_work.prefill_tokens,
-                decode_tokens=generation_work.decode_tokens,
-                forward_tokens=stats.forward_tokens,
-                train_tokens=stats.train_tokens,
-                optimizer_steps=stats.optimizer_steps,
-                scored_completions=sum(len(g.completions) for g in local_groups)
-                + (self.sharing.rescored_completions_last_round if swarm.external_questions else 0),
-            ).as_dict(),
-        }
+        row = self.telemetry.round_row(
+            round_,
+            summary,
+            stats,
+            policy_version=self.policy_version,
+            policy_report=self.policy.round_report(self.trainer),
+            own_groups=local_groups,
+            peer_groups=external_groups,
+            peers_rescored=self.sharing.rescored_last_round,
+            peer_completions_rescored=self.sharing.rescored_completions_last_round,
+            outer_step=outer_step,
+            generation_s=timings.generation_s,
+            scoring_s=timings.scoring_s,
+            sharing_s=sharing_s,
+            update_s=timings.update_s,
+            generation_work=generation_work,
+        )
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
             row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluator.by_dataset)
@@ -324,10 +271,13 @@ class Node:
             await asyncio.to_thread(self.save)
         return row
 
-    async def _peer_groups(self, round_: int) -> list[RolloutGroup]:
-        """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py)."""
-        received = await self.transport.collect(round_)
-        return await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+    async def _peer_groups(self, round_: int) -> tuple[list[RolloutGroup], float]:
+        """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the
+        seconds it took."""
+        start = time.perf_counter()
+        received = await self.transport.collect()
+        chosen = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+        return chosen, time.perf_counter() - start
 
     def prometheus(self) -> str:
         return self.telemetry.prometheus(self.round, self.policy_version, self.averaging)

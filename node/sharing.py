@@ -25,18 +25,21 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    node lacks in the specialty (imitation_weight) times swarm.peer_imitation_scale: the policy-gradient term
    weighs a peer's answer by how likely this policy finds it, so the answers a node most lacks are the ones it
    learns least from there.
+
+What a round does with its own groups and peers' follows from the swarm config alone: `when_to_collect_peers`,
+`groups_to_publish` and `training_batch` decide it for `Node.run_round`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from typing import Literal
 
-from node.config import NodeConfig
-from node.rollouts.base import Completion, RolloutGroup, is_uniform
+from node.config import NodeConfig, SwarmConfig
+from node.rollouts.base import Completion, ExternalGroup, RolloutGroup, is_uniform
 from node.stats import SwarmStats
 from node.tasks import TaskError, TaskSource, materialize, score_group
-from node.transport.base import ExternalGroup
 from protocol import Refusal, TaskSpec
 from protocol.bounded import BoundedDict
 
@@ -51,6 +54,39 @@ CAPABILITY_FLOOR = (
 CAPABILITY_RATIO_BOUNDS = (0.1, 10.0)  # HACPO's clip of omega and of the discrepancy coefficient
 PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (HACPO averages over about 5 steps)
 MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
+
+
+def when_to_collect_peers(swarm: SwarmConfig) -> Literal["never", "before_drawing", "after_publishing"]:
+    """When a round collects and chooses peers' groups: never without J; with swarm.local_draw 'balance', before the
+    node draws its own questions (they fill the specialties peers left short); otherwise after it has published its
+    own (SAPO's order)."""
+    if swarm.external_questions == 0:
+        return "never"
+    return "before_drawing" if swarm.local_draw == "balance" else "after_publishing"
+
+
+def groups_to_publish(swarm: SwarmConfig, own: list[RolloutGroup]) -> list[RolloutGroup]:
+    """The node's own groups it offers peers: all, or with swarm.publish 'with_signal' those whose rewards differ
+    (a receiver re-scores and drops the others)."""
+    return own if swarm.publish == "all" else [g for g in own if not is_uniform(g.rewards)]
+
+
+def training_batch(
+    swarm: SwarmConfig, own: list[RolloutGroup], peers: list[RolloutGroup]
+) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
+    """What the trainer's step gets: (the groups of its policy-gradient term, the groups it takes demonstrations from
+    only).
+
+    With any swarm.imitation in effect the node's own right answers are demonstrations of weight 1, a group all right
+    included: they anchor what it knows (marked here; peers' weights were set when they were chosen). Peers' groups
+    join the node's own in the policy term (swarm.external_use 'policy', SAPO's way) or teach only their right
+    answers ('demonstrations_only': the policy step is the silo's)."""
+    if swarm.imitation_in_effect != "none":
+        for group in own:
+            group.imitation_weight = 1.0
+    if swarm.external_use == "policy":
+        return own + peers, []
+    return own, peers
 
 
 def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:

@@ -1,16 +1,21 @@
-"""What a node says about itself: moving averages of its rounds, its signed heartbeat's content, its Prometheus
-gauges."""
+"""What a node says about itself: each round's metrics row, moving averages of its rounds, its signed heartbeat's
+content, its Prometheus gauges."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from node.compute import RoundWork
 from node.config import NodeConfig
+from node.rollouts.base import GenerationWork, RolloutGroup
 from node.stats import SwarmStats, prometheus_text
 from protocol import PROTOCOL_VERSION, PeerStats
 from protocol.messages import MAX_DATASETS_REPORTED
+
+if TYPE_CHECKING:
+    from node.trainer import TrainStats
 
 SOFTWARE_VERSION = "0.1.0"
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
@@ -30,6 +35,85 @@ class Telemetry:
         self.accuracy_by_dataset: dict[str, float] = {}  # per specialty of the task mix
         self.tokens_per_s = 0.0  # of the last round
         self.device = ""  # where the policy trains, as node.device.describe_device says it (set once it is loaded)
+
+    def round_row(
+        self,
+        round_: int,
+        summary: dict[str, Any],
+        train: TrainStats,
+        *,
+        policy_version: int,
+        policy_report: dict[str, Any],
+        own_groups: list[RolloutGroup],
+        peer_groups: list[RolloutGroup],
+        peers_rescored: int,
+        peer_completions_rescored: int,
+        outer_step: dict | None,
+        generation_s: float,
+        scoring_s: float,
+        sharing_s: float,
+        update_s: float,
+        generation_work: GenerationWork,
+    ) -> dict[str, Any]:
+        """A round's metrics row (metrics.jsonl; tests, benchmarks and the dashboard read its keys), the refusals
+        counted since the last row included. The keys about peers appear only on a node that takes them (J > 0),
+        the capability corrections only with swarm.capability_aware, the trainer's optional ones when it measured
+        them."""
+        swarm = self.config.swarm
+        return {
+            "round": round_,
+            "time": time.time(),
+            **summary,
+            "policy_version": policy_version,
+            "loss": train.loss,
+            "grad_norm": train.grad_norm,
+            "clip_fraction": train.clip_fraction,
+            "kl": train.kl,
+            "groups_used": train.groups_used,
+            "groups_dropped": train.groups_dropped,
+            **(
+                {"importance_weight_mean": train.importance_weight_mean}
+                if train.importance_weight_mean is not None
+                else {}
+            ),
+            **(
+                {"imitation_sequences": train.imitation_sequences, "imitation_nll": train.imitation_nll}
+                if train.imitation_sequences
+                else {}
+            ),
+            **(
+                {"distilled_sequences": train.distilled_sequences, "distill_kl": train.distill_kl}
+                if train.distilled_sequences
+                else {}
+            ),
+            **policy_report,
+            "external_questions": len(peer_groups),
+            **({"external_rescored": peers_rescored} if swarm.external_questions else {}),
+            **(
+                {
+                    "external_omega_mean": sum(g.baseline_scale for g in peer_groups) / len(peer_groups),
+                    "external_loss_scale_mean": sum(g.loss_scale for g in peer_groups) / len(peer_groups),
+                }
+                if peer_groups and swarm.capability_aware
+                else {}
+            ),
+            "rejected": self.stats.take_round_rejections(),
+            **({"outer_step": outer_step} if outer_step else {}),
+            "generation_s": generation_s,
+            "scoring_s": scoring_s,
+            **({"sharing_s": sharing_s} if swarm.external_questions else {}),
+            "update_s": update_s,
+            # what the round cost in work, whatever the machine's load (node/compute.py weighs it)
+            "work": RoundWork(
+                prefill_tokens=generation_work.prefill_tokens,
+                decode_tokens=generation_work.decode_tokens,
+                forward_tokens=train.forward_tokens,
+                train_tokens=train.train_tokens,
+                optimizer_steps=train.optimizer_steps,
+                scored_completions=sum(len(g.completions) for g in own_groups)
+                + (peer_completions_rescored if swarm.external_questions else 0),
+            ).as_dict(),
+        }
 
     def record_round(self, row: dict[str, Any]) -> None:
         ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731

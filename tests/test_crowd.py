@@ -132,7 +132,7 @@ def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_li
                 if shard != shard_of(flooder.node_id, count):
                     assert await crowd.flood(rollout_key(crowd.prefix, window, count, shard), [flooder]) == 1
             for _ in range(12):  # each collect reads one random shard: 12 misses in a row are one chance in 4^12
-                await node.transport.collect(node.round)
+                await node.transport.collect()
                 if node.stats.refusals.by_reason().get(Refusal.WRONG_SHARD.value):
                     break
             listed = await read_peer_rows(node.session.dht, node.config)

@@ -8,11 +8,20 @@ import random
 
 import pytest
 
-from node.config import TasksConfig
+from node.config import SwarmConfig, TasksConfig
 from node.loop import Node
-from node.sharing import CAPABILITY_PRIOR, capability_correction, imitation_weight, weighted_sample
+from node.rollouts.base import Completion, RolloutGroup
+from node.sharing import (
+    CAPABILITY_PRIOR,
+    capability_correction,
+    groups_to_publish,
+    imitation_weight,
+    training_batch,
+    weighted_sample,
+    when_to_collect_peers,
+)
+from node.rollouts.base import ExternalGroup
 from node.tasks import TaskSource, materialize
-from node.transport.base import ExternalGroup
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
 
 ARITHMETIC = {
@@ -74,6 +83,58 @@ def peer_group(spec: TaskSpec, right: int, wrong: int, peer: str, claimed: list[
         same_model=False,
         policy_version=1,
     )
+
+
+def own_group(label: str, index: int, rewards: list[float]) -> RolloutGroup:
+    """A node's own group of `spec_of(label, index)` with these rewards (the completions' content does not matter)."""
+    completions = [Completion([1], [2 + k], str(k), None, "stop", policy_version=0) for k in range(len(rewards))]
+    return RolloutGroup(spec_of(label, index), completions, rewards, correct=[r == 1.0 for r in rewards])
+
+
+# a round's sharing decisions (Node.run_round asks node/sharing.py) ------------------------------------------------
+
+
+def test_when_a_round_collects_peers_groups():
+    assert when_to_collect_peers(SwarmConfig(external_questions=0)) == "never"
+    assert when_to_collect_peers(SwarmConfig(external_questions=0, local_draw="balance")) == "never"  # nothing to fill
+    assert when_to_collect_peers(SwarmConfig(external_questions=2)) == "after_publishing"  # SAPO's order
+    assert when_to_collect_peers(SwarmConfig(external_questions=2, local_draw="balance")) == "before_drawing"
+
+
+def test_groups_to_publish_all_or_those_with_a_signal():
+    groups = [own_group("add", 0, [1.0, 0.0]), own_group("add", 1, [0.0, 0.0]), own_group("add", 2, [1.0, 1.0])]
+    assert groups_to_publish(SwarmConfig(publish="all"), groups) == groups
+    assert groups_to_publish(SwarmConfig(publish="with_signal"), groups) == groups[:1]
+    assert groups_to_publish(SwarmConfig(publish="with_signal"), groups[1:]) == []  # nothing worth a record
+
+
+@pytest.mark.parametrize(
+    "imitation, external_questions, own_weight",
+    [
+        ("none", 2, 0.0),
+        ("own", 2, 1.0),
+        ("own_and_stronger_peers", 2, 1.0),
+        ("own_and_stronger_peers", 0, 1.0),  # in effect 'own' without peers: still its own answers
+    ],
+)
+def test_own_right_answers_are_demonstrations_whenever_imitation_is_in_effect(
+    imitation, external_questions, own_weight
+):
+    own = [own_group("add", 0, [1.0, 1.0]), own_group("add", 1, [1.0, 0.0])]  # one all right: an anchor all the same
+    peers = [own_group("subtract", 0, [1.0, 0.0])]
+    peers[0].imitation_weight = 0.4  # set when it was chosen: left alone here
+    training_batch(SwarmConfig(imitation=imitation, external_questions=external_questions), own, peers)
+    assert [g.imitation_weight for g in own] == [own_weight, own_weight] and peers[0].imitation_weight == 0.4
+
+
+def test_peers_groups_join_the_policy_term_or_teach_only_their_right_answers():
+    own, peers = [own_group("add", 0, [1.0, 0.0])], [own_group("subtract", 0, [1.0, 0.0])]
+    assert training_batch(SwarmConfig(external_questions=1), own, peers) == (own + peers, [])
+    demonstrations_only = SwarmConfig(
+        external_questions=1, imitation="own_and_stronger_peers", external_use="demonstrations_only"
+    )
+    assert training_batch(demonstrations_only, own, peers) == (own, peers)
+    assert training_batch(SwarmConfig(), own, []) == (own, [])  # an isolated node: its own groups alone
 
 
 def test_capability_correction_hand_computed_clipped_and_with_a_prior():
@@ -280,19 +341,19 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     answer = materialize(spec).answer
     completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
     asyncio.run(a.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
-    [received] = asyncio.run(b.transport.collect(1))
+    [received] = asyncio.run(b.transport.collect())
     assert received.peer_id == a.identity.node_id and received.spec == spec and received.claimed_rewards == [1.0, 0.0]
     [group] = b.sharing.choose([received], seed=0)
     assert group.rewards == [1.0, 0.0] and group.completions[0].text == answer
-    assert asyncio.run(b.transport.collect(2)) == []  # the same record read again is not news
+    assert asyncio.run(b.transport.collect()) == []  # the same record read again is not news
     genuine = exchange.latest[a.identity.node_id]
     asyncio.run(a.transport.publish(2, 1, [RolloutGroup(spec, completions, [1.0, 0.0])]))
     forged = bytearray(exchange.latest[a.identity.node_id])
     forged[-1] ^= 0xFF
     exchange.latest[a.identity.node_id] = bytes(forged)
-    assert asyncio.run(b.transport.collect(3)) == []
+    assert asyncio.run(b.transport.collect()) == []
     exchange.latest[a.identity.node_id] = genuine  # an old batch, genuinely signed, offered again: already used
-    assert asyncio.run(b.transport.collect(4)) == []
+    assert asyncio.run(b.transport.collect()) == []
     assert b.stats.refusals.by_peer() == {a.identity.node_id[:64]: {"bad_signature": 1}}
 
 
@@ -392,6 +453,33 @@ def test_questions_drawn_by_specialty_are_that_specialtys_and_reproducible():
     with pytest.raises(TaskError, match="multiply"):
         source.batch_by_label(0, {"multiply": 1})
     assert source.mix_weights == pytest.approx({"add": 1 / 3, "subtract": 1 / 3, "chain_sum": 1 / 3})
+
+
+def test_a_round_draws_its_own_questions_from_the_mix_or_to_fill_what_peers_left_short():
+    from node.config import load_config
+    from node.local_rollouts import LocalRollouts
+    from tests.helpers.common import REPO
+
+    config = load_config(
+        REPO / "configs" / "isolated.yaml",
+        [
+            f"tasks.datasets={json.dumps(MIX)}",
+            "swarm.transport=dht",
+            "swarm.local_questions=4",
+            "swarm.external_questions=4",
+        ],
+    )
+    tasks = TaskSource(config.tasks, seed=9)
+    local = LocalRollouts(config, tasks, backend=None)  # drawing samples nothing
+    drawn = lambda questions: [(tasks.label(q.spec), q.spec.index) for q in questions]  # noqa: E731
+    # the next 4 draws of the stream each round, the mix's specialties as they come
+    assert [q.spec for q in local.draw(2)] == [tasks.spec(draw) for draw in range(8, 12)]
+    # peers brought 2 subtract of a round's I + J = 8: of 8/3 per specialty 2/3 subtract and 8/3 add and chain_sum are
+    # missing, and 4 split in that proportion is 2 add, 0 subtract, 2 chain_sum (draws 4, 5 of each specialty's stream)
+    peers = [own_group("subtract", 0, [1.0, 0.0]), own_group("subtract", 1, [1.0, 0.0])]
+    assert drawn(local.draw(1, balance_with=peers)) == [("add", 4), ("add", 5), ("chain_sum", 4), ("chain_sum", 5)]
+    # balancing with no peers' group: 8/3 missing in each, 4 split 2 / 1 / 1 (largest remainder, first of the ties)
+    assert drawn(local.draw(0, balance_with=[])) == [("add", 0), ("add", 1), ("subtract", 0), ("chain_sum", 0)]
 
 
 @pytest.mark.parametrize("draw", ["mix", "balance"])

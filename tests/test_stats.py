@@ -70,3 +70,92 @@ def test_seen_envelopes_are_bounded():
     for i in range(MAX_SENDERS_REMEMBERED + 5):
         seen.add(f"s{i}", 1)
     assert not seen.seen("a", SEEN_PER_SENDER + 9) and seen.seen(f"s{MAX_SENDERS_REMEMBERED + 4}", 1)
+
+
+def test_a_rounds_metrics_row_hand_computed():
+    """Telemetry.round_row: the keys tests, benchmarks and the dashboard read, and those only some nodes write."""
+    from node.config import load_config
+    from node.rollouts.base import Completion, GenerationWork, RolloutGroup
+    from node.telemetry import Telemetry
+    from node.trainer import TrainStats
+    from protocol import TaskSpec
+    from tests.helpers.common import REPO
+
+    def group(completions: int, baseline_scale: float = 1.0, loss_scale: float = 1.0) -> RolloutGroup:
+        sampled = [Completion([1], [2], "2", None, "stop", policy_version=0)] * completions
+        spec = TaskSpec("basic_arithmetic", {}, 1, 0)
+        return RolloutGroup(spec, sampled, [1.0] * completions, baseline_scale=baseline_scale, loss_scale=loss_scale)
+
+    def row(*overrides: str, train: TrainStats, peer_groups: list[RolloutGroup], outer_step=None) -> dict:
+        stats = SwarmStats()
+        stats.reject("p", Refusal.REPLAY)
+        telemetry = Telemetry(load_config(REPO / "configs" / "isolated.yaml", list(overrides)), stats)
+        made = telemetry.round_row(
+            3,
+            {"reward_mean": 0.25, "accuracy": 0.5},
+            train,
+            policy_version=7,
+            policy_report={"stage_grad_norms": [1.0]},
+            own_groups=[group(4), group(4)],
+            peer_groups=peer_groups,
+            peers_rescored=3,
+            peer_completions_rescored=6,
+            outer_step=outer_step,
+            generation_s=1.0,
+            scoring_s=2.0,
+            sharing_s=3.0,
+            update_s=4.0,
+            generation_work=GenerationWork(prefill_tokens=100, decode_tokens=40),
+        )
+        assert stats.take_round_rejections() == {}  # taken into the row: the next row counts from here
+        assert isinstance(made.pop("time"), float)
+        return made
+
+    train = TrainStats(
+        0.5, 1.5, 0.1, 0.01, groups_used=3, groups_dropped=1, forward_tokens=10, train_tokens=20, optimizer_steps=1
+    )
+    work = {"prefill_tokens": 100, "decode_tokens": 40, "forward_tokens": 10, "train_tokens": 20, "optimizer_steps": 1}
+    isolated = row(train=train, peer_groups=[])
+    assert list(isolated.items()) == [
+        ("round", 3),
+        ("reward_mean", 0.25),
+        ("accuracy", 0.5),
+        ("policy_version", 7),
+        ("loss", 0.5),
+        ("grad_norm", 1.5),
+        ("clip_fraction", 0.1),
+        ("kl", 0.01),
+        ("groups_used", 3),
+        ("groups_dropped", 1),
+        ("stage_grad_norms", [1.0]),
+        ("external_questions", 0),
+        ("rejected", {"replay": 1}),
+        ("generation_s", 1.0),
+        ("scoring_s", 2.0),
+        ("update_s", 4.0),
+        ("work", {**work, "scored_completions": 8}),  # its own 2 x 4 completions; it re-scores nobody's
+    ]
+    train.importance_weight_mean, train.imitation_sequences, train.imitation_nll = 0.8, 2, 1.25
+    peers = [group(3, baseline_scale=0.5, loss_scale=2.0), group(3)]
+    swarm = row(
+        "swarm.transport=dht",
+        "swarm.external_questions=2",
+        "swarm.capability_aware=true",
+        train=train,
+        peer_groups=peers,
+        outer_step={"outcome": "applied"},
+    )
+    assert {key: swarm[key] for key in swarm.keys() - isolated.keys()} == {
+        "importance_weight_mean": 0.8,
+        "imitation_sequences": 2,
+        "imitation_nll": 1.25,
+        "external_rescored": 3,
+        "external_omega_mean": 0.75,  # (0.5 + 1.0) / 2
+        "external_loss_scale_mean": 1.5,  # (2.0 + 1.0) / 2
+        "outer_step": {"outcome": "applied"},
+        "sharing_s": 3.0,
+    }
+    assert swarm["external_questions"] == 2 and swarm["work"]["scored_completions"] == 8 + 6  # its own, and re-scored
+    # corrections are reported only where they are applied
+    plain = row("swarm.transport=dht", "swarm.external_questions=2", train=train, peer_groups=peers)
+    assert "external_omega_mean" not in plain and "external_loss_scale_mean" not in plain

@@ -136,7 +136,7 @@ async def _hostile_scenario(tmp_path):
 
 
 def _liar_group(identity, spec, question, wrong):
-    from node.transport.base import ExternalGroup
+    from node.rollouts.base import ExternalGroup
 
     batch = batch_for(spec, [wrong, wrong + "0", question.answer], [1.0, 1.0, 0.0])
     [question] = batch.questions

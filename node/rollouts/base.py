@@ -1,4 +1,5 @@
-"""The rollout backend interface: prompts in, sampled completions with behaviour log-probs out."""
+"""The rollout backend interface (prompts in, sampled completions with behaviour log-probs out) and the rollout data
+types: a node's own groups, and a peer's groups as received."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from protocol.messages import RolloutCompletion
 from protocol.specs import TaskSpec
 
 # the data types below are torch-free: transports and record validators take them without a model library
@@ -63,6 +65,18 @@ class RolloutGroup:
                 seen.add(key)
                 out.append(completion)
         return out
+
+
+@dataclass
+class ExternalGroup:
+    """A peer's question and completions as received: its rewards are not trusted, the node re-scores."""
+
+    spec: TaskSpec
+    completions: list[RolloutCompletion]  # text and the sender's token ids / behaviour log-probs
+    claimed_rewards: list[float]  # advisory only: compared with our own scores, never trained on
+    peer_id: str
+    same_model: bool  # sender's model fingerprint equals ours: its token ids and log-probs are comparable
+    policy_version: int  # the sender's policy version (its own counter)
 
 
 @dataclass

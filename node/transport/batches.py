@@ -21,8 +21,7 @@ import random
 
 from node.config import SwarmConfig
 from node.stats import SwarmStats
-from node.rollouts.base import RolloutGroup
-from node.transport.base import ExternalGroup
+from node.rollouts.base import ExternalGroup, RolloutGroup
 from protocol import (
     DEFAULT_LIMITS,
     Limits,

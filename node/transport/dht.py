@@ -34,8 +34,8 @@ from typing import Callable
 
 from node.aio import cancel_and_wait
 from node.stats import SwarmStats
-from node.rollouts.base import RolloutGroup
-from node.transport.base import ExternalGroup, Transport
+from node.rollouts.base import ExternalGroup, RolloutGroup
+from node.transport.base import Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from node.transport.kv import read_values
 from node.transport.peers import read_peer_stats
@@ -227,7 +227,7 @@ class DHTTransport(Transport):
         count = rollout_shard_count(self.swarm_size)
         return count, sorted(random.sample(range(count), min(count, self.config.swarm.rollout_shards_read)))
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         swarm = self.config.swarm
         now = time.time()
         window = int(now // swarm.window_s)

@@ -13,8 +13,8 @@ import time
 
 from node.config import NodeConfig
 from node.stats import SwarmStats
-from node.rollouts.base import RolloutGroup
-from node.transport.base import ExternalGroup, Transport
+from node.rollouts.base import ExternalGroup, RolloutGroup
+from node.transport.base import Transport
 from node.transport.batches import BatchReceiver, sign_rollout_batch
 from protocol import NodeIdentity
 
@@ -51,5 +51,5 @@ class InProcessTransport(Transport):
         self.stats.questions_published += keep
         self.stats.bytes_published += len(record.data)
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         return self.receiver.receive(list(self.exchange.latest.items()), time.time())

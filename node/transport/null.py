@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from node.transport.base import ExternalGroup, Transport
-from node.rollouts.base import RolloutGroup
+from node.rollouts.base import ExternalGroup, RolloutGroup
+from node.transport.base import Transport
 
 
 class NullTransport(Transport):
     async def publish(self, round_: int, policy_version: int, groups: list[RolloutGroup]) -> None:
         return None
 
-    async def collect(self, round_: int) -> list[ExternalGroup]:
+    async def collect(self) -> list[ExternalGroup]:
         return []
