@@ -3,7 +3,7 @@
 Why it looks like this. SWARM parallelism and Petals serve a model as stages announced in a
 DHT; any number of servers may serve one stage, a client routes each micro-batch through
 one server per stage and fails over when a hop fails. We do the same on the node's own
-DHT and p2p daemon (as the averaging exchange does, `node/averaging/pairing.py`), with
+DHT and p2p daemon (as the averaging exchange does, `node/averaging/exchange.py`), with
 the calls of `protocol/pipeline.py` framed by `node/transport/framing.py`:
 
     handler  swarm-node/v1/<swarm>/pipeline/<model fingerprint>/v1     (one call per stream)
