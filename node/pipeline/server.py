@@ -101,7 +101,6 @@ class StageServer:
         self.announcer = Announcer(session)
         self._rng = random.Random(identity.node_id)
         self.loader = StageLoader(session, self.protocol, self.limits, lambda: self.read_view(strict=False), self._rng)
-        self.p2p_maddrs: list[str] = []  # where drivers and other servers dial us (set when run() starts)
         self.index: int = -1
         self.recoveries = 0
         self.moves = 0
@@ -248,7 +247,8 @@ class StageServer:
     # lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.p2p_maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][: DEFAULT_LIMITS.max_addresses]
+        if not self.session.addresses:  # a session join_swarm did not open has not asked its daemon yet
+            await self.session.refresh_addresses()
         await self.dht.p2p.add_binary_stream_handler(self.protocol, self.handler.handle)
         announcing = self._spawn(self._announce_loop(), "stage-announce")
         try:
@@ -300,7 +300,9 @@ class StageServer:
             samples_per_s=float(backend.samples_per_s) if backend else 0.0,
             recoveries=self.recoveries,
             replicas=self.replicas[:32],
-            p2p_maddrs=self.p2p_maddrs,
+            # where drivers and other servers dial us: the session's addresses now, as its membership refreshes them
+            # (a relay slot reserved, or reserved again, after the start)
+            p2p_maddrs=self.session.addresses[: DEFAULT_LIMITS.max_addresses],
         )
 
     async def announce(self) -> None:
