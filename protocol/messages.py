@@ -436,7 +436,7 @@ AVERAGING_STATES = ("free", "done")
 
 @dataclass(frozen=True)
 class AveragingReady:
-    """A node's averaging rendezvous entry for one round (node/averaging/pairing.py), stored under the
+    """A node's averaging rendezvous entry for one round (node/averaging/matchmaking.py), stored under the
     round's key with the node id as subkey: signed, so nobody can announce, or withdraw, someone else."""
 
     KIND: ClassVar[MessageKind] = MessageKind.AVERAGING_READY

@@ -1,7 +1,7 @@
 """Faulty and hostile partners in the weight exchange (real peers on 127.0.0.1).
 
-Faults are injected by `Fault` through `FaultyAverager`, which overrides the two seams of
-`PairAverager` that decide what goes on the wire. Each fault is tried with the honest
+Faults are injected by `Fault` through `FaultyExchange`, which overrides the seams of
+`WeightExchange` that decide what goes on the wire. Each fault is tried with the honest
 peer in both roles (it opens the stream, or it accepts it): p2p identities are chosen so
 that the role is known.
 """
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import struct
 
 import pytest
 import torch
 
-from node.averaging.pairing import Frame, PairAverager
+from node.averaging.exchange import Frame, WeightExchange
 from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import assert_untouched, averagers, ordered_identities, snapshot, swarm, weights
 
@@ -30,7 +31,7 @@ class Fault(enum.Enum):
     BREAK_AFTER_COMMIT = "break_after_commit"  # sends its COMMIT, then breaks the stream before reading the partner's
 
 
-class FaultyAverager(PairAverager):
+class FaultyExchange(WeightExchange):
     def __init__(self, *args, fault: Fault, **kwargs):
         super().__init__(*args, **kwargs)
         self.fault = fault
@@ -69,6 +70,11 @@ class FaultyAverager(PairAverager):
         await asyncio.sleep(3600)  # cancelled by the round's deadline (or stop())
 
 
+def faulty(fault: Fault):
+    """What builds an averager's exchange that plays `fault` (PairAverager's `exchange`)."""
+    return functools.partial(FaultyExchange, fault=fault)
+
+
 ROLES = ["honest_calls", "honest_accepts"]
 
 
@@ -85,26 +91,26 @@ def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, rol
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
             async with (
                 averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.STALL) as (faulty,),
+                averagers(nodes[1:], exchange=faulty(Fault.STALL)) as (stalling,),
             ):
-                assert (honest.peer_id < faulty.peer_id) == (role == "honest_calls")
+                assert (honest.peer_id < stalling.peer_id) == (role == "honest_calls")
                 theta = weights(1)
                 before = snapshot(theta)
                 # long enough for the rendezvous on a loaded machine: the stall, not the DHT, must end the round
                 timeout = 10.0
 
                 async def kill_when_stalled():
-                    await faulty.stalled.wait()
+                    await stalling.exchange.stalled.wait()
                     if then == "dies":
-                        await faulty.stop(timeout=2)
+                        await stalling.stop(timeout=2)
                         await shutdown_dht(nodes[1], timeout=5)
 
                 killer = asyncio.create_task(kill_when_stalled())
                 result, _ = await asyncio.gather(
-                    honest.average(theta, 3, timeout=timeout), faulty.average(weights(2), 3, timeout=timeout)
+                    honest.average(theta, 3, timeout=timeout), stalling.average(weights(2), 3, timeout=timeout)
                 )
                 await asyncio.wait_for(killer, 10)
-                assert faulty.stalled.is_set()  # the exchange really started
+                assert stalling.exchange.stalled.is_set()  # the exchange really started
                 assert result is None
                 if (
                     then == "hangs"
@@ -131,7 +137,7 @@ def test_hostile_partners_are_refused_and_counted(role, tmp_path):
             for round_id, (fault, reason) in enumerate(cases):
                 async with (
                     averagers(nodes[:1]) as (honest,),
-                    averagers(nodes[1:], cls=FaultyAverager, fault=fault) as (hostile,),
+                    averagers(nodes[1:], exchange=faulty(fault)) as (hostile,),
                 ):
                     theta = weights(1)
                     before = snapshot(theta)
@@ -154,7 +160,7 @@ def test_a_lost_done_frame_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
             async with (
                 averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.NO_DONE) as (broken,),
+                averagers(nodes[1:], exchange=faulty(Fault.NO_DONE)) as (broken,),
             ):
                 result, _ = await asyncio.gather(
                     honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6)
@@ -176,7 +182,7 @@ def test_a_stream_broken_between_the_commit_frames_never_leaves_a_silent_disagre
         async with swarm(2, honest_first(role, tmp_path)) as nodes:
             async with (
                 averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], cls=FaultyAverager, fault=Fault.BREAK_AFTER_COMMIT) as (broken,),
+                averagers(nodes[1:], exchange=faulty(Fault.BREAK_AFTER_COMMIT)) as (broken,),
             ):
                 theta = weights(1)
                 before = snapshot(theta)

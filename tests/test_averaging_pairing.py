@@ -10,7 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from node.averaging.pairing import PairAverager, pair_partner
+from node.averaging.matchmaking import Round, pair_partner
+from node.averaging.pairing import PairAverager
 from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import (
     OTHER_PREFIX,
@@ -189,7 +190,7 @@ def test_different_fingerprints_are_never_paired():
             other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=1.5))
             await asyncio.sleep(0.3)
             with pytest.raises((P2PDaemonError, P2PHandlerError)):
-                await open_stream(nodes[2].p2p, x1.peer_id, [], other.handler_name, 5)
+                await open_stream(nodes[2].p2p, x1.peer_id, [], other.exchange.handler_name, 5)
             assert await other_round is None
 
     asyncio.run(scenario())
@@ -259,10 +260,8 @@ def test_averaging_announcements_carry_the_daemon_addresses():
         async with swarm(2) as nodes, averagers(nodes) as (a, b):
             theta_a, theta_b = weights(1), weights(2)
             await asyncio.gather(a.average(theta_a, 3, timeout=15), b.average(theta_b, 3, timeout=15))
-            from node.averaging.pairing import _Round
-
-            view_round = _Round(round_id=3, theta={}, payload=b"", capacity=1, deadline=0.0)
-            view = await a._read_view(view_round)
+            view_round = Round(round_id=3, theta={}, payload=b"", capacity=1, deadline=0.0)
+            view = await a.matchmaker.read_view(view_round)
             assert set(view) == {a.peer_id, b.peer_id}
             assert view_round.addresses[b.peer_id] == [str(m) for m in await nodes[1].get_visible_maddrs()]
 

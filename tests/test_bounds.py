@@ -188,16 +188,10 @@ def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
 def test_averaging_round_memories_stay_bounded():
     import msgpack
 
-    from node.averaging.pairing import (
-        _KNOWN_REFUSALS,
-        MAX_GROUP_PARTNERS,
-        MAX_ROUND_PEERS,
-        CallRefusal,
-        _parse_refusal,
-        _Round,
-    )
+    from node.averaging.exchange import _KNOWN_REFUSALS, _parse_refusal
+    from node.averaging.matchmaking import MAX_GROUP_PARTNERS, MAX_ROUND_PEERS, CallRefusal, Round
 
-    rnd = _Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))  # all mode
+    rnd = Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))  # all mode
     for i in range(FLOOD):
         rnd.given_up.add(fake(i))
         rnd.failed_calls.bump(fake(i))
@@ -206,7 +200,7 @@ def test_averaging_round_memories_stay_bounded():
     assert len(rnd.given_up) == MAX_ROUND_PEERS and len(rnd.failed_calls) == MAX_ROUND_PEERS
     assert fake(FLOOD - 1) in rnd.given_up and fake(0) not in rnd.given_up  # the oldest are forgotten first
     assert len(rnd.engaged) == 0  # every id was already given up: refused before any weights
-    fresh = _Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))
+    fresh = Round(round_id=1, theta={}, payload=b"", capacity=MAX_GROUP_PARTNERS, deadline=float("inf"))
     for i in range(FLOOD):
         if fresh.refusal_for(fake(i)) is None:
             fresh.engaged.add(fake(i))

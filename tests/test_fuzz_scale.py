@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import types
 from collections import Counter
 from collections.abc import Callable
 
@@ -22,7 +21,8 @@ import msgpack
 import pytest
 
 from node.weights.codec import CodecError, EncodedWeights, encode_weights
-from node.averaging.pairing import CONTROL_MAX_BYTES, EXCHANGE_VERSION, Frame, PairAverager, _parse_refusal, _Round
+from node.averaging.exchange import CONTROL_MAX_BYTES, EXCHANGE_VERSION, Frame, _parse_refusal, check_hello
+from node.averaging.matchmaking import Round
 from node.pipeline.client import unpack
 from node.transport.framing import FRAME_HEADER, FramingError, read_frame
 from protocol import (
@@ -328,9 +328,8 @@ def _weights_codec():
 def _averaging_frames():
     """The weight exchange's first frame as an acceptor reads it, and its body as the exchange parses it:
     HELLO (the acceptor's checks), REFUSE (the reason), WEIGHTS (the codec)."""
-    # all that the HELLO check reads
-    acceptor = types.SimpleNamespace(prefix="swarm/v1/averaging/m", _latest_round_id=1)
-    hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": acceptor.prefix, "round": 1})
+    prefix = "swarm/v1/averaging/m"
+    hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": prefix, "round": 1})
 
     def decode(data: bytes) -> str:
         refused, frame = _read_one_frame(
@@ -340,8 +339,8 @@ def _averaging_frames():
             return refused
         kind, body = frame
         if kind is Frame.HELLO:
-            rnd = _Round(round_id=1, theta={}, payload=b"", capacity=1, deadline=float("inf"))
-            refusal = PairAverager._check_hello(acceptor, kind, body, rnd, "12D3KooWCaller")
+            rnd = Round(round_id=1, theta={}, payload=b"", capacity=1, deadline=float("inf"))
+            refusal = check_hello(kind, body, prefix, rnd, 1, "12D3KooWCaller")
             return f"hello:{refusal.value if refusal else 'accepted'}"
         if kind is Frame.REFUSE:
             return f"refuse:{_parse_refusal(body)}"

@@ -114,12 +114,12 @@ def check(summary: dict, stages: int) -> None:
     print(json.dumps(summary, indent=1))  # for RESULTS (pytest -s)
     cut, servers = set(summary["cut"]), summary["servers"]
     # the step the cut interrupted was abandoned and the driver waited: the way back is recorded for the stages the
-    # driver found lost, all of them cut off, each served again by the server it had before. (The record's
-    # `replaced` is no witness: it compares with the servers the driver's map still showed when it found the stage
-    # lost, none when the announcement had aged out by then.)
+    # driver found lost, all of them cut off, each served again by the server it had before, which the record says
+    # (`replaced` compares with the servers the driver saw last, even when their announcements had aged out of its
+    # map by the time it found the stage lost)
     events = summary["recovery"]
     assert events and {e["stage"] for e in events} <= cut, events
-    assert all(e["servers"] == [servers[e["stage"]]] for e in events), events
+    assert all(e["servers"] == [servers[e["stage"]]] and not e["replaced"] for e in events), events
     # and nothing was rebuilt: every server still holds the weights it started with
     assert summary["server_recoveries"] == {i: ["initial"] for i in range(stages)}
 

@@ -311,3 +311,63 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+class GainsARelayAddress:
+    """A DHT node whose daemon, once `relay` is set, also reports a /p2p-circuit address (a relay that reserved it a
+    slot after the start, or came back after a restart); everything else is the node's own."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.relay: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)
+
+    async def get_visible_maddrs(self, latest: bool = False):
+        from multiaddr import Multiaddr
+
+        return [*await self.node.get_visible_maddrs(latest=latest), *(Multiaddr(a) for a in self.relay)]
+
+
+def test_each_announcement_carries_the_addresses_the_session_has_then(config):
+    """Drivers and other servers dial a stage server at the addresses it announced: a relay address it gains while it
+    serves (the session's membership refreshes its addresses every heartbeat, node/transport/membership.py) must
+    reach them with its next announcement."""
+    from node.model import model_fingerprint, resolve_initial_policy
+
+    model, tokenizer = resolve_initial_policy(config)
+    fingerprint = model_fingerprint(model, tokenizer)
+
+    async def announced(server: StageServer) -> list[str]:
+        [ours] = [s for s in (await server.read_map()).live(1) if s.node_id == server.identity.node_id]
+        return ours.p2p_maddrs
+
+    async def scenario():
+        async with swarm(2) as (node, relay_node):
+            daemon = GainsARelayAddress(node)
+            session = SwarmSession(
+                config, daemon, "outbound-only", NodeIdentity.generate(), config.resolved_state_dir()
+            )
+            await session.refresh_addresses()  # as join_swarm does
+            server = StageServer(session, model, fingerprint)
+            running = asyncio.create_task(server.run())
+            try:
+                for _ in range(200):
+                    if server.state == "serving":
+                        break
+                    await asyncio.sleep(0.1)
+                assert server.state == "serving"
+                assert await announced(server) == session.addresses
+                relay, ours = relay_node.peer_id.to_base58(), node.peer_id.to_base58()
+                daemon.relay = [f"/ip4/10.0.0.9/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{ours}"]
+                assert await session.refresh_addresses()  # what the membership does every heartbeat
+                assert session.reachability == "relayed" and daemon.relay[0] in session.addresses
+                await server.announce()
+                assert daemon.relay[0] in await announced(server)
+                assert not running.done()
+            finally:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(scenario())

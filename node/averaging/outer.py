@@ -3,7 +3,7 @@
 Each node keeps fast weights theta (its model, trained by the inner optimizer), slow
 weights phi and an outer momentum m (`OuterOptimizerState`, fp32). Every H inner steps it
 averages something with peers and takes one outer step; the inner optimizer's state stays
-local. Pure torch, no networking: the exchange is `node.averaging.pairing`.
+local. Pure torch, no networking: the averaging is `node.averaging.pairing`.
 
 NoLoCo (../shared/papers/ALGORITHMS.md §3). With delta_j = phi_j - theta_j over the group G:
     m   <- mu * m - eta * mean_G(delta) - eta * (phi_i - mean_G(phi))

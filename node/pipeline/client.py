@@ -14,7 +14,7 @@ import asyncio
 import msgpack
 
 from node.transport.joining import key_prefix
-from node.transport.framing import FramingError, open_stream, read_frame, write_frame
+from node.transport.framing import STREAM_FAILED, open_stream, read_frame, write_frame
 from protocol import ProtocolRejection, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, parse_refusal
 
@@ -62,8 +62,6 @@ async def call_stage(
     p2p, handler: str, server: StageAnnouncement, call: StageCall, limits: PipelineLimits, timeout: float
 ) -> StageResult:
     """Send `call` to `server` and return its result; HopFailed for every failure."""
-    from hivemind.p2p import P2PDaemonError, P2PHandlerError
-
     writer = None
     try:
         async with asyncio.timeout(timeout):
@@ -76,15 +74,7 @@ async def call_stage(
             )
     except TimeoutError:
         raise HopFailed(server, "timeout", f"no answer to {call.op} within {timeout:.0f}s") from None
-    except (
-        FramingError,
-        asyncio.IncompleteReadError,
-        ConnectionError,
-        OSError,
-        P2PDaemonError,
-        P2PHandlerError,
-        ValueError,
-    ) as exc:
+    except STREAM_FAILED as exc:
         raise HopFailed(server, "unreachable", f"{type(exc).__name__}: {exc}") from None
     finally:
         if writer is not None:

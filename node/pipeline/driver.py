@@ -122,6 +122,9 @@ class PipelineRouter:
         self.rng = random.Random(seed)
         self.map = StageMap(self.pipeline.num_stages)
         self._map_read_at = -1e9
+        # stage -> node ids of its servers at the last read that showed it served: who served a stage before it was
+        # lost, even once their announcements have aged out of the map (or a lost report has struck them from it)
+        self.last_served: dict[int, frozenset[str]] = {}
         self.avoid: dict[str, float] = {}  # node id -> monotonic time until which it is left out
         # node id -> unix time of the failure that put it on the avoid list (compared with its announcements)
         self.failed_at: BoundedDict[str, float] = BoundedDict(4096)
@@ -142,6 +145,8 @@ class PipelineRouter:
                 stage_map.servers[stage] = [
                     s for s in good if lost_at is None or stage_map.signed_at.get(s.node_id, lost_at + 1) > lost_at
                 ]
+                if stage_map.servers[stage]:
+                    self.last_served[stage] = frozenset(s.node_id for s in stage_map.servers[stage])
             self.map, self._map_read_at = stage_map, now
         return self.map
 

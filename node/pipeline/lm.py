@@ -56,9 +56,8 @@ class LMDriver:
         self.store = store
         rows = store.read_metrics()
         self.step = rows[-1]["step"] if rows else 0  # the driver keeps no weights: its only state is where it is
-        self.lost_since: dict[
-            int, tuple[float, str, set[str]]
-        ] = {}  # stage -> (monotonic time it was found lost, cause, its servers then)
+        # stage -> (monotonic time it was found lost, cause, the servers that served it last)
+        self.lost_since: dict[int, tuple[float, str, frozenset[str]]] = {}
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
@@ -133,13 +132,16 @@ class LMDriver:
         await self.router.refresh(force=True)
         for stage in self.router.missing_stages() or [lost.stage]:
             if stage >= 0 and stage not in self.lost_since:
-                before = {s.node_id for s in self.router.map.servers.get(stage, [])}
+                # not the map's servers now: a server silent long enough has aged out of it, and would come back as
+                # a "replacement" of nobody
+                before = self.router.last_served.get(stage, frozenset())
                 self.lost_since[stage] = (time.monotonic(), lost.cause, before)
                 log.warning("stage %d lost (%s): waiting for a server to rebuild it", stage, lost.cause)
         await self.router.wait_until_served()
 
     def _recovered(self) -> list[dict] | None:
-        """Records of the stages lost since the last step: who serves them now, and how long the driver waited."""
+        """Records of the stages lost since the last step: who serves them now, whether another server than the
+        ones that served it before took it (`replaced`), and how long the driver waited."""
         if not self.lost_since:
             return None
         now = time.monotonic()

@@ -3,21 +3,22 @@
 Why it looks like this. SWARM parallelism and Petals serve a model as stages announced in a
 DHT; any number of servers may serve one stage, a client routes each micro-batch through
 one server per stage and fails over when a hop fails. We do the same on the node's own
-DHT and p2p daemon (as the averaging exchange does, `node/averaging/pairing.py`), with
+DHT and p2p daemon (as the averaging exchange does, `node/averaging/exchange.py`), with
 the calls of `protocol/pipeline.py` framed by `node/transport/framing.py`:
 
     handler  swarm-node/v1/<swarm>/pipeline/<model fingerprint>/v1     (one call per stream)
     key      swarm-node/v1/<swarm>/stages                              (signed announcements)
     key      swarm-node/v1/<swarm>/stages-lost                         (drivers' lost reports)
 
-As Petals splits its server, this one is split in four: `handler.py` (the wire: calls in,
+As Petals splits its server, this one is split in five: `handler.py` (the wire: calls in,
 refusals, replies), `backend.py` (the torch work, tested without a network), `selection.py`
-(which stage to take and when to move, pure functions of the stage map) and `recovery.py`
-(where a stage's weights come from, and loading them). This module is the life of a server
+(which stage to take and when to move, pure functions of the stage map), `recovery.py`
+(where a stage's weights come from) and `stage_loading.py` (loading them: choosing the
+sources, retrying, leaving out those that failed). This module is the life of a server
 that ties them together (`run`):
 1. pick its stage: an index, `auto` (a stage left without a live server first, else the
    least served), or `spare` (announce itself as a spare and wait for such a stage);
-2. get the stage's weights from live nodes only (`recovery.py`): a replica's copy, else
+2. get the stage's weights from live nodes only (`stage_loading.py`): a replica's copy, else
    CheckFree from the neighbours, CheckFree+ for an end stage, else the initial model
    if the pipeline has not trained yet; announce "loading" meanwhile;
 3. serve the calls (`handler.py`), keep its CheckFree+ replica (stage 1: the embedding;
@@ -37,21 +38,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import time
 
-import torch
-
 from node.aio import cancel_and_wait
 from node.device import resolve_device
-from node.weights.codec import CodecError, EncodedWeights, decode_weights
-from node.weights.validation import WeightsRefused, validate_partner_weights
 from node.pipeline.backend import StageBackend
-from node.pipeline.client import HopFailed, call_stage, handler_name
-from node.pipeline.driver import WAIT_LOG_EVERY_S
+from node.pipeline.client import HopFailed, handler_name
 from node.pipeline.handler import StageHandler
-from node.pipeline.recovery import MissingSource, RecoveryEvent, RecoveryImpossible, choose_method, load_stage
+from node.pipeline.recovery import RecoveryEvent
 from node.pipeline.selection import (
     Move,
     choose_stage,
@@ -61,12 +56,12 @@ from node.pipeline.selection import (
     spare_assignment,
     update_empty_since,
 )
+from node.pipeline.stage_loading import StageLoader
 from node.pipeline.stagemap import Announcer, StageMap, read_stage_map
 from node.pipeline.stages import (
     PipelineStage,
     StagePart,
     extra_parts_for,
-    part_tensors,
     pipeline_limits,
     split_parts,
     stage_fingerprint,
@@ -76,7 +71,6 @@ from node.files import atomic_write_text
 from node.stats import prometheus_text
 from node.transport.session import SwarmSession
 from protocol import DEFAULT_LIMITS, StageAnnouncement
-from protocol.pipeline import PIPELINE_VERSION, StageCall, StageResult
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +99,8 @@ class StageServer:
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
         self.handler = StageHandler(self.limits)
         self.announcer = Announcer(session)
-        self.p2p_maddrs: list[str] = []  # where drivers and other servers dial us (set when run() starts)
+        self._rng = random.Random(identity.node_id)
+        self.loader = StageLoader(session, self.protocol, self.limits, lambda: self.read_view(strict=False), self._rng)
         self.index: int = -1
         self.recoveries = 0
         self.moves = 0
@@ -116,7 +111,6 @@ class StageServer:
         self._last_replica_sync = -1
         self._empty_since: dict[int, float] = {}  # stage -> when this server first saw it without a live server
         self._latest_map: StageMap | None = None  # the announce loop's last read of the stage map
-        self._rng = random.Random(identity.node_id)
 
     @property
     def state(self) -> str:
@@ -130,7 +124,7 @@ class StageServer:
     def step(self) -> int:
         return self.backend.step if self.backend else 0
 
-    # choosing and loading a stage -------------------------------------------------------
+    # choosing a stage and taking it up ---------------------------------------------------
 
     async def read_map(self) -> StageMap:
         return await read_stage_map(self.dht, self.config, self.model_fingerprint)
@@ -172,7 +166,8 @@ class StageServer:
         raise asyncio.CancelledError
 
     async def acquire(self, index: int, cause: str) -> RecoveryEvent:
-        """Load stage `index`'s weights from the live swarm (see recovery.py); never from disk."""
+        """Take up stage `index`: announce it "loading", load its weights from the live swarm (stage_loading.py; never
+        from disk), then serve it."""
         started = time.perf_counter()
         self.index = index
         self.handler.state = "loading"
@@ -181,60 +176,9 @@ class StageServer:
         fingerprint = stage_fingerprint(self.model_fingerprint, self.plan, index, stage)
         self.handler.fingerprint = fingerprint
         await self.announce()
-        failed: dict[
-            str, float
-        ] = {}  # source -> when its call failed: its announcement may still look live; left out for avoid_s
-        said: dict[str, float] = {}  # what we wait for -> when we last said so (at most every WAIT_LOG_EVERY_S)
-        while True:
-            stage_map, view = await self.read_view(strict=False)
-            now = time.monotonic()
-            for group in view.servers.values():
-                group[:] = [
-                    s
-                    for s in group
-                    if now - failed.get(s.node_id, -math.inf) >= self.pipeline.avoid_s
-                    and s.node_id != self.identity.node_id
-                ]
-            replicas = [s for s in view.live(index) if s.stage_fingerprint == fingerprint]
-            live_stages = {i for i in range(self.plan.num_stages) if view.live(i)}
-            try:
-                method, sources = choose_method(
-                    index,
-                    self.plan.num_stages,
-                    bool(replicas),
-                    stage_map.trained(),
-                    self.pipeline.recovery,
-                    self.pipeline.checkfree_plus,
-                    live_stages,
-                )
-                event = await load_stage(
-                    stage,
-                    method,
-                    sources,
-                    replicas,
-                    view,
-                    self._fetch_into(stage),
-                    self._rng,
-                    lambda: PipelineStage.from_config(self.hf_config, self.plan, index, extra),
-                    self.pipeline.recovered_lr_scale,
-                )
-            except (RecoveryImpossible, MissingSource) as exc:
-                if now - said.get(str(exc), -math.inf) >= WAIT_LOG_EVERY_S:
-                    said[str(exc)] = now
-                    log.warning("stage %d cannot be rebuilt yet: %s; waiting", index, exc)
-                await asyncio.sleep(self.pipeline.announce_interval_s / 2)
-                continue
-            except HopFailed as exc:
-                failed[exc.server.node_id] = time.monotonic()
-                log.warning(
-                    "stage %d: loading from %s failed (%s); trying again without it",
-                    index,
-                    exc.server.node_id[:12],
-                    exc,
-                )
-                await asyncio.sleep(self.pipeline.announce_interval_s / 2)
-                continue
-            break
+        event = await self.loader.load(
+            stage, fingerprint, lambda: PipelineStage.from_config(self.hf_config, self.plan, index, extra)
+        )
         event.cause = cause
         event.seconds = time.perf_counter() - started
         if event.method != "initial":
@@ -247,46 +191,6 @@ class StageServer:
         self._log_event(event)
         await self.announce()
         return event
-
-    def _fetch_into(self, stage: PipelineStage):
-        """`recovery.Fetch` for loading `stage`: a `weights` call whose tensors must match what `stage` holds."""
-
-        async def fetch(source: StageAnnouncement, parts: list[str]) -> tuple[dict[str, torch.Tensor], StageResult]:
-            return await self._fetch(source, parts, stage)
-
-        return fetch
-
-    async def _fetch(
-        self, source: StageAnnouncement, parts: list[str], local: PipelineStage
-    ) -> tuple[dict[str, torch.Tensor], StageResult]:
-        call = StageCall(
-            v=PIPELINE_VERSION,
-            op="weights",
-            stage=source.stage,
-            stage_fingerprint=source.stage_fingerprint,
-            call_id=f"weights-{time.time_ns()}",
-            parts=parts,
-            train=False,
-            tensors={},
-            scale=1.0,
-        )
-        result = await call_stage(
-            self.dht.p2p, self.protocol, source, call, self.limits, self.pipeline.call_timeout_s * 3
-        )
-        if result.weights is None:
-            raise HopFailed(source, "malformed", "a weights result without weights")
-        try:
-            encoded = EncodedWeights.from_bytes(
-                result.weights, max_tensors=4096, max_values=self.limits.max_weights_bytes // 4
-            )
-            weights = decode_weights(encoded, dtype=None)
-        except CodecError as exc:
-            raise HopFailed(source, "malformed", str(exc)) from None
-        try:  # we only ever fetch parts we hold: their names and shapes are ours
-            validate_partner_weights(part_tensors(local, parts), weights, math.inf)  # names, shapes, dtypes, finite
-        except WeightsRefused as exc:
-            raise HopFailed(source, "refused_weights", str(exc)) from None
-        return weights, result
 
     def _log_event(self, event: RecoveryEvent) -> None:
         log.info(
@@ -343,7 +247,8 @@ class StageServer:
     # lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.p2p_maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][: DEFAULT_LIMITS.max_addresses]
+        if not self.session.addresses:  # a session join_swarm did not open has not asked its daemon yet
+            await self.session.refresh_addresses()
         await self.dht.p2p.add_binary_stream_handler(self.protocol, self.handler.handle)
         announcing = self._spawn(self._announce_loop(), "stage-announce")
         try:
@@ -395,7 +300,9 @@ class StageServer:
             samples_per_s=float(backend.samples_per_s) if backend else 0.0,
             recoveries=self.recoveries,
             replicas=self.replicas[:32],
-            p2p_maddrs=self.p2p_maddrs,
+            # where drivers and other servers dial us: the session's addresses now, as its membership refreshes them
+            # (a relay slot reserved, or reserved again, after the start)
+            p2p_maddrs=self.session.addresses[: DEFAULT_LIMITS.max_addresses],
         )
 
     async def announce(self) -> None:
@@ -456,7 +363,7 @@ class StageServer:
         if source is None:
             return
         try:
-            weights, _ = await self._fetch(source, [p.value for p in replica_parts], backend.stage)
+            weights, _ = await self.loader.fetch(source, [p.value for p in replica_parts], backend.stage)
         except HopFailed as exc:
             log.info("CheckFree+ replica refresh from stage %d failed: %s", owner, exc)
             return

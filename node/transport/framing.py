@@ -1,6 +1,6 @@
 """Frames on a raw p2p stream: the one framing every stream protocol of the node uses.
 
-The averaging exchange (`node/averaging/pairing.py`) and the pipeline calls
+The averaging exchange (`node/averaging/exchange.py`) and the pipeline calls
 (`node/pipeline/`) both talk over streams of the node's own p2p daemon. A stream is a
 byte pipe with no message boundaries (a read may return fewer bytes than asked), so each
 message travels as one frame:
@@ -13,6 +13,10 @@ The receiver bounds every frame before reading its body: each protocol says how 
 frame of each type may be, and a longer one raises `OversizedFrame` with nothing of its
 body read (so a peer cannot make us allocate what it announces). An unknown type raises
 `FramingError`. Both are the caller's to count and answer with a refusal.
+
+Whatever can go wrong with the stream itself (it cannot be opened, it breaks, it ends inside a
+frame, it breaks the framing, it stays silent past a deadline) is one of `STREAM_FAILED`: the
+caller gives that stream up and counts it; what its own protocol refuses it adds on its own.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ import enum
 import struct
 from collections.abc import Callable
 from typing import TypeVar
+
+from node.transport.protobuf_shim import import_hivemind_isolated
+
+import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
+
+from hivemind.p2p import P2PDaemonError, P2PHandlerError  # noqa: E402
 
 FRAME_HEADER = struct.Struct(">BQ")
 
@@ -40,6 +50,19 @@ class OversizedFrame(FramingError):
         self.kind = kind
         self.length = length
         self.limit = limit
+
+
+# A stream failed: what opening (p2pd: no route, no handler; a malformed peer id is a ValueError), reading and
+# writing one raise, framing errors and timeouts (TimeoutError is an OSError) included.
+STREAM_FAILED: tuple[type[Exception], ...] = (
+    FramingError,
+    asyncio.IncompleteReadError,
+    ConnectionError,
+    OSError,
+    ValueError,
+    P2PDaemonError,
+    P2PHandlerError,
+)
 
 
 def frame_bytes(kind: int, body: bytes = b"") -> bytes:
@@ -84,7 +107,7 @@ async def open_stream(
     traffic, but across hosts a random partner or stage server often is not ("routing: not
     found"). A connected peer needs no dial, so we dial only after a first attempt found no
     route. Raises what the stream call raises (P2PDaemonError, ...)."""
-    from hivemind.p2p import P2PDaemonError, PeerID
+    from hivemind.p2p import PeerID
     from multiaddr import Multiaddr
 
     peer = PeerID.from_base58(peer_id)

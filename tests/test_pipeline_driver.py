@@ -1,0 +1,154 @@
+"""The LM driver's record of a lost stage coming back (node/pipeline/lm.py), in process: the servers' signed stage
+announcements live in a real DHT node, and their calls are answered by a router subclass (no stage server runs;
+a server that is down times out)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from node.config import load_config
+from node.pipeline.client import HopFailed
+from node.pipeline.driver import PipelineRouter
+from node.pipeline.lm import LMDriver
+from node.pipeline.stagemap import Announcer, LostReporter, read_stage_map
+from node.pipeline.tensors import from_wire, to_wire
+from node.state import StateStore
+from node.transport.session import SwarmSession
+from protocol import NodeIdentity, StageAnnouncement
+from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PIPELINE_VERSION, StageResult
+from tests.helpers.averaging import swarm
+
+VOCAB, HIDDEN = 16, 4
+FINGERPRINTS = ["fp0", "fp1"]
+
+
+def config(tmp_path):
+    return load_config(
+        None,
+        [
+            "swarm.swarm_id=test-driver",
+            "pipeline.num_stages=2",
+            "pipeline.micro_batches=1",
+            "pipeline.micro_batch_size=2",
+            "pipeline.eval_every=0",
+            "pipeline.announce_interval_s=0.2",
+            "pipeline.announce_ttl_s=1.0",
+        ],
+        state_dir=str(tmp_path / "driver"),
+    )
+
+
+class ScriptedRouter(PipelineRouter):
+    """Answers every stage call as a server of zero weights would; calls to servers in `down` time out."""
+
+    down: set[str]
+
+    async def call(self, server, call, timeout=None):
+        if server.node_id in self.down:
+            raise HopFailed(server, "timeout", "scripted: it never answers")
+        tensors = {}
+        if call.op == "forward":
+            given = from_wire(call.tensors["input_ids"] if "input_ids" in call.tensors else call.tensors["hidden"])
+            width = VOCAB if "head" in call.parts else HIDDEN
+            tensors = {"output": to_wire(torch.zeros(*given.shape[:2], width))}
+        elif call.op == "backward":
+            grad = from_wire(call.tensors["grad"])
+            tensors = {"grad": to_wire(torch.zeros(*grad.shape[:2], HIDDEN))}
+        return StageResult(v=PIPELINE_VERSION, tensors=tensors, weights=None, step=1, grad_norm=0.5, lr_scale=1.0)
+
+
+class Server:
+    """A stage server's identity and its signed announcements (only the announcing: its calls are the router's)."""
+
+    def __init__(self, cfg, dht, stage: int) -> None:
+        self.session = SwarmSession(cfg, dht, "direct", NodeIdentity.generate())
+        self.node_id = self.session.identity.node_id
+        self.stage = stage
+
+    async def announce(self) -> None:
+        await Announcer(self.session).publish(
+            StageAnnouncement(
+                node_id=self.node_id,
+                p2p_peer_id=self.node_id[:16],
+                model_fingerprint="m",
+                num_stages=2,
+                stage=self.stage,
+                stage_fingerprint=FINGERPRINTS[self.stage],
+                layer_start=self.stage,
+                layer_end=self.stage + 1,
+                parts=["layers"],
+                state="serving",
+                step=1,
+                grad_norm=0.5,
+                samples_per_s=1.0,
+                recoveries=0,
+                replicas=[],
+            )
+        )
+
+
+def test_the_recovery_record_says_replaced_only_when_another_server_took_the_stage(tmp_path):
+    """Stage 1's server goes silent until its announcement has aged out of every map, so the driver finds the stage
+    lost with nobody in its map; the same server coming back is not a replacement, a new one is."""
+    cfg = config(tmp_path)
+
+    async def scenario():
+        async with swarm(1) as (node,):
+            first, second, other = Server(cfg, node, 0), Server(cfg, node, 1), Server(cfg, node, 1)
+            up = {first, second}  # the servers announcing, every announce interval
+
+            async def announcing():
+                while True:
+                    await asyncio.gather(*(server.announce() for server in list(up)))
+                    await asyncio.sleep(cfg.pipeline.announce_interval_s)
+
+            driver_session = SwarmSession(cfg, node, "direct", NodeIdentity.generate())
+            router = ScriptedRouter(
+                node, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS, reporter=LostReporter(driver_session, "m")
+            )
+            router.down = set()
+            corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+            driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+
+            async def silent_until_aged_out(server: Server) -> None:
+                up.discard(server)
+                router.down.add(server.node_id)
+                for _ in range(200):
+                    if not (await read_stage_map(node, cfg, "m")).servers.get(1):
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError("the silent server's announcement never aged out")
+
+            async def lost_then_served_by(server: Server) -> dict:
+                """A step that finds stage 1 lost, and is done once `server` announces it; its recovery record."""
+                step = asyncio.create_task(driver.train_step())
+                for _ in range(200):
+                    if 1 in driver.lost_since or step.done():
+                        break
+                    await asyncio.sleep(0.1)
+                assert 1 in driver.lost_since, "the driver never found stage 1 lost"
+                router.down.discard(server.node_id)
+                up.add(server)
+                row = await asyncio.wait_for(step, 60)
+                [event] = row["recovery"]
+                assert event["stage"] == 1 and event["servers"] == [server.node_id], event
+                return event
+
+            await first.announce()
+            await second.announce()
+            beat = asyncio.create_task(announcing())
+            try:
+                assert "recovery" not in await driver.train_step()
+
+                await silent_until_aged_out(second)
+                assert not (await lost_then_served_by(second))["replaced"]  # the same server answered again
+
+                await silent_until_aged_out(second)
+                assert (await lost_then_served_by(other))["replaced"]  # another server took the stage
+            finally:
+                beat.cancel()
+                await asyncio.gather(beat, return_exceptions=True)
+
+    asyncio.run(scenario())
