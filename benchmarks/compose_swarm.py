@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.helpers.compose import (  # noqa: E402
@@ -37,6 +39,23 @@ from tests.helpers.images import install_missing  # noqa: E402
 
 START_TIMEOUT_S = 1200  # the default model is built on each side before its node 0 serves the dashboard
 POLL_S = 2.0
+
+
+def cpu_seconds(root_pid: int) -> float:
+    """User and system CPU seconds of a process and its descendants so far (a node and its p2p daemon)."""
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def last_round(state: Path) -> int:
@@ -100,7 +119,14 @@ def main() -> None:
                 "containers": [project.state(service) for service in SERVICES],
                 "processes": [root / "plain" / f"node-{i}" for i in range(3)],
             }
+            # the nodes' processes as this host sees them: a container's main process is its node (its command execs it)
+            node_pids = {
+                "containers": [project.container(service)["State"]["Pid"] for service in SERVICES],
+                "processes": [child.pid for child in psutil.Process(plain.pid).children() if "join" in child.cmdline()],
+            }
+            assert len(node_pids["processes"]) == 3, node_pids
             first = {side: [last_round(state) for state in paths] for side, paths in states.items()}
+            cpu_first = {side: [cpu_seconds(pid) for pid in pids] for side, pids in node_pids.items()}
             window_started = time.monotonic()
             while time.monotonic() - window_started < args.minutes * 60:
                 time.sleep(min(60.0, args.minutes * 60 - (time.monotonic() - window_started)))
@@ -111,9 +137,18 @@ def main() -> None:
                     flush=True,
                 )
             minutes = (time.monotonic() - window_started) / 60
-            per_minute = {
-                side: [(last_round(state) - r0) / minutes for state, r0 in zip(paths, first[side])]
+            rounds_done = {
+                side: [last_round(state) - r0 for state, r0 in zip(paths, first[side])]
                 for side, paths in states.items()
+            }
+            per_minute = {side: [r / minutes for r in done] for side, done in rounds_done.items()}
+            # CPU seconds a round: what a round costs, whatever share of the cores the scheduler gave each side
+            cpu_per_round = {
+                side: [
+                    (cpu_seconds(pid) - c0) / max(1, r)
+                    for pid, c0, r in zip(node_pids[side], cpu_first[side], rounds_done[side])
+                ]
+                for side in node_pids
             }
         finally:
             if plain is not None and plain.poll() is None:
@@ -128,12 +163,17 @@ def main() -> None:
             engine.stop()
 
     ratio = statistics.fmean(per_minute["containers"]) / statistics.fmean(per_minute["processes"])
+    cpu_ratio = statistics.fmean(cpu_per_round["containers"]) / statistics.fmean(cpu_per_round["processes"])
     load = os.getloadavg()[0]
     for side, rates in per_minute.items():
+        rounded, cpu = [round(r, 1) for r in rates], [round(c, 3) for c in cpu_per_round[side]]
         print(
-            f"{side:10s}: rounds per minute per node {[round(r, 1) for r in rates]}, mean {statistics.fmean(rates):.1f}"
+            f"{side:10s}: rounds per minute per node {rounded}, mean {statistics.fmean(rates):.1f}; CPU s a round {cpu}"
         )
-    print(f"containers / processes: {ratio:.3f} (side by side, {minutes:.1f} minutes, load average {load:.1f})")
+    print(
+        f"containers / processes: rounds per minute {ratio:.3f}, CPU s a round {cpu_ratio:.3f} (side by side, "
+        f"{minutes:.1f} minutes, load average {load:.1f})"
+    )
     print(
         json.dumps(
             {
@@ -143,6 +183,8 @@ def main() -> None:
                 "seconds_to_three_peers": to_three,
                 "rounds_per_minute_per_node": per_minute,
                 "containers_vs_processes": ratio,
+                "cpu_s_per_round": cpu_per_round,
+                "containers_vs_processes_cpu_s_per_round": cpu_ratio,
                 "window_minutes": minutes,
                 "load_average_1min": load,
             }
