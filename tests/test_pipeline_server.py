@@ -19,7 +19,7 @@ from node.transport.framing import frame_bytes
 from protocol import NodeIdentity
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, StageCall
 from tests.helpers.common import REPO
-from tests.helpers.averaging import swarm
+from tests.helpers.averaging import GainsARelayAddress, swarm
 
 OVERRIDES = [
     "model.default.hidden_size=32",
@@ -311,23 +311,6 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
-
-
-class GainsARelayAddress:
-    """A DHT node whose daemon, once `relay` is set, also reports a /p2p-circuit address (a relay that reserved it a
-    slot after the start, or came back after a restart); everything else is the node's own."""
-
-    def __init__(self, node) -> None:
-        self.node = node
-        self.relay: list[str] = []
-
-    def __getattr__(self, name):
-        return getattr(self.node, name)
-
-    async def get_visible_maddrs(self, latest: bool = False):
-        from multiaddr import Multiaddr
-
-        return [*await self.node.get_visible_maddrs(latest=latest), *(Multiaddr(a) for a in self.relay)]
 
 
 def test_each_announcement_carries_the_addresses_the_session_has_then(config):

@@ -49,6 +49,23 @@ async def swarm(count: int, identities: list[str] | None = None):
         await asyncio.gather(*(shutdown_dht(node, timeout=10) for node in nodes))
 
 
+class GainsARelayAddress:
+    """A DHT node whose daemon, once `relay` is set, also reports a /p2p-circuit address (a relay that reserved it a
+    slot after the start, or came back after a restart); everything else is the node's own."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.relay: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)
+
+    async def get_visible_maddrs(self, latest: bool = False):
+        from multiaddr import Multiaddr
+
+        return [*await self.node.get_visible_maddrs(latest=latest), *(Multiaddr(a) for a in self.relay)]
+
+
 def make_writer():
     """A fresh node identity signing averaging announcements for the test swarm."""
     from node.transport.records import RecordWriter
