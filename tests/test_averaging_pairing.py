@@ -15,6 +15,7 @@ from node.averaging.pairing import PairAverager
 from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import (
     OTHER_PREFIX,
+    GainsARelayAddress,
     PREFIX,
     assert_untouched,
     averagers,
@@ -25,6 +26,7 @@ from tests.helpers.averaging import (
     weights,
     writer_losing_done_announcements,
 )
+from tests.helpers.swarm import SWARM_OVERRIDES
 
 
 def test_two_peers_get_exactly_the_mean_fp32():
@@ -212,6 +214,44 @@ def test_average_requires_start_and_rounds_do_not_overlap():
                 broken["b"][0] = float("nan")
                 assert await alone.average(broken, 1, timeout=5) is None  # never offered to a partner
                 assert alone.failures["own_weights_not_finite"] == 1 and alone.rounds_skipped == 2
+
+    asyncio.run(scenario())
+
+
+def test_each_free_announcement_carries_the_addresses_the_session_has_then(tiny_config):
+    """A partner dials this node at the addresses it announced "free" with: a relay address the session gains after
+    averaging started (a relay that reserved a slot late, or came back after a restart; the session's membership
+    refreshes its addresses, node/transport/membership.py) must reach the next round's announcement."""
+    from node.averaging.service import start_averaging
+    from node.transport.session import SwarmSession
+    from protocol import NodeIdentity
+
+    config = tiny_config(*SWARM_OVERRIDES, "averaging.method=noloco")
+
+    async def announced(averager: PairAverager, round_id: int) -> list[str]:
+        """The addresses a peer reads in this node's "free" announcement of the round."""
+        await averager.matchmaker.announce(round_id, "free")
+        rnd = Round(round_id=round_id, theta={}, payload=b"", capacity=1, deadline=0.0)
+        await averager.matchmaker.read_view(rnd)
+        return rnd.addresses[averager.peer_id]
+
+    async def scenario():
+        async with swarm(2) as (node, relay_node):
+            daemon = GainsARelayAddress(node)
+            session = SwarmSession(
+                config, daemon, "outbound-only", NodeIdentity.generate(), config.resolved_state_dir()
+            )
+            await session.refresh_addresses()  # as join_swarm does
+            service = await start_averaging(config, session, torch.nn.Linear(2, 2), "fingerprint", 0)
+            try:
+                assert await announced(service.averager, 0) == session.addresses
+                relay, ours = relay_node.peer_id.to_base58(), node.peer_id.to_base58()
+                daemon.relay = [f"/ip4/10.0.0.9/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{ours}"]
+                assert await session.refresh_addresses()  # what the membership does every heartbeat
+                assert daemon.relay[0] in session.addresses
+                assert await announced(service.averager, 1) == session.addresses
+            finally:
+                await service.averager.stop()
 
     asyncio.run(scenario())
 

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from protocol import AveragingReady, MessageKind
+from protocol import DEFAULT_LIMITS, AveragingReady, MessageKind
 from protocol.bounded import BoundedDict
 from protocol.refusals import SentencedEnum
 
@@ -175,6 +175,7 @@ class Matchmaker:
         call: Call,
         failures: Counter[str],
         *,
+        addresses: Callable[[], list[str]],
         group_size: int | None,
         poll_interval: float,
         call_patience_s: float,
@@ -194,7 +195,8 @@ class Matchmaker:
         self.settle_s = settle_s
         self.gather_s = gather_s
         self.dht_timeout = dht_timeout
-        self.maddrs: list[str] = []  # where our daemon can be dialed: announced with "free" (set by the averager)
+        # where our daemon can be dialed now: read for each announcement, as the session's membership refreshes them
+        self.addresses = addresses
 
     def ready_key(self, round_id: int) -> str:
         return f"{self.prefix}/ready/{round_id}"
@@ -292,7 +294,8 @@ class Matchmaker:
     async def announce(self, round_id: int, state: str) -> None:
         """Sign and store our state for the round; it expires records.RECORD_TTL_S after signing, so our
         "done" (signed later) always outlives, and replaces, any replay of our "free"."""
-        message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state, p2p_maddrs=self.maddrs)
+        maddrs = self.addresses()[: DEFAULT_LIMITS.max_addresses]
+        message = AveragingReady(p2p_peer_id=self.peer_id, round=round_id, state=state, p2p_maddrs=maddrs)
         if not await self.writer.store(self.dht, self.ready_key(round_id), message, self.dht_timeout):
             log.warning("round %d: the DHT did not take our '%s' announcement", round_id, state)
 

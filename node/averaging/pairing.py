@@ -54,8 +54,6 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol import DEFAULT_LIMITS
-
 from node.averaging.exchange import Named, WeightExchange
 from node.averaging.matchmaking import MAX_GROUP_PARTNERS, Matchmaker, Round
 from node.transport.protobuf_shim import import_hivemind_isolated
@@ -88,7 +86,10 @@ class PairAverager:
 
     `dht` is the node's running hivemind `DHTNode` (its `p2p` carries the streams). The
     caller owns the DHT; `stop()` leaves it running. `exchange` builds the exchange's two sides
-    (exchange.WeightExchange, or a subclass that plays a faulty peer in tests).
+    (exchange.WeightExchange, or a subclass that plays a faulty peer in tests). `addresses` says where
+    peers dial this node now, read for each announcement: the swarm session's, which its membership
+    refreshes (a relay slot reserved late, or again after a relay restart). Without it (a bare DHT
+    node: tests, benchmarks) the daemon's visible addresses at `start()` are announced.
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class PairAverager:
         dht_timeout: float = 5.0,
         writer: RecordWriter,
         exchange: Callable[..., WeightExchange] = WeightExchange,
+        addresses: Callable[[], list[str]] | None = None,
     ) -> None:
         if group_size not in (2, None):
             raise ValueError("group_size must be 2 (NoLoCo pairs) or None (all live peers)")
@@ -129,6 +131,7 @@ class PairAverager:
             refusals=self.refusals,
             failures=self.failures,
         )
+        self._addresses = addresses
         self.matchmaker = Matchmaker(
             dht,
             writer,
@@ -136,6 +139,7 @@ class PairAverager:
             self.peer_id,
             self.exchange.call,
             self.failures,
+            addresses=lambda: self._addresses(),
             group_size=group_size,
             poll_interval=poll_interval,
             call_patience_s=call_patience_s,
@@ -150,7 +154,9 @@ class PairAverager:
     # lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.matchmaker.maddrs = [str(a) for a in await self.dht.get_visible_maddrs()][: DEFAULT_LIMITS.max_addresses]
+        if self._addresses is None:  # nothing refreshes a bare DHT node's addresses: ask its daemon once
+            visible = [str(a) for a in await self.dht.get_visible_maddrs()]
+            self._addresses = lambda: visible
         await self.dht.p2p.add_binary_stream_handler(self.exchange.handler_name, self._handle)
         self._started = True
 

@@ -160,6 +160,7 @@ async def start_averaging(
         mode=averaging.transfer_dtype,
         max_relative_distance=averaging.max_relative_distance,
         writer=session.writer,
+        addresses=lambda: session.addresses,  # as the session's membership refreshes them, not as they were at start
     )
     await averager.start()
     service = OuterStepService(config, module, averager)
