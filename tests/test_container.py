@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import tempfile
@@ -25,7 +24,7 @@ from tests.helpers.images import (
     BUILD_TIMEOUT_S,
     HOST_CA_BUNDLE,
     debian_rootfs,
-    dockerfile_default,
+    pip_build_arguments,
     has_local_torch,
     host_pip_sources,
     install_missing,
@@ -72,12 +71,6 @@ def build_image() -> None:
         *(option for folder in folders for option in ("--find-links", folder)),
         *(option for url in indexes for option in ("--extra-index-url", url)),
     ]
-    # torch from a local folder where one holds the CPU build, else from the Dockerfile's default source.
-    torch_source = (
-        shlex.join([*trust, *local])
-        if has_local_torch(folders)
-        else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
-    )
     run(
         "nice",
         "-n",
@@ -92,10 +85,7 @@ def build_image() -> None:
         IMAGE,
         "--build-arg",
         f"BASE_IMAGE={BASE_IMAGE}",
-        "--build-arg",
-        f"TORCH_SOURCE={torch_source}",
-        "--build-arg",
-        f"PIP_OPTIONS={shlex.join([*trust, *local])}",
+        *pip_build_arguments(trust, local, has_local_torch(folders)),
         *volumes,
         "-f",
         str(REPO / "Dockerfile"),

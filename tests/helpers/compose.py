@@ -8,7 +8,6 @@ from the local Debian base."""
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from tests.helpers.docker_engine import DockerEngine
 from tests.helpers.images import (
     BUILD_TIMEOUT_S,
     debian_rootfs,
-    dockerfile_default,
+    pip_build_arguments,
     has_local_torch,
     host_pip_sources,
     run,
@@ -97,9 +96,6 @@ def build_image(engine: DockerEngine, scratch: Path) -> float:
     wall seconds (a rebuild reuses the engine's cached layers)."""
     build_base(engine)
     wheels = LocalWheels(scratch)
-    trust = ["--cert", "/etc/ssl/certs/host-ca.crt"]
-    local = [*trust, *wheels.pip_options()]
-    torch_source = shlex.join(local) if wheels.has_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
     started = time.monotonic()
     try:
         engine.docker(
@@ -110,10 +106,7 @@ def build_image(engine: DockerEngine, scratch: Path) -> float:
             IMAGE,
             "--build-arg",
             f"BASE_IMAGE={BASE_IMAGE}",
-            "--build-arg",
-            f"TORCH_SOURCE={torch_source}",
-            "--build-arg",
-            f"PIP_OPTIONS={shlex.join(local)}",
+            *pip_build_arguments(["--cert", "/etc/ssl/certs/host-ca.crt"], wheels.pip_options(), wheels.has_torch),
             str(REPO),
             timeout=BUILD_TIMEOUT_S,
         )

@@ -108,6 +108,15 @@ def has_local_torch(folders: list[str]) -> bool:
     return any(next(Path(folder).glob("torch-2.13.0+cpu-*.whl"), None) for folder in folders)
 
 
+def pip_build_arguments(trust: list[str], sources: list[str], has_torch: bool) -> list[str]:
+    """The Dockerfile's TORCH_SOURCE and PIP_OPTIONS build arguments: pip's trust options (this machine's CA bundle)
+    and this machine's wheel sources; torch from those sources where they hold the CPU build, else from the
+    Dockerfile's default source."""
+    local = [*trust, *sources]
+    torch_source = shlex.join(local) if has_torch else " ".join([*trust, dockerfile_default("TORCH_SOURCE")])
+    return ["--build-arg", f"TORCH_SOURCE={torch_source}", "--build-arg", f"PIP_OPTIONS={shlex.join(local)}"]
+
+
 def dockerfile_default(argument: str) -> str:
     match = re.search(rf'^ARG {argument}="(.*)"$', (REPO / "Dockerfile").read_text(), re.MULTILINE)
     assert match, f"the Dockerfile declares no default for {argument}"
