@@ -51,8 +51,9 @@ class Teachers:
         answered the specialty yet counts as CAPABILITY_PRIOR); the number marked."""
         marked = 0
         for group in groups:
-            teacher = self.by_label.get(self.label_of(group.spec))
-            own = self.own_accuracy.get(self.label_of(group.spec), CAPABILITY_PRIOR)
+            label = self.label_of(group.spec)
+            teacher = self.by_label.get(label)
+            own = self.own_accuracy.get(label, CAPABILITY_PRIOR)
             group.teacher = teacher.policy if teacher is not None and teacher.pass_rate > own else None
             marked += group.teacher is not None
         return marked
