@@ -145,6 +145,37 @@ ARMS = {
         "trainer.imitation_coef=4.0",
         "trainer.distill_coef=1.0",
     ],
+    # each specialty's terms averaged over its own tokens, the specialties weighing the same (MT-GRPO's per-task
+    # normalisation): peers' groups of one specialty no longer outweigh the node's own groups of another
+    "sapo_balance_equal": [
+        *SWARM_IMITATE,
+        "trainer.imitation_coef=4.0",
+        "swarm.local_draw=balance",
+        "trainer.specialty_weighting=equal",
+    ],
+    # and each specialty's gradient without its components that conflict with another's (PCGrad)
+    "sapo_balance_projected": [
+        *SWARM_IMITATE,
+        "trainer.imitation_coef=4.0",
+        "swarm.local_draw=balance",
+        "trainer.specialty_weighting=projected",
+    ],
+    "silo_imitate_equal": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "swarm.imitation=own",
+        "trainer.imitation_coef=4.0",
+        "trainer.specialty_weighting=equal",
+    ],
+    "silo_imitate_projected": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "swarm.imitation=own",
+        "trainer.imitation_coef=4.0",
+        "trainer.specialty_weighting=projected",
+    ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [
         "swarm.local_questions=8",
@@ -309,7 +340,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
 
     def point(i: int, node: Node) -> dict:
         kl = {"kl_own_vs_warm": kl_to_warm_start(node, warm[i], own_questions[i])} if own_questions[i] else {}
-        return {
+        measured = {
             **kl,
             "compute_s": compute[i],
             "cpu_s": cpu[i],
@@ -317,6 +348,9 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             "round": rounds[i],
             **evaluate(node, questions),
         }
+        # every point as it is measured: a run stopped before its end (a lent machine's time limit) keeps its curve
+        print(f"  point {setting} {arm} seed {seed} node {i}: {json.dumps(measured)}", flush=True)
+        return measured
 
     curves: list[list[dict]] = [[point(i, node)] for i, node in enumerate(nodes)]
     rewards: list[list[float]] = [[] for _ in nodes]

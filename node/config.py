@@ -194,6 +194,16 @@ class TrainerConfig(_Section):
     """Optimizer steps over the same round's rollouts (>1 makes clipping matter)."""
     drop_uniform_groups: bool = True
     """Skip question groups whose rewards are all equal (zero advantage; DAPO dynamic sampling)."""
+    specialty_weighting: Literal["tokens", "equal", "projected"] = "tokens"
+    """How the round's specialties share the update. 'tokens': every completion token weighs the same, so the
+    specialty with the most trained tokens steers the step. 'equal': each specialty present in the batch weighs the
+    same (its policy, imitation and distillation terms averaged over its own tokens, then the mean over
+    specialties; MT-GRPO's per-task normalisation), so peers' groups of one specialty cannot outweigh the node's own
+    of another. 'projected': as 'equal', and where two specialties' gradients conflict (negative dot product), each
+    loses its component along the other before they are summed (PCGrad, Yu et al. 2020): what a node learns of one
+    specialty does not, to first order, undo another. A specialty is a question's dataset and its configuration
+    (the mix entry). 'projected' keeps one gradient copy per specialty and needs the policy's parameters local
+    (not a pipeline)."""
     advantage_eps: float = Field(1e-4, gt=0)
     """Added to the group's reward std before dividing."""
     importance_cap: float = Field(2.0, gt=0)

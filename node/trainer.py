@@ -19,7 +19,9 @@ a teacher (a peer's policy stronger there), distill_coef * sum_i,t KL(pi(.|x_i,<
 completion tokens), the reverse KL over the whole vocabulary at each position, the teacher's forward run without
 gradients. Every completion of such a group counts, a group all wrong included.
 The policy term is averaged over all its completion tokens (DAPO's token-level mean), whatever the
-micro-batching.
+micro-batching. With trainer.specialty_weighting 'equal' each specialty of the round (a question's dataset and
+configuration) has its terms averaged over its own tokens and the specialties weigh the same; with 'projected' each
+specialty's gradient also loses its components that conflict with another's before they are summed (PCGrad).
 
 Cost: one forward and backward per micro-batch carries both terms (a demonstration that is also a
 policy-term completion is not run twice), and with one epoch a round pi_old is that forward, detached:
@@ -37,6 +39,7 @@ import torch
 from node.config import TrainerConfig
 from node.device import model_device
 from node.rollouts.base import Completion, RolloutGroup, is_uniform
+from protocol import TaskSpec
 
 
 @dataclass
@@ -187,10 +190,50 @@ class TrainingRow:
     """Weight of this completion as a demonstration (0: none)."""
     teacher: torch.nn.Module | None = None
     """The policy whose next-token distributions this completion is distilled toward (None: not distilled)."""
+    specialty: str = ""
+    """The specialty of the question (specialty_key): with trainer.specialty_weighting other than 'tokens', each
+    specialty's terms are averaged over its own tokens."""
 
     @property
     def pair(self) -> tuple[list[int], list[int]]:
         return self.prompt_ids, self.completion_ids
+
+
+@dataclass
+class UpdateShare:
+    """Rows of the round that share one normalisation: each term is averaged over the share's own tokens, then
+    multiplied by the share's weight."""
+
+    rows: list[TrainingRow]
+    weight: float
+
+    def __post_init__(self) -> None:
+        self.policy_tokens = sum(len(row.completion_ids) for row in self.rows if row.in_policy_term)
+        self.demonstration_tokens = sum(len(row.completion_ids) for row in self.rows if row.imitation_weight > 0)
+        self.distilled_tokens = sum(len(row.completion_ids) for row in self.rows if row.teacher is not None)
+
+
+def specialty_key(spec: TaskSpec) -> str:
+    """A question's specialty as the trainer tells them apart: its dataset and configuration (its mix entry)."""
+    return f"{spec.dataset}:{spec.config_key}"
+
+
+def project_conflicts(gradients: list[torch.Tensor]) -> torch.Tensor:
+    """PCGrad (Yu et al. 2020), in a fixed order: each gradient loses its component along every other gradient it
+    conflicts with (negative dot product; checked against the partly projected gradient, as the paper does), and
+    the projected gradients are summed. Two gradients that do not conflict are summed unchanged."""
+    total = torch.zeros_like(gradients[0])
+    for i, gradient in enumerate(gradients):
+        projected = gradient.clone()
+        for j, other in enumerate(gradients):
+            if j == i:
+                continue
+            dot = torch.dot(projected, other)
+            norm_sq = torch.dot(other, other)
+            if dot < 0 and norm_sq > 0:
+                projected -= (dot / norm_sq) * other
+        total += projected
+    return total
 
 
 class GRPOTrainer:
@@ -212,6 +255,11 @@ class GRPOTrainer:
         self.policy_version = policy_version
         # A policy split across stage servers brings its own optimizer (node/pipeline/remote_model.py): each stage steps
         # itself.
+        if optimizer is not None and config.specialty_weighting == "projected":
+            raise ValueError(
+                "trainer.specialty_weighting 'projected' needs the policy's gradients in this process; a policy split "
+                "across stage servers steps each stage where it is: use 'equal' or 'tokens'"
+            )
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -238,7 +286,13 @@ class GRPOTrainer:
                 stats.groups_dropped += 1
                 if teacher is not None:  # no policy-gradient signal, but the teacher still has one
                     rows += [
-                        TrainingRow(c.prompt_ids, c.completion_ids, in_policy_term=False, teacher=teacher)
+                        TrainingRow(
+                            c.prompt_ids,
+                            c.completion_ids,
+                            in_policy_term=False,
+                            teacher=teacher,
+                            specialty=specialty_key(group.spec),
+                        )
                         for c in group.completions
                         if c.completion_ids
                     ]
@@ -258,13 +312,14 @@ class GRPOTrainer:
                         on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
                         loss_scale=group.loss_scale,
                         teacher=teacher,
+                        specialty=specialty_key(group.spec),
                     )
                 )
         if self.config.imitation_coef > 0:
             unmarked = {}
             for row in rows:
                 unmarked.setdefault((tuple(row.prompt_ids), tuple(row.completion_ids)), row)
-            for weight, completion in self._demonstrations([*groups, *demonstration_groups]):
+            for weight, completion, specialty in self._demonstrations([*groups, *demonstration_groups]):
                 row = unmarked.pop((tuple(completion.prompt_ids), tuple(completion.completion_ids)), None)
                 if row is not None:
                     row.imitation_weight = weight
@@ -275,6 +330,7 @@ class GRPOTrainer:
                             completion.completion_ids,
                             in_policy_term=False,
                             imitation_weight=weight,
+                            specialty=specialty,
                         )
                     )
         return rows
@@ -327,6 +383,17 @@ class GRPOTrainer:
         done = min(1.0, self.policy_version / config.imitation_decay_updates)
         return config.imitation_coef + done * (config.imitation_coef_final - config.imitation_coef)
 
+    def shares(self, rows: list[TrainingRow]) -> list[UpdateShare]:
+        """How the round's rows share the update (trainer.specialty_weighting): one share of all rows ('tokens'), or
+        one per specialty, each weighing 1 / (the number of specialties), in the order they first appear."""
+        if self.config.specialty_weighting == "tokens":
+            parts = {"": rows}
+        else:
+            parts = {}
+            for row in rows:
+                parts.setdefault(row.specialty, []).append(row)
+        return [UpdateShare(part_rows, 1.0 / len(parts)) for part_rows in parts.values()]
+
     def step(self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> TrainStats:
         """One optimizer step on `groups` (the policy-gradient term, and the imitation term over their marked right
         answers) and on `demonstration_groups`, whose right answers enter the imitation term only."""
@@ -343,16 +410,20 @@ class GRPOTrainer:
         coef = self.imitation_coef_now()
         self.model.train()
         micro = self.config.micro_batch_size
-        batches = [rows[i : i + micro] for i in range(0, len(rows), micro)]
+        shares = self.shares(rows)
+        # micro-batches never mix shares: each is divided by its own share's token counts
+        batches = [(share, share.rows[i : i + micro]) for share in shares for i in range(0, len(share.rows), micro)]
+        projected = self.config.specialty_weighting == "projected" and len(shares) > 1
         frozen = None
         if self.config.epochs_per_round > 1:  # pi_old must not move with the first epoch's step: fixed before it
-            frozen = [self.frozen_logprobs(batch) for batch in batches]
+            frozen = [self.frozen_logprobs(batch) for _, batch in batches]
             stats.forward_tokens += sum(positions for _, _, positions in frozen)
         weighted: list[torch.Tensor] = []
         loss_sum = clipped = kl_sum = nll_sum = distill_sum = 0.0
         for epoch in range(self.config.epochs_per_round):
             self.optimizer.zero_grad(set_to_none=True)
-            for k, batch in enumerate(batches):
+            share_gradients: list[torch.Tensor] = []
+            for k, (share, batch) in enumerate(batches):
                 pairs = [row.pair for row in batch]
                 positions_here = padded_positions(pairs)
                 logprobs, distributions, mask = completion_distributions(
@@ -398,7 +469,7 @@ class GRPOTrainer:
                         ref,
                         self.config.kl_beta,
                     )
-                    loss = loss + policy_sum / policy_tokens
+                    loss = loss + share.weight * policy_sum / share.policy_tokens
                     loss_sum += policy_sum.item()
                     clipped += info["clipped_tokens"].item()
                     kl_sum += info["kl_sum"].item()
@@ -411,18 +482,23 @@ class GRPOTrainer:
                     if self.config.imitation_token_weight == "p_one_minus_p":
                         p = logprobs.detach().exp()
                         token_weights = token_weights * p * (1 - p)
-                    loss = loss + coef * (token_nll * token_weights).sum() / demonstration_tokens
+                    imitation = (token_nll * token_weights).sum() / share.demonstration_tokens
+                    loss = loss + share.weight * coef * imitation
                     if epoch == 0:  # before the step
                         nll_sum += (token_nll.detach() * (demonstration_weights > 0)).sum().item()
                 taught = [i for i, row in enumerate(batch) if row.teacher is not None]
                 if taught:
                     distill, positions = self._distillation(batch, taught, distributions, mask)
                     stats.forward_tokens += positions
-                    loss = loss + self.config.distill_coef * distill / distilled_tokens
+                    loss = loss + share.weight * self.config.distill_coef * distill / share.distilled_tokens
                     if epoch == 0:
                         distill_sum += distill.item()
                 if loss.requires_grad:
                     loss.backward()
+                if projected and (k + 1 == len(batches) or batches[k + 1][0] is not share):
+                    share_gradients.append(self._take_gradient())
+            if projected:
+                self._put_gradient(project_conflicts(share_gradients))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(
@@ -454,6 +530,23 @@ class GRPOTrainer:
             raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
         return stats
 
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _take_gradient(self) -> torch.Tensor:
+        """The gradient accumulated so far, flattened, and the parameters' gradients cleared for the next share."""
+        params = self._trainable()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        for p in params:
+            p.grad = None
+        return flat
+
+    def _put_gradient(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self._trainable():
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
     def _distillation(
         self, batch: list[TrainingRow], taught: list[int], distributions: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
@@ -476,8 +569,11 @@ class GRPOTrainer:
             total = total + (per_position * mask[indices, :width]).sum()
         return total, positions
 
-    def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion]]:
-        """The round's right answers marked for imitation, with their weights: the heaviest, up to
+    def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion, str]]:
+        """The round's right answers marked for imitation, with their weights and specialties: the heaviest, up to
         imitation_max_sequences."""
-        weighted = sorted(((g.imitation_weight, c) for g in groups for c in g.demonstrations()), key=lambda wc: -wc[0])
+        weighted = sorted(
+            ((g.imitation_weight, c, specialty_key(g.spec)) for g in groups for c in g.demonstrations()),
+            key=lambda item: -item[0],
+        )
         return weighted[: self.config.imitation_max_sequences]

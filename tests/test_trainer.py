@@ -488,3 +488,68 @@ def test_teachers_mark_the_groups_of_specialties_a_stronger_peer_offers():
     accuracy["subtract"] = 0.8  # the node caught up: no teacher any more
     teachers.assign(groups)
     assert groups[1].teacher is None
+
+
+def test_project_conflicts_hand_computed():
+    from node.trainer import project_conflicts
+
+    # conflicting (dot -1): [1,0] loses its part along [-1,1] -> [0.5,0.5]; [-1,1] its part along [1,0] -> [0,1]
+    total = project_conflicts([torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1.0])])
+    assert total.tolist() == pytest.approx([0.5, 1.5])
+    # no conflict (dot +1): summed unchanged
+    assert project_conflicts([torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])]).tolist() == pytest.approx([2, 1])
+    # exactly opposed: nothing of either is left
+    assert project_conflicts([torch.tensor([2.0, 0.0]), torch.tensor([-1.0, 0.0])]).tolist() == pytest.approx([0, 0])
+
+
+def _specialty_groups() -> tuple[RolloutGroup, RolloutGroup]:
+    """Two specialties (one dataset, two configurations), with more completion tokens in the first."""
+    first = RolloutGroup(
+        TaskSpec("x", {"op": "+"}, 0, 0),
+        [_completion([3, 4], [5, 6, 7, 1]), _completion([3, 4], [8, 9, 10, 1])],
+        [1.0, 0.0],
+    )
+    second = RolloutGroup(
+        TaskSpec("x", {"op": "-"}, 0, 1), [_completion([3, 4], [8, 1]), _completion([3, 4], [5, 1])], [1.0, 0.0]
+    )
+    return first, second
+
+
+def _sgd_gradient(tiny_policy, weighting: str, groups: list[RolloutGroup]) -> torch.Tensor:
+    """The update's gradient, read off a plain SGD step of rate 1 without clipping."""
+    import copy
+
+    model = copy.deepcopy(tiny_policy)
+    config = TrainerConfig(specialty_weighting=weighting, max_grad_norm=1e9)
+    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    trainer.step(groups)
+    return before - torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_specialty_weighting_equal_and_projected_hand_computed(tiny_policy):
+    from node.trainer import project_conflicts
+
+    first, second = _specialty_groups()
+    g_first = _sgd_gradient(tiny_policy, "tokens", [first])
+    g_second = _sgd_gradient(tiny_policy, "tokens", [second])
+    assert torch.dot(g_first, g_second) < 0  # the two specialties pull against each other here
+    # tokens: each token weighs the same, so the specialty with 8 completion tokens outweighs the one with 4
+    pooled = _sgd_gradient(tiny_policy, "tokens", [first, second])
+    assert torch.allclose(pooled, (8 * g_first + 4 * g_second) / 12, atol=1e-6)
+    # equal: the mean of each specialty's own mean
+    equal = _sgd_gradient(tiny_policy, "equal", [first, second])
+    assert torch.allclose(equal, (g_first + g_second) / 2, atol=1e-6)
+    # projected: each half-weighted gradient without its component along the other, then summed
+    projected = _sgd_gradient(tiny_policy, "projected", [first, second])
+    assert torch.allclose(projected, project_conflicts([g_first / 2, g_second / 2]), atol=1e-6)
+    assert not torch.allclose(projected, equal, atol=1e-4)
+    # one specialty alone: every weighting is the plain update
+    assert torch.allclose(_sgd_gradient(tiny_policy, "projected", [first]), g_first, atol=1e-7)
+
+
+def test_projected_weighting_refuses_a_policy_split_across_stages(tiny_policy):
+    optimizer = torch.optim.SGD(tiny_policy.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="projected"):
+        GRPOTrainer(TrainerConfig(specialty_weighting="projected"), tiny_policy, 0, 1.0, optimizer=optimizer)
