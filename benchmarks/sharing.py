@@ -176,6 +176,21 @@ ARMS = {
         "trainer.imitation_coef=4.0",
         "trainer.specialty_weighting=projected",
     ],
+    # the update's forward one row per completion, the prompt repeated in each (before trainer.share_prompt_forward)
+    "silo_imitate_rows": [
+        "swarm.local_questions=8",
+        "swarm.external_questions=0",
+        "swarm.generated_questions=8",
+        "swarm.imitation=own",
+        "trainer.imitation_coef=4.0",
+        "trainer.share_prompt_forward=false",
+    ],
+    "sapo_balance_rows": [
+        *SWARM_IMITATE,
+        "trainer.imitation_coef=4.0",
+        "swarm.local_draw=balance",
+        "trainer.share_prompt_forward=false",
+    ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [
         "swarm.local_questions=8",

@@ -194,6 +194,12 @@ class TrainerConfig(_Section):
     """Optimizer steps over the same round's rollouts (>1 makes clipping matter)."""
     drop_uniform_groups: bool = True
     """Skip question groups whose rewards are all equal (zero advantage; DAPO dynamic sampling)."""
+    share_prompt_forward: bool = True
+    """Run the completions of one prompt through the update's forward as one sequence, the prompt once (a 4-D
+    attention mask lets each completion see the prompt and itself only): the same log-probs and gradient for a
+    fraction of the positions, since a group's completions all repeat its prompt. Used where the policy takes such
+    a mask (a transformers model with sdpa or eager attention); elsewhere (flash attention, a pipeline) each
+    completion is its own row whatever this says."""
     specialty_weighting: Literal["tokens", "equal", "projected"] = "tokens"
     """How the round's specialties share the update. 'tokens': every completion token weighs the same, so the
     specialty with the most trained tokens steers the step. 'equal': each specialty present in the batch weighs the

@@ -119,22 +119,38 @@ def policy_loss(
 
 
 def completion_logprobs(
-    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float
+    model: torch.nn.Module,
+    rows: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    temperature: float,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of each completion token given its prompt: [batch, max_completion], mask; on the model's device.
 
     Sequences are right-padded with positions 0..n-1, the same positions the sampler used. The
     batch is laid out on the CPU and moved once (a copy per tensor, not one per row).
     """
-    targets, _, mask = completion_distributions(model, rows, pad_id, temperature)
+    targets, _, mask = completion_distributions(model, rows, pad_id, temperature, share_prompts)
     return targets, mask
 
 
 def completion_distributions(
-    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, temperature: float
+    model: torch.nn.Module,
+    rows: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    temperature: float,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """completion_logprobs, and the whole next-token log-distribution at each completion position: (log-probs
-    [batch, max_completion], log-distributions [batch, max_completion, vocab], mask), from one forward."""
+    [batch, max_completion], log-distributions [batch, max_completion, vocab], mask), from one forward.
+
+    share_prompts: rows with the same prompt go through the model as one sequence, the prompt once and each
+    completion after it, a completion seeing the prompt and itself only (a 4-D attention mask; positions restart
+    after the prompt for each). The same log-probs as one row each, for a fraction of the positions: a group's 8
+    completions repeat its prompt, which is most of a row. Needs a model that takes a 4-D boolean mask
+    (transformers' sdpa and eager attention; see prompt_sharing_supported)."""
+    if share_prompts:
+        return _shared_prompt_distributions(model, rows, temperature)
     device = model_device(model)
     seqs = [prompt + completion for prompt, completion in rows]
     width = max(map(len, seqs))
@@ -159,9 +175,78 @@ def completion_distributions(
     return targets.gather(1, scored_at).masked_fill(~mask, 0.0), distributions, mask
 
 
-def padded_positions(rows: list[tuple[list[int], list[int]]]) -> int:
-    """Token positions one forward over `rows` runs through the model (right-padded to the longest prompt+completion):
-    what a forward costs, pads included."""
+def _prompt_packs(rows: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+    """The rows by prompt, in first-seen order: (prompt, indices of its rows)."""
+    packs: dict[tuple[int, ...], list[int]] = {}
+    for i, (prompt, _) in enumerate(rows):
+        packs.setdefault(tuple(prompt), []).append(i)
+    return [(list(prompt), indices) for prompt, indices in packs.items()]
+
+
+def _shared_prompt_distributions(
+    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    device = model_device(model)
+    packs = _prompt_packs(rows)
+    lengths = [len(prompt) + sum(len(rows[i][1]) for i in indices) for prompt, indices in packs]
+    width = max(lengths)
+    max_completion = max(len(c) for _, c in rows)
+    input_ids = torch.zeros((len(packs), width), dtype=torch.long)
+    position_ids = torch.zeros((len(packs), width), dtype=torch.long)
+    allowed = torch.zeros((len(packs), width, width), dtype=torch.bool)
+    pack_of = torch.zeros(len(rows), dtype=torch.long)
+    # completion token j of row i is scored at the position before it: the prompt's last for j = 0, else its own j-1
+    scored_at = torch.zeros((len(rows), max_completion), dtype=torch.long)
+    token_ids = torch.zeros((len(rows), max_completion), dtype=torch.long)
+    mask = torch.zeros((len(rows), max_completion), dtype=torch.bool)
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    for p, (prompt, indices) in enumerate(packs):
+        n = len(prompt)
+        input_ids[p, :n] = torch.tensor(prompt, dtype=torch.long)
+        position_ids[p, :n] = torch.arange(n)
+        allowed[p, :n, :n] = causal[:n, :n]
+        start = n
+        for i in indices:
+            completion = rows[i][1]
+            end = start + len(completion)
+            input_ids[p, start:end] = torch.tensor(completion, dtype=torch.long)
+            position_ids[p, start:end] = torch.arange(n, n + len(completion))
+            allowed[p, start:end, :n] = True
+            allowed[p, start:end, start:end] = causal[: len(completion), : len(completion)]
+            pack_of[i] = p
+            if completion:
+                scored_at[i, : len(completion)] = torch.tensor([n - 1, *range(start, end - 1)], dtype=torch.long)
+            token_ids[i, : len(completion)] = torch.tensor(completion, dtype=torch.long)
+            mask[i, : len(completion)] = True
+            start = end
+        padding = torch.arange(start, width)
+        allowed[p, padding, padding] = True  # a pad sees itself: no row of the mask is empty
+    input_ids, position_ids, allowed = input_ids.to(device), position_ids.to(device), allowed.to(device)
+    pack_of, scored_at = pack_of.to(device), scored_at.to(device)
+    token_ids, mask = token_ids.to(device), mask.to(device)
+    logits = model(input_ids=input_ids, attention_mask=allowed[:, None], position_ids=position_ids).logits
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    distributions = logprobs[pack_of[:, None], scored_at]  # [rows, max_completion, vocab]
+    targets = distributions.gather(-1, token_ids[..., None]).squeeze(-1)
+    return targets.masked_fill(~mask, 0.0), distributions, mask
+
+
+def prompt_sharing_supported(model: torch.nn.Module) -> bool:
+    """Whether `model` takes the 4-D boolean attention mask of a shared-prompt forward: a transformers model with
+    sdpa or eager attention (flash attention takes none; a pipeline's remote model passes 2-D masks on)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):  # e.g. a pipeline's remote model: it carries an HF config, not the mask
+        return False
+    return model.config._attn_implementation in ("sdpa", "eager")
+
+
+def padded_positions(rows: list[tuple[list[int], list[int]]], share_prompts: bool = False) -> int:
+    """Token positions one forward over `rows` runs through the model (right-padded to the longest prompt+completion,
+    or with share_prompts to the longest prompt and its completions): what a forward costs, pads included."""
+    if share_prompts:
+        packs = _prompt_packs(rows)
+        return len(packs) * max(len(prompt) + sum(len(rows[i][1]) for i in indices) for prompt, indices in packs)
     return len(rows) * max(len(prompt) + len(completion) for prompt, completion in rows)
 
 
@@ -263,6 +348,8 @@ class GRPOTrainer:
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
+        # one forward per prompt rather than per completion, where the model takes the mask that needs
+        self.share_prompts = config.share_prompt_forward and prompt_sharing_supported(model)
         self.reference = None
         if config.kl_beta > 0:  # a copy of the policy, on the policy's device (a deep copy stays where it is)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -352,8 +439,10 @@ class GRPOTrainer:
         positions = 0
         if current is None:
             with torch.no_grad():
-                current, _ = completion_logprobs(self.model, [row.pair for row in batch], self.pad_id, self.temperature)
-            positions = padded_positions([row.pair for row in batch])
+                current, _ = completion_logprobs(
+                    self.model, [row.pair for row in batch], self.pad_id, self.temperature, self.share_prompts
+                )
+            positions = padded_positions([row.pair for row in batch], self.share_prompts)
         old = current.clone()
         weights = torch.ones_like(old)
         for i, row in enumerate(batch):
@@ -425,9 +514,9 @@ class GRPOTrainer:
             share_gradients: list[torch.Tensor] = []
             for k, (share, batch) in enumerate(batches):
                 pairs = [row.pair for row in batch]
-                positions_here = padded_positions(pairs)
+                positions_here = padded_positions(pairs, self.share_prompts)
                 logprobs, distributions, mask = completion_distributions(
-                    self.model, pairs, self.pad_id, self.temperature
+                    self.model, pairs, self.pad_id, self.temperature, self.share_prompts
                 )
                 stats.train_tokens += positions_here
                 if frozen is not None:
@@ -448,7 +537,9 @@ class GRPOTrainer:
                     ref = None
                     if self.reference is not None:
                         with torch.no_grad():
-                            ref, _ = completion_logprobs(self.reference, pairs, self.pad_id, self.temperature)
+                            ref, _ = completion_logprobs(
+                                self.reference, pairs, self.pad_id, self.temperature, self.share_prompts
+                            )
                         stats.forward_tokens += positions_here
                     advantages = torch.tensor(
                         [row.advantage for row in batch], dtype=logprobs.dtype, device=mask.device
@@ -560,9 +651,12 @@ class GRPOTrainer:
         for indices in by_teacher.values():
             teacher = batch[indices[0]].teacher
             pairs = [batch[i].pair for i in indices]
+            share = self.config.share_prompt_forward and prompt_sharing_supported(teacher)
             with torch.no_grad():
-                _, teacher_distributions, _ = completion_distributions(teacher, pairs, self.pad_id, self.temperature)
-            positions += padded_positions(pairs)
+                _, teacher_distributions, _ = completion_distributions(
+                    teacher, pairs, self.pad_id, self.temperature, share
+                )
+            positions += padded_positions(pairs, share)
             width = teacher_distributions.size(1)
             student = distributions[indices, :width]
             per_position = (student.exp() * (student - teacher_distributions.to(student.device))).sum(-1)

@@ -143,7 +143,7 @@ def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
     rows = trainer.training_rows([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])])
     old, weights, positions = trainer.frozen_logprobs(rows)
-    assert positions == 2 * 3  # its own no-grad forward: two rows of prompt + completion
+    assert positions == 1 + 2 + 2  # its own no-grad forward: the shared prompt once, then both completions
     assert torch.allclose(old[0], current[0], atol=1e-6)
     assert torch.allclose(weights[0], torch.full((2,), 2.0))
     assert torch.allclose(weights[1], torch.full((2,), math.exp(-0.5)), atol=1e-5)
@@ -345,7 +345,7 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     model = copy.deepcopy(tiny_policy)
     trainer = GRPOTrainer(TrainerConfig(max_grad_norm=1e9), model, pad_id=0, temperature=1.0, policy_version=5)
     stats = trainer.step([peer])
-    assert stats.forward_tokens == 0 and stats.train_tokens == 2 * 3
+    assert stats.forward_tokens == 0 and stats.train_tokens == 1 + 2 + 2  # the shared prompt once, then each answer
     # by hand: ratio 1 (its gradient that of log pi), A = +-0.5 / (sqrt(0.5) + eps), weights min(2, pi / pi_behaviour)
     advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
     reference = copy.deepcopy(tiny_policy)
@@ -355,7 +355,7 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     assert stats.importance_weight_mean == pytest.approx((math.exp(-0.3) + math.exp(0.2)) / 2, abs=1e-4)
     # two epochs: pi_old must stay where the round began, so it is computed first, by a no-grad pass of its own
     two = GRPOTrainer(TrainerConfig(epochs_per_round=2), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
-    assert two.step([peer]).forward_tokens == 2 * 3
+    assert two.step([peer]).forward_tokens == 1 + 2 + 2
 
 
 def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):
@@ -373,7 +373,7 @@ def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):
     model = copy.deepcopy(tiny_policy)
     trainer = GRPOTrainer(TrainerConfig(imitation_coef=2.0, max_grad_norm=1e9), model, 0, 1.0)
     stats = trainer.step([group])
-    assert stats.train_tokens == 2 * 4 and stats.forward_tokens == 0 and stats.imitation_sequences == 1
+    assert stats.train_tokens == 1 + 2 + 3 and stats.forward_tokens == 0 and stats.imitation_sequences == 1
     # off-policy rows (no behaviour log-probs): ratio 1; policy term over 5 tokens; imitation 2 x 0.5 x NLL(good) / 2
     advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
     reference = copy.deepcopy(tiny_policy)
@@ -462,7 +462,7 @@ def test_distillation_hand_computed_and_a_group_all_wrong_still_taught(tiny_poli
     off, off_stats = gradient(TrainerConfig(imitation_coef=0.0, max_grad_norm=1e9), [spread, all_wrong])
     assert off_stats.distilled_sequences == 0
     assert torch.allclose(
-        off, by_hand(lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5)
+        off, by_hand(lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5), atol=1e-6
     )
     # the all-wrong group alone is a step: the teacher still has something to say
     alone, alone_stats = gradient(config, [all_wrong])
@@ -553,3 +553,31 @@ def test_projected_weighting_refuses_a_policy_split_across_stages(tiny_policy):
     optimizer = torch.optim.SGD(tiny_policy.parameters(), lr=1.0)
     with pytest.raises(ValueError, match="projected"):
         GRPOTrainer(TrainerConfig(specialty_weighting="projected"), tiny_policy, 0, 1.0, optimizer=optimizer)
+
+
+def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tiny_policy):
+    """Rows of two prompts, in mixed order, one of them repeated: one sequence per prompt, the same numbers as a row
+    each, and the positions counted are the prompt once plus its completions."""
+    from node.trainer import completion_distributions, padded_positions, prompt_sharing_supported
+
+    rows = [([3, 4], [5, 1]), ([6], [7, 8, 9, 1]), ([3, 4], [10, 1]), ([3, 4], [5, 1]), ([6], [2])]
+    apart = completion_distributions(tiny_policy, rows, pad_id=0, temperature=0.7)
+    shared = completion_distributions(tiny_policy, rows, pad_id=0, temperature=0.7, share_prompts=True)
+    for one, other in zip(apart, shared):
+        assert one.shape == other.shape
+        assert torch.allclose(one.float(), other.float(), atol=1e-6)
+    # two sequences: [3, 4] and its answers (2 + 2 + 2 + 2 = 8), [6] and its answers (1 + 4 + 1 = 6), padded to 8
+    assert padded_positions(rows, share_prompts=True) == 2 * 8
+    assert padded_positions(rows) == 5 * 5
+    assert prompt_sharing_supported(tiny_policy)
+
+    class CarriesAConfig(torch.nn.Module):  # as a pipeline's remote model does: an HF config, but 2-D masks only
+        config = tiny_policy.config
+
+    assert not prompt_sharing_supported(CarriesAConfig())
+    tiny_policy.config._attn_implementation = "flash_attention_2"  # takes no 4-D mask: each completion its own row
+    try:
+        assert not prompt_sharing_supported(tiny_policy)
+        assert not GRPOTrainer(TrainerConfig(), tiny_policy, 0, 1.0).share_prompts
+    finally:
+        tiny_policy.config._attn_implementation = "sdpa"
