@@ -176,7 +176,8 @@ ARMS = {
         "trainer.imitation_coef=4.0",
         "trainer.specialty_weighting=projected",
     ],
-    # the update's forward one row per completion, the prompt repeated in each (before trainer.share_prompt_forward)
+    # every completion its own row, its prompt repeated in it, in the sampler's prefill and the update's forward
+    # (before rollout.share_prompt_prefill and trainer.share_prompt_forward)
     "silo_imitate_rows": [
         "swarm.local_questions=8",
         "swarm.external_questions=0",
@@ -184,12 +185,14 @@ ARMS = {
         "swarm.imitation=own",
         "trainer.imitation_coef=4.0",
         "trainer.share_prompt_forward=false",
+        "rollout.share_prompt_prefill=false",
     ],
     "sapo_balance_rows": [
         *SWARM_IMITATE,
         "trainer.imitation_coef=4.0",
         "swarm.local_draw=balance",
         "trainer.share_prompt_forward=false",
+        "rollout.share_prompt_prefill=false",
     ],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [

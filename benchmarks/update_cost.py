@@ -12,6 +12,9 @@ CPU seconds of this process (time.process_time), the median over rounds. The gra
 checked to agree (the same update, computed once instead of twice).
 
     .venv/bin/python benchmarks/update_cost.py --arms silo sapo_imitate
+
+`--before COMMIT` compares today's trainer with another commit's instead: `--before 0a775a7` is the update before
+trainer.share_prompt_forward (each completion its own row, its prompt repeated in it).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=["silo", "sapo_imitate"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup-steps", nargs="+", default=["add=125", "subtract=230", "both=260"])
+    parser.add_argument("--before", default=BEFORE, help="the commit whose node/trainer.py is 'before'")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     import sharing
@@ -98,10 +102,10 @@ def main() -> None:
     torch.set_num_threads(1)
     args.warmup_steps = sharing.parse_warmup_steps(args.warmup_steps)
     args.transport, args.set, args.config, args.sparse_warmup_steps = "inprocess", [], sharing.CONFIG, 60
-    old = trainer_module_at(BEFORE)
+    old = trainer_module_at(args.before)
     from node.trainer import GRPOTrainer
 
-    summary = {"benchmark": "update_cost", "before_commit": BEFORE, "arms": {}}
+    summary = {"benchmark": "update_cost", "before_commit": args.before, "arms": {}}
     for arm in args.arms:
         recorded, learner = asyncio.run(record_rounds(arm, args.rounds, args))
         config, model, tokenizer = learner.config, learner.model, learner.tokenizer

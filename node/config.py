@@ -167,6 +167,10 @@ class RolloutConfig(_Section):
     """Longest completion, in tokens."""
     generation_batch_size: int = Field(64, ge=1)
     """Sequences generated together in one batch."""
+    share_prompt_prefill: bool = True
+    """Prefill each distinct prompt of a generation batch once and copy its KV cache to its completions' rows (a
+    group's n completions share one prompt): the same completions for 1/n of the prefill. transformers models whose
+    forward fills a cache object given to it (5.24 on); others prefill every row."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of GPU memory vLLM may take (vllm backend only)."""
 

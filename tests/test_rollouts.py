@@ -109,3 +109,26 @@ def test_vllm_backend_follows_weight_updates(tiny_config):
     assert [g[0].completion_ids for g in after] == reference()
     assert all(c.policy_version == 1 for g in after for c in g)
     engine.close()
+
+
+def test_a_prompt_prefilled_once_gives_its_completions_what_a_prefill_per_row_gives(tiny_config):
+    """rollout.share_prompt_prefill: the same sampled tokens and behaviour log-probs, for one prefill per distinct
+    prompt; a batch boundary that splits a prompt's rows (generation_batch_size 6, groups of 4) included."""
+    node = Node(tiny_config("rollout.max_new_tokens=6", "rollout.temperature=0.8", "rollout.generation_batch_size=6"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 3)]
+
+    def sample(share: bool) -> tuple[list, int]:
+        config = node.config.rollout.model_copy(update={"share_prompt_prefill": share})
+        backend = TransformersBackend(config, node.model, node.tokenizer)
+        groups = backend.generate(prompts, n=4, seed=5)
+        return [c for group in groups for c in group], backend.work.prefill_tokens
+
+    (shared, shared_prefill), (apart, apart_prefill) = sample(True), sample(False)
+    assert [c.completion_ids for c in shared] == [c.completion_ids for c in apart]
+    for one, other in zip(shared, apart):
+        assert torch.allclose(torch.tensor(one.logprobs), torch.tensor(other.logprobs), atol=1e-5)
+    # batches of 6 rows: prompts (0,0,0,0,1,1) and (1,1,2,2,2,2): 2 distinct prompts each, not 6
+    widths = [max(len(c.prompt_ids) for c in shared[i : i + 6]) for i in (0, 6)]
+    assert apart_prefill == 6 * widths[0] + 6 * widths[1]
+    assert shared_prefill == 2 * widths[0] + 2 * widths[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from node.config import RolloutConfig
 from node.device import HOST, model_device
@@ -94,9 +94,15 @@ class TransformersBackend(RolloutBackend):
         self.model.eval()
         eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         device = model_device(self.model)  # the KV-cache loop runs there; completions leave it once, at the end
-        input_ids, attention_mask = left_pad(prompt_rows, pad_id, device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         batch = len(prompt_rows)
+        # each distinct prompt prefilled once, its cache then copied to its rows (a transformers model's cache object
+        # can be re-indexed; a pipeline's remote sessions cannot)
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(row), len(distinct)) for row in prompt_rows]
+        shared = self.config.share_prompt_prefill and len(distinct) < batch and isinstance(self.model, PreTrainedModel)
+        prefill_rows = [list(row) for row in distinct] if shared else prompt_rows
+        input_ids, attention_mask = left_pad(prefill_rows, pad_id, device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         tokens_out = torch.full((batch, self.config.max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs_out = torch.zeros((batch, self.config.max_new_tokens), device=device)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -117,6 +123,11 @@ class TransformersBackend(RolloutBackend):
             **cache,
         )
         self.work.prefill_tokens += input_ids.numel()
+        if shared:
+            expand = torch.tensor(row_of, dtype=torch.long, device=device)
+            (cache["cache"] if fills_in_place else out.past_key_values).reorder_cache(expand)
+            out.logits = out.logits[expand]
+            attention_mask, position_ids = attention_mask[expand], position_ids[expand]
         next_position = position_ids[:, -1:] + 1
         for t in range(self.config.max_new_tokens):
             tokens, logprobs = sample_next(
