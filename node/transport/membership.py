@@ -68,6 +68,7 @@ class Membership:
         # relay PeerID -> (when the slot expires, Unix s; the relay's maddrs): slots reserved here, not by the daemon
         self.relay_slots: dict[str, tuple[int, list[str]]] = {}
         self.slots_reserved = 0  # relay slots this membership obtained where it held none, since the start
+        self._refusals_said: set[tuple[str, int]] = set()  # (relay, status) refusals already logged as warnings
         self._task: asyncio.Task | None = None
         self._links: asyncio.Task | None = None
         self._last_rejoin = time.monotonic()
@@ -158,7 +159,7 @@ class Membership:
             return 0
         dht = self.session.dht
         connected = {peer.peer_id.to_base58() for peer in await dht.p2p.list_peers()}
-        for relay in set(self.relay_slots) - set(relays) - connected:
+        for relay in set(self.relay_slots) - set(relays):
             del self.relay_slots[relay]
 
         async def reserve(relay: str, maddrs: list[str]) -> None:
@@ -171,8 +172,10 @@ class Membership:
                 log.debug("no relay slot from %s: %r", relay, exc)
                 self.relay_slots.pop(relay, None)
                 return
-            if not answer.ok:
-                log.warning("bootstrap peer %s refused this node a relay slot: %s", relay, answer.status_name)
+            if not answer.ok:  # said once per relay and reason: it is asked again every beat while no slot is held
+                log_refusal = log.debug if (relay, answer.status) in self._refusals_said else log.warning
+                self._refusals_said.add((relay, answer.status))
+                log_refusal("bootstrap peer %s refused this node a relay slot: %s", relay, answer.status_name)
                 self.relay_slots.pop(relay, None)
                 return
             if relay not in self.relay_slots:
