@@ -23,7 +23,8 @@ the caller can be dialed. What an outbound-only node does besides is in `create_
 (DHT client mode: nobody puts it in a routing table it cannot answer from), in the
 transport (it announces no gossip address, peers do not try to re-dial it) and in its session's
 membership (node/transport/membership.py: it keeps links open to its DHT neighbourhood,
-`hold_links`, and picks up a relay slot reserved after the join): streams run either way over
+`hold_links`, picks up a relay slot reserved after the join, and reserves one itself with
+`reserve_relay_slot` while its daemon holds none, as after its relay restarted): streams run either way over
 connections it opened itself.
 
 What it took, measured in benchmarks/lab.py (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
