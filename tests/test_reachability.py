@@ -10,6 +10,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node.transport.reachability import has_relay_address, start_relay_client, verdict, wait_for_relay_address
 from protocol import ProtocolRejection, Refusal
@@ -89,6 +91,16 @@ def test_malformed_relay_answers_are_refused(data, reason):
     with pytest.raises(ProtocolRejection) as caught:
         decode_hop_status(bytes.fromhex(data))
     assert caught.value.reason is reason
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64))
+def test_any_bytes_as_a_relay_answer_decode_or_are_refused(data):
+    """A relay's answer is a peer's bytes: whatever they are, the decoder returns a status or refuses them."""
+    try:
+        assert isinstance(decode_hop_status(data).status, int)
+    except ProtocolRejection:
+        pass
 
 
 def test_verdict():
