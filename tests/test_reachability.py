@@ -1,5 +1,7 @@
-"""Behind NAT or not: the observed-address answer on the wire, the verdict drawn from the answers, and the
-daemon a NAT'd node runs to get a relay slot (the slot itself needs public addresses: tests/test_nat.py)."""
+"""Behind NAT or not: the observed-address answer on the wire, the verdict drawn from the answers, the daemon a
+NAT'd node runs to get a relay slot (the slot's /p2p-circuit address needs public addresses: tests/test_nat.py), and
+the slot the session's membership reserves itself when the daemon holds none (after its relay restarted: the lab
+test is tests/test_nat.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node.transport.reachability import has_relay_address, start_relay_client, verdict, wait_for_relay_address
 from protocol import ProtocolRejection, Refusal
 from protocol.reachability import decode_observed, encode_observed
+from protocol.relay import HopStatus, decode_hop_status, encode_reserve
 
 GOLDEN_OBSERVED = "82a17601a86f62736572766564bb2f6970342f3139382e31382e3235302e312f7463702f3336353239"  # version 1
 
@@ -38,6 +43,64 @@ def test_malformed_answers_are_refused(data, reason):
     with pytest.raises(ProtocolRejection) as caught:
         decode_observed(data)
     assert caught.value.reason is reason
+
+
+# RESERVE, and the answer of a go-libp2p relay (hivemind 1.1.12's p2pd, a DHT server of ours, in the lab: 2026-11-26):
+# STATUS OK, a reservation (expiry, the relay's address, its signed voucher) and the limit of a relayed connection
+GOLDEN_RESERVE = "020800"
+GOLDEN_HOP_STATUS = (
+    "08021abd0508af99a1d806122d04c6140101069ca4a50322122020dbc8a764052c5fef63ed7746704af8ac6687feb62fe730d8d47e72f211"
+    "248a1a85050aab02080012a60230820122300d06092a864886f70d01010105000382010f003082010a0282010100c5f59309133197d3e883"
+    "c5fdcea784f6f62b6461bfb0f04b3e333d991b73563e860c7e4a530deb74e08ed63841cbd7c84dddd1de650a5a28a53a8b3d9479a702c0bd"
+    "16e8eac8f6aac842456b0ebb80275ee64ae67b7f315962aa32e0a70341ba705892405a20bfa01343ea6bd8ef25419840b7b9de47c3dd2557"
+    "353280fde056700e6a1a8969d4ace6d7c5f71419eaff159f498daa8724601b208ebcb1d74cc371e35b2710d2f9493e45e55c767a270e0a71"
+    "3108dfe02430419d1f744bd929aa389e5b8c7d2835eef24e88ec04df7ae123888f312b64439785ee6ff365e1cefeff5cddf4063ea6c1b71d"
+    "b45688b5953d9c4eb7b2588a87078112d9eb077dd04b0203010001120203021a4e0a22122020dbc8a764052c5fef63ed7746704af8ac6687"
+    "feb62fe730d8d47e72f211248a122212204adbedfe4bb305cab4979b90592b93a3a2a1213316fc06c6059dd20c916266fb18af99a1d8062a"
+    "8002b53664f07b4c053386e7eef72440f50ea929c2cf1f82d800fa51cd24b134b13cb0302b16dbb62a834cf6587439149b294de849903e08"
+    "6e7581ab67f80a06ccc098c8619c0d9dbda93ade6e82f80845b8f422620fa100483f10801fbfbe15c11b671b0ce7a8d008485038cfe890f5"
+    "a0d6a00564fcf52725601250ef4be23d00da035441c0cdd98f2e7c9f48d0db811a50db21f81865dfd242a5be493c1da507d56344436c7fcd"
+    "83078df81cc610824cc3ca55d7d73b2dc84de7e7046e755f4ac91dbc01717f3c3490cfa919bfc7818ce0bd5be258fad66432246e06bb18a7"
+    "a612a5bc9bca2cea6e8496a457966af91601a8a5c9872d4ff62e3ab9e4511ab8938a22060878108080082864"
+)
+
+
+def test_golden_relay_reservation():
+    assert encode_reserve().hex() == GOLDEN_RESERVE
+    assert decode_hop_status(bytes.fromhex(GOLDEN_HOP_STATUS)) == HopStatus(
+        status=100, expire=1795706031, limit_s=120, limit_bytes=131072
+    )
+    refused = decode_hop_status(bytes.fromhex("0802" + "28c801"))  # STATUS, RESERVATION_REFUSED (200)
+    assert not refused.ok and refused.status_name == "RESERVATION_REFUSED" and refused.expire is None
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        ("0802", Refusal.BAD_STRUCTURE),  # no status
+        ("0800", Refusal.BAD_VALUE),  # a RESERVE where the answer belongs
+        ("08022864", Refusal.BAD_STRUCTURE),  # OK without a reservation
+        ("080228641800", Refusal.BAD_STRUCTURE),  # OK, but the reservation is a varint
+        ("08021a0508af99a1", Refusal.BAD_STRUCTURE),  # the reservation runs past the end
+        ("0802288080808080808080808001", Refusal.BAD_STRUCTURE),  # a varint of 11 bytes
+        ("0b02", Refusal.BAD_STRUCTURE),  # wire type 3 (a group)
+        ("0802" + "2a8020" + "00" * 4096, Refusal.TOO_LARGE),
+    ],
+)
+def test_malformed_relay_answers_are_refused(data, reason):
+    with pytest.raises(ProtocolRejection) as caught:
+        decode_hop_status(bytes.fromhex(data))
+    assert caught.value.reason is reason
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64))
+def test_any_bytes_as_a_relay_answer_decode_or_are_refused(data):
+    """A relay's answer is a peer's bytes: whatever they are, the decoder returns a status or refuses them."""
+    try:
+        assert isinstance(decode_hop_status(data).status, int)
+    except ProtocolRejection:
+        pass
 
 
 def test_verdict():
@@ -108,3 +171,74 @@ def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_p
             await relay.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
+    """Real daemons on 127.0.0.1: a relay (a DHT server of ours, key and port kept), a node that reserves a slot on it
+    as a node behind NAT does, and callers that dial that node only through its /p2p-circuit address. The relay
+    restarts; the daemon's autorelay does not ask it again for an hour (protocol/relay.py), so without the session's
+    membership reserving the slot itself no caller reaches the node again (the lab's version, behind a real NAT, is
+    tests/test_nat.py). Every wait is a hang guard."""
+    from node.config import load_config
+    from node.transport.joining import create_dht_node, shutdown_dht
+    from node.transport.protobuf_shim import import_hivemind_isolated
+    from node.transport.session import SwarmSession
+    from protocol import NodeIdentity
+
+    import_hivemind_isolated()
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2P, PeerID
+    from multiaddr import Multiaddr
+
+    def config(listen: str, initial_peers: list[str]):
+        sets = [f'swarm.host_maddrs=["{listen}"]', "swarm.heartbeat_interval_s=0.2", "swarm.rejoin_interval_s=1"]
+        loaded = load_config(None, ["swarm.transport=dht", "swarm.swarm_id=relay-restart", *sets])
+        return loaded.model_copy(update={"swarm": loaded.swarm.model_copy(update={"initial_peers": initial_peers})})
+
+    async def dial_through_the_relay(circuit: str) -> None:
+        """A caller with no connection to the node dials it at `circuit` (or fails after 60 s of tries)."""
+        caller = await P2P.create(no_listen=True)  # nobody dials it either: only the relay joins the two
+        try:
+            for _ in range(120):
+                try:
+                    await asyncio.wait_for(
+                        caller._client.connect(PeerID.from_base58(circuit.split("/")[-1]), [Multiaddr(circuit)]), 5
+                    )
+                    return
+                except Exception:  # no slot (yet): NO_RESERVATION, or the dial's backoff after it
+                    await asyncio.sleep(0.5)
+            raise AssertionError(f"nobody reaches the node at {circuit}")
+        finally:
+            await caller.shutdown()
+
+    async def scenario():
+        relay_key = tmp_path / "relay.key"
+        relay = await create_dht_node(config("/ip4/127.0.0.1/tcp/0", []), identity_path=relay_key)
+        [relay_address] = [str(a) for a in await relay.get_visible_maddrs()]
+        natted_config = config("/ip4/127.0.0.1/tcp/0", [relay_address])
+        # as create_dht_node starts a node behind NAT, but listening nowhere: on one host nothing else stops a caller
+        # from dialing it directly (its daemon finds the node's addresses through the relay)
+        dht = await start_relay_client(
+            DHTNode,
+            {"initial_peers": [relay_address], "client_mode": True},
+            {"no_listen": True, "trusted_relays": [relay_address], "identity_path": str(tmp_path / "node.key")},
+        )
+        session = SwarmSession(natted_config, dht, "outbound-only", NodeIdentity.generate(), tmp_path)
+        circuit = f"{relay_address}/p2p-circuit/p2p/{session.peer_id}"
+        try:
+            await session.refresh_addresses()
+            await session.membership.start()
+            await dial_through_the_relay(circuit)  # the daemon's own slot, or the membership's
+            await shutdown_dht(relay)
+            relay = await create_dht_node(config(relay_address.split("/p2p/")[0], []), identity_path=relay_key)
+            assert relay.peer_id == PeerID.from_base58(relay_address.split("/p2p/")[1])  # same key, same address
+            await dial_through_the_relay(circuit)
+            # and it says so: on loopback the daemon never shows a circuit address, the membership's slot does
+            await session.refresh_addresses()
+            assert circuit in session.addresses and session.reachability == "relayed", session.addresses
+            session.check_alive()
+        finally:
+            await session.close()
+            await shutdown_dht(relay)
+
+    asyncio.run(scenario())

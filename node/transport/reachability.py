@@ -23,7 +23,8 @@ the caller can be dialed. What an outbound-only node does besides is in `create_
 (DHT client mode: nobody puts it in a routing table it cannot answer from), in the
 transport (it announces no gossip address, peers do not try to re-dial it) and in its session's
 membership (node/transport/membership.py: it keeps links open to its DHT neighbourhood,
-`hold_links`, and picks up a relay slot reserved after the join): streams run either way over
+`hold_links`, picks up a relay slot reserved after the join, and reserves one itself with
+`reserve_relay_slot` while its daemon holds none, as after its relay restarted): streams run either way over
 connections it opened itself.
 
 What it took, measured in benchmarks/lab.py (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
@@ -42,8 +43,17 @@ import ipaddress
 import logging
 
 from node.transport.framing import read_frame, write_frame
-from protocol import ProtocolRejection
+from protocol import ProtocolRejection, Refusal
 from protocol.reachability import MAX_OBSERVED_BYTES, OBSERVED_ADDRESS_HANDLER, decode_observed, encode_observed
+from protocol.relay import (
+    HOP_PROTOCOL,
+    MAX_HOP_MESSAGE_BYTES,
+    MAX_VARINT_BYTES,
+    HopStatus,
+    decode_hop_status,
+    decode_uvarint,
+    encode_reserve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +184,38 @@ async def wait_for_relay_address(p2p, timeout: float, every_s: float = 0.5) -> l
         if relayed or loop.time() >= deadline:
             return relayed
         await asyncio.sleep(every_s)
+
+
+async def reserve_relay_slot(p2p, relay_peer_id: str, timeout: float) -> HopStatus:
+    """Ask relay `relay_peer_id` (which our daemon must be connected to: nobody can dial us, and the slot lasts as long
+    as that connection) for a circuit relay slot ourselves, over a stream our daemon opens (protocol/relay.py says why
+    the daemon's own autorelay does not do it). Returns the relay's answer; raises when it gave none in time, or a
+    malformed one (ProtocolRejection)."""
+    from hivemind.p2p import PeerID
+
+    _, reader, writer = await asyncio.wait_for(
+        p2p._client.stream_open(PeerID.from_base58(relay_peer_id), (HOP_PROTOCOL,)), timeout
+    )
+    try:
+        writer.write(encode_reserve())
+        await writer.drain()
+
+        async def answer() -> bytes:
+            prefix = b""
+            while not prefix or prefix[-1] & 0x80:
+                if len(prefix) == MAX_VARINT_BYTES:
+                    break  # decode_uvarint refuses it
+                prefix += await reader.readexactly(1)
+            length, _ = decode_uvarint(prefix, 0)
+            if length > MAX_HOP_MESSAGE_BYTES:  # bounded before the body is read
+                raise ProtocolRejection(
+                    Refusal.TOO_LARGE, f"relay answer of {length} bytes, over {MAX_HOP_MESSAGE_BYTES}"
+                )
+            return await reader.readexactly(length)
+
+        return decode_hop_status(await asyncio.wait_for(answer(), timeout))
+    finally:
+        writer.close()
 
 
 MAX_HELD_LINKS = 32  # DHT peers an outbound-only node keeps a connection to: bounded whatever the swarm's size

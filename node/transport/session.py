@@ -50,6 +50,8 @@ class SwarmSession:
         self.prefix = key_prefix(config.swarm.swarm_id)
         self.writer = RecordWriter(identity, config.swarm.swarm_id) if identity is not None else None
         self.addresses: list[str] = []
+        # whether the daemon's own autorelay holds a relay slot (else the membership reserves one: membership.py)
+        self.daemon_relayed = False
         self.address_listeners: list[Callable[[list[str]], None]] = []  # told the new addresses when they change
         # what keeps a joined node joined; started by join_swarm (a viewer's session never starts it)
         self.membership = Membership(self)
@@ -61,18 +63,31 @@ class SwarmSession:
 
     async def refresh_addresses(self) -> bool:
         """Ask the daemon where peers reach us (a node behind NAT gains /p2p-circuit addresses once a relay
-        reserves it a slot), keep them in the state directory's addresses file and tell the address listeners; True
-        when they changed."""
+        reserves it a slot, its daemon's or the membership's, and loses them with the slot), keep them in the state
+        directory's addresses file and tell the address listeners; True when they changed."""
         from node.files import atomic_write_text
         from node.transport.reachability import has_relay_address
 
-        addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
-        if self.reachability == "outbound-only" and has_relay_address(addresses):
-            self.reachability = "relayed"
-            log.info(
-                "a relay reserved this node a slot: peers can now dial it at %s",
-                [a for a in addresses if "/p2p-circuit" in a],
-            )
+        try:
+            addresses = [str(a) for a in await self.dht.get_visible_maddrs(latest=bool(self.addresses))]
+        except ValueError:  # hivemind's "no address": a host nobody can dial may have only relay addresses, or none yet
+            addresses = []
+        if self.reachability != "direct":
+            self.daemon_relayed = has_relay_address(addresses)
+            if not self.daemon_relayed:
+                addresses += self.membership.circuit_addresses()
+            if self.reachability == "outbound-only" and has_relay_address(addresses):
+                self.reachability = "relayed"
+                log.info(
+                    "a relay reserved this node a slot: peers can now dial it at %s",
+                    [a for a in addresses if "/p2p-circuit" in a],
+                )
+            elif self.reachability == "relayed" and not has_relay_address(addresses):
+                self.reachability = "outbound-only"
+                log.warning(
+                    "this node lost its relay slot (its relay restarted or dropped it): peers not connected to it "
+                    "cannot dial it until the membership reserves a new one"
+                )
         if addresses == self.addresses:
             return False
         self.addresses = addresses
