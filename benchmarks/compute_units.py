@@ -19,6 +19,10 @@ average is recorded beside them (calibrate where it is near 0). How well the uni
 round's CPU time is measured by `benchmarks/sharing.py --round-cost` (RESULTS "sharing").
 
     .venv/bin/python benchmarks/compute_units.py            # writes benchmarks/compute_costs.json
+
+Each layout (node/compute.py LAYOUTS) is calibrated on its own: the default, prompts shared in the prefill and the
+update, is stored under the shape's key with '-shared-prompts'; `--set rollout.share_prompt_prefill=false --set
+trainer.share_prompt_forward=false` calibrates a row per completion, under the shape's key alone.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.compute import RoundWork, model_shape_key  # noqa: E402
+from node.compute import RoundWork, model_shape_key, round_layout  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.trainer import GRPOTrainer, completion_logprobs, padded_positions  # noqa: E402
@@ -54,9 +58,12 @@ def median_cpu_s(action, repeats: int) -> float:
     return statistics.median(times)
 
 
-def shape_of(model) -> str:
-    config = model.config
-    return model_shape_key(config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+def shape_of(node: Node) -> str:
+    config = node.model.config
+    layout = round_layout(node.config.rollout.share_prompt_prefill, node.trainer.share_prompts)
+    return model_shape_key(
+        config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size, layout
+    )
 
 
 def calibrate(node: Node, repeats: int) -> dict:
@@ -88,11 +95,12 @@ def calibrate(node: Node, repeats: int) -> dict:
     # what a silo's update trains on: the groups with a reward spread (a round's others are dropped)
     groups = [g for g in groups if max(g.rewards) > min(g.rewards)] or groups
     rows = [(c.prompt_ids, c.completion_ids) for g in groups for c in g.completions if c.completion_ids]
-    positions = padded_positions(rows)
+    share = node.trainer.share_prompts  # the no-grad forward as the update lays it out
+    positions = padded_positions(rows, share)
 
     def no_grad_forward():
         with torch.no_grad():
-            completion_logprobs(node.model, rows, node.tokenizer.pad_token_id, config.rollout.temperature)
+            completion_logprobs(node.model, rows, node.tokenizer.pad_token_id, config.rollout.temperature, share)
 
     forward_token = median_cpu_s(no_grad_forward, repeats) / positions
 
@@ -166,7 +174,7 @@ def main() -> None:
         )
         node = Node(config)
         node.load(fresh=True, progress=False)
-        shape = shape_of(node.model)
+        shape = shape_of(node)
         result = calibrate(node, args.repeats)
     table = json.loads(args.out.read_text()) if args.out.exists() else {}
     table[shape] = result

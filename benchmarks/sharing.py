@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
-from node.compute import RoundWork, UnitCosts, model_shape_key  # noqa: E402
+from node.compute import RoundWork, UnitCosts, model_shape_key, round_layout  # noqa: E402
 from node.tasks import materialize  # noqa: E402
 from node.trainer import completion_logprobs  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
@@ -335,7 +335,10 @@ async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict
 
 def unit_costs(node: Node, path: Path) -> UnitCosts:
     config = node.model.config
-    shape = model_shape_key(config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+    layout = round_layout(node.config.rollout.share_prompt_prefill, node.trainer.share_prompts)
+    shape = model_shape_key(
+        config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size, layout
+    )
     return UnitCosts.load(path, shape)
 
 

@@ -80,6 +80,27 @@ class UnitCosts:
         return cls(**{f.name: float(table[shape]["costs"][f.name]) for f in fields(cls)})
 
 
-def model_shape_key(hidden_size: int, num_layers: int, intermediate_size: int, vocab_size: int) -> str:
-    """The calibration file's key for a model: costs per token depend on these."""
-    return f"h{hidden_size}-l{num_layers}-i{intermediate_size}-v{vocab_size}"
+LAYOUTS = ("rows", "shared-prompts")
+"""How a round lays its sequences out: a row per completion, its prompt repeated in it ('rows'), or each prompt once
+in the sampler's prefill and the update's forward (rollout.share_prompt_prefill and trainer.share_prompt_forward):
+a position costs differently in each, so each is calibrated on its own."""
+
+
+def model_shape_key(
+    hidden_size: int, num_layers: int, intermediate_size: int, vocab_size: int, layout: str = "rows"
+) -> str:
+    """The calibration file's key for a model and a layout: costs per token depend on these."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: one of {LAYOUTS}")
+    shape = f"h{hidden_size}-l{num_layers}-i{intermediate_size}-v{vocab_size}"
+    return shape if layout == "rows" else f"{shape}-{layout}"
+
+
+def round_layout(prefill_shares_prompts: bool, update_shares_prompts: bool) -> str:
+    """The layout of a node's rounds; one that shares prompts in one of the two places only has no calibration."""
+    if prefill_shares_prompts != update_shares_prompts:
+        raise ValueError(
+            "compute units are calibrated for prompts shared in both the sampler's prefill and the update's forward, "
+            f"or in neither (prefill {prefill_shares_prompts}, update {update_shares_prompts})"
+        )
+    return "shared-prompts" if update_shares_prompts else "rows"

@@ -61,7 +61,20 @@ def test_the_sampler_counts_the_positions_it_runs(tiny_config):
     prefill = decode = 0
     for start in range(0, 12, 6):  # two sampler batches of 6 rows, each left-padded to its longest prompt
         batch = slice(start, start + 6)
-        prefill += 6 * max(rows[batch])
+        # each distinct prompt of the batch prefilled once (rows of prompts 0,0,0,0,1,1 then 1,1,2,2,2,2)
+        prefill += 2 * max(rows[batch])
         # the first token comes from the prefill; each further step runs all 6 rows until the batch's longest ends
         decode += 6 * (max(len(c.completion_ids) for c in completions[batch]) - 1)
     assert (done.prefill_tokens, done.decode_tokens) == (prefill, decode)
+
+
+def test_each_layout_has_its_own_calibration_key():
+    from node.compute import round_layout
+
+    assert model_shape_key(256, 4, 512, 100) == "h256-l4-i512-v100"
+    assert model_shape_key(256, 4, 512, 100, "shared-prompts") == "h256-l4-i512-v100-shared-prompts"
+    with pytest.raises(ValueError, match="layout"):
+        model_shape_key(256, 4, 512, 100, "packed")
+    assert round_layout(True, True) == "shared-prompts" and round_layout(False, False) == "rows"
+    with pytest.raises(ValueError, match="neither"):
+        round_layout(True, False)
