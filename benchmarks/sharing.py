@@ -462,7 +462,8 @@ async def round_cost(args) -> dict:
     phases = ("generation_s", "scoring_s", "sharing_s", "update_s")
     with tempfile.TemporaryDirectory() as scratch:
         arms = {arm: await make_nodes(args.setting, arm, args.seeds[0], scratch, args) for arm in args.arms}
-        costs = unit_costs(next(iter(arms.values()))[0], args.costs)
+        # each arm's units by its own layout's calibration (node/compute.py LAYOUTS)
+        costs = {arm: unit_costs(nodes[0], args.costs) for arm, nodes in arms.items()}
         rows: dict[str, list[dict]] = {arm: [] for arm in arms}
         try:
             for warm in (True, False):  # a few rounds first: the first ones build caches and are not typical
@@ -473,7 +474,7 @@ async def round_cost(args) -> dict:
                             row = await node.run_round()
                             cpu = time.process_time() - before
                             if not warm:
-                                split = costs.split(RoundWork.from_dict(row["work"]))
+                                split = costs[arm].split(RoundWork.from_dict(row["work"]))
                                 rows[arm].append({"cpu_s": cpu, "units": sum(split.values()), "split": split, **row})
         finally:
             for nodes in arms.values():
