@@ -323,7 +323,9 @@ async def measure_size(
     its overhead is measured against the plain `local S` way."""
     keys = [(1, ""), *((s, "") for s in stage_counts), *((s, v) for v in variants for s in variant_stages)]
     lists = {
-        (s, v): overrides(shape, s, f"bench-throughput-{name}-s{s}{v}-{os.getpid()}", settings + variants.get(v, []))
+        (s, v): overrides(
+            shape, s, f"bench-throughput-{name}-s{s}-{_slug(v)}-{os.getpid()}", settings + variants.get(v, [])
+        )
         for s, v in keys
     }
     configs = {key: load_config(REPO / "configs" / "pipeline.yaml", lists[key]) for key in lists}
@@ -430,6 +432,11 @@ def loss_check(name: str, shape, stages: int, settings: list[str], variants: dic
         "loss_last_tenth": {v: statistics.fmean(curve[-tail:]) for v, curve in losses.items()},
         "loss_first": {v: curve[0] for v, curve in losses.items()},
     }
+
+
+def _slug(text: str) -> str:
+    """`text` as a swarm id may hold it."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in text)
 
 
 def _copy(model):
@@ -593,12 +600,12 @@ def lab_run(
     for variant, more in {"plain": [], **variants}.items():
         server_side = tuple(m for m in more if not m.startswith("driver:"))
         by_servers[server_side].append((variant, [m.removeprefix("driver:") for m in more if m.startswith("driver:")]))
-    for server_side, drivers in by_servers.items():
-        sets = overrides(shape, stages, f"lab-{name}-{len(result['runs'])}-{os.getpid()}", settings + list(server_side))
+    for group, (server_side, drivers) in enumerate(by_servers.items()):
+        sets = overrides(shape, stages, f"lab-{_slug(name)}-{group}-{os.getpid()}", settings + list(server_side))
         sets = [s for s in sets if not s.startswith("swarm.host_maddrs")]
         args = ["--config", str(REPO / "configs" / "pipeline.yaml")] + [a for s in sets for a in ("--set", s)]
         with Lab(stages + 1, host_link=False) as lab:
-            scratch = _fresh(root / f"lab-{name}-{len(result['runs'])}")
+            scratch = _fresh(root / f"lab-{name}-{group}")
 
             def command(index: int, what: list[str], state: Path, peers: list[str]) -> subprocess.Popen:
                 argv = [sys.executable, "-m", "node.cli", *what, *args, "--state-dir", str(state)]
