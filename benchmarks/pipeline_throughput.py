@@ -530,8 +530,11 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
             spare = None
             if victim is None:
                 spare = Servers(_fresh(root / f"recovery-{name}-spare-{stage}"), sets, 0, more=[("spare", peers)])
+                spare.addresses(0)
                 extra.append(spare)
-                await asyncio.sleep(2 * config.pipeline.announce_interval_s)  # announced as a spare
+                spare_id = NodeIdentity.load_or_create(spare.root / "server-0" / "identity.key").node_id
+                while not any(a.node_id == spare_id for a in (await router.refresh(force=True)).spares):
+                    await asyncio.sleep(0.5)  # a warm spare: announced before the kill, its start not in the stall
                 victim = group.procs[stage]
             os.killpg(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
