@@ -19,9 +19,19 @@ same S (`overhead_ms`, by op: forward, backward, step); bytes of tensor payload 
 micro-batch, each way (driver -> servers, servers -> driver: every hop goes through the
 driver, see node/pipeline/driver.py). Prints its figures and ends with one JSON line.
 
+Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
+servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
+compares the losses; `--lab MBIT ...` runs every process in its own namespace of benchmarks/lab.py
+(root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
+method (replica failover, a warm spare's checkfree and checkfree_plus).
+
     .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
     .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
-    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --set pipeline.wire_dtype=bfloat16
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 \
+        --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
+    sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
+        --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
 """
 
 from __future__ import annotations
