@@ -474,6 +474,13 @@ class PipelineConfig(_Section):
     """Petals' balance_quality: a server moves for throughput only if the pipeline's bottleneck rises by more than
     1/balance_quality. Lower than Petals' 0.75: our samples/s is measured on live calls on possibly shared machines,
     which is noisier than Petals' start-up benchmark."""
+    wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype hidden states and their gradients leave a stage server in (logits stay in the stage's own); a
+    receiver accepts any of these and casts to its own. bfloat16 halves the bytes per hop (benchmarks/RESULTS.md,
+    pipeline_throughput)."""
+    micro_batches_in_flight: int = Field(1, ge=1)
+    """Micro-batches of one lm step the driver sends through the pipeline at once (GPipe's fill: stage i works on one
+    while stage i+1 works on the one before); 1: one after the other."""
 
 
 class NodeConfig(_Section):

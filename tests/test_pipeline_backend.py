@@ -141,3 +141,38 @@ def test_inference_sessions_keep_their_cache_until_ended():
         middle.infer("p", call("infer", 1, call_id="s2", train=False, hidden=hidden, **inputs(hidden)))
     middle.end_session("p", call("end_session", 1, call_id="s1"))
     assert middle.sessions == 0
+
+
+def test_hidden_states_and_their_gradients_travel_in_the_wire_dtype_and_logits_do_not():
+    """pipeline.wire_dtype bfloat16: a stage's hidden output and its input's gradient leave as bfloat16 (2 bytes a
+    value), the head's logits as float32; a receiver casts any float dtype to its own. bfloat16 keeps 8 significant
+    bits: 1 + 2^-8 rounds to 1 (a tie, to even), 1 + 2^-7 and 3 are exact."""
+    from node.pipeline.tensors import from_wire
+
+    whole, chain = backends(PipelineConfig(wire_dtype="bfloat16", max_grad_norm=1e9))
+    assert chain[1]._for_wire(["layers"], torch.tensor([1 + 2**-8, 1 + 2**-7, 3.0])).tolist() == [1.0, 1 + 2**-7, 3.0]
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    extra = inputs(ids)
+    x = chain[0].forward("driver", call("forward", 0, parts=("embed", "layers"), input_ids=ids, **extra))["output"]
+    assert x.dtype is torch.bfloat16 and len(to_wire(x).data) == B * T * HIDDEN * 2
+    x = chain[1].forward("driver", call("forward", 1, hidden=x, **extra))["output"]
+    logits = chain[2].forward("driver", call("forward", 2, parts=("layers", "head"), hidden=x, **extra))["output"]
+    assert logits.dtype is torch.float32
+    # bfloat16 between stages: close to the whole model, not equal
+    torch.testing.assert_close(logits, whole(input_ids=ids, **extra).logits, atol=0.05, rtol=0.05)
+    g = chain[2].backward("driver", call("backward", 2, parts=("layers", "head"), grad=torch.ones_like(logits)))
+    assert g["grad"].dtype is torch.bfloat16
+    # a float32 gradient into a bfloat16-wire server is accepted (a driver relays what it got, whatever its setting)
+    g = chain[1].backward("driver", call("backward", 1, grad=from_wire(to_wire(g["grad"])).float()))["grad"]
+    assert g.dtype is torch.bfloat16 and chain[1].stage.layers[0].mlp.up_proj.weight.grad.dtype is torch.float32
+    assert chain[0].backward("driver", call("backward", 0, parts=("embed", "layers"), grad=g)) == {}
+    assert all(b.apply_step(1.0, 1.0) for b in chain)
+
+
+def test_a_hidden_state_of_an_integer_dtype_is_refused():
+    _, chain = backends(PipelineConfig())
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    wrong = call("forward", 1, hidden=torch.zeros(B, T, HIDDEN, dtype=torch.int32), **inputs(ids))
+    with pytest.raises(BackendRefused) as refusal:
+        chain[1].forward("p", wrong)
+    assert refusal.value.reason is PipelineRefusal.BAD_TENSOR and "int32" in refusal.value.detail

@@ -152,3 +152,70 @@ def test_the_recovery_record_says_replaced_only_when_another_server_took_the_sta
                 await asyncio.gather(beat, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+class FixedRouter(ScriptedRouter):
+    """One fixed server per stage (no DHT); notes which micro-batches are between their first forward and their last
+    backward at every call, and yields to the event loop inside each call as a network call would."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(None, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS)
+        self.down = set()
+        self.servers = {
+            stage: StageAnnouncement(
+                node_id=f"n{stage}",
+                p2p_peer_id="p",
+                model_fingerprint="m",
+                num_stages=2,
+                stage=stage,
+                stage_fingerprint=FINGERPRINTS[stage],
+                layer_start=stage,
+                layer_end=stage + 1,
+                parts=["layers"],
+                state="serving",
+                step=0,
+                grad_norm=0.0,
+                samples_per_s=1.0,
+                recoveries=0,
+                replicas=[],
+            )  # fmt: skip
+            for stage in (0, 1)
+        }
+        self.open: set[str] = set()
+        self.most_open = 0
+
+    async def pick_route(self, hops):
+        return {stage: self.servers[stage] for stage, _ in hops}
+
+    async def call(self, server, call, timeout=None):
+        micro_batch = call.call_id.split("-")[1]  # "s{step}-m{index}-a{attempt}-{ns}-{hop}"
+        if call.op == "forward" and call.parts[0] == "embed":
+            self.open.add(micro_batch)
+        self.most_open = max(self.most_open, len(self.open))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if call.op == "backward" and call.parts[0] == "embed":
+            self.open.discard(micro_batch)
+        return await super().call(server, call, timeout)
+
+
+def test_micro_batches_in_flight_bounds_how_many_travel_at_once_and_keeps_the_losses(tmp_path):
+    """4 micro-batches: one at a time, two at a time, all four; servers of zero weights give uniform logits over the
+    16 tokens, so every micro-batch's loss is ln 16 = 2.7726, in whatever order they finish."""
+
+    async def most_open(in_flight: int) -> tuple[int, dict]:
+        cfg = config(tmp_path / str(in_flight)).model_copy(deep=True)
+        cfg.pipeline.micro_batches = 4
+        cfg.pipeline.micro_batches_in_flight = in_flight
+        cfg.pipeline.checkfree_plus = False
+        router = FixedRouter(cfg)
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+        row = await driver.train_step()
+        return router.most_open, row
+
+    for in_flight, expected in ((1, 1), (2, 2), (4, 4), (8, 4)):
+        seen, row = asyncio.run(most_open(in_flight))
+        assert seen == expected, (in_flight, seen)
+        assert abs(row["loss"] - 2.7726) < 1e-4 and row["retries"] == 0
+        assert set(row["grad_norms"]) == {0, 1}

@@ -23,7 +23,7 @@ from node.weights.codec import encode_weights
 from node.config import PipelineConfig
 from node.device import model_device
 from node.pipeline.stages import PipelineStage, StagePlan, part_tensors
-from node.pipeline.tensors import TensorRefused, expect
+from node.pipeline.tensors import FLOATS, TensorRefused, expect
 from protocol.pipeline import StageCall
 from protocol.refusals import PipelineRefusal, Refusal
 
@@ -68,6 +68,9 @@ class StageBackend:
         self.device = model_device(stage)
         self.index = stage.index
         self.max_len = pipeline.max_sequence_length or hf_config.max_position_embeddings
+        # hidden states and their gradients leave in this dtype (pipeline.wire_dtype); any float dtype is accepted and
+        # cast to the stage's own on arrival, so that a driver relays what it gets whatever its own setting
+        self.wire_dtype = getattr(torch, pipeline.wire_dtype)
         self.step = step
         self.lr_scale = lr_scale
         self.grad_norm = 0.0
@@ -114,7 +117,7 @@ class StageBackend:
         x, positions, mask = self._inputs(call, call.parts[0])
         if not call.train:
             with torch.no_grad():
-                return {"output": self._run_parts(call.parts, x, positions, mask)}
+                return {"output": self._for_wire(call.parts, self._run_parts(call.parts, x, positions, mask))}
         if len(self._pending) >= self.pipeline.max_pending_forwards:
             raise BackendRefused(PipelineRefusal.BUSY, f"{len(self._pending)} forwards await their backward")
         started = time.perf_counter()
@@ -127,15 +130,15 @@ class StageBackend:
             inputs=inputs, output=output, batch=x.shape[0], created=time.monotonic()
         )
         self._note_throughput(x.shape[0], time.perf_counter() - started)
-        return {"output": output.detach()}
+        return {"output": self._for_wire(call.parts, output.detach())}
 
     def backward(self, caller: str, call: StageCall) -> dict[str, torch.Tensor]:
         pending = self._pending.pop((caller, call.call_id), None)
         if pending is None:
             raise BackendRefused(PipelineRefusal.UNKNOWN_CALL, f"no forward {call.call_id!r} from this caller")
-        grad = self._expect(call.tensors, "grad", pending.output.dtype, tuple(pending.output.shape))
+        grad = self._expect(call.tensors, "grad", FLOATS, tuple(pending.output.shape), cast=pending.output.dtype)
         pending.output.backward(grad)
-        return {} if pending.inputs is None else {"grad": pending.inputs.grad}
+        return {} if pending.inputs is None else {"grad": pending.inputs.grad.to(self.wire_dtype)}
 
     def apply_step(self, scale: float, lr_scale: float) -> bool:
         """Clip and apply the accumulated gradients (scale 0: the driver abandoned the step, drop them). True if
@@ -170,7 +173,7 @@ class StageBackend:
         with torch.no_grad():
             output = self._run_parts(call.parts, x, positions, mask, cache=cache)
         self._sessions[key] = (cache, time.monotonic())
-        return {"output": output}
+        return {"output": self._for_wire(call.parts, output)}
 
     def end_session(self, caller: str, call: StageCall) -> dict[str, torch.Tensor]:
         self._sessions.pop((caller, call.call_id), None)
@@ -182,10 +185,14 @@ class StageBackend:
 
     # helpers ------------------------------------------------------------------------------
 
-    def _expect(self, tensors, name: str, dtype, shape) -> torch.Tensor:
-        """The named input, checked, on this stage's device."""
+    def _for_wire(self, parts: list[str], output: torch.Tensor) -> torch.Tensor:
+        """Hidden states travel in the wire dtype; logits (parts ending with the head) in the stage's own."""
+        return output if parts and parts[-1] == "head" else output.to(self.wire_dtype)
+
+    def _expect(self, tensors, name: str, dtype, shape, cast: torch.dtype | None = None) -> torch.Tensor:
+        """The named input, checked, on this stage's device (and in `cast`, if given)."""
         try:
-            return expect(tensors, name, dtype, shape).to(self.device)
+            return expect(tensors, name, dtype, shape).to(self.device, dtype=cast)
         except TensorRefused as exc:
             raise BackendRefused(exc.reason, exc.detail) from None
 
@@ -200,7 +207,7 @@ class StageBackend:
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.hf_config.vocab_size):
                 raise BackendRefused(PipelineRefusal.BAD_TENSOR, f"input_ids outside [0, {self.hf_config.vocab_size})")
         elif first_part in ("layers", "head"):
-            x = self._expect(tensors, "hidden", hidden_dtype, (None, None, self.hf_config.hidden_size))
+            x = self._expect(tensors, "hidden", FLOATS, (None, None, self.hf_config.hidden_size), cast=hidden_dtype)
         else:
             raise BackendRefused(PipelineRefusal.BAD_TENSOR, "a call needs at least one part")
         batch, length = x.shape[0], x.shape[1]

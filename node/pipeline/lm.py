@@ -1,11 +1,12 @@
 """The driver's language-model objective: next-token loss on the fixed offline corpus.
 
 One step = `micro_batches` micro-batches, each forward and backward through its own
-random route, then `step` on every server used. A lost stage abandons the step, waits for
-the stage to be served again and retries the same step (same micro-batches), so a
-failure costs time, never data. Each step appends a row to metrics.jsonl: loss, the
-validation loss every `eval_every` steps, retries, hop failures, the servers used and
-their gradient norms, and a `recovery` record on the first step after a lost stage.
+random route (`micro_batches_in_flight` of them at once), then `step` on every server
+used. A lost stage abandons the step, waits for the stage to be served again and retries
+the same step (same micro-batches), so a failure costs time, never data. Each step
+appends a row to metrics.jsonl: loss, the validation loss every `eval_every` steps,
+retries, hop failures, the servers used and their gradient norms, and a `recovery`
+record on the first step after a lost stage.
 """
 
 from __future__ import annotations
@@ -89,6 +90,24 @@ class LMDriver:
             return loss.item()
         raise StageLost(-1, f"{self.pipeline.attempts_per_micro_batch} routes failed for one micro-batch")
 
+    async def _micro_batches(self, step: int, touched: dict, report: dict) -> list[float]:
+        """The step's micro-batches, `micro_batches_in_flight` at a time (each server runs one call at a time, so with
+        more than one in flight the stages work on different micro-batches at once, as GPipe fills its pipeline). The
+        losses in micro-batch order; a lost stage is raised once every micro-batch in flight has finished or failed."""
+        in_flight = asyncio.Semaphore(self.pipeline.micro_batches_in_flight)
+
+        async def one(index: int) -> float:
+            async with in_flight:
+                return await self._micro_batch(step, index, touched, report)
+
+        outcomes = await asyncio.gather(
+            *(one(index) for index in range(self.pipeline.micro_batches)), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
     async def train_step(self) -> dict[str, Any]:
         step = self.step + 1
         started = time.perf_counter()
@@ -96,10 +115,7 @@ class LMDriver:
             touched: dict = {}
             report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
             try:
-                losses = [
-                    await self._micro_batch(step, index, touched, report)
-                    for index in range(self.pipeline.micro_batches)
-                ]
+                losses = await self._micro_batches(step, touched, report)
                 break
             except StageLost as lost:
                 await self._abandon(touched, step, lost)

@@ -53,15 +53,23 @@ def from_wire(wire: WireTensor) -> torch.Tensor:
     return torch.from_numpy(array).reshape(wire.shape)
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what hidden states and their gradients may travel as
+
+
 def expect(
-    tensors: dict[str, WireTensor], name: str, dtype: torch.dtype, shape: tuple[int | None, ...]
+    tensors: dict[str, WireTensor],
+    name: str,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    shape: tuple[int | None, ...],
 ) -> torch.Tensor:
-    """The named input as a tensor of `dtype` and `shape` (None: any size), finite if float; else TensorRefused."""
+    """The named input as a tensor of `dtype` (or of one of several) and `shape` (None: any size), finite if float;
+    else TensorRefused."""
     if name not in tensors:
         raise TensorRefused(f"the call lacks tensor {name!r}")
     wire = tensors[name]
-    if _TORCH[wire.dtype] is not dtype:
-        raise TensorRefused(f"{name} is {wire.dtype}, expected {_NAMES[dtype]}")
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if _TORCH[wire.dtype] not in allowed:
+        raise TensorRefused(f"{name} is {wire.dtype}, expected {' or '.join(_NAMES[d] for d in allowed)}")
     if len(wire.shape) != len(shape) or any(want is not None and got != want for got, want in zip(wire.shape, shape)):
         raise TensorRefused(f"{name} has shape {wire.shape}, expected {['*' if s is None else s for s in shape]}")
     tensor = from_wire(wire)

@@ -1,0 +1,774 @@
+"""What a step through S pipeline stages costs against the same model trained in one process (issue #37).
+
+The language-model objective (node/pipeline/lm.py: `LMDriver`, the fixed offline corpus,
+CheckFree+ swaps on odd micro-batches, as `swarm-node drive` runs it) at several model sizes,
+each measured four ways side by side, in interleaved rounds so that the machine's load
+weighs on every way alike:
+
+- `one_process`: the whole model in this process, no stages, no network: the same
+  micro-batches, the same loss, one AdamW step (what a user training it alone gets);
+- `local S`: the model cut into S stages, each a real `StageHandler`/`StageBackend` in this
+  process, called directly (no bytes on any wire): what the split itself costs, and each
+  call's compute, to subtract from the same call over the network;
+- `wire S`: S `swarm-node serve` processes on 127.0.0.1 (each its own process, p2p daemon and
+  `torch_threads`), driven from this process by a real `PipelineRouter` over p2p streams.
+
+Per way: step time, tokens/s (micro_batches x micro_batch_size x sequence_length per step);
+per call of the wire ways, its round trip less the same call's time in the local way of the
+same S (`overhead_ms`, by op: forward, backward, step); bytes of tensor payload per
+micro-batch, each way (driver -> servers, servers -> driver: every hop goes through the
+driver, see node/pipeline/driver.py). Prints its figures and ends with one JSON line.
+
+Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
+servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
+compares the losses; `--lab MBIT ...` runs every process in its own namespace of benchmarks/lab.py
+(root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
+method (replica failover, a warm spare's checkfree and checkfree_plus).
+
+    .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
+    .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 \
+        --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
+    sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
+        --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
+
+import_hivemind_isolated()
+
+import torch  # noqa: E402
+
+from node.config import NodeConfig, load_config  # noqa: E402
+from node.device import HOST  # noqa: E402
+from node.model import model_fingerprint, resolve_initial_policy  # noqa: E402
+from node.pipeline.backend import StageBackend  # noqa: E402
+from node.pipeline.corpus import micro_batch, training_corpus  # noqa: E402
+from node.pipeline.driver import PipelineRouter  # noqa: E402
+from node.pipeline.handler import StageHandler  # noqa: E402
+from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
+from node.pipeline.stagemap import LostReporter  # noqa: E402
+from node.pipeline.stages import (  # noqa: E402
+    PipelineStage,
+    expected_fingerprints,
+    extra_parts_for,
+    pipeline_limits,
+    stage_plan,
+)
+from node.state import StateStore  # noqa: E402
+from node.transport.session import join_swarm  # noqa: E402
+from protocol import NodeIdentity  # noqa: E402
+
+# name -> (hidden, decoder layers, heads, MLP width); parameters counted at run time (the char vocabulary is 100)
+SIZES = {
+    "0.34M": (64, 8, 2, 128),  # stage_recovery's pipeline model
+    "5M": (256, 8, 4, 512),
+    "27M": (512, 8, 8, 1536),  # about 1 s per 512-token micro-batch on one thread of this machine
+}
+TINY = {"tiny": (32, 4, 2, 64)}
+START_S = 300  # a server imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
+
+
+def overrides(shape: tuple[int, int, int, int], stages: int, swarm_id: str, settings: list[str]) -> list[str]:
+    hidden, layers, heads, intermediate = shape
+    return [
+        f"model.default.hidden_size={hidden}",
+        f"model.default.num_layers={layers}",
+        f"model.default.num_heads={heads}",
+        f"model.default.intermediate_size={intermediate}",
+        "model.default.warmup_steps=0",
+        f"pipeline.num_stages={stages}",
+        f"swarm.swarm_id={swarm_id}",
+        'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "swarm.bootstrap_backoff_s=0.5",
+        "pipeline.eval_every=0",
+        "pipeline.corpus_sequences=256",
+        "pipeline.validation_sequences=8",
+        "pipeline.announce_interval_s=1",
+        "pipeline.announce_ttl_s=30",  # a server starved by the load must not look gone mid-run
+        "pipeline.call_timeout_s=120",
+        "torch_threads=1",  # every stage server, and this process's own torch work
+        *settings,
+    ]
+
+
+def tokens_per_step(config: NodeConfig) -> int:
+    p = config.pipeline
+    return p.micro_batches * p.micro_batch_size * p.sequence_length
+
+
+class Calls:
+    """Every call of a way: op, hop, seconds, tensor payload bytes out (to the server) and in (back)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def record(self, call, result, seconds: float) -> None:
+        hop = call.call_id.rsplit("-", 1)[-1] if call.op in ("forward", "backward") else "-"
+        self.rows.append(
+            {
+                "op": call.op,
+                "stage": call.stage,
+                "hop": hop,
+                "parts": "+".join(call.parts),
+                "s": seconds,
+                "out": sum(len(t.data) for t in call.tensors.values()),
+                "in": sum(len(t.data) for t in result.tensors.values()),
+            }
+        )
+
+
+class TimedRouter(PipelineRouter):
+    """The real router over p2p streams, timing each call."""
+
+    def __init__(self, *args, calls: Calls, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = calls
+
+    async def call(self, server, call, timeout=None):
+        started = time.perf_counter()
+        result = await super().call(server, call, timeout)
+        self.calls.record(call, result, time.perf_counter() - started)
+        return result
+
+
+class LocalRouter(PipelineRouter):
+    """The router with each stage a `StageHandler` in this process: the same calls, no bytes on a wire."""
+
+    def __init__(self, config: NodeConfig, handlers: list[StageHandler], fingerprints: list[str], calls: Calls):
+        super().__init__(None, config, "local", fingerprints, handlers[0].limits)
+        self.handlers = handlers
+        self.calls = calls
+        self.servers = {i: SimpleNamespace(stage=i, node_id=f"local-{i}") for i in range(len(handlers))}
+
+    async def pick_route(self, hops):
+        return {stage: self.servers[stage] for stage, _ in hops}
+
+    async def call(self, server, call, timeout=None):
+        started = time.perf_counter()
+        result = await self.handlers[server.stage].serve("driver", call)
+        self.calls.record(call, result, time.perf_counter() - started)
+        return result
+
+
+def local_handlers(config: NodeConfig, model, fingerprints: list[str]) -> list[StageHandler]:
+    plan = stage_plan(config, model.config)
+    limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
+    handlers = []
+    for index in range(plan.num_stages):
+        stage = PipelineStage.from_model(model, plan, index, extra_parts=extra_parts_for(config, index))
+        handler = StageHandler(limits)
+        handler.backend = StageBackend(config.pipeline, model.config, plan, stage)
+        handler.fingerprint = fingerprints[index]
+        handler.state = "serving"
+        handlers.append(handler)
+    return handlers
+
+
+class OneProcess:
+    """The whole model trained in this process on the driver's micro-batches: the baseline."""
+
+    def __init__(self, config: NodeConfig, model, corpus: torch.Tensor, threads: int) -> None:
+        self.config, self.model, self.corpus, self.threads = config, model, corpus, threads
+        p = config.pipeline
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
+        self.step = 0
+
+    def train_step(self) -> dict:
+        torch.set_num_threads(self.threads)
+        try:
+            return self._train_step()
+        finally:
+            torch.set_num_threads(self.config.torch_threads)
+
+    def _train_step(self) -> dict:
+        p = self.config.pipeline
+        started = time.perf_counter()
+        self.step += 1
+        losses = []
+        for index in range(p.micro_batches):
+            input_ids = micro_batch(self.corpus, self.step, index, p.micro_batch_size)
+            positions, mask = full_masks(input_ids)
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+            loss = lm_loss(logits, input_ids)
+            (loss / p.micro_batches).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": sum(losses) / len(losses), "step_s": time.perf_counter() - started}
+
+
+class Servers:
+    """S `swarm-node serve` processes of one pipeline, each in its own process group (ended by its own id)."""
+
+    def __init__(
+        self, root: Path, config_overrides: list[str], stages: int, more: list[tuple[str, list[str]]] = ()
+    ) -> None:
+        """Servers of stages 0..stages-1 (each joined to the first), then one per (stage or 'spare', its peers) of
+        `more`."""
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        args = ["--config", str(REPO / "configs" / "pipeline.yaml")]
+        for setting in config_overrides:
+            args += ["--set", setting]
+        specs = [(str(i), None) for i in range(stages)] + list(more)
+        for index, (stage, peers) in enumerate(specs):
+            state_dir = root / f"server-{index}"
+            command = [sys.executable, "-m", "node.cli", "serve", *args, "--state-dir", str(state_dir)]
+            command += ["--stage", stage]
+            peers = peers or (self.addresses(0) if index else [])
+            if peers:
+                command += ["--initial-peers", *peers]
+            log = open(root / f"server-{index}.out", "w")
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            )
+            self.addresses(index)
+
+    def addresses(self, index: int) -> list[str]:
+        path = self.root / f"server-{index}" / "addresses.txt"
+        self._wait(lambda: path.exists() and path.read_text().split(), index, "to join")
+        return path.read_text().split()
+
+    def wait_serving(self) -> None:
+        for index in range(len(self.procs)):
+            if "spare" in self.procs[index].args:
+                continue
+            self._wait(lambda: (self.root / f"server-{index}" / "recoveries.jsonl").exists(), index, "to serve")
+
+    def _wait(self, ready, index: int, what: str) -> None:
+        deadline = time.monotonic() + START_S
+        while not ready():
+            if self.procs[index].poll() is not None:
+                raise RuntimeError(f"server {index} exited: {(self.root / f'server-{index}.out').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server {index} did not manage {what} in {START_S}s")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        for log in self.logs:
+            log.close()
+
+
+def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
+    """Mean seconds by op, and tensor payload bytes per micro-batch, each way (forward and backward calls)."""
+    by_op: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_op[row["op"]].append(row["s"])
+    passes = max(1, micro_batches)
+    moved = {
+        f"{op}_{way}": sum(r[way] for r in rows if r["op"] == op) / passes
+        for op in ("forward", "backward")
+        for way in ("out", "in")
+    }
+    hops = sum(1 for r in rows if r["op"] == "forward") / passes
+    return {
+        "calls_s": {op: statistics.fmean(v) for op, v in by_op.items()},
+        "calls": {op: len(v) for op, v in by_op.items()},
+        "hops_per_micro_batch": hops,
+        "bytes_per_micro_batch": moved,
+    }
+
+
+def hop_overhead_ms(wire: list[dict], local: list[dict]) -> dict[str, float]:
+    """Per op, the mean round trip over the wire less the mean of the same (op, stage, parts) call in-process."""
+    local_mean: dict[tuple, list[float]] = defaultdict(list)
+    for row in local:
+        local_mean[(row["op"], row["stage"], row["parts"])].append(row["s"])
+    diffs: dict[str, list[float]] = defaultdict(list)
+    for row in wire:
+        same = local_mean.get((row["op"], row["stage"], row["parts"]))
+        if same:
+            diffs[row["op"]].append(row["s"] - statistics.fmean(same))
+    return {op: 1000 * statistics.fmean(v) for op, v in diffs.items()}
+
+
+async def measure_size(
+    name: str,
+    shape,
+    stage_counts: list[int],
+    settings: list[str],
+    variants: dict[str, list[str]],
+    variant_stages: list[int],
+    one_process_threads: list[int],
+    steps: int,
+    rounds: int,
+    root: Path,
+) -> dict:
+    """Every way for one model size, `rounds` interleaved rounds of `steps` steps each (after one warm-up step).
+    A variant (name -> more settings) adds a `wire S name` way for each S of `variant_stages`, on servers of its own;
+    its overhead is measured against the plain `local S` way."""
+    keys = [(1, ""), *((s, "") for s in stage_counts), *((s, v) for v in variants for s in variant_stages)]
+    lists = {
+        (s, v): overrides(
+            shape, s, f"bench-throughput-{name}-s{s}-{_slug(v)}-{os.getpid()}", settings + variants.get(v, [])
+        )
+        for s, v in keys
+    }
+    configs = {key: load_config(REPO / "configs" / "pipeline.yaml", lists[key]) for key in lists}
+    base = configs[(1, "")]
+    torch.set_num_threads(base.torch_threads)
+    torch.manual_seed(base.seed)
+    model, tokenizer = resolve_initial_policy(base, None, HOST)
+    parameters = sum(p.numel() for p in model.parameters())
+    fingerprint = model_fingerprint(model, tokenizer)
+    corpus = training_corpus(base, tokenizer)
+    ways: dict[str, object] = {
+        "one_process" + (f" {t} threads" if t != base.torch_threads else ""): OneProcess(base, _copy(model), corpus, t)
+        for t in one_process_threads
+    }
+    calls: dict[str, Calls] = {}
+    servers: dict[str, Servers] = {}
+    sessions = []
+    try:
+        for s in stage_counts:
+            config = configs[(s, "")]
+            fingerprints = expected_fingerprints(config, model.config, fingerprint)
+            calls[f"local {s}"] = Calls()
+            router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, calls[f"local {s}"])
+            ways[f"local {s}"] = _driver(config, router, corpus, root / f"{name}-local-{s}")
+        for s, v in keys[1:]:
+            way = f"wire {s}" + (f" {v}" if v else "")
+            servers[way] = Servers(_fresh(root / f"{name}-{way.replace(' ', '-')}"), lists[(s, v)], s)
+        for (s, v), (way, group) in zip(keys[1:], servers.items()):
+            group.wait_serving()
+            peers = "swarm.initial_peers=" + json.dumps(group.addresses(0))
+            config = load_config(REPO / "configs" / "pipeline.yaml", [*lists[(s, v)], peers])
+            state_dir = _fresh(root / f"{name}-driver-{way.replace(' ', '-')}")
+            session = await join_swarm(config, NodeIdentity.load_or_create(state_dir / "identity.key"), state_dir)
+            sessions.append(session)
+            calls[way] = Calls()
+            fingerprints = expected_fingerprints(config, model.config, fingerprint)
+            limits = pipeline_limits(config, model.config, parameters)
+            router = TimedRouter(session.dht, config, fingerprint, fingerprints, limits, calls=calls[way])
+            await router.wait_until_served()
+            ways[way] = _driver(config, router, corpus, state_dir / "run")
+        steps_s: dict[str, list[float]] = defaultdict(list)
+        losses: dict[str, list[float]] = defaultdict(list)
+        for way, runner in ways.items():  # warm-up: first calls open streams, allocate, fill caches
+            await _step(runner)
+        for record in calls.values():
+            record.rows.clear()
+        for _ in range(rounds):
+            for way, runner in ways.items():
+                for _ in range(steps):
+                    row = await _step(runner)
+                    steps_s[way].append(row["step_s"])
+                    losses[way].append(row["loss"])
+    finally:
+        for session in sessions:
+            await session.close()
+        for group in servers.values():
+            group.close()
+    tokens = tokens_per_step(base)
+    result = {
+        "parameters": parameters,
+        "tokens_per_step": tokens,
+        "micro_batch": [base.pipeline.micro_batch_size, base.pipeline.sequence_length, model.config.hidden_size],
+        "vocab_size": model.config.vocab_size,
+        "variants": variants,
+        "ways": {},
+    }
+    one = statistics.median(steps_s["one_process"])
+    for way, times in steps_s.items():
+        median = statistics.median(times)
+        entry = {
+            "step_s": median,
+            "tokens_per_s": tokens / median,
+            "vs_one_process": one / median,
+            "loss_last": losses[way][-1],
+        }
+        if way in calls:
+            entry.update(summarize_calls(calls[way].rows, base.pipeline.micro_batches * rounds * steps))
+        if way.startswith("wire"):
+            entry["overhead_ms"] = hop_overhead_ms(calls[way].rows, calls["local " + way.split()[1]].rows)
+        result["ways"][way] = entry
+    return result
+
+
+def loss_check(name: str, shape, stages: int, settings: list[str], variants: dict[str, list[str]], steps: int) -> dict:
+    """The training loss of `local S` against each variant's, over `steps` steps from the same initial weights on the
+    same micro-batches (in this process: the variants that change numbers act in the backends, not on the wire)."""
+    losses = {}
+    for variant, more in {"": [], **variants}.items():
+        config = load_config(
+            REPO / "configs" / "pipeline.yaml", overrides(shape, stages, "loss-check", settings + more)
+        )
+        torch.manual_seed(config.seed)
+        model, tokenizer = resolve_initial_policy(config, None, HOST)
+        fingerprints = expected_fingerprints(config, model.config, model_fingerprint(model, tokenizer))
+        router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, Calls())
+        with tempfile.TemporaryDirectory() as scratch:
+            driver = _driver(config, router, training_corpus(config, tokenizer), Path(scratch))
+            losses[variant or "plain"] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
+    tail = max(1, steps // 10)
+    return {
+        "size": name,
+        "stages": stages,
+        "steps": steps,
+        "loss_last_tenth": {v: statistics.fmean(curve[-tail:]) for v, curve in losses.items()},
+        "loss_first": {v: curve[0] for v, curve in losses.items()},
+    }
+
+
+def _slug(text: str) -> str:
+    """`text` as a swarm id may hold it."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in text)
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _driver(config: NodeConfig, router, corpus, state_dir: Path) -> LMDriver:
+    return LMDriver(config, router, corpus, corpus[:1], StateStore(_fresh(state_dir)))
+
+
+async def _step(runner) -> dict:
+    if isinstance(runner, OneProcess):
+        return await asyncio.to_thread(runner.train_step)
+    return await runner.train_step()
+
+
+def print_size(name: str, result: dict) -> None:
+    print(
+        f"\n{name}: {result['parameters'] / 1e6:.2f}M parameters, {result['tokens_per_step']} tokens per step, "
+        f"micro-batch {result['micro_batch']} (B, T, H), vocabulary {result['vocab_size']}"
+    )
+    print(
+        f"{'way':<22} {'step s':>8} {'tokens/s':>9} {'x one':>6} {'hops/mb':>7} {'fwd ms':>7} {'bwd ms':>7} "
+        f"{'ovh fwd':>8} {'ovh bwd':>8} {'ovh step':>8} {'MB/mb out':>9} {'MB/mb in':>9}"
+    )
+    for way, e in result["ways"].items():
+        calls = e.get("calls_s", {})
+        ovh = e.get("overhead_ms", {})
+        moved = e.get("bytes_per_micro_batch", {})
+        out = (moved.get("forward_out", 0) + moved.get("backward_out", 0)) / 1e6
+        back = (moved.get("forward_in", 0) + moved.get("backward_in", 0)) / 1e6
+        print(
+            f"{way:<22} {e['step_s']:>8.3f} {e['tokens_per_s']:>9.0f} {e['vs_one_process']:>6.2f} "
+            f"{e.get('hops_per_micro_batch', 0):>7.1f} {1000 * calls.get('forward', 0):>7.1f} "
+            f"{1000 * calls.get('backward', 0):>7.1f} {ovh.get('forward', math.nan):>8.1f} "
+            f"{ovh.get('backward', math.nan):>8.1f} {ovh.get('step', math.nan):>8.1f} {out:>9.3f} {back:>9.3f}"
+        )
+
+
+async def recovery_run(name: str, shape, settings: list[str], steps: int, root: Path) -> list[dict]:
+    """From a server's death (SIGKILL) to the driver's next successful step, per recovery method, on loopback: 4
+    stages, stage 2 served twice (killing one replica: the driver fails over), and a warm spare (`serve --stage spare`,
+    already in the DHT) for each kill of a stage's only server: stage 1 (checkfree), then stage 3 (checkfree_plus).
+    The shipped announce interval and TTL (configs/pipeline.yaml). Stall = kill -> end of the first step after it,
+    less the median normal step; the spare's load time is from its recoveries.jsonl."""
+    shipped = load_config(REPO / "configs" / "pipeline.yaml")
+    sets = overrides(shape, 4, f"bench-recovery-{name}-{os.getpid()}", settings) + [
+        f"pipeline.announce_interval_s={shipped.pipeline.announce_interval_s}",
+        f"pipeline.announce_ttl_s={shipped.pipeline.announce_ttl_s}",
+        "pipeline.call_timeout_s=20",
+    ]
+    config0 = load_config(REPO / "configs" / "pipeline.yaml", sets)
+    torch.set_num_threads(config0.torch_threads)
+    torch.manual_seed(config0.seed)
+    model, tokenizer = resolve_initial_policy(config0, None, HOST)
+    fingerprint = model_fingerprint(model, tokenizer)
+    corpus = training_corpus(config0, tokenizer)
+    group = Servers(_fresh(root / f"recovery-{name}"), sets, 4)
+    extra: list[Servers] = []
+    session = None
+    events = []
+    try:
+        group.wait_serving()
+        peers = group.addresses(0)
+        extra.append(Servers(_fresh(root / f"recovery-{name}-replica"), sets, 0, more=[("2", peers)]))
+        extra[-1].wait_serving()
+        config = load_config(REPO / "configs" / "pipeline.yaml", [*sets, "swarm.initial_peers=" + json.dumps(peers)])
+        state_dir = _fresh(root / f"recovery-{name}-driver")
+        session = await join_swarm(config, NodeIdentity.load_or_create(state_dir / "identity.key"), state_dir)
+        fingerprints = expected_fingerprints(config, model.config, fingerprint)
+        limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
+        router = PipelineRouter(
+            session.dht, config, fingerprint, fingerprints, limits, reporter=LostReporter(session, fingerprint)
+        )
+        while len(router.map.live(2)) < 2:
+            await router.refresh(force=True)
+            await asyncio.sleep(0.5)
+        await router.wait_until_served()
+        driver = _driver(config, router, corpus, state_dir / "run")
+        normal = [(await driver.train_step())["step_s"] for _ in range(steps + 1)][1:]
+        step_s = statistics.median(normal)
+        for stage, victim, method in ((2, extra[0].procs[0], "replica failover"), (1, None, "checkfree"),
+                                      (3, None, "checkfree_plus")):  # fmt: skip
+            spare = None
+            if victim is None:
+                spare = Servers(_fresh(root / f"recovery-{name}-spare-{stage}"), sets, 0, more=[("spare", peers)])
+                spare.addresses(0)
+                extra.append(spare)
+                spare_id = NodeIdentity.load_or_create(spare.root / "server-0" / "identity.key").node_id
+                while not any(a.node_id == spare_id for a in (await router.refresh(force=True)).spares):
+                    await asyncio.sleep(0.5)  # a warm spare: announced before the kill, its start not in the stall
+                victim = group.procs[stage]
+            os.killpg(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            row = await driver.train_step()
+            stall = time.monotonic() - killed - step_s
+            loaded = _recoveries(spare.root / "server-0") if spare else []
+            event = {
+                "method": method,
+                "stage": stage,
+                "stall_s": stall,
+                "announce_ttl_s": config.pipeline.announce_ttl_s,
+                "announce_interval_s": config.pipeline.announce_interval_s,
+                "spare_method": loaded[-1]["method"] if loaded else None,
+                "spare_load_s": loaded[-1]["seconds"] if loaded else None,
+                "driver_recovery": row.get("recovery"),
+                "retries": row["retries"],
+                "normal_step_s": step_s,
+            }
+            events.append(event)
+            print(
+                f"recovery {name} {method:<16} stage {stage}: stall {stall:.2f}s (TTL {event['announce_ttl_s']:g}s), "
+                f"spare {event['spare_method']} loaded in {event['spare_load_s'] or 0:.2f}s, retries {row['retries']}",
+                flush=True,
+            )
+            for _ in range(2):
+                await driver.train_step()
+    finally:
+        if session is not None:
+            await session.close()
+        for servers in [group, *extra]:
+            servers.close()
+    return events
+
+
+def _recoveries(state_dir: Path) -> list[dict]:
+    path = state_dir / "recoveries.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def lab_run(
+    name: str,
+    shape,
+    stages: int,
+    settings: list[str],
+    variants: dict[str, list[str]],
+    rates: list[float],
+    steps: int,
+    root: Path,
+) -> dict:
+    """The size through `stages` servers and a `swarm-node drive`, each process in its own namespace of the lab
+    (benchmarks/lab.py, root) with every link shaped to each of `rates` Mbit/s both ways; for the plain settings and
+    each variant. A variant's server settings (those not starting with `driver:`) start servers of their own.
+    The driver's step_s from its metrics, its first step left out; the one-process baseline measured here before."""
+    from lab import Lab, Link
+
+    config = load_config(REPO / "configs" / "pipeline.yaml", overrides(shape, 1, "lab-baseline", settings))
+    torch.set_num_threads(config.torch_threads)
+    torch.manual_seed(config.seed)
+    model, tokenizer = resolve_initial_policy(config, None, HOST)
+    one = OneProcess(config, model, training_corpus(config, tokenizer), config.torch_threads)
+    one.train_step()
+    one_s = statistics.median(one.train_step()["step_s"] for _ in range(steps))
+    result = {"one_process_step_s": one_s, "tokens_per_step": tokens_per_step(config), "runs": []}
+    print(f"lab {name}: one process {one_s:.2f} s a step", flush=True)
+    by_servers: dict[tuple, list[tuple[str, list[str]]]] = defaultdict(list)
+    for variant, more in {"plain": [], **variants}.items():
+        server_side = tuple(m for m in more if not m.startswith("driver:"))
+        by_servers[server_side].append((variant, [m.removeprefix("driver:") for m in more if m.startswith("driver:")]))
+    for group, (server_side, drivers) in enumerate(by_servers.items()):
+        sets = overrides(shape, stages, f"lab-{_slug(name)}-{group}-{os.getpid()}", settings + list(server_side))
+        sets = [s for s in sets if not s.startswith("swarm.host_maddrs")]
+        args = ["--config", str(REPO / "configs" / "pipeline.yaml")] + [a for s in sets for a in ("--set", s)]
+        with Lab(stages + 1, host_link=False) as lab:
+            scratch = _fresh(root / f"lab-{name}-{group}")
+
+            def command(index: int, what: list[str], state: Path, peers: list[str]) -> subprocess.Popen:
+                argv = [sys.executable, "-m", "node.cli", *what, *args, "--state-dir", str(state)]
+                argv += ["--set", f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]']
+                if peers:
+                    argv += ["--initial-peers", *peers]
+                return lab.run(index, argv, state.parent / f"{state.name}.out")
+
+            bootstrap: list[str] = []
+            for index in range(stages):
+                state = scratch / f"server-{index}"
+                command(index, ["serve", "--stage", str(index)], state, bootstrap)
+                _wait_path(state / "addresses.txt", lab, index)
+                bootstrap = bootstrap or (state / "addresses.txt").read_text().split()[:1]
+            for index in range(stages):
+                _wait_path(scratch / f"server-{index}" / "recoveries.jsonl", lab, index)
+            for rate in rates:
+                for index in range(stages + 1):
+                    lab.shape(index, Link(mbit=rate))
+                for variant, driver_sets in drivers:
+                    state = scratch / f"driver-{rate}-{variant}"
+                    extra = [a for s in driver_sets for a in ("--set", s)]
+                    command(stages, ["drive", "--steps", str(steps + 1), *extra], state, bootstrap)
+                    deadline = time.monotonic() + 1800
+                    while lab.alive(stages) and time.monotonic() < deadline:
+                        time.sleep(1)
+                    if lab.alive(stages):
+                        lab.kill(stages)
+                    rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+                    step_s = statistics.median(row["step_s"] for row in rows[1:])
+                    run = {
+                        "variant": variant,
+                        "settings": list(server_side) + driver_sets,
+                        "mbit": rate,
+                        "step_s": step_s,
+                        "tokens_per_s": tokens_per_step(config) / step_s,
+                        "vs_one_process": one_s / step_s,
+                        "loss_last": rows[-1]["loss"],
+                        "steps": len(rows) - 1,
+                    }
+                    result["runs"].append(run)
+                    print(
+                        f"lab {name} S={stages} {rate:g} Mbit/s {variant:<10}: {step_s:.2f} s a step, "
+                        f"{run['tokens_per_s']:.0f} tokens/s, {run['vs_one_process']:.2f}x one process",
+                        flush=True,
+                    )
+    return result
+
+
+def _wait_path(path: Path, lab, index: int) -> None:
+    deadline = time.monotonic() + START_S
+    while not path.exists():
+        if not lab.alive(index):
+            raise RuntimeError(f"lab node {index} exited: {(path.parent.parent / (path.parent.name + '.out'))}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {START_S}s")
+        time.sleep(0.5)
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, settings = text.partition(":")
+    return name, [setting for setting in settings.split(",") if setting]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), help=f"of {list(SIZES)}")
+    parser.add_argument("--stages", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per way per round")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the ways")
+    parser.add_argument("--tiny", action="store_true", help="a 4-layer, 32-wide model, 1 round of 1 step: a test")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for all")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="another wire way with these settings, side by side (e.g. bf16:pipeline.wire_dtype=bfloat16)",
+    )
+    parser.add_argument("--variant-stages", nargs="+", type=int, default=[4], help="the S the variants run at")
+    parser.add_argument("--one-process-threads", nargs="+", type=int, default=[1], help="torch threads, a way each")
+    parser.add_argument(
+        "--loss-check", type=int, default=0, metavar="STEPS", help="train local S=max(--stages) and each variant "
+        "this many steps in process and compare their losses (no servers; instead of the timing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lab", nargs="+", type=float, metavar="MBIT", help="instead: the lab at these link rates (root), "
+        "at S = max(--stages); a variant's `driver:KEY=VALUE` settings apply to the driver only",
+    )  # fmt: skip
+    parser.add_argument("--recovery", action="store_true", help="instead: stall per recovery method (loopback)")
+    args = parser.parse_args()
+    sizes = TINY if args.tiny else {name: SIZES[name] for name in args.sizes}
+    settings = list(args.set)
+    variants = dict(parse_variant(v) for v in args.variant)
+    if args.tiny:
+        settings += ["pipeline.micro_batch_size=2", "pipeline.micro_batches=2", "pipeline.sequence_length=16"]
+        args.steps, args.rounds = 1, 1
+    started = time.time()
+    summary: dict = {"benchmark": "pipeline_throughput", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(started))}
+    if args.lab:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        with tempfile.TemporaryDirectory(prefix="pipeline-throughput-lab-") as scratch:
+            runs = {
+                name: lab_run(name, shape, max(args.stages), settings, variants, args.lab, args.steps, Path(scratch))
+                for name, shape in sizes.items()
+            }
+        summary.update(load_average=os.getloadavg(), settings=settings, stages=max(args.stages), lab=runs)
+        print(json.dumps(summary))
+        return
+    if args.recovery:
+        with tempfile.TemporaryDirectory(prefix="pipeline-throughput-recovery-") as scratch:
+            events = {
+                name: asyncio.run(recovery_run(name, shape, settings, args.steps, Path(scratch)))
+                for name, shape in sizes.items()
+            }
+        summary.update(load_average=os.getloadavg(), settings=settings, recovery_s_by_method=events)
+        print(json.dumps(summary))
+        return
+    if args.loss_check:
+        torch.set_num_threads(1)
+        checks = [
+            loss_check(name, shape, max(args.stages), settings, variants, args.loss_check)
+            for name, shape in sizes.items()
+        ]
+        for check in checks:
+            print(check)
+        summary.update(load_average=os.getloadavg(), settings=settings, loss_check=checks)
+        print(json.dumps(summary))
+        return
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="pipeline-throughput-") as scratch:
+        for name, shape in sizes.items():
+            results[name] = asyncio.run(
+                measure_size(
+                    name,
+                    shape,
+                    args.stages,
+                    settings,
+                    variants,
+                    [s for s in args.variant_stages if s in args.stages] if variants else [],
+                    args.one_process_threads,
+                    args.steps,
+                    args.rounds,
+                    Path(scratch),
+                )
+            )
+            print_size(name, results[name])
+    summary.update(load_average=os.getloadavg(), settings=settings, steps=args.steps, rounds=args.rounds, sizes=results)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""benchmarks/pipeline_throughput.py in its tiny mode: every figure is there, and the bytes are what the shapes imply.
+
+No timing is asserted (the machine is shared); the bytes and the call counts are exact, and the wire
+way computes the very numbers the in-process way does (same loss)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.helpers.common import REPO
+
+# the tiny mode: micro-batch B = 2 sequences of T = 16 tokens, hidden H = 32, the char vocabulary V = 100;
+# 2 micro-batches per step (one straight, one with CheckFree+'s swapped order), 1 timed step
+B, T, H, V = 2, 16, 32, 100
+IDS = 3 * B * T * 8  # input_ids, position_ids, attention_mask: int64 each = 768
+HIDDEN = B * T * H * 4  # float32 hidden states (or their gradient) = 4096
+MASKS = 2 * B * T * 8  # position_ids and attention_mask travel with every hop = 512
+LOGITS = B * T * V * 4  # float32 logits (or their gradient) = 12800
+
+
+def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/pipeline_throughput.py", "--tiny", "--stages", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["benchmark"] == "pipeline_throughput" and len(summary["load_average"]) == 3
+    tiny = summary["sizes"]["tiny"]
+    assert tiny["tokens_per_step"] == 2 * B * T == 64
+    assert tiny["micro_batch"] == [B, T, H] and tiny["vocab_size"] == V
+    ways = tiny["ways"]
+    assert set(ways) == {"one_process", "local 2", "wire 2"}
+    for way in ways.values():
+        assert way["step_s"] > 0 and math.isfinite(way["loss_last"])
+        assert math.isclose(way["tokens_per_s"], 64 / way["step_s"])
+    assert ways["one_process"]["vs_one_process"] == 1.0
+    # the same stages computing the same micro-batches: the wire changes the time, not the numbers
+    assert ways["wire 2"]["loss_last"] == ways["local 2"]["loss_last"]
+    # S = 2: the straight micro-batch makes 2 hops, (0: embed+layers) and (1: layers+head); the swapped one 4,
+    # (0: embed), (1: layers), (0: layers), (1: head): 3 hops per micro-batch on average
+    straight_out, swapped_out = IDS + (HIDDEN + MASKS), IDS + 3 * (HIDDEN + MASKS)  # 5376, 14592
+    straight_in, swapped_in = HIDDEN + LOGITS, 3 * HIDDEN + LOGITS  # 16896, 25088
+    # backward: the logits' gradient to the head's hop, a hidden gradient to each hop before it; every hop but the
+    # embedding's sends back its input's gradient
+    back_straight_out, back_swapped_out = LOGITS + HIDDEN, LOGITS + 3 * HIDDEN  # 16896, 25088
+    back_straight_in, back_swapped_in = HIDDEN, 3 * HIDDEN  # 4096, 12288
+    expected = {
+        "forward_out": (straight_out + swapped_out) / 2,  # 9984
+        "forward_in": (straight_in + swapped_in) / 2,  # 20992
+        "backward_out": (back_straight_out + back_swapped_out) / 2,  # 20992
+        "backward_in": (back_straight_in + back_swapped_in) / 2,  # 8192
+    }
+    assert expected == {"forward_out": 9984, "forward_in": 20992, "backward_out": 20992, "backward_in": 8192}
+    for way in ("local 2", "wire 2"):
+        assert ways[way]["bytes_per_micro_batch"] == expected
+        assert ways[way]["hops_per_micro_batch"] == 3
+        assert ways[way]["calls"] == {"forward": 6, "backward": 6, "step": 2}
+    assert set(ways["wire 2"]["overhead_ms"]) == {"forward", "backward", "step"}
+    assert all(math.isfinite(ms) for ms in ways["wire 2"]["overhead_ms"].values())
