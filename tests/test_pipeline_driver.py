@@ -24,6 +24,27 @@ VOCAB, HIDDEN = 16, 4
 FINGERPRINTS = ["fp0", "fp1"]
 
 
+def serving(stage: int, node_id: str, p2p_peer_id: str, step: int, grad_norm: float) -> StageAnnouncement:
+    """A server of one layer of the tests' two-stage model, serving `stage`."""
+    return StageAnnouncement(
+        node_id=node_id,
+        p2p_peer_id=p2p_peer_id,
+        model_fingerprint="m",
+        num_stages=2,
+        stage=stage,
+        stage_fingerprint=FINGERPRINTS[stage],
+        layer_start=stage,
+        layer_end=stage + 1,
+        parts=["layers"],
+        state="serving",
+        step=step,
+        grad_norm=grad_norm,
+        samples_per_s=1.0,
+        recoveries=0,
+        replicas=[],
+    )
+
+
 def config(tmp_path):
     return load_config(
         None,
@@ -69,23 +90,7 @@ class Server:
 
     async def announce(self) -> None:
         await Announcer(self.session).publish(
-            StageAnnouncement(
-                node_id=self.node_id,
-                p2p_peer_id=self.node_id[:16],
-                model_fingerprint="m",
-                num_stages=2,
-                stage=self.stage,
-                stage_fingerprint=FINGERPRINTS[self.stage],
-                layer_start=self.stage,
-                layer_end=self.stage + 1,
-                parts=["layers"],
-                state="serving",
-                step=1,
-                grad_norm=0.5,
-                samples_per_s=1.0,
-                recoveries=0,
-                replicas=[],
-            )
+            serving(self.stage, self.node_id, self.node_id[:16], step=1, grad_norm=0.5)
         )
 
 
@@ -161,26 +166,7 @@ class FixedRouter(ScriptedRouter):
     def __init__(self, cfg) -> None:
         super().__init__(None, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS)
         self.down = set()
-        self.servers = {
-            stage: StageAnnouncement(
-                node_id=f"n{stage}",
-                p2p_peer_id="p",
-                model_fingerprint="m",
-                num_stages=2,
-                stage=stage,
-                stage_fingerprint=FINGERPRINTS[stage],
-                layer_start=stage,
-                layer_end=stage + 1,
-                parts=["layers"],
-                state="serving",
-                step=0,
-                grad_norm=0.0,
-                samples_per_s=1.0,
-                recoveries=0,
-                replicas=[],
-            )  # fmt: skip
-            for stage in (0, 1)
-        }
+        self.servers = {stage: serving(stage, f"n{stage}", "p", step=0, grad_norm=0.0) for stage in (0, 1)}
         self.open: set[str] = set()
         self.most_open = 0
 
