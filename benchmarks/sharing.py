@@ -95,6 +95,17 @@ ARM_BASE = [
 ]
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
+# the isolated default: 8 own questions a round, its own right answers as demonstrations
+SILO_IMITATE = [
+    "swarm.local_questions=8",
+    "swarm.external_questions=0",
+    "swarm.generated_questions=8",
+    "swarm.imitation=own",
+    "trainer.imitation_coef=4.0",
+]
+# the shipped sharing: SAPO 4/4, peers' groups drawn by weakness, stronger peers' right answers as demonstrations, own
+# questions drawn after peers' groups so that the round's batch keeps each specialty's share of the mix
+SAPO_BALANCE = [*SWARM_IMITATE, "trainer.imitation_coef=4.0", "swarm.local_draw=balance"]
 ARMS = {
     "silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8"],
     "sapo": SWARM_4_4,
@@ -117,20 +128,11 @@ ARMS = {
         "swarm.external_use=demonstrations_only",
         "trainer.imitation_coef=4.0",
     ],
-    "silo_imitate": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=0",
-        "swarm.generated_questions=8",
-        "swarm.imitation=own",
-        "trainer.imitation_coef=4.0",
-    ],
-    # own questions drawn after peers' groups, so that the round's batch keeps each specialty's share of the mix
-    "sapo_balance": [*SWARM_IMITATE, "trainer.imitation_coef=4.0", "swarm.local_draw=balance"],
+    "silo_imitate": SILO_IMITATE,
+    "sapo_balance": SAPO_BALANCE,
     # and CHORD's imitation: per-token weight p (1 - p), coefficient 4 -> 1 over 500 updates
     "sapo_balance_chord": [
-        *SWARM_IMITATE,
-        "trainer.imitation_coef=4.0",
-        "swarm.local_draw=balance",
+        *SAPO_BALANCE,
         "trainer.imitation_token_weight=p_one_minus_p",
         "trainer.imitation_coef_final=1.0",
         "trainer.imitation_decay_updates=500",
@@ -138,59 +140,37 @@ ARMS = {
     # the silo's recipe, and peers' policies as teachers of the specialties they know better (on-policy distillation:
     # the node's own samples scored token by token by the peer's policy; no rollouts exchanged)
     "silo_distill": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=0",
-        "swarm.generated_questions=8",
-        "swarm.imitation=own",
-        "trainer.imitation_coef=4.0",
+        *SILO_IMITATE,
         "trainer.distill_coef=1.0",
     ],
     # each specialty's terms averaged over its own tokens, the specialties weighing the same (MT-GRPO's per-task
     # normalisation): peers' groups of one specialty no longer outweigh the node's own groups of another
     "sapo_balance_equal": [
-        *SWARM_IMITATE,
-        "trainer.imitation_coef=4.0",
-        "swarm.local_draw=balance",
+        *SAPO_BALANCE,
         "trainer.specialty_weighting=equal",
     ],
     # and each specialty's gradient without its components that conflict with another's (PCGrad)
     "sapo_balance_projected": [
-        *SWARM_IMITATE,
-        "trainer.imitation_coef=4.0",
-        "swarm.local_draw=balance",
+        *SAPO_BALANCE,
         "trainer.specialty_weighting=projected",
     ],
     "silo_imitate_equal": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=0",
-        "swarm.generated_questions=8",
-        "swarm.imitation=own",
-        "trainer.imitation_coef=4.0",
+        *SILO_IMITATE,
         "trainer.specialty_weighting=equal",
     ],
     "silo_imitate_projected": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=0",
-        "swarm.generated_questions=8",
-        "swarm.imitation=own",
-        "trainer.imitation_coef=4.0",
+        *SILO_IMITATE,
         "trainer.specialty_weighting=projected",
     ],
     # every completion its own row, its prompt repeated in it, in the sampler's prefill and the update's forward
     # (before rollout.share_prompt_prefill and trainer.share_prompt_forward)
     "silo_imitate_rows": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=0",
-        "swarm.generated_questions=8",
-        "swarm.imitation=own",
-        "trainer.imitation_coef=4.0",
+        *SILO_IMITATE,
         "trainer.share_prompt_forward=false",
         "rollout.share_prompt_prefill=false",
     ],
     "sapo_balance_rows": [
-        *SWARM_IMITATE,
-        "trainer.imitation_coef=4.0",
-        "swarm.local_draw=balance",
+        *SAPO_BALANCE,
         "trainer.share_prompt_forward=false",
         "rollout.share_prompt_prefill=false",
     ],
