@@ -7,10 +7,13 @@ one model shape, the cost of one unit of each kind of work on the workload's own
 
   prefill token      the sampler with max_new_tokens=1 (the prefill forward and one sampled token) over
                      8 questions x 8 completions, per prompt position (pads included)
-  decode token       the full sampler (max_new_tokens as configured) less its prefill, per row and step
+  decode token,      the full sampler (max_new_tokens as configured) less its prefill, over 2, 4 and 8
+  decode step        questions: a least-squares fit of its CPU time to rows x steps and to steps (a cost per
+                     decoding forward, whatever its rows)
   forward token      a no-grad forward of the round's rows (prompt + completion), per padded position
-  train token        the trainer's step over a silo round's groups with a reward spread, less its optimizer
-                     step, per padded position through forward and backward
+  train token,       the trainer's step over a silo round's groups with a reward spread, less its optimizer
+  train call         step, at micro-batches of 32, 8, 4, 2 and 1 rows: a least-squares fit to the positions
+                     through forward and backward and to the calls (micro-batches)
   optimizer step     gradient clipping and AdamW over every parameter, once
   scored completion  grading one completion with the dataset's scorer
 
@@ -49,6 +52,23 @@ from node.trainer import GRPOTrainer, completion_logprobs, padded_positions  # n
 REPO = Path(__file__).resolve().parents[1]
 
 
+def fit_two_costs(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) minimising the squared error of seconds = a x first + b x second over (first, second, seconds) rows,
+    each at least 0: the cost of a call and of a position, say, from timings where their ratio differs."""
+    design = torch.tensor([[first, second] for first, second, _ in rows], dtype=torch.float64)
+    seconds = torch.tensor([s for _, _, s in rows], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(design, seconds[:, None]).solution.flatten().tolist()
+    if a >= 0 and b >= 0:
+        return a, b
+    # a negative cost means one kind explains nothing beyond the other: the better of the two one-kind fits
+    alone = []
+    for column in (0, 1):
+        x = design[:, column]
+        c = float((x @ seconds) / max(1e-12, float(x @ x)))
+        alone.append((float(((seconds - c * x) ** 2).sum()), (c, 0.0) if column == 0 else (0.0, c)))
+    return min(alone)[1]
+
+
 def median_cpu_s(action, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -75,21 +95,28 @@ def calibrate(node: Node, repeats: int) -> dict:
     backend = node.backend
     full_steps = config.rollout.max_new_tokens
 
-    def sample(max_new_tokens: int) -> RoundWork:
+    def sample(max_new_tokens: int, prompt_count: int = len(prompts)) -> RoundWork:
         backend.config = backend.config.model_copy(update={"max_new_tokens": max_new_tokens})
         before = copy.copy(backend.work)
-        backend.generate(prompts, n, seed=1)
+        backend.generate(prompts[:prompt_count], n, seed=1)
         done = backend.work.since(before)
-        return RoundWork(prefill_tokens=done.prefill_tokens, decode_tokens=done.decode_tokens)
+        return RoundWork(
+            prefill_tokens=done.prefill_tokens, decode_tokens=done.decode_tokens, decode_steps=done.decode_steps
+        )
 
     prefill_work = sample(1)
     prefill_s = median_cpu_s(lambda: sample(1), repeats)
-    full_work = sample(full_steps)
-    full_s = median_cpu_s(lambda: sample(full_steps), repeats)
-    backend.config = backend.config.model_copy(update={"max_new_tokens": full_steps})
     prefill_token = prefill_s / prefill_work.prefill_tokens
-    # the decoding forwards: the full sampler less its prefill (the same prompts, so the same prefill)
-    decode_token = (full_s - prefill_s) / max(1, full_work.decode_tokens)
+    # the decoding forwards: the full sampler less its prefill (the same prompts, so the same prefill), at three
+    # batch sizes, so that a step's cost whatever its rows separates from a row's
+    decode_timings = []
+    for prompt_count in (2, 4, len(prompts)):
+        full_work = sample(full_steps, prompt_count)
+        full_s = median_cpu_s(lambda: sample(full_steps, prompt_count), repeats)
+        short_s = median_cpu_s(lambda: sample(1, prompt_count), repeats)
+        decode_timings.append((full_work.decode_steps, full_work.decode_tokens, max(0.0, full_s - short_s)))
+    backend.config = backend.config.model_copy(update={"max_new_tokens": full_steps})
+    decode_step, decode_token = fit_two_costs(decode_timings)
 
     groups, _, _ = node.local.generate_and_score(questions, seed=1)
     # what a silo's update trains on: the groups with a reward spread (a round's others are dropped)
@@ -104,15 +131,14 @@ def calibrate(node: Node, repeats: int) -> dict:
 
     forward_token = median_cpu_s(no_grad_forward, repeats) / positions
 
-    train_tokens = []
-
-    def train_step():
+    def train_step(micro_batch_size: int) -> RoundWork:
         model = node.model  # the trainer steps a copy: every repeat starts from the same weights
+        trainer_config = config.trainer.model_copy(update={"micro_batch_size": micro_batch_size})
         trainer = GRPOTrainer(
-            config.trainer, copy.deepcopy(model), node.tokenizer.pad_token_id, config.rollout.temperature
+            trainer_config, copy.deepcopy(model), node.tokenizer.pad_token_id, config.rollout.temperature
         )
         stats = trainer.step(groups)
-        train_tokens.append(stats.train_tokens)
+        return RoundWork(train_tokens=stats.train_tokens, train_calls=stats.train_calls)
 
     copy_s = median_cpu_s(lambda: GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0), repeats)
     stepper = GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0)
@@ -124,8 +150,12 @@ def calibrate(node: Node, repeats: int) -> dict:
         stepper.optimizer.step()
 
     optimizer_step_s = median_cpu_s(optimizer_step, repeats)
-    train_s = median_cpu_s(train_step, repeats) - copy_s - optimizer_step_s
-    train_token = max(0.0, train_s) / max(1, statistics.median(train_tokens))
+    train_timings = []
+    for micro_batch_size in (32, 8, 4, 2, 1):
+        work = train_step(micro_batch_size)
+        train_s = median_cpu_s(lambda: train_step(micro_batch_size), repeats) - copy_s - optimizer_step_s
+        train_timings.append((work.train_calls, work.train_tokens, max(0.0, train_s)))
+    train_call, train_token = fit_two_costs(train_timings)
 
     completions = [c for g in groups for c in g.completions]
     score_s = median_cpu_s(
@@ -139,14 +169,18 @@ def calibrate(node: Node, repeats: int) -> dict:
             "train_token": train_token,
             "scored_completion": score_s / len(completions),
             "optimizer_step": optimizer_step_s,
+            "decode_step": decode_step,
+            "train_call": train_call,
         },
         "shapes": {
             "sampler_rows": len(prompts) * n,
             "prefill_tokens": prefill_work.prefill_tokens,
-            "decode_tokens": full_work.decode_tokens,
             "update_rows": len(rows),
             "update_positions": positions,
         },
+        # what each fit was made of: (calls, positions, CPU s) per batch size, so its quality can be judged
+        "decode_timings_steps_rowsteps_s": decode_timings,
+        "train_timings_calls_positions_s": train_timings,
         "repeats": repeats,
         "load_average_1min": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),

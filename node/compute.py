@@ -24,10 +24,16 @@ class RoundWork:
     """Prompt positions through the sampler's prefill forwards, pads included."""
     decode_tokens: int = 0
     """Rows through the sampler's decoding forwards, one per row and step."""
+    decode_steps: int = 0
+    """The sampler's decoding forwards, one per step of a batch, whatever its rows: a node that samples half the rows
+    runs as many steps, so a cost per row-step alone undercounts it."""
     forward_tokens: int = 0
     """Positions through no-grad forwards of the update (pi_old with several epochs, the KL reference)."""
     train_tokens: int = 0
     """Positions through the update's forward and backward, pads included."""
+    train_calls: int = 0
+    """Forward-and-backward calls of the update, one per micro-batch: with each prompt once in the update's forward a
+    micro-batch holds few positions, and what a call costs beside them is a large part of it."""
     scored_completions: int = 0
     """Completions graded: the node's own, and peers' re-scored here."""
     optimizer_steps: int = 0
@@ -54,6 +60,9 @@ class UnitCosts:
     train_token: float
     scored_completion: float
     optimizer_step: float
+    decode_step: float = 0.0
+    """0 in calibrations from before the per-call kinds: their per-position costs carry the calls' share."""
+    train_call: float = 0.0
 
     def units(self, work: RoundWork) -> float:
         return sum(self.split(work).values())
@@ -61,9 +70,11 @@ class UnitCosts:
     def split(self, work: RoundWork) -> dict[str, float]:
         """The units of each kind of work."""
         return {
-            "generation": self.prefill_token * work.prefill_tokens + self.decode_token * work.decode_tokens,
+            "generation": self.prefill_token * work.prefill_tokens
+            + self.decode_token * work.decode_tokens
+            + self.decode_step * work.decode_steps,
             "no_grad_forward": self.forward_token * work.forward_tokens,
-            "forward_backward": self.train_token * work.train_tokens,
+            "forward_backward": self.train_token * work.train_tokens + self.train_call * work.train_calls,
             "scoring": self.scored_completion * work.scored_completions,
             "optimizer": self.optimizer_step * work.optimizer_steps,
         }
@@ -77,7 +88,8 @@ class UnitCosts:
             raise FileNotFoundError(f"no compute-unit calibration at {path}: run benchmarks/compute_units.py") from None
         if shape not in table:
             raise KeyError(f"{path} has no calibration for model shape {shape!r} (calibrated: {sorted(table)})")
-        return cls(**{f.name: float(table[shape]["costs"][f.name]) for f in fields(cls)})
+        costs = table[shape]["costs"]
+        return cls(**{f.name: float(costs[f.name]) for f in fields(cls) if f.name in costs})
 
 
 LAYOUTS = ("rows", "shared-prompts")

@@ -107,8 +107,10 @@ class Telemetry:
             "work": RoundWork(
                 prefill_tokens=generation_work.prefill_tokens,
                 decode_tokens=generation_work.decode_tokens,
+                decode_steps=generation_work.decode_steps,
                 forward_tokens=train.forward_tokens,
                 train_tokens=train.train_tokens,
+                train_calls=train.train_calls,
                 optimizer_steps=train.optimizer_steps,
                 scored_completions=sum(len(g.completions) for g in own_groups)
                 + (peer_completions_rescored if swarm.external_questions else 0),

@@ -60,6 +60,8 @@ class TrainStats:
     """Mean negative log-likelihood per token of the round's demonstrations (swarm.imitation), before the step."""
     train_tokens: int = 0
     """Token positions through forward and backward (pads included): the update's compute."""
+    train_calls: int = 0
+    """Forward-and-backward calls (micro-batches, every epoch): a cost per call beside the positions."""
     forward_tokens: int = 0
     """Token positions through no-grad forwards (pi_old with several epochs, the KL reference)."""
     optimizer_steps: int = 0
@@ -519,6 +521,7 @@ class GRPOTrainer:
                     self.model, pairs, self.pad_id, self.temperature, self.share_prompts
                 )
                 stats.train_tokens += positions_here
+                stats.train_calls += 1
                 if frozen is not None:
                     old, weights, _ = frozen[k]
                 else:

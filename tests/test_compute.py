@@ -15,6 +15,8 @@ COSTS = UnitCosts(
     train_token=5e-4,
     scored_completion=1e-5,
     optimizer_step=0.01,
+    decode_step=1e-3,
+    train_call=4e-3,
 )
 
 
@@ -26,13 +28,15 @@ def test_units_hand_computed():
         train_tokens=2000,
         scored_completions=64,
         optimizer_steps=1,
+        decode_steps=10,
+        train_calls=5,
     )
-    # 0.1 + 0.04 generation, 0.03 no-grad, 1.0 forward-backward, 0.00064 scoring, 0.01 optimizer
+    # 0.1 + 0.04 + 0.01 generation, 0.03 no-grad, 1.0 + 0.02 forward-backward, 0.00064 scoring, 0.01 optimizer
     assert COSTS.split(work) == pytest.approx(
-        {"generation": 0.14, "no_grad_forward": 0.03, "forward_backward": 1.0, "scoring": 0.00064, "optimizer": 0.01}
+        {"generation": 0.15, "no_grad_forward": 0.03, "forward_backward": 1.02, "scoring": 0.00064, "optimizer": 0.01}
     )
-    assert COSTS.units(work) == pytest.approx(1.18064)
-    assert COSTS.units(work + work) == pytest.approx(2 * 1.18064)
+    assert COSTS.units(work) == pytest.approx(1.21064)
+    assert COSTS.units(work + work) == pytest.approx(2 * 1.21064)
     assert RoundWork.from_dict(work.as_dict()) == work
     assert RoundWork.from_dict({"train_tokens": 5}) == RoundWork(train_tokens=5)  # kinds a row lacks count 0
 
@@ -42,6 +46,11 @@ def test_costs_load_by_model_shape_and_say_what_is_missing(tmp_path):
     shape = model_shape_key(256, 4, 512, 100)
     path.write_text(json.dumps({shape: {"costs": COSTS.__dict__}}))
     assert UnitCosts.load(path, shape) == COSTS
+    # a calibration from before the per-call kinds: its per-position costs carried the calls, which now weigh 0
+    before = {k: v for k, v in COSTS.__dict__.items() if k not in ("decode_step", "train_call")}
+    path.write_text(json.dumps({shape: {"costs": before}}))
+    old = UnitCosts.load(path, shape)
+    assert (old.decode_step, old.train_call, old.train_token) == (0.0, 0.0, COSTS.train_token)
     with pytest.raises(KeyError, match="h64-l2"):
         UnitCosts.load(path, model_shape_key(64, 2, 128, 100))
     with pytest.raises(FileNotFoundError, match="compute_units.py"):
@@ -58,14 +67,15 @@ def test_the_sampler_counts_the_positions_it_runs(tiny_config):
     widths = [len(node.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
     rows = [w for w in widths for _ in range(4)]
     completions = [c for g in groups for c in g]
-    prefill = decode = 0
+    prefill = decode = steps = 0
     for start in range(0, 12, 6):  # two sampler batches of 6 rows, each left-padded to its longest prompt
         batch = slice(start, start + 6)
         # each distinct prompt of the batch prefilled once (rows of prompts 0,0,0,0,1,1 then 1,1,2,2,2,2)
         prefill += 2 * max(rows[batch])
         # the first token comes from the prefill; each further step runs all 6 rows until the batch's longest ends
         decode += 6 * (max(len(c.completion_ids) for c in completions[batch]) - 1)
-    assert (done.prefill_tokens, done.decode_tokens) == (prefill, decode)
+        steps += max(len(c.completion_ids) for c in completions[batch]) - 1
+    assert (done.prefill_tokens, done.decode_tokens, done.decode_steps) == (prefill, decode, steps)
 
 
 def test_each_layout_has_its_own_calibration_key():
@@ -78,3 +88,17 @@ def test_each_layout_has_its_own_calibration_key():
     assert round_layout(True, True) == "shared-prompts" and round_layout(False, False) == "rows"
     with pytest.raises(ValueError, match="neither"):
         round_layout(True, False)
+
+
+def test_the_calibration_separates_a_calls_cost_from_a_positions():
+    from benchmarks.compute_units import fit_two_costs
+
+    # seconds = 0.004 per call + 0.0002 per position, at micro-batch sizes that trade calls for positions
+    rows = [
+        (calls, positions, 0.004 * calls + 0.0002 * positions) for calls, positions in [(2, 350), (7, 420), (56, 900)]
+    ]
+    assert fit_two_costs(rows) == pytest.approx((0.004, 0.0002))
+    # timings where more calls took less time (noise): no negative call cost, the positions' fit alone,
+    # c = (100 x 0.06 + 100 x 0.05 + 200 x 0.1) / (100^2 + 100^2 + 200^2)
+    rows = [(2, 100, 0.06), (4, 100, 0.05), (8, 200, 0.1)]
+    assert fit_two_costs(rows) == pytest.approx((0.0, 31 / 60000))

@@ -105,16 +105,33 @@ def test_a_rounds_metrics_row_hand_computed():
             scoring_s=2.0,
             sharing_s=3.0,
             update_s=4.0,
-            generation_work=GenerationWork(prefill_tokens=100, decode_tokens=40),
+            generation_work=GenerationWork(prefill_tokens=100, decode_tokens=40, decode_steps=5),
         )
         assert stats.take_round_rejections() == {}  # taken into the row: the next row counts from here
         assert isinstance(made.pop("time"), float)
         return made
 
     train = TrainStats(
-        0.5, 1.5, 0.1, 0.01, groups_used=3, groups_dropped=1, forward_tokens=10, train_tokens=20, optimizer_steps=1
+        0.5,
+        1.5,
+        0.1,
+        0.01,
+        groups_used=3,
+        groups_dropped=1,
+        forward_tokens=10,
+        train_tokens=20,
+        train_calls=2,
+        optimizer_steps=1,
     )
-    work = {"prefill_tokens": 100, "decode_tokens": 40, "forward_tokens": 10, "train_tokens": 20, "optimizer_steps": 1}
+    work = {
+        "prefill_tokens": 100,
+        "decode_tokens": 40,
+        "decode_steps": 5,
+        "forward_tokens": 10,
+        "train_tokens": 20,
+        "train_calls": 2,
+        "optimizer_steps": 1,
+    }
     isolated = row(train=train, peer_groups=[])
     assert list(isolated.items()) == [
         ("round", 3),

@@ -346,6 +346,7 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     trainer = GRPOTrainer(TrainerConfig(max_grad_norm=1e9), model, pad_id=0, temperature=1.0, policy_version=5)
     stats = trainer.step([peer])
     assert stats.forward_tokens == 0 and stats.train_tokens == 1 + 2 + 2  # the shared prompt once, then each answer
+    assert stats.train_calls == 1  # both answers in one micro-batch
     # by hand: ratio 1 (its gradient that of log pi), A = +-0.5 / (sqrt(0.5) + eps), weights min(2, pi / pi_behaviour)
     advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
     reference = copy.deepcopy(tiny_policy)
@@ -355,7 +356,13 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     assert stats.importance_weight_mean == pytest.approx((math.exp(-0.3) + math.exp(0.2)) / 2, abs=1e-4)
     # two epochs: pi_old must stay where the round began, so it is computed first, by a no-grad pass of its own
     two = GRPOTrainer(TrainerConfig(epochs_per_round=2), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
-    assert two.step([peer]).forward_tokens == 1 + 2 + 2
+    two_epochs = two.step([peer])
+    assert two_epochs.forward_tokens == 1 + 2 + 2
+    assert two_epochs.train_calls == 2  # one micro-batch, each epoch
+    # a micro-batch a row: a call each, and each row carries its prompt again
+    single = GRPOTrainer(TrainerConfig(micro_batch_size=1), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
+    one_by_one = single.step([peer])
+    assert (one_by_one.train_calls, one_by_one.train_tokens) == (2, (1 + 2) + (1 + 2))
 
 
 def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):

@@ -87,9 +87,15 @@ class GenerationWork:
     """Prompt positions of the prefill forwards, pads included."""
     decode_tokens: int = 0
     """One per row of each decoding forward: a finished row keeps its slot until its batch ends."""
+    decode_steps: int = 0
+    """One per decoding forward, whatever its rows."""
 
     def since(self, earlier: GenerationWork) -> GenerationWork:
-        return GenerationWork(self.prefill_tokens - earlier.prefill_tokens, self.decode_tokens - earlier.decode_tokens)
+        return GenerationWork(
+            self.prefill_tokens - earlier.prefill_tokens,
+            self.decode_tokens - earlier.decode_tokens,
+            self.decode_steps - earlier.decode_steps,
+        )
 
 
 class RolloutBackend(ABC):

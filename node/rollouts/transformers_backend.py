@@ -151,6 +151,7 @@ class TransformersBackend(RolloutBackend):
                 **cache,
             )
             self.work.decode_tokens += batch
+            self.work.decode_steps += 1
             next_position = next_position + 1
         if was_training:
             self.model.train()

@@ -84,6 +84,8 @@ class VLLMBackend(RolloutBackend):
         # the engine neither pads nor keeps finished rows: each prompt's prefill once, each sampled token once
         self.work.prefill_tokens += sum(map(len, prompt_ids))
         self.work.decode_tokens += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+        # the engine batches every request's steps together: as many decoding steps as the longest sample
+        self.work.decode_steps += max((len(s.token_ids) for output in outputs for s in output.outputs), default=0)
         groups = []
         for ids, output in zip(prompt_ids, outputs):
             group = []
