@@ -154,6 +154,11 @@ ARMS = {
         *SAPO_BALANCE,
         "trainer.specialty_weighting=projected",
     ],
+    # and of a peer's group only its answers above the group's mean in the policy term (LUFFY: a teacher's successes)
+    "sapo_balance_positive": [
+        *SAPO_BALANCE,
+        "trainer.off_policy_negatives=false",
+    ],
     "silo_imitate_equal": [
         *SILO_IMITATE,
         "trainer.specialty_weighting=equal",

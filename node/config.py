@@ -214,6 +214,12 @@ class TrainerConfig(_Section):
     specialty does not, to first order, undo another. A specialty is a question's dataset and its configuration
     (the mix entry). 'projected' keeps one gradient copy per specialty and needs the policy's parameters local
     (not a pipeline)."""
+    off_policy_negatives: bool = True
+    """Whether a peer's completions with a negative advantage enter the policy-gradient term. False: of a peer's group
+    only the answers better than its mean are trained on (LUFFY's off-policy guidance takes a teacher's successes
+    only). A peer's wrong answer is one this policy may never produce: pushing its probability down teaches the node
+    little about its own mistakes and moves probability mass elsewhere, onto what it knew or not. Its own groups keep
+    both signs."""
     advantage_eps: float = Field(1e-4, gt=0)
     """Added to the group's reward std before dividing."""
     importance_cap: float = Field(2.0, gt=0)

@@ -387,11 +387,14 @@ class GRPOTrainer:
                     ]
                 continue
             stats.groups_used += 1
+            keep_negatives = self.config.off_policy_negatives or group.source == "local"
             for completion, advantage in zip(
                 group.completions, group_advantages(group.rewards, self.config.advantage_eps, group.baseline_scale)
             ):
                 if not completion.completion_ids:
                     continue  # nothing to score; never divides the loss by zero tokens
+                if advantage < 0 and not keep_negatives:
+                    continue  # a peer's wrong answer (trainer.off_policy_negatives)
                 rows.append(
                     TrainingRow(
                         prompt_ids=completion.prompt_ids,

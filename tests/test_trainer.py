@@ -588,3 +588,32 @@ def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tin
         assert not GRPOTrainer(TrainerConfig(), tiny_policy, 0, 1.0).share_prompts
     finally:
         tiny_policy.config._attn_implementation = "sdpa"
+
+
+def test_a_peers_wrong_answers_can_stay_out_of_the_policy_term(tiny_policy):
+    """trainer.off_policy_negatives false: a peer's completions below its group's mean are not trained on; the node's
+    own keep both signs. By hand: the peer's group [right, wrong] leaves its right answer alone (advantage +A), the own
+    group [wrong, right] both rows; the policy term is -(sum of A x log-prob) over the 2 + 2 + 2 tokens kept."""
+    import copy
+
+    prompt = [3]
+    peer = RolloutGroup(
+        TaskSpec("x", {}, 0, 0),
+        [_completion(prompt, [4, 1], -1), _completion(prompt, [5, 1], -1)],
+        [1.0, 0.0],
+        source="peer-a",
+    )
+    own = RolloutGroup(TaskSpec("x", {}, 1, 0), [_completion(prompt, [6, 1]), _completion(prompt, [7, 1])], [0.0, 1.0])
+    model = copy.deepcopy(tiny_policy)
+    trainer = GRPOTrainer(TrainerConfig(off_policy_negatives=False, max_grad_norm=1e9), model, 0, 1.0)
+    rows = trainer.training_rows([peer, own])
+    assert [row.completion_ids for row in rows] == [[4, 1], [6, 1], [7, 1]]
+    trainer.step([peer, own])
+    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
+    reference = copy.deepcopy(tiny_policy)
+    logprobs, _ = completion_logprobs(reference, [(prompt, [4, 1]), (prompt, [6, 1]), (prompt, [7, 1])], 0, 1.0)
+    (-advantage * logprobs[0].sum() + advantage * logprobs[1].sum() - advantage * logprobs[2].sum()).div(6).backward()
+    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-5)
+    # the default trains on both signs of a peer's group
+    both = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), 0, 1.0).training_rows([peer, own])
+    assert len(both) == 4
