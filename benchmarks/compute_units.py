@@ -16,9 +16,13 @@ one model shape, the cost of one unit of each kind of work on the workload's own
                      through forward and backward and to the calls (micro-batches)
   optimizer step     gradient clipping and AdamW over every parameter, once
   scored completion  grading one completion with the dataset's scorer
+  record decoded     a peer's signed record of a round's 8 groups decoded and verified by the transport's receiver
+  group re-derived   a peer's group taken in (node/sharing.py rescore: its question re-derived from its spec, its
+                     completions re-tokenized) less the scoring of its completions
 
-Each is the median of --repeats timings with time.process_time() on one torch thread; the machine's load
-average is recorded beside them (calibrate where it is near 0). How well the units then predict a whole
+Each is the least of --repeats timings with time.process_time() on one torch thread (the median until
+2026-11-26 17:00: under other load the least is the steadier); the machine's load average is recorded beside
+them (calibrate where it is near 0). How well the units then predict a whole
 round's CPU time is measured by `benchmarks/sharing.py --round-cost` (RESULTS "sharing").
 
     .venv/bin/python benchmarks/compute_units.py            # writes benchmarks/compute_costs.json
@@ -31,10 +35,10 @@ trainer.share_prompt_forward=false` calibrates a row per completion, under the s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +51,10 @@ import torch  # noqa: E402
 from node.compute import RoundWork, model_shape_key, round_layout  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
+from node.stats import SwarmStats  # noqa: E402
 from node.trainer import GRPOTrainer, completion_logprobs, padded_positions  # noqa: E402
+from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
+from protocol import NodeIdentity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,13 +76,15 @@ def fit_two_costs(rows: list[tuple[float, float, float]]) -> tuple[float, float]
     return min(alone)[1]
 
 
-def median_cpu_s(action, repeats: int) -> float:
+def least_cpu_s(action, repeats: int) -> float:
+    """The least CPU time of `repeats` runs: other processes only ever add to a run's time (caches, frequency,
+    a shared core), so the least is the nearest to an idle machine's (timeit's advice)."""
     times = []
     for _ in range(repeats):
         before = time.process_time()
         action()
         times.append(time.process_time() - before)
-    return statistics.median(times)
+    return min(times)
 
 
 def shape_of(node: Node) -> str:
@@ -105,15 +114,15 @@ def calibrate(node: Node, repeats: int) -> dict:
         )
 
     prefill_work = sample(1)
-    prefill_s = median_cpu_s(lambda: sample(1), repeats)
+    prefill_s = least_cpu_s(lambda: sample(1), repeats)
     prefill_token = prefill_s / prefill_work.prefill_tokens
     # the decoding forwards: the full sampler less its prefill (the same prompts, so the same prefill), at three
     # batch sizes, so that a step's cost whatever its rows separates from a row's
     decode_timings = []
     for prompt_count in (2, 4, len(prompts)):
         full_work = sample(full_steps, prompt_count)
-        full_s = median_cpu_s(lambda: sample(full_steps, prompt_count), repeats)
-        short_s = median_cpu_s(lambda: sample(1, prompt_count), repeats)
+        full_s = least_cpu_s(lambda: sample(full_steps, prompt_count), repeats)
+        short_s = least_cpu_s(lambda: sample(1, prompt_count), repeats)
         decode_timings.append((full_work.decode_steps, full_work.decode_tokens, max(0.0, full_s - short_s)))
     backend.config = backend.config.model_copy(update={"max_new_tokens": full_steps})
     decode_step, decode_token = fit_two_costs(decode_timings)
@@ -129,7 +138,7 @@ def calibrate(node: Node, repeats: int) -> dict:
         with torch.no_grad():
             completion_logprobs(node.model, rows, node.tokenizer.pad_token_id, config.rollout.temperature, share)
 
-    forward_token = median_cpu_s(no_grad_forward, repeats) / positions
+    forward_token = least_cpu_s(no_grad_forward, repeats) / positions
 
     def train_step(micro_batch_size: int) -> RoundWork:
         model = node.model  # the trainer steps a copy: every repeat starts from the same weights
@@ -140,7 +149,7 @@ def calibrate(node: Node, repeats: int) -> dict:
         stats = trainer.step(groups)
         return RoundWork(train_tokens=stats.train_tokens, train_calls=stats.train_calls)
 
-    copy_s = median_cpu_s(lambda: GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0), repeats)
+    copy_s = least_cpu_s(lambda: GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0), repeats)
     stepper = GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0)
     for parameter in stepper.model.parameters():
         parameter.grad = torch.randn_like(parameter) * 1e-3
@@ -149,25 +158,29 @@ def calibrate(node: Node, repeats: int) -> dict:
         torch.nn.utils.clip_grad_norm_(stepper.model.parameters(), config.trainer.max_grad_norm)
         stepper.optimizer.step()
 
-    optimizer_step_s = median_cpu_s(optimizer_step, repeats)
+    optimizer_step_s = least_cpu_s(optimizer_step, repeats)
     train_timings = []
     for micro_batch_size in (32, 8, 4, 2, 1):
         work = train_step(micro_batch_size)
-        train_s = median_cpu_s(lambda: train_step(micro_batch_size), repeats) - copy_s - optimizer_step_s
+        train_s = least_cpu_s(lambda: train_step(micro_batch_size), repeats) - copy_s - optimizer_step_s
         train_timings.append((work.train_calls, work.train_tokens, max(0.0, train_s)))
     train_call, train_token = fit_two_costs(train_timings)
 
     completions = [c for g in groups for c in g.completions]
-    score_s = median_cpu_s(
+    score_s = least_cpu_s(
         lambda: [node.local.score_group(q, g.completions, "local") for q, g in zip(questions, groups)], repeats
     )
+    scored_completion = score_s / len(completions)
+    record_decoded, group_rederived = peer_intake_costs(node, repeats, scored_completion)
     return {
         "costs": {
             "prefill_token": prefill_token,
             "decode_token": decode_token,
             "forward_token": forward_token,
             "train_token": train_token,
-            "scored_completion": score_s / len(completions),
+            "scored_completion": scored_completion,
+            "record_decoded": record_decoded,
+            "group_rederived": group_rederived,
             "optimizer_step": optimizer_step_s,
             "decode_step": decode_step,
             "train_call": train_call,
@@ -187,6 +200,27 @@ def calibrate(node: Node, repeats: int) -> dict:
         "torch": torch.__version__,
         "calibrated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def peer_intake_costs(node: Node, repeats: int, scored_completion: float) -> tuple[float, float]:
+    """CPU s of decoding and verifying one peer's record of a round's groups, and of taking one of its groups in
+    beside scoring it: through the in-process exchange's real signer and receiver, as the sharing benchmark's nodes."""
+    groups, _, _ = node.local.generate_and_score(node.tasks.batch(first_draw=8, count=8), seed=2)
+    exchange = InProcessExchange()
+    publisher = InProcessTransport(exchange, node.config, NodeIdentity.generate(), SwarmStats(), node.fingerprint)
+    receiver = InProcessTransport(exchange, node.config, NodeIdentity.generate(), SwarmStats(), node.fingerprint)
+    decode_times, received = [], []
+    for round_ in range(1, repeats + 1):  # a new round each time: the receiver refuses a record it has read
+        asyncio.run(publisher.publish(round_, 0, groups))
+        before = time.process_time()
+        received = receiver.receiver.receive(list(exchange.latest.items()), time.time())
+        decode_times.append(time.process_time() - before)
+    if not received:
+        raise RuntimeError("the receiver took none of the published groups: nothing to calibrate the intake on")
+    completions = sum(len(item.completions) for item in received)
+    intake_s = least_cpu_s(lambda: [node.sharing.rescore(item) for item in received], repeats)
+    group_rederived = max(0.0, intake_s - scored_completion * completions) / len(received)
+    return min(decode_times), group_rederived
 
 
 def main() -> None:

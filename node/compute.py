@@ -36,6 +36,11 @@ class RoundWork:
     micro-batch holds few positions, and what a call costs beside them is a large part of it."""
     scored_completions: int = 0
     """Completions graded: the node's own, and peers' re-scored here."""
+    records_decoded: int = 0
+    """Peers' signed rollout records decoded and their signatures verified (a node that takes peers' groups)."""
+    groups_rederived: int = 0
+    """Peers' groups whose questions were re-derived from their specs and completions re-tokenized here, before
+    scoring (node/sharing.py PeerRollouts.rescore)."""
     optimizer_steps: int = 0
     """Optimizer steps (gradient clipping and AdamW over every parameter: a cost per step, not per token)."""
 
@@ -63,6 +68,9 @@ class UnitCosts:
     decode_step: float = 0.0
     """0 in calibrations from before the per-call kinds: their per-position costs carry the calls' share."""
     train_call: float = 0.0
+    record_decoded: float = 0.0
+    """0 in calibrations from before the sharing kinds (they did not count what taking peers' groups costs)."""
+    group_rederived: float = 0.0
 
     def units(self, work: RoundWork) -> float:
         return sum(self.split(work).values())
@@ -76,6 +84,7 @@ class UnitCosts:
             "no_grad_forward": self.forward_token * work.forward_tokens,
             "forward_backward": self.train_token * work.train_tokens + self.train_call * work.train_calls,
             "scoring": self.scored_completion * work.scored_completions,
+            "sharing": self.record_decoded * work.records_decoded + self.group_rederived * work.groups_rederived,
             "optimizer": self.optimizer_step * work.optimizer_steps,
         }
 

@@ -35,6 +35,7 @@ class Telemetry:
         self.accuracy_by_dataset: dict[str, float] = {}  # per specialty of the task mix
         self.tokens_per_s = 0.0  # of the last round
         self.device = ""  # where the policy trains, as node.device.describe_device says it (set once it is loaded)
+        self._records_decoded = 0  # stats.values_decoded at the last row: a round's work counts from here
 
     def round_row(
         self,
@@ -114,8 +115,16 @@ class Telemetry:
                 optimizer_steps=train.optimizer_steps,
                 scored_completions=sum(len(g.completions) for g in own_groups)
                 + (peer_completions_rescored if swarm.external_questions else 0),
+                records_decoded=self._take_records_decoded(),
+                groups_rederived=peers_rescored if swarm.external_questions else 0,
             ).as_dict(),
         }
+
+    def _take_records_decoded(self) -> int:
+        """Peers' records decoded since the last row (the transport's receiver counts them)."""
+        decoded = self.stats.values_decoded - self._records_decoded
+        self._records_decoded = self.stats.values_decoded
+        return decoded
 
     def record_round(self, row: dict[str, Any]) -> None:
         ema = lambda old, new: new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new  # noqa: E731

@@ -17,6 +17,8 @@ COSTS = UnitCosts(
     optimizer_step=0.01,
     decode_step=1e-3,
     train_call=4e-3,
+    record_decoded=1e-3,
+    group_rederived=2e-4,
 )
 
 
@@ -30,13 +32,23 @@ def test_units_hand_computed():
         optimizer_steps=1,
         decode_steps=10,
         train_calls=5,
+        records_decoded=3,
+        groups_rederived=8,
     )
-    # 0.1 + 0.04 + 0.01 generation, 0.03 no-grad, 1.0 + 0.02 forward-backward, 0.00064 scoring, 0.01 optimizer
+    # 0.1 + 0.04 + 0.01 generation, 0.03 no-grad, 1.0 + 0.02 forward-backward, 0.00064 scoring, 0.003 + 0.0016 sharing,
+    # 0.01 optimizer
     assert COSTS.split(work) == pytest.approx(
-        {"generation": 0.15, "no_grad_forward": 0.03, "forward_backward": 1.02, "scoring": 0.00064, "optimizer": 0.01}
+        {
+            "generation": 0.15,
+            "no_grad_forward": 0.03,
+            "forward_backward": 1.02,
+            "scoring": 0.00064,
+            "sharing": 0.0046,
+            "optimizer": 0.01,
+        }
     )
-    assert COSTS.units(work) == pytest.approx(1.21064)
-    assert COSTS.units(work + work) == pytest.approx(2 * 1.21064)
+    assert COSTS.units(work) == pytest.approx(1.21524)
+    assert COSTS.units(work + work) == pytest.approx(2 * 1.21524)
     assert RoundWork.from_dict(work.as_dict()) == work
     assert RoundWork.from_dict({"train_tokens": 5}) == RoundWork(train_tokens=5)  # kinds a row lacks count 0
 
@@ -47,10 +59,11 @@ def test_costs_load_by_model_shape_and_say_what_is_missing(tmp_path):
     path.write_text(json.dumps({shape: {"costs": COSTS.__dict__}}))
     assert UnitCosts.load(path, shape) == COSTS
     # a calibration from before the per-call kinds: its per-position costs carried the calls, which now weigh 0
-    before = {k: v for k, v in COSTS.__dict__.items() if k not in ("decode_step", "train_call")}
+    newer_kinds = ("decode_step", "train_call", "record_decoded", "group_rederived")
+    before = {k: v for k, v in COSTS.__dict__.items() if k not in newer_kinds}
     path.write_text(json.dumps({shape: {"costs": before}}))
     old = UnitCosts.load(path, shape)
-    assert (old.decode_step, old.train_call, old.train_token) == (0.0, 0.0, COSTS.train_token)
+    assert [getattr(old, kind) for kind in newer_kinds] == [0.0] * 4 and old.train_token == COSTS.train_token
     with pytest.raises(KeyError, match="h64-l2"):
         UnitCosts.load(path, model_shape_key(64, 2, 128, 100))
     with pytest.raises(FileNotFoundError, match="compute_units.py"):

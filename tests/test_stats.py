@@ -86,9 +86,12 @@ def test_a_rounds_metrics_row_hand_computed():
         spec = TaskSpec("basic_arithmetic", {}, 1, 0)
         return RolloutGroup(spec, sampled, [1.0] * completions, baseline_scale=baseline_scale, loss_scale=loss_scale)
 
-    def row(*overrides: str, train: TrainStats, peer_groups: list[RolloutGroup], outer_step=None) -> dict:
+    def row(
+        *overrides: str, train: TrainStats, peer_groups: list[RolloutGroup], outer_step=None, records_decoded=0
+    ) -> dict:
         stats = SwarmStats()
         stats.reject("p", Refusal.REPLAY)
+        stats.values_decoded = records_decoded  # what the transport's receiver decoded since the node started
         telemetry = Telemetry(load_config(REPO / "configs" / "isolated.yaml", list(overrides)), stats)
         made = telemetry.round_row(
             3,
@@ -131,6 +134,8 @@ def test_a_rounds_metrics_row_hand_computed():
         "train_tokens": 20,
         "train_calls": 2,
         "optimizer_steps": 1,
+        "records_decoded": 0,
+        "groups_rederived": 0,
     }
     isolated = row(train=train, peer_groups=[])
     assert list(isolated.items()) == [
@@ -161,6 +166,7 @@ def test_a_rounds_metrics_row_hand_computed():
         train=train,
         peer_groups=peers,
         outer_step={"outcome": "applied"},
+        records_decoded=2,
     )
     assert {key: swarm[key] for key in swarm.keys() - isolated.keys()} == {
         "importance_weight_mean": 0.8,
@@ -173,6 +179,8 @@ def test_a_rounds_metrics_row_hand_computed():
         "sharing_s": 3.0,
     }
     assert swarm["external_questions"] == 2 and swarm["work"]["scored_completions"] == 8 + 6  # its own, and re-scored
+    assert (swarm["work"]["records_decoded"], swarm["work"]["groups_rederived"]) == (2, 3)
+    assert (isolated["work"]["records_decoded"], isolated["work"]["groups_rederived"]) == (0, 0)
     # corrections are reported only where they are applied
     plain = row("swarm.transport=dht", "swarm.external_questions=2", train=train, peer_groups=peers)
     assert "external_omega_mean" not in plain and "external_loss_scale_mean" not in plain
