@@ -110,9 +110,10 @@ def _parse_refusal(body: bytes) -> str:
 
 
 def refused_by_dial_backoff(exc: BaseException) -> bool:
-    """Whether p2pd refused to open a stream only because every address of the peer was in libp2p's dial backoff:
-    no dial was made (one failed moments ago, ours or the DHT's), so nothing is known of the peer itself. p2pd
-    says so in text only, one line per address: "...: all dials failed\n  * [/ip4/.../tcp/...] dial backoff"."""
+    """Whether p2pd refused our dial only because every address of the peer was in libp2p's dial backoff: a dial
+    failed moments ago (the DHT's, or the one p2pd tried itself for the stream request that `open_stream` makes
+    before dialing), and this one was not tried. p2pd says so in text only, one line per address:
+    "...: all dials failed\n  * [/ip4/.../tcp/...] dial backoff"."""
     if not isinstance(exc, P2PDaemonError):
         return False
     text = str(exc)
