@@ -27,7 +27,15 @@ from collections import Counter
 import msgpack
 import torch
 
-from node.averaging.matchmaking import MAX_FAILED_CALLS, RETRYABLE, CallRefusal, Round
+from node.averaging.matchmaking import (
+    DIAL_BACKOFF_S,
+    MAX_DIAL_BACKOFFS,
+    MAX_FAILED_CALLS,
+    RETRYABLE,
+    CallRefusal,
+    Round,
+)
+from node.transport.protobuf_shim import import_hivemind_isolated
 from node.transport.framing import (
     FRAME_HEADER,
     STREAM_FAILED,
@@ -38,6 +46,10 @@ from node.transport.framing import (
 )
 from node.weights.codec import CodecError, EncodedWeights, decode_weights, encode_weights
 from node.weights.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
+
+import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
+
+from hivemind.p2p import P2PDaemonError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +109,20 @@ def _parse_refusal(body: bytes) -> str:
     return reason if reason in _KNOWN_REFUSALS else "unknown"
 
 
+def refused_by_dial_backoff(exc: BaseException) -> bool:
+    """Whether p2pd refused our dial only because every address of the peer was in libp2p's dial backoff: a dial
+    failed moments ago (the DHT's, or the one p2pd tried itself for the stream request that `open_stream` makes
+    before dialing), and this one was not tried. p2pd says so in text only, one line per address:
+    "...: all dials failed\n  * [/ip4/.../tcp/...] dial backoff"."""
+    if not isinstance(exc, P2PDaemonError):
+        return False
+    text = str(exc)
+    reasons = [line.partition("]")[2].strip() for line in text.splitlines() if line.strip().startswith("* [")]
+    if reasons:
+        return all(reason == "dial backoff" for reason in reasons)
+    return text.rstrip().endswith("dial backoff")
+
+
 def check_hello(
     kind: Frame, body: bytes, prefix: str, rnd: Round | None, latest_round_id: int | None, peer: str
 ) -> CallRefusal | None:
@@ -136,6 +162,7 @@ class WeightExchange:
         dht_timeout: float,
         refusals: Counter[str],
         failures: Counter[str],
+        dial_backoff_s: float = DIAL_BACKOFF_S,
     ) -> None:
         self.p2p = p2p  # the node's p2p daemon (its DHT node's), which carries the streams
         self.prefix = prefix
@@ -144,6 +171,7 @@ class WeightExchange:
         self.dht_timeout = dht_timeout
         self.refusals = refusals  # the averager's: partners' weights we refused, by WeightsRefusal code
         self.failures = failures  # the averager's: everything else that kept an exchange from averaging
+        self.dial_backoff_s = dial_backoff_s  # how long p2pd refuses to redial a peer after a failed dial
         self.round: Round | None = None  # the round open to incoming exchanges
         self.latest_round_id: int | None = None  # rounds up to this one are over for us once it is closed
 
@@ -188,9 +216,22 @@ class WeightExchange:
         rnd.engaged.add(peer)  # before any await: a concurrent incoming call now sees us busy
         writer = None
         try:
-            reader, writer = await open_stream(
-                self.p2p, peer, rnd.addresses.get(peer, []), self.handler_name, self.dht_timeout
-            )
+            try:
+                reader, writer = await open_stream(
+                    self.p2p, peer, rnd.addresses.get(peer, []), self.handler_name, self.dht_timeout
+                )
+            except STREAM_FAILED as exc:
+                # A dial that failed leaves the peer's addresses in libp2p's backoff: a call before it passes gets
+                # "dial backoff" without dialing (the lab, under load: the next poll's call, 3 ms later, spent the
+                # second of MAX_FAILED_CALLS so, and a reachable partner was given up).
+                rnd.retry_at[peer] = asyncio.get_running_loop().time() + self.dial_backoff_s
+                if not refused_by_dial_backoff(exc):
+                    raise
+                log.info("round %d: %s is in p2pd's dial backoff; calling it again later", rnd.round_id, peer[:12])
+                self.failures["dial_backoff"] += 1
+                if rnd.dial_backoffs.bump(peer) >= MAX_DIAL_BACKOFFS:
+                    rnd.given_up.add(peer)  # every dial to it keeps failing (the DHT's too): pair without it
+                return False
             hello = msgpack.packb({"v": EXCHANGE_VERSION, "prefix": self.prefix, "round": rnd.round_id})
             rnd.bytes_sent += await write_frame(writer, Frame.HELLO, hello)
             kind, body = await _read_frame(reader, weights_limit(rnd.theta))

@@ -13,8 +13,11 @@ round without talking; the lower id of a pair opens the stream, and the higher o
 still shows its "free": such a partner answers FINISHED and is given up). Views can differ (a peer
 appears late), so an acceptor takes any caller while it is still free: each node holds
 at most one exchange at a time and commits at most one partner per round. A node whose
-partner is busy or not ready yet retries on the next poll, with a fresh view (a peer
-whose exchanges broke twice, or whose weights were refused, is given up for the round); the odd
+partner is busy or not ready yet retries on the next poll, with a fresh view; one whose partner
+could not be reached calls it again only once libp2p's dial backoff has passed (DIAL_BACKOFF_S:
+p2pd refuses to redial an address that long after a failed dial, so the next poll's call could only
+be refused). A peer whose exchanges broke twice, whose address was still in backoff at
+MAX_DIAL_BACKOFFS calls, or whose weights were refused, is given up for the round; the odd
 one out skips (returns None) at its timeout, or earlier once every other announced peer
 is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
 window a node calls every announced peer with a higher id and accepts calls from any
@@ -51,6 +54,10 @@ log = logging.getLogger(__name__)
 
 MAX_READY_ENTRIES = 256  # announcements read per round: bounds the work a flood of subkeys can cause
 MAX_FAILED_CALLS = 2  # broken exchanges with one peer before it is given up for the round
+# calls to one peer that our daemon refused with "dial backoff" (no dial made) before it is given up for the round
+MAX_DIAL_BACKOFFS = 3
+# go-libp2p's BackoffBase: how long p2pd refuses to redial an address after a failed dial ("dial backoff")
+DIAL_BACKOFF_S = 5.0
 MAX_GROUP_PARTNERS = MAX_READY_ENTRIES - 1  # all mode: partners committed (or in flight) per round; no view holds more
 # peers a round remembers as given up / failed (throwaway ids rotate through views)
 MAX_ROUND_PEERS = 4 * MAX_READY_ENTRIES
@@ -116,6 +123,9 @@ class Round:
     addresses: dict[str, list[str]] = field(default_factory=dict)
     given_up: _RecentPeers = field(default_factory=_RecentPeers)  # peers not to try again this round
     failed_calls: _RecentPeers = field(default_factory=_RecentPeers)  # broken exchanges we opened, per peer
+    dial_backoffs: _RecentPeers = field(default_factory=_RecentPeers)  # our calls p2pd refused as "dial backoff"
+    # loop time before which we do not call a peer again (a failed dial of ours to it is in libp2p's backoff)
+    retry_at: BoundedDict[str, float] = field(default_factory=lambda: BoundedDict(MAX_ROUND_PEERS))
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
@@ -133,6 +143,11 @@ class Round:
         if len(self.received) + len(self.engaged) >= self.capacity or peer in self.engaged:
             return CallRefusal.BUSY
         return None
+
+    def may_call(self, peer: str) -> bool:
+        """Whether we may open an exchange with `peer` now: one could start (`refusal_for`), and no dial of ours to it
+        failed within libp2p's backoff (a call now could only be refused; its own calls to us are still taken)."""
+        return self.refusal_for(peer) is None and asyncio.get_running_loop().time() >= self.retry_at.get(peer, 0.0)
 
     def commit(self, peer: str, weights: dict[str, torch.Tensor]) -> bool:
         if self.closed or peer in self.received or len(self.received) >= self.capacity:
@@ -226,7 +241,7 @@ class Matchmaker:
             # the deadline; calling it gets FINISHED, and the partner is given up, so the next view pairs us anew.
             if (
                 partner is not None
-                and rnd.refusal_for(partner) is None
+                and rnd.may_call(partner)
                 and (self.peer_id < partner or loop.time() - awaited_since >= self.call_patience_s)
             ):
                 if await self.call(rnd, partner):
@@ -263,7 +278,7 @@ class Matchmaker:
                     # after the window: only retry higher ids already in the group
                     elif not (gathering or peer in calls):
                         continue
-                    if rnd.refusal_for(peer) is None and (peer not in calls or calls[peer].done()):
+                    if rnd.may_call(peer) and (peer not in calls or calls[peer].done()):
                         calls[peer] = asyncio.create_task(self.call(rnd, peer))
                 pending = [
                     p

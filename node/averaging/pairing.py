@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from node.averaging.exchange import Named, WeightExchange
-from node.averaging.matchmaking import MAX_GROUP_PARTNERS, Matchmaker, Round
+from node.averaging.matchmaking import DIAL_BACKOFF_S, MAX_GROUP_PARTNERS, Matchmaker, Round
 from node.transport.protobuf_shim import import_hivemind_isolated
 from node.transport.records import RecordWriter
 from node.weights.codec import MODES
@@ -105,6 +105,7 @@ class PairAverager:
         settle_s: float = 2.0,
         gather_s: float = 2.0,
         dht_timeout: float = 5.0,
+        dial_backoff_s: float = DIAL_BACKOFF_S,  # libp2p's; a peer we failed to dial is called again after it
         writer: RecordWriter,
         exchange: Callable[..., WeightExchange] = WeightExchange,
         addresses: Callable[[], list[str]] | None = None,
@@ -130,6 +131,7 @@ class PairAverager:
             dht_timeout=dht_timeout,
             refusals=self.refusals,
             failures=self.failures,
+            dial_backoff_s=dial_backoff_s,
         )
         self._addresses = addresses
         self.matchmaker = Matchmaker(
