@@ -494,11 +494,14 @@ async def round_cost(args) -> dict:
         "units_predict_cpu_r2": 1 - residual / total,
         "load_average_1min": os.getloadavg()[0],
     }
-    if "silo" in table:
+    # against --baseline (the best single-node recipe) where it ran, else the plain silo
+    silo = args.baseline if args.baseline in table else "silo"
+    if silo in table:
+        summary["round_cost_baseline"] = silo
         summary["round_cost_ratio_vs_silo"] = {
             arm: {
-                "units": row["units_per_round"] / table["silo"]["units_per_round"],
-                "cpu_s": row["cpu_s_per_round"] / table["silo"]["cpu_s_per_round"],
+                "units": row["units_per_round"] / table[silo]["units_per_round"],
+                "cpu_s": row["cpu_s_per_round"] / table[silo]["cpu_s_per_round"],
             }
             for arm, row in table.items()
         }
