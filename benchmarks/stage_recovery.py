@@ -908,6 +908,11 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "checkpoint_save_s": spread(saves),
         "checkpoint_load_s": spread(loads),
         "checkpoint_bytes": max((r["checkpoint_bytes"] for r in checkpoints), default=0),
+        # what a rollback threw away, and the share of checkpoint-restart's wall clock its saves and loads took
+        "checkpoint_replayed_steps": spread([f["replayed"] for r in checkpoints for f in r["recoveries"]]),
+        "checkpoint_io_share": spread(
+            [r["checkpoint_io_s"] / r["wall_s_to_target"] for r in checkpoints if r["wall_s_to_target"]]
+        ),
         "checkpoint_every_by_rate": {
             f"{rate:.2f}": sorted({r["checkpoint_every"] for r in rows_of("checkpoint", rate)}) for rate in rates
         },
@@ -931,6 +936,10 @@ def print_report(summary: dict) -> None:
     print(f"checkpoint-restart wall s / CheckFree's, by rate: {summary['wallclock_speedup_vs_checkpoint_by_rate']}")
     print(f"recovery s by method: {summary['recovery_s_by_method']}")
     print(f"checkpoint save s {summary['checkpoint_save_s']}, load s {summary['checkpoint_load_s']}")
+    print(
+        f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "
+        f"{summary['checkpoint_replayed_steps']}; share of wall s in checkpoint I/O {summary['checkpoint_io_share']}"
+    )
     print(json.dumps(summary))
 
 

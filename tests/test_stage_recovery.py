@@ -69,7 +69,8 @@ def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), ev
         "steps_to_target": steps,
         "wall_s_to_target": wall,
         "failures": len(recoveries),
-        "recoveries": [{"methods": [method], "seconds": seconds} for method, seconds in recoveries],
+        "recoveries": [{"methods": [method], "seconds": seconds, "replayed": 3} for method, seconds in recoveries],
+        "checkpoint_io_s": sum(saves) + sum(loads),
         "checkpoint_saves_s": list(saves),
         "checkpoint_loads_s": list(loads),
         "checkpoint_bytes": 1000 if saves else 0,
@@ -104,5 +105,7 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert methods["checkpoint"]["n"] == 1 and methods["random"]["n"] == 2
     assert summary["checkpoint_save_s"]["mean"] == 1.0 and summary["checkpoint_load_s"]["mean"] == 0.25
     assert summary["checkpoint_every_by_rate"] == {"0.10": [7, 8]}
+    assert summary["checkpoint_replayed_steps"] == {"mean": 3, "min": 3, "max": 3, "n": 1}
+    assert summary["checkpoint_io_share"]["mean"] == pytest.approx((2.25 / 20 + 1.0 / 25) / 2)
     assert summary["missed_target"] == ["random@0.10 seed 1"]
     assert summary["parameters"] == 42
