@@ -905,6 +905,10 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "ordering_by_wall_s": {name: sorted(means, key=means.get) for name, means in wall_means.items()},
         "failures_by_strategy_and_rate": failures,
         "recovery_s_by_method": {m: spread(v) for m, v in sorted(by_method.items())},
+        # training loss of the first step after a failure less that of the step before it
+        "loss_spike_by_strategy": {
+            s: spread([x for r in rows_of(s) for x in r.get("loss_spike", [])]) for s in strategies
+        },
         "checkpoint_save_s": spread(saves),
         "checkpoint_load_s": spread(loads),
         "checkpoint_bytes": max((r["checkpoint_bytes"] for r in checkpoints), default=0),
@@ -935,6 +939,7 @@ def print_report(summary: dict) -> None:
             print(f"{strategy + '@' + rate:24s} {cell(value, 1):36s} {cell(wall, 1)}")
     print(f"checkpoint-restart wall s / CheckFree's, by rate: {summary['wallclock_speedup_vs_checkpoint_by_rate']}")
     print(f"recovery s by method: {summary['recovery_s_by_method']}")
+    print(f"loss spike after a failure: {summary['loss_spike_by_strategy']}")
     print(f"checkpoint save s {summary['checkpoint_save_s']}, load s {summary['checkpoint_load_s']}")
     print(
         f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "

@@ -71,6 +71,7 @@ def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), ev
         "failures": len(recoveries),
         "recoveries": [{"methods": [method], "seconds": seconds, "replayed": 3} for method, seconds in recoveries],
         "checkpoint_io_s": sum(saves) + sum(loads),
+        "loss_spike": [0.5] * len(recoveries),
         "checkpoint_saves_s": list(saves),
         "checkpoint_loads_s": list(loads),
         "checkpoint_bytes": 1000 if saves else 0,
@@ -108,4 +109,5 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["checkpoint_replayed_steps"] == {"mean": 3, "min": 3, "max": 3, "n": 1}
     assert summary["checkpoint_io_share"]["mean"] == pytest.approx((2.25 / 20 + 1.0 / 25) / 2)
     assert summary["missed_target"] == ["random@0.10 seed 1"]
+    assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
     assert summary["parameters"] == 42
