@@ -886,6 +886,20 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         for recovery in row.get("recoveries", []):
             for method in recovery["methods"]:
                 by_method.setdefault(method, []).append(recovery["seconds"])
+    baselines = [r for r in rows_of("none") if r.get("target") is not None]
+    # validation loss at the step where the failure-free runs took their target: a measure that does not jump by a
+    # whole evaluation interval when a curve on its plateau misses the target by a hair
+    target_steps = [next((p["step"] for p in r["curve"] if p["val_loss"] <= r["target"]), None) for r in baselines]
+    target_step = max((s for s in target_steps if s is not None), default=None)
+
+    def val_at(run: dict) -> float | None:
+        # the last evaluation at that step (a rollback evaluates a step again), else the run stopped before it
+        return next((p["val_loss"] for p in reversed(run.get("curve", [])) if p["step"] == target_step), None)
+
+    val_loss_at = {
+        strategy: {f"{rate:.2f}": spread([val_at(r) for r in rows_of(strategy, rate)]) for rate in rates}
+        for strategy in strategies
+    }
     checkpoints = rows_of("checkpoint")
     saves = [s for r in checkpoints for s in r["checkpoint_saves_s"]]
     loads = [s for r in checkpoints for s in r["checkpoint_loads_s"]]
@@ -903,6 +917,8 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "wallclock_speedup_vs_checkpoint_by_rate_and_seed": speedup_by_seed,
         "steps_ratio_checkpoint_vs_checkfree_by_rate": steps_ratio,
         "ordering_by_wall_s": {name: sorted(means, key=means.get) for name, means in wall_means.items()},
+        "val_loss_at_step": target_step,
+        "val_loss_at_step_by_strategy_and_rate": val_loss_at,
         "failures_by_strategy_and_rate": failures,
         "recovery_s_by_method": {m: spread(v) for m, v in sorted(by_method.items())},
         # training loss of the first step after a failure less that of the step before it

@@ -61,8 +61,10 @@ def test_young_interval_is_the_square_root_rule_over_the_whole_pipeline():
     assert young_interval(0.0001, 1.0, 0.16, 25) == 1  # at least every step
 
 
-def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None):
+def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None, curve=(), target=None):
     return {
+        "curve": [{"step": step, "val_loss": loss} for step, loss in curve],
+        "target": target,
         "strategy": strategy,
         "rate": rate,
         "seed": seed,
@@ -83,18 +85,22 @@ def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), ev
 
 def test_the_report_averages_over_seeds_and_divides_the_means():
     rows = [
-        row("none", 0.0, 0, 100, 50.0),
-        row("none", 0.0, 1, 100, 70.0),
-        row("checkfree", 0.1, 0, 110, 10.0, [("checkfree", 2.0), ("checkfree_plus", 4.0)]),
-        row("checkfree", 0.1, 1, 120, 20.0, [("checkfree", 3.0)]),
+        row("none", 0.0, 0, 100, 50.0, curve=[(90, 0.6), (100, 0.5)], target=0.5),
+        row("none", 0.0, 1, 90, 70.0, curve=[(90, 0.45), (100, 0.4)], target=0.5),
+        row("checkfree", 0.1, 0, 110, 10.0, [("checkfree", 2.0), ("checkfree_plus", 4.0)], curve=[(100, 0.6)]),
+        row("checkfree", 0.1, 1, 120, 20.0, [("checkfree", 3.0)], curve=[(100, 0.9), (90, 0.7), (100, 0.8)]),
         row("checkpoint", 0.1, 0, 130, 20.0, [("checkpoint", 5.0)], saves=[0.5, 1.5], loads=[0.25], every=7),
         row("checkpoint", 0.1, 1, 150, 25.0, [], saves=[1.0], every=8),
         row("random", 0.1, 0, 140, 30.0, [("random", 1.0)]),
         row("random", 0.1, 1, None, None, [("random", 1.0)]),  # missed the target: listed, not averaged
     ]
     summary = report(rows, [0.1], ["checkfree", "checkpoint", "random"])
-    assert summary["steps_by_strategy_and_rate"]["none"]["0.00"] == {"mean": 100, "min": 100, "max": 100, "n": 2}
+    assert summary["steps_by_strategy_and_rate"]["none"]["0.00"] == {"mean": 95, "min": 90, "max": 100, "n": 2}
     assert summary["steps_by_strategy_and_rate"]["checkfree"]["0.10"]["mean"] == 115
+    # the later of the failure-free runs' target steps; after a rollback, the step's last evaluation
+    assert summary["val_loss_at_step"] == 100
+    assert summary["val_loss_at_step_by_strategy_and_rate"]["checkfree"]["0.10"]["mean"] == pytest.approx(0.7)
+    assert summary["val_loss_at_step_by_strategy_and_rate"]["random"]["0.10"] is None
     assert summary["wall_s_by_strategy_and_rate"]["checkpoint"]["0.10"] == {"mean": 22.5, "min": 20, "max": 25, "n": 2}
     assert summary["wall_s_by_strategy_and_rate"]["random"]["0.10"]["n"] == 1
     assert summary["wallclock_speedup_vs_checkpoint_by_rate"]["0.10"] == pytest.approx(22.5 / 15.0)
