@@ -739,7 +739,17 @@ def read_rows(path: Path, key: dict) -> list[dict]:
     if not Path(path).exists():
         return []
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [row for row in rows if row.get("key") == key]
+    return [
+        row
+        for row in rows
+        if row.get("key") == key
+        or (row["strategy"] == "none" and baseline_key(row.get("key", {})) == baseline_key(key))
+    ]
+
+
+def baseline_key(key: dict) -> dict:
+    """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings."""
+    return {name: value for name, value in key.items() if name != "checkpoint_every"}
 
 
 def append_row(path: Path, row: dict) -> None:

@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from benchmarks.stage_recovery import load_stage_checkpoint, report, save_stage_checkpoint, young_interval
+from benchmarks.stage_recovery import (
+    append_row,
+    load_stage_checkpoint,
+    read_rows,
+    report,
+    save_stage_checkpoint,
+    young_interval,
+)
 
 
 class FakeBackend:
@@ -117,3 +124,14 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["missed_target"] == ["random@0.10 seed 1"]
     assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
     assert summary["parameters"] == 42
+
+
+def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_checkpoint_rule(tmp_path):
+    young = {"shape": [256, 8, 4, 512], "max_steps": 120, "checkpoint_every": "young"}
+    every_25 = dict(young, checkpoint_every="25")
+    path = tmp_path / "rows.jsonl"
+    for strategy, key in [("none", young), ("checkfree", young), ("checkpoint", every_25), ("none", {"shape": [64]})]:
+        append_row(path, {"strategy": strategy, "key": key})
+    assert [r["strategy"] for r in read_rows(path, young)] == ["none", "checkfree"]
+    assert [r["strategy"] for r in read_rows(path, every_25)] == ["none", "checkpoint"]
+    assert read_rows(tmp_path / "absent.jsonl", young) == []
