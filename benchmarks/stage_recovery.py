@@ -342,7 +342,15 @@ async def run(
     asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
     bench = Bench(args, scratch, seed, strategy)
     schedule = failure_schedule(seed, rate, args.max_steps, args.steps_per_hour) if strategy != "none" else {}
-    record = {"curve": [], "recoveries": [], "spikes": [], "normal_step_s": [], "eval_s": 0.0, "every": None}
+    record = {
+        "curve": [],
+        "recoveries": [],
+        "spikes": [],
+        "normal_step_s": [],
+        "eval_s": 0.0,
+        "every": None,
+        "retries": 0,
+    }
     timed_out = False
     try:
         async with asyncio.timeout(args.run_timeout_s):
@@ -370,6 +378,7 @@ async def run(
         "steps_to_target": reached["executed"] if reached else None,
         "wall_s_to_target": reached["wall_s"] if reached else None,
         "eval_s": record["eval_s"],
+        "retries": record["retries"],
         "recovery_s": [r["seconds"] for r in record["recoveries"]],
         "recoveries": record["recoveries"],
         "loss_spike": record["spikes"],
@@ -423,6 +432,8 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 failed["load_s"] = bench.loads_s[-1]
         row = await bench.driver.train_step()
         executed += 1
+        # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
+        record["retries"] += row["retries"] + row["backward_failures"] + sum(row["hop_failures"].values())
         if failed is not None:
             # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
             failed["seconds"] = (
@@ -811,7 +822,7 @@ def describe(row: dict) -> str:
         )
     if row["strategy"] == "none":
         text += f", target val loss {row['target']}, normal step {row['normal_step_s']:.3f}s"
-    return text + (", TIMED OUT" if row["timed_out"] else "")
+    return text + f", calls retried or failed {row.get('retries')}" + (", TIMED OUT" if row["timed_out"] else "")
 
 
 def run_children(args, runs: list[tuple[int, float, str]]) -> None:
