@@ -408,13 +408,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
     executed, fired, failed, last_loss = 0, set(), None, None
     normal_step_s = record["normal_step_s"]
     if strategy == "checkpoint":
-        await bench.save_checkpoint()
-        record["every"] = checkpoint_every(args, bench.saves_s[0], step_s, rate)
-        print(
-            f"seed {bench.seed} rate {rate:.2f} checkpoint: first checkpoint {bench.saves_s[0]:.2f}s for "
-            f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
-            flush=True,
-        )
+        await bench.save_checkpoint()  # the restore point before step 1
     while executed < args.max_steps * 3:
         step = bench.driver.step + 1
         # each scheduled failure happens once, even when a rollback replays its step
@@ -446,7 +440,17 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
         else:
             normal_step_s.append(row["step_s"])
         last_loss = row["loss"]
-        if strategy == "checkpoint" and bench.driver.step % record["every"] == 0:
+        if strategy == "checkpoint" and record["every"] is None:
+            # The checkpoint after step 1 sets the interval: the one before it holds no AdamW moments yet (a third of
+            # the bytes), this one is the size of every later one.
+            await bench.save_checkpoint()
+            record["every"] = checkpoint_every(args, bench.saves_s[-1], step_s, rate)
+            print(
+                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.saves_s[-1]:.2f}s for "
+                f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
+                flush=True,
+            )
+        elif strategy == "checkpoint" and bench.driver.step % record["every"] == 0:
             await bench.save_checkpoint()
         if bench.driver.step % args.eval_every == 0:
             evaluated = time.perf_counter()
