@@ -935,7 +935,7 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     return {
         "benchmark": "stage_recovery",
         "parameters": next((r.get("parameters") for r in rows if r.get("parameters")), None),
-        "key": rows[0]["key"] if rows else None,
+        "key": next((r["key"] for r in rows if r["strategy"] != "none"), rows[0]["key"] if rows else None),
         "steps_by_strategy_and_rate": steps,
         "wall_s_by_strategy_and_rate": wall,
         "wallclock_speedup_vs_checkpoint_by_rate": speedup,
