@@ -12,20 +12,34 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
 - none:        no failures (sets the target validation loss);
 - checkfree:   the new server rebuilds the stage from its neighbours (CheckFree for
                stages 1-2, CheckFree+ for stages 0 and 3, see node/pipeline/recovery.py);
-- checkpoint:  every --checkpoint-every steps every server saves its stage and optimizer
-               (torch.save + fsync, timed); after a failure every stage, the new one too,
-               loads the last checkpoint (timed) and the driver goes back to its step;
+- checkpoint:  every --checkpoint-every steps every server writes its stage, optimizer state, step
+               and lr scale to disk (a temporary file, fsynced, renamed over the last one, the
+               folder fsynced: save_stage_checkpoint), one stage after the other on this machine's
+               one disk, while the training loop waits; after a failure the new server starts
+               from a random init (nothing fetched), every stage reads the last checkpoint back
+               from disk and the driver goes back to its step. Saves and loads are timed and in
+               the strategy's wall clock. The interval is by default Young's rule,
+               sqrt(2 x checkpoint cost x the pipeline's MTBF), from the first checkpoint's
+               measured cost and the failure-free run's normal step (young_interval);
 - random:      the new server initialises the stage randomly (fresh optimizer).
 
 Failure schedule: each stage fails independently with probability rate / steps_per_hour
 at each step (the paper's 5 %, 10 %, 16 % per stage per hour, with an "hour" scaled to
 --steps-per-hour steps), drawn from the seed alone. The target is the validation loss the
 failure-free run of the same seed reaches at --target-fraction of its steps. Reported per
-strategy and rate (mean over seeds): steps executed and wall-clock seconds to the target,
-recovery seconds (failure -> first step after), and the loss spike (the training loss of
-the first step after a failure minus that of the step before it). Unlike the paper's
-simulation (checkpoint_simulation.py replays a failure-free run and does not charge
-checkpoint I/O), checkpoint save and load times are measured and charged here.
+strategy and rate (mean over seeds, with min and max): steps executed and wall-clock seconds to
+the target (validation time left out: the same for every strategy), recovery seconds (failure
+-> first step after, less a normal step) by how the stage came back, the loss spike (the training
+loss of the first step after a failure minus that of the step before it), and what a checkpoint
+cost. Unlike the paper's simulation (checkpoint_simulation.py replays a failure-free run and does
+not charge checkpoint I/O), checkpoint save and load times are measured and charged here.
+
+Every run appends its row to --results (benchmarks/results/stage_recovery.jsonl) as it ends, under
+a key of the settings that make runs comparable; a run already there is not run again, and
+--report computes the figures from the file alone. --side-by-side runs the strategies of one
+(rate, seed) at once, each in its own process, so that they share the machine's load; the
+failure-free runs of all seeds go first, side by side too. --size takes pipeline_throughput's
+model sizes.
 
 Churn mode (--churn, issue #24): no spares; before each of --churn-failures seeded steps a
 random stage's only server is killed, and a newcomer joins with `--stage auto` a random 0 to
@@ -39,6 +53,8 @@ newcomer, then every stage, loads
 the last checkpoint) on the same schedule.
 
     .venv/bin/python benchmarks/stage_recovery.py --seeds 3
+    .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 0.16 0.05 --side-by-side
+    .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --report
     .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
@@ -47,12 +63,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +84,7 @@ from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
 
 import_hivemind_isolated()
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from node.config import load_config  # noqa: E402
@@ -80,8 +101,19 @@ from node.transport.joining import shutdown_dht  # noqa: E402
 from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
+from benchmarks.pipeline_throughput import SIZES  # noqa: E402  (one list of model sizes for both benchmarks)
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = 4
+RESULTS = REPO / "benchmarks" / "results" / "stage_recovery.jsonl"
+CHILD_GRACE_S = 180.0  # a side-by-side run stops itself at --run-timeout-s; this long after, it is stopped from outside
+
+
+def model_shape(args) -> tuple[int, int, int, int]:
+    """(hidden, decoder layers, heads, MLP width): a --size preset of pipeline_throughput, else --hidden, 8 layers."""
+    if args.size:
+        return SIZES[args.size]
+    return args.hidden, 8, max(2, args.hidden // 32), args.hidden * 2
 
 
 def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) -> dict[int, list[int]]:
@@ -97,14 +129,58 @@ def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) ->
     return schedule
 
 
+def save_stage_checkpoint(backend, path: Path) -> float:
+    """Write one stage's weights, optimizer state, step and lr scale as a deployment would: to a temporary file that is
+    flushed and fsynced, renamed over the previous checkpoint (a crash mid-write leaves that one whole), and the
+    folder fsynced so that the rename survives a power cut. Returns the seconds it took."""
+    started = time.perf_counter()
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as handle:
+        torch.save(
+            {
+                "stage": backend.stage.state_dict(),
+                "optimizer": backend.optimizer.state_dict(),
+                "step": backend.step,
+                "lr_scale": backend.lr_scale,
+            },
+            handle,
+        )
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+    fsync_dir(path.parent)
+    return time.perf_counter() - started
+
+
+def load_stage_checkpoint(backend, path: Path) -> float:
+    """Read a stage back from its checkpoint on disk: weights, a new optimizer given the saved state, step and lr scale.
+    Returns the seconds it took."""
+    started = time.perf_counter()
+    data = torch.load(path, weights_only=True)
+    backend.stage.load_state_dict(data["stage"])
+    backend.lr_scale = data["lr_scale"]
+    backend.optimizer = backend.new_optimizer()
+    backend.optimizer.load_state_dict(data["optimizer"])
+    backend.step = data["step"]
+    return time.perf_counter() - started
+
+
+def young_interval(checkpoint_s: float, step_s: float, rate: float, steps_per_hour: int, stages: int = STAGES) -> int:
+    """Steps between checkpoints by Young's rule, sqrt(2 x checkpoint cost x mean time between failures), for the
+    whole pipeline (any stage failing rolls every stage back): its MTBF is steps_per_hour / (stages x rate) steps."""
+    mtbf_s = steps_per_hour / (stages * rate) * step_s
+    return max(1, round(math.sqrt(2 * checkpoint_s * mtbf_s) / step_s))
+
+
 class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
+        hidden, layers, heads, intermediate = model_shape(args)
         overrides = [
-            f"model.default.hidden_size={args.hidden}",
-            "model.default.num_layers=8",
-            f"model.default.num_heads={max(2, args.hidden // 32)}",
-            f"model.default.intermediate_size={args.hidden * 2}",
+            f"model.default.hidden_size={hidden}",
+            f"model.default.num_layers={layers}",
+            f"model.default.num_heads={heads}",
+            f"model.default.intermediate_size={intermediate}",
             "model.default.max_position_embeddings=128",
             "model.default.warmup_steps=0",
             f"model.default.seed={seed}",
@@ -122,7 +198,8 @@ class Bench:
             "pipeline.avoid_s=5",
             "pipeline.call_timeout_s=20",
             f"pipeline.lr={args.lr}",
-            f"pipeline.recovery={'random' if strategy == 'random' else 'checkfree'}",
+            # checkpoint-restart's new server starts from a random init (nothing fetched) and then reads the checkpoint
+            f"pipeline.recovery={'checkfree' if strategy in ('checkfree', 'none') else 'random'}",
             "pipeline.replica_sync_every=2",
             f"pipeline.corpus_seed={seed + 7}",
             "pipeline.rebalance_grace_s=3",
@@ -134,6 +211,9 @@ class Bench:
         self.checkpoint: dict | None = None
         self.dead: list[asyncio.Task] = []
         self.io_s = 0.0
+        self.saves_s: list[float] = []  # each checkpoint of all stages, seconds
+        self.loads_s: list[float] = []  # each restore of all stages, seconds
+        self.last_bytes = 0
 
     async def start(self) -> None:
         from hivemind.dht.node import DHTNode
@@ -202,46 +282,38 @@ class Bench:
         # Its DHT node is cleaned up off the clock: a killed server does not wait for anything.
         self.dead.append(asyncio.create_task(shutdown_dht(dht, timeout=5)))
 
-    def save_checkpoint(self) -> None:
+    async def save_checkpoint(self) -> None:
+        """Every stage writes its checkpoint (save_stage_checkpoint), one after the other on this machine's one disk,
+        off the event loop so that the servers keep announcing; the training loop waits for all of them, so the time
+        is charged to this strategy's wall clock."""
         started = time.perf_counter()
         state = {"step": self.driver.step, "stages": {}}
         folder = self.scratch / "checkpoints"
         folder.mkdir(exist_ok=True)
-        for (
-            server,
-            _,
-            _,
-        ) in self.servers.values():  # one file per stage (servers are kept by stage, or by arrival in churn mode)
-            stage = server.index
-            path = folder / f"stage-{stage}.pt"
-            backend = server.backend
-            torch.save(
-                {
-                    "stage": backend.stage.state_dict(),
-                    "optimizer": backend.optimizer.state_dict(),
-                    "step": backend.step,
-                },
-                path,
-            )
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            state["stages"][stage] = path
-        fsync_dir(folder)
+        # one file per stage (servers are kept by stage, or by arrival in churn mode)
+        for server, _, _ in self.servers.values():
+            path = folder / f"stage-{server.index}.pt"
+            await asyncio.to_thread(save_stage_checkpoint, server.backend, path)
+            state["stages"][server.index] = path
         self.checkpoint = state
-        self.io_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.last_bytes = sum(path.stat().st_size for path in state["stages"].values())
+        self.saves_s.append(seconds)
+        self.io_s += seconds
 
-    def load_checkpoint(self) -> None:
+    async def load_checkpoint(self) -> None:
+        """Every stage, the new one too, reads its last checkpoint back from disk; the driver goes back to its step."""
         started = time.perf_counter()
         for server, _, _ in self.servers.values():
-            data = torch.load(self.checkpoint["stages"][server.index], weights_only=False)
-            backend = server.backend
-            backend.stage.load_state_dict(data["stage"])
-            backend.lr_scale = 1.0
-            backend.optimizer = backend.new_optimizer()
-            backend.optimizer.load_state_dict(data["optimizer"])
-            backend.step = data["step"]
+            await asyncio.to_thread(load_stage_checkpoint, server.backend, self.checkpoint["stages"][server.index])
         self.driver.step = self.checkpoint["step"]
-        self.io_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.loads_s.append(seconds)
+        self.io_s += seconds
+
+    def checkpoint_bytes(self) -> int:
+        """Size on disk of the last checkpoint of all stages (0 before the first)."""
+        return self.last_bytes
 
     async def stop(self) -> None:
         await asyncio.gather(*self.dead, return_exceptions=True)
@@ -250,7 +322,8 @@ class Bench:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await shutdown_dht(dht, timeout=5)
-        await shutdown_dht(self.bootstrap, timeout=5)
+        if hasattr(self, "bootstrap"):  # not when the run stopped while starting
+            await shutdown_dht(self.bootstrap, timeout=5)
 
 
 def quiet_killed_daemons(loop, context) -> None:
@@ -261,17 +334,29 @@ def quiet_killed_daemons(loop, context) -> None:
     loop.default_exception_handler(context)
 
 
-async def run(args, scratch: Path, seed: int, strategy: str, rate: float, target: float | None) -> dict:
+async def run(
+    args, scratch: Path, seed: int, strategy: str, rate: float, target: float | None, step_s: float | None = None
+) -> dict:
+    """One training run to the target (or, for `none`, --max-steps steps). `step_s`, a normal step of the failure-free
+    run, sets checkpoint-restart's interval under Young's rule."""
     asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
     bench = Bench(args, scratch, seed, strategy)
-    await bench.start()
     schedule = failure_schedule(seed, rate, args.max_steps, args.steps_per_hour) if strategy != "none" else {}
-    curve, recoveries, spikes, normal_step_s = [], [], [], []
-    started = time.perf_counter()
+    record = {
+        "curve": [],
+        "recoveries": [],
+        "spikes": [],
+        "normal_step_s": [],
+        "eval_s": 0.0,
+        "every": None,
+        "retries": 0,
+    }
     timed_out = False
     try:
         async with asyncio.timeout(args.run_timeout_s):
-            await train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started)
+            await bench.start()
+            started = time.perf_counter()
+            await train(bench, args, strategy, schedule, target, record, started, rate, step_s)
     except (
         TimeoutError,
         RuntimeError,
@@ -281,67 +366,121 @@ async def run(args, scratch: Path, seed: int, strategy: str, rate: float, target
     finally:
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+    curve = record["curve"]
     reached = next((point for point in curve if target is not None and point["val_loss"] <= target), None)
     return {
         "seed": seed,
         "strategy": strategy,
         "rate": rate,
+        "parameters": sum(p.numel() for p in bench.model.parameters()) if hasattr(bench, "model") else None,
         "curve": curve,
-        "failures": sum(len(v) for k, v in schedule.items() if k <= bench.driver.step),
+        "failures": sum(len(v) for k, v in schedule.items() if k <= getattr(getattr(bench, "driver", None), "step", 0)),
         "steps_to_target": reached["executed"] if reached else None,
         "wall_s_to_target": reached["wall_s"] if reached else None,
-        "recovery_s": recoveries,
-        "loss_spike": spikes,
+        "eval_s": record["eval_s"],
+        "retries": record["retries"],
+        "recovery_s": [r["seconds"] for r in record["recoveries"]],
+        "recoveries": record["recoveries"],
+        "loss_spike": record["spikes"],
+        "normal_step_s": statistics.median(record["normal_step_s"]) if record["normal_step_s"] else None,
+        "checkpoint_every": record["every"],
+        "checkpoint_saves_s": bench.saves_s,
+        "checkpoint_loads_s": bench.loads_s,
+        "checkpoint_bytes": bench.checkpoint_bytes(),
         "checkpoint_io_s": bench.io_s,
         "timed_out": timed_out,
     }
 
 
-async def train(bench, args, strategy, schedule, target, curve, recoveries, spikes, normal_step_s, started) -> None:
-    executed, fired, failed_at, last_loss = 0, set(), None, None
+def checkpoint_every(args, first_save_s: float, step_s: float | None, rate: float) -> int:
+    """--checkpoint-every: a number of steps, or `young` (Young's rule on the measured cost of the first checkpoint and
+    the failure-free run's normal step)."""
+    if args.checkpoint_every != "young":
+        return int(args.checkpoint_every)
+    if not step_s:
+        raise ValueError("--checkpoint-every young needs the failure-free run's step time")
+    return young_interval(first_save_s, step_s, rate, args.steps_per_hour)
+
+
+async def train(bench, args, strategy, schedule, target, record, started, rate, step_s) -> None:
+    """Wall seconds exclude validation (the same evaluation for every strategy, and a rollback's replayed steps would
+    evaluate twice); checkpoint saves and loads, recoveries and replayed steps are all in them."""
+    executed, fired, failed, last_loss = 0, set(), None, None
+    normal_step_s = record["normal_step_s"]
     if strategy == "checkpoint":
-        bench.save_checkpoint()
+        await bench.save_checkpoint()  # the restore point before step 1
     while executed < args.max_steps * 3:
         step = bench.driver.step + 1
         # each scheduled failure happens once, even when a rollback replays its step
         if step in schedule and step not in fired:
             fired.add(step)
-            failed_at = time.perf_counter()
+            failed = {"at": time.perf_counter(), "step": step, "stages": schedule[step], "methods": []}
             for stage in schedule[step]:
                 await bench.kill(stage)
-                await bench.start_server(stage)
+                server = await bench.start_server(stage)
                 await bench.wait_serving(stage)
+                failed["methods"].append("checkpoint" if strategy == "checkpoint" else last_method(server))
             if strategy == "checkpoint":
-                bench.load_checkpoint()
+                failed["replayed"] = bench.driver.step - bench.checkpoint["step"]
+                await bench.load_checkpoint()
+                failed["load_s"] = bench.loads_s[-1]
         row = await bench.driver.train_step()
         executed += 1
-        if failed_at is not None:
+        # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
+        record["retries"] += row["retries"] + row["backward_failures"] + sum(row["hop_failures"].values())
+        if failed is not None:
             # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
-            recoveries.append(
-                time.perf_counter() - failed_at - (statistics.median(normal_step_s) if normal_step_s else 0.0)
+            failed["seconds"] = (
+                time.perf_counter() - failed.pop("at") - (statistics.median(normal_step_s) if normal_step_s else 0.0)
             )
+            record["recoveries"].append(failed)
             if last_loss is not None:
-                spikes.append(row["loss"] - last_loss)
-            failed_at = None
+                record["spikes"].append(row["loss"] - last_loss)
+            failed = None
         else:
             normal_step_s.append(row["step_s"])
         last_loss = row["loss"]
-        if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
-            bench.save_checkpoint()
+        if strategy == "checkpoint" and record["every"] is None:
+            # The checkpoint after step 1 sets the interval: the one before it holds no AdamW moments yet (a third of
+            # the bytes), this one is the size of every later one.
+            await bench.save_checkpoint()
+            record["every"] = checkpoint_every(args, bench.saves_s[-1], step_s, rate)
+            print(
+                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.saves_s[-1]:.2f}s for "
+                f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
+                flush=True,
+            )
+        elif strategy == "checkpoint" and bench.driver.step % record["every"] == 0:
+            await bench.save_checkpoint()
         if bench.driver.step % args.eval_every == 0:
+            evaluated = time.perf_counter()
             val = await bench.driver.validation_loss()
-            curve.append(
+            record["eval_s"] += time.perf_counter() - evaluated
+            record["curve"].append(
                 {
                     "step": bench.driver.step,
                     "executed": executed,
-                    "wall_s": time.perf_counter() - started,
+                    "wall_s": time.perf_counter() - started - record["eval_s"],
                     "val_loss": val,
                 }
+            )
+            point = record["curve"][-1]
+            print(
+                f"  seed {bench.seed} rate {rate:.2f} {strategy}: step {point['step']} ({executed} executed) val loss "
+                f"{val:.4f} at {point['wall_s']:.1f}s (target {target})",
+                flush=True,
             )
             if target is not None and val <= target:
                 break
         if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
             break
+
+
+def last_method(server: StageServer) -> str:
+    """How a new server got its stage's weights (checkfree, checkfree_plus, random, ...), from its recovery log."""
+    log_file = server.state_dir / "recoveries.jsonl"
+    lines = log_file.read_text().splitlines() if log_file.exists() else []
+    return json.loads(lines[-1])["method"] if lines else "unknown"
 
 
 def churn_schedule(seed: int, steps: int, failures: int) -> tuple[list[int], random.Random]:
@@ -362,7 +501,7 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
     bench = Bench(args, scratch, seed, strategy)
     await bench.start()
     if strategy == "checkpoint":
-        bench.save_checkpoint()
+        await bench.save_checkpoint()
     rolled_back, timed_out = 0, False
     kills, rng = churn_schedule(seed, args.churn_steps, args.churn_failures)
     ttl = bench.config.pipeline.announce_ttl_s
@@ -402,7 +541,7 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
                     if strategy == "checkpoint":  # the stage comes back from the checkpoint, with every other stage
                         await joiners[-1]
                         rolled_back += bench.driver.step - bench.checkpoint["step"]
-                        bench.load_checkpoint()
+                        await bench.load_checkpoint()
                 row = await bench.driver.train_step()
                 done = time.perf_counter()
                 step_s.append(row["step_s"])
@@ -418,8 +557,8 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
                     pending = None
                 elif pending is None:
                     normal_step_s.append(row["step_s"])
-                if strategy == "checkpoint" and bench.driver.step % args.checkpoint_every == 0:
-                    bench.save_checkpoint()
+                if strategy == "checkpoint" and bench.driver.step % int(args.checkpoint_every) == 0:
+                    await bench.save_checkpoint()
         final_val = await bench.driver.validation_loss()
     except (
         TimeoutError,
@@ -481,7 +620,12 @@ def main() -> None:
     parser.add_argument(
         "--steps-per-hour", type=int, default=25, help="how many steps stand for one hour of the paper's failure rates"
     )
-    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument(
+        "--checkpoint-every",
+        default="young",
+        help="steps between checkpoint-restart's checkpoints, or `young`: sqrt(2 x checkpoint cost x the pipeline's "
+        "MTBF), from the first checkpoint's measured cost and the failure-free run's step (churn mode: a number)",
+    )
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
         "--target-fraction",
@@ -489,7 +633,8 @@ def main() -> None:
         default=0.8,
         help="target = the failure-free run's validation loss at this fraction of --max-steps",
     )
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--size", choices=list(SIZES), help="a model size of pipeline_throughput (else --hidden)")
+    parser.add_argument("--hidden", type=int, default=64, help="8 layers of this width, MLP twice as wide")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
@@ -505,7 +650,19 @@ def main() -> None:
     )
     parser.add_argument("--churn-steps", type=int, default=60, help="churn: driver steps per seed")
     parser.add_argument("--churn-failures", type=int, default=6, help="churn: servers killed per seed (one at a time)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="each run's row is appended here as it ends; runs already there "
+        "with the same configuration are not run again",
+    )
+    parser.add_argument("--side-by-side", action="store_true", help="the strategies of one (rate, seed) in parallel")
+    parser.add_argument("--report", action="store_true", help="only the figures from --results, for this configuration")
+    parser.add_argument("--one", nargs=3, metavar=("SEED", "RATE", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.churn and not args.checkpoint_every.isdigit():
+        parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     os.environ.setdefault("SWARM_NODE_CACHE", str(Path(tempfile.gettempdir()) / "swarm-node-bench-cache"))
@@ -552,81 +709,284 @@ def main() -> None:
             )
         )
         return
-    results = []
-    for seed in range(args.seeds):
-        base = asyncio.run(run(args, Path(tempfile.mkdtemp(prefix="stage-bench-")), seed, "none", 0.0, None))
-        target_step = int(args.max_steps * args.target_fraction)
-        target = next(p["val_loss"] for p in base["curve"] if p["step"] >= target_step)
-        reached = next(p for p in base["curve"] if p["val_loss"] <= target)
-        base.update(steps_to_target=reached["executed"], wall_s_to_target=reached["wall_s"], target=target)
-        results.append(base)
-        print(
-            f"seed {seed} none: target val loss {target:.4f} at step {reached['step']}, {reached['wall_s']:.1f}s",
-            flush=True,
-        )
-        for rate in args.rates:
-            for strategy in args.strategies:
-                result = asyncio.run(
-                    run(args, Path(tempfile.mkdtemp(prefix="stage-bench-")), seed, strategy, rate, target)
-                )
-                result["target"] = target
-                results.append(result)
-                print(
-                    f"seed {seed} rate {rate:.2f} {strategy:10s}: failures {result['failures']}, steps "
-                    f"{result['steps_to_target']}, "
-                    f"wall {result['wall_s_to_target'] and round(result['wall_s_to_target'], 1)}s, recovery "
-                    f"{[round(r, 2) for r in result['recovery_s']]}, "
-                    f"spike {[round(s, 3) for s in result['loss_spike']]}, checkpoint io "
-                    f"{result['checkpoint_io_s']:.2f}s",
-                    flush=True,
-                )
+    if args.report:
+        print_report(report(read_rows(args.results, config_key(args)), args.rates, args.strategies))
+        return
+    if args.one:
+        seed, rate, strategy = int(args.one[0]), float(args.one[1]), args.one[2]
+        run_one(args, seed, rate, strategy)
+        return
+    baselines = [
+        seed for seed in range(args.seeds) if none_row(read_rows(args.results, config_key(args)), seed) is None
+    ]
+    if args.side_by_side:
+        run_children(args, [(seed, 0.0, "none") for seed in baselines])
+    else:
+        for seed in baselines:
+            run_one(args, seed, 0.0, "none")
+    for rate in args.rates:  # in the order given: the one that matters most first, in case time runs out
+        for seed in range(args.seeds):
+            done = {(r["seed"], r["rate"], r["strategy"]) for r in read_rows(args.results, config_key(args))}
+            todo = [strategy for strategy in args.strategies if (seed, rate, strategy) not in done]
+            if args.side_by_side:  # the strategies of one (rate, seed) at once: they share the machine's load
+                run_children(args, [(seed, rate, strategy) for strategy in todo])
+            else:
+                for strategy in todo:
+                    run_one(args, seed, rate, strategy)
+    print_report(report(read_rows(args.results, config_key(args)), args.rates, args.strategies))
 
-    def table(key):
-        out = {"none": mean(r[key] for r in results if r["strategy"] == "none")}
-        for rate in args.rates:
-            for strategy in args.strategies:
-                out[f"{strategy}@{rate:.2f}"] = mean(
-                    r[key] for r in results if r["strategy"] == strategy and r["rate"] == rate
-                )
-        return out
 
-    steps, wall = table("steps_to_target"), table("wall_s_to_target")
-    unreached = {
-        f"{r['strategy']}@{r['rate']:.2f}": unreached for r in results if (unreached := r["steps_to_target"] is None)
+def config_key(args) -> dict:
+    """What makes two runs comparable: a report mixes only rows with the same key."""
+    return {
+        "shape": list(model_shape(args)),
+        "max_steps": args.max_steps,
+        "steps_per_hour": args.steps_per_hour,
+        "checkpoint_every": str(args.checkpoint_every),
+        "target_fraction": args.target_fraction,
+        "eval_every": args.eval_every,
+        "micro_batch": args.micro_batch,
+        "lr": args.lr,
     }
-    print("\nmean over seeds            steps to target   wall s to target")
-    for key in steps:
-        print(
-            f"{key:26s} {steps[key] if steps[key] is None else round(steps[key], 1)!s:>16} "
-            f"{wall[key] if wall[key] is None else round(wall[key], 1)!s:>18}"
+
+
+def read_rows(path: Path, key: dict) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [
+        row
+        for row in rows
+        if row.get("key") == key
+        or (row["strategy"] == "none" and baseline_key(row.get("key", {})) == baseline_key(key))
+    ]
+
+
+def baseline_key(key: dict) -> dict:
+    """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings."""
+    return {name: value for name, value in key.items() if name != "checkpoint_every"}
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One line, one write() on an O_APPEND descriptor: side-by-side runs append to the same file without
+    interleaving."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def none_row(rows: list[dict], seed: int) -> dict | None:
+    return next((r for r in rows if r["strategy"] == "none" and r["seed"] == seed and r.get("target")), None)
+
+
+def run_one(args, seed: int, rate: float, strategy: str) -> None:
+    """One run; its row is appended to --results as soon as it ends. A failure-free run (`none`) sets its seed's
+    target and normal step time, which the runs with failures read back from the file."""
+    key = config_key(args)
+    scratch = Path(tempfile.mkdtemp(prefix="stage-bench-"))
+    if strategy == "none":
+        result = asyncio.run(run(args, scratch, seed, "none", 0.0, None))
+        target_step = int(args.max_steps * args.target_fraction)
+        target = next((p["val_loss"] for p in result["curve"] if p["step"] >= target_step), None)
+        reached = next((p for p in result["curve"] if target is not None and p["val_loss"] <= target), None)
+        result.update(
+            target=target,
+            steps_to_target=reached and reached["executed"],
+            wall_s_to_target=reached and reached["wall_s"],
         )
-    ratio = None
-    if wall.get("checkfree@0.10") and wall.get("checkpoint@0.10"):
-        ratio = wall["checkpoint@0.10"] / wall["checkfree@0.10"]
-    recovery = {s: mean(x for r in results if r["strategy"] == s for x in r["recovery_s"]) for s in args.strategies}
-    spike = {s: mean(x for r in results if r["strategy"] == s for x in r["loss_spike"]) for s in args.strategies}
-    print(f"checkpoint / checkfree wall-clock to target at 10%: {ratio}")
-    print(
-        f"recovery seconds (failure -> first step after): {recovery}; loss spike: {spike}; runs that missed the "
-        f"target: {sorted(unreached)}"
+    else:
+        base = none_row(read_rows(args.results, key), seed)
+        if base is None:
+            raise SystemExit(f"no failure-free run of seed {seed} in {args.results} for this configuration")
+        result = asyncio.run(run(args, scratch, seed, strategy, rate, base["target"], base["normal_step_s"]))
+        result["target"] = base["target"]
+    row = {"key": key, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load_average": os.getloadavg()}
+    row.update(result)
+    append_row(args.results, row)
+    print(describe(row), flush=True)
+
+
+def describe(row: dict) -> str:
+    wall = row["wall_s_to_target"]
+    text = (
+        f"seed {row['seed']} rate {row['rate']:.2f} {row['strategy']:10s}: failures {row['failures']}, steps "
+        f"{row['steps_to_target']}, wall {wall and round(wall, 1)}s, recovery "
+        f"{[(r['methods'], round(r['seconds'], 2)) for r in row['recoveries']]}, "
+        f"spike {[round(s, 3) for s in row['loss_spike']]}, load {[round(x, 1) for x in row['load_average']]}"
     )
-    print(
-        json.dumps(
-            {
-                "benchmark": "stage_recovery",
-                "steps_to_target": steps,
-                "wall_s_to_target": wall,
-                "checkfree_vs_checkpoint_wall_ratio": ratio,
-                "recovery_s": recovery,
-                "loss_spike": spike,
-                "seeds": args.seeds,
-                "max_steps": args.max_steps,
-                "steps_per_hour": args.steps_per_hour,
-                "checkpoint_every": args.checkpoint_every,
-                "missed_target": sorted(unreached),
-            }
+    if row["strategy"] == "checkpoint":
+        text += (
+            f", checkpoint every {row['checkpoint_every']} steps, {len(row['checkpoint_saves_s'])} saves "
+            f"{sum(row['checkpoint_saves_s']):.2f}s, loads {[round(x, 2) for x in row['checkpoint_loads_s']]}, "
+            f"{row['checkpoint_bytes'] / 1e6:.1f} MB"
         )
+    if row["strategy"] == "none":
+        text += f", target val loss {row['target']}, normal step {row['normal_step_s']:.3f}s"
+    return text + f", calls retried or failed {row.get('retries')}" + (", TIMED OUT" if row["timed_out"] else "")
+
+
+def run_children(args, runs: list[tuple[int, float, str]]) -> None:
+    """Each run in its own process, all at once, and wait for them all; a child still running well past
+    --run-timeout-s (it stops itself at that limit) is stopped here."""
+    passthrough = [a for a in sys.argv[1:] if a != "--side-by-side"]
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *passthrough, "--one", str(seed), str(rate), strategy]
+        )
+        for seed, rate, strategy in runs
+    ]
+    deadline = time.monotonic() + args.run_timeout_s + CHILD_GRACE_S
+    for child, spec in zip(children, runs, strict=True):
+        try:
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"run {spec} still going {CHILD_GRACE_S:.0f}s past its limit: stopped, no row", flush=True)
+            stop_child(child)
+        if child.returncode != 0:
+            print(f"run {spec} ended with exit status {child.returncode}", flush=True)
+
+
+def stop_child(child: subprocess.Popen) -> None:
+    """Interrupt a run (its servers and p2p daemons shut down as after Ctrl-C); if it is still there 30 s later, kill
+    it and what it started (its p2p daemons) by process id."""
+    descendants = set(psutil.Process(child.pid).children(recursive=True))
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendants |= set(psutil.Process(child.pid).children(recursive=True))
+        child.kill()
+        child.wait()
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+def spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
+    """The figures of issue #37 from the rows of --results: per strategy and rate, the mean over seeds (with min, max
+    and how many seeds reached the target) of steps and wall seconds to the target; checkpoint-restart's wall seconds
+    over CheckFree's per rate (of the means, and per seed); recovery seconds by how the stage came back; what a
+    checkpoint cost."""
+
+    def rows_of(strategy: str, rate: float | None = None) -> list[dict]:
+        return [r for r in rows if r["strategy"] == strategy and (rate is None or abs(r["rate"] - rate) < 1e-9)]
+
+    steps: dict[str, dict] = {"none": {"0.00": spread([r["steps_to_target"] for r in rows_of("none")])}}
+    wall: dict[str, dict] = {"none": {"0.00": spread([r["wall_s_to_target"] for r in rows_of("none")])}}
+    failures: dict[str, dict] = {}
+    for strategy in strategies:
+        steps[strategy], wall[strategy], failures[strategy] = {}, {}, {}
+        for rate in rates:
+            runs = rows_of(strategy, rate)
+            steps[strategy][f"{rate:.2f}"] = spread([r["steps_to_target"] for r in runs])
+            wall[strategy][f"{rate:.2f}"] = spread([r["wall_s_to_target"] for r in runs])
+            failures[strategy][f"{rate:.2f}"] = [r["failures"] for r in sorted(runs, key=lambda r: r["seed"])]
+    speedup, speedup_by_seed, steps_ratio = {}, {}, {}
+    for rate in rates:
+        name = f"{rate:.2f}"
+        ours, theirs = wall.get("checkfree", {}).get(name), wall.get("checkpoint", {}).get(name)
+        speedup[name] = theirs["mean"] / ours["mean"] if ours and theirs else None
+        ours, theirs = steps.get("checkfree", {}).get(name), steps.get("checkpoint", {}).get(name)
+        steps_ratio[name] = theirs["mean"] / ours["mean"] if ours and theirs else None
+        paired = {}
+        for ours in rows_of("checkfree", rate):
+            theirs = next((r for r in rows_of("checkpoint", rate) if r["seed"] == ours["seed"]), None)
+            if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
+                paired[str(ours["seed"])] = theirs["wall_s_to_target"] / ours["wall_s_to_target"]
+        speedup_by_seed[name] = paired
+    by_method: dict[str, list[float]] = {}
+    for row in rows:
+        for recovery in row.get("recoveries", []):
+            for method in recovery["methods"]:
+                by_method.setdefault(method, []).append(recovery["seconds"])
+    baselines = [r for r in rows_of("none") if r.get("target") is not None]
+    # validation loss at the step where the failure-free runs took their target: a measure that does not jump by a
+    # whole evaluation interval when a curve on its plateau misses the target by a hair
+    target_steps = [next((p["step"] for p in r["curve"] if p["val_loss"] <= r["target"]), None) for r in baselines]
+    target_step = max((s for s in target_steps if s is not None), default=None)
+
+    def val_at(run: dict) -> float | None:
+        # the last evaluation at that step (a rollback evaluates a step again), else the run stopped before it
+        return next((p["val_loss"] for p in reversed(run.get("curve", [])) if p["step"] == target_step), None)
+
+    val_loss_at = {
+        strategy: {f"{rate:.2f}": spread([val_at(r) for r in rows_of(strategy, rate)]) for rate in rates}
+        for strategy in strategies
+    }
+    checkpoints = rows_of("checkpoint")
+    saves = [s for r in checkpoints for s in r["checkpoint_saves_s"]]
+    loads = [s for r in checkpoints for s in r["checkpoint_loads_s"]]
+    wall_means = {
+        name: {s: wall[s][name]["mean"] for s in strategies if wall[s].get(name)}
+        for name in (f"{r:.2f}" for r in rates)
+    }
+    return {
+        "benchmark": "stage_recovery",
+        "parameters": next((r.get("parameters") for r in rows if r.get("parameters")), None),
+        "key": next((r["key"] for r in rows if r["strategy"] != "none"), rows[0]["key"] if rows else None),
+        "steps_by_strategy_and_rate": steps,
+        "wall_s_by_strategy_and_rate": wall,
+        "wallclock_speedup_vs_checkpoint_by_rate": speedup,
+        "wallclock_speedup_vs_checkpoint_by_rate_and_seed": speedup_by_seed,
+        "steps_ratio_checkpoint_vs_checkfree_by_rate": steps_ratio,
+        "ordering_by_wall_s": {name: sorted(means, key=means.get) for name, means in wall_means.items()},
+        "val_loss_at_step": target_step,
+        "val_loss_at_step_by_strategy_and_rate": val_loss_at,
+        "failures_by_strategy_and_rate": failures,
+        "recovery_s_by_method": {m: spread(v) for m, v in sorted(by_method.items())},
+        # training loss of the first step after a failure less that of the step before it
+        "loss_spike_by_strategy": {
+            s: spread([x for r in rows_of(s) for x in r.get("loss_spike", [])]) for s in strategies
+        },
+        "checkpoint_save_s": spread(saves),
+        "checkpoint_load_s": spread(loads),
+        "checkpoint_bytes": max((r["checkpoint_bytes"] for r in checkpoints), default=0),
+        # what a rollback threw away, and the share of checkpoint-restart's wall clock its saves and loads took
+        "checkpoint_replayed_steps": spread([f["replayed"] for r in checkpoints for f in r["recoveries"]]),
+        "checkpoint_io_share": spread(
+            [r["checkpoint_io_s"] / r["wall_s_to_target"] for r in checkpoints if r["wall_s_to_target"]]
+        ),
+        "checkpoint_every_by_rate": {
+            f"{rate:.2f}": sorted({r["checkpoint_every"] for r in rows_of("checkpoint", rate)}) for rate in rates
+        },
+        "missed_target": sorted(
+            f"{r['strategy']}@{r['rate']:.2f} seed {r['seed']}" for r in rows if r["steps_to_target"] is None
+        ),
+    }
+
+
+def print_report(summary: dict) -> None:
+    def cell(value: dict | None, digits: int) -> str:
+        if value is None:
+            return "-"
+        return f"{value['mean']:.{digits}f} [{value['min']:.{digits}f}-{value['max']:.{digits}f}] n={value['n']}"
+
+    print("\nstrategy @ rate          steps to target (mean [min-max] n)   wall s to target (mean [min-max] n)")
+    for strategy, by_rate in summary["steps_by_strategy_and_rate"].items():
+        for rate, value in by_rate.items():
+            wall = summary["wall_s_by_strategy_and_rate"][strategy][rate]
+            print(f"{strategy + '@' + rate:24s} {cell(value, 1):36s} {cell(wall, 1)}")
+    print(f"checkpoint-restart wall s / CheckFree's, by rate: {summary['wallclock_speedup_vs_checkpoint_by_rate']}")
+    print(f"recovery s by method: {summary['recovery_s_by_method']}")
+    print(f"loss spike after a failure: {summary['loss_spike_by_strategy']}")
+    print(f"checkpoint save s {summary['checkpoint_save_s']}, load s {summary['checkpoint_load_s']}")
+    print(
+        f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "
+        f"{summary['checkpoint_replayed_steps']}; share of wall s in checkpoint I/O {summary['checkpoint_io_share']}"
     )
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

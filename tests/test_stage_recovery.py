@@ -1,0 +1,137 @@
+"""benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, Young's interval,
+and the report's arithmetic on hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
+benchmarks/RESULTS.md.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.stage_recovery import (
+    append_row,
+    load_stage_checkpoint,
+    read_rows,
+    report,
+    save_stage_checkpoint,
+    young_interval,
+)
+
+
+class FakeBackend:
+    """What the checkpoint helpers use of a StageBackend: the stage module, its optimizer, step and lr scale."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.stage = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.step, self.lr_scale = 0, 1.0
+        self.optimizer = self.new_optimizer()
+
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.stage.parameters(), lr=1e-2 * self.lr_scale, weight_decay=0.1)
+
+    def train(self, batches: list[torch.Tensor]) -> None:
+        for x in batches:
+            self.stage(x).square().mean().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+
+
+def test_a_checkpoint_restores_weights_and_optimizer_state_exactly(tmp_path):
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    saved = FakeBackend(seed=0)
+    saved.train(batches[:3])
+    saved.lr_scale = 1.1
+    path = tmp_path / "stage-1.pt"
+    assert save_stage_checkpoint(saved, path) >= 0.0
+    assert path.exists() and not list(tmp_path.glob("*.partial"))  # written under another name, then renamed
+
+    restored = FakeBackend(seed=1)  # other weights, an empty optimizer
+    restored.train(batches[3:4])
+    load_stage_checkpoint(restored, path)
+    assert restored.step == 3 and restored.lr_scale == 1.1
+    for a, b in zip(saved.stage.state_dict().values(), restored.stage.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # the optimizer's moments and step counts came back too: the next steps are bit for bit the same
+    saved.train(batches[4:])
+    restored.train(batches[4:])
+    for a, b in zip(saved.stage.parameters(), restored.stage.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_young_interval_is_the_square_root_rule_over_the_whole_pipeline():
+    # 4 stages at 10 % per stage per hour of 25 steps: one failure every 62.5 steps; 1 s steps, 1 s checkpoints
+    assert young_interval(1.0, 1.0, 0.10, 25) == round(math.sqrt(2 * 1.0 * 62.5))
+    assert young_interval(0.5, 2.0, 0.16, 25) == round(math.sqrt(2 * 0.5 * 25 / (4 * 0.16) * 2.0) / 2.0)
+    assert young_interval(0.0001, 1.0, 0.16, 25) == 1  # at least every step
+
+
+def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None, curve=(), target=None):
+    return {
+        "curve": [{"step": step, "val_loss": loss} for step, loss in curve],
+        "target": target,
+        "strategy": strategy,
+        "rate": rate,
+        "seed": seed,
+        "steps_to_target": steps,
+        "wall_s_to_target": wall,
+        "failures": len(recoveries),
+        "recoveries": [{"methods": [method], "seconds": seconds, "replayed": 3} for method, seconds in recoveries],
+        "checkpoint_io_s": sum(saves) + sum(loads),
+        "loss_spike": [0.5] * len(recoveries),
+        "checkpoint_saves_s": list(saves),
+        "checkpoint_loads_s": list(loads),
+        "checkpoint_bytes": 1000 if saves else 0,
+        "checkpoint_every": every,
+        "parameters": 42,
+        "key": {"shape": [1]},
+    }
+
+
+def test_the_report_averages_over_seeds_and_divides_the_means():
+    rows = [
+        row("none", 0.0, 0, 100, 50.0, curve=[(90, 0.6), (100, 0.5)], target=0.5),
+        row("none", 0.0, 1, 90, 70.0, curve=[(90, 0.45), (100, 0.4)], target=0.5),
+        row("checkfree", 0.1, 0, 110, 10.0, [("checkfree", 2.0), ("checkfree_plus", 4.0)], curve=[(100, 0.6)]),
+        row("checkfree", 0.1, 1, 120, 20.0, [("checkfree", 3.0)], curve=[(100, 0.9), (90, 0.7), (100, 0.8)]),
+        row("checkpoint", 0.1, 0, 130, 20.0, [("checkpoint", 5.0)], saves=[0.5, 1.5], loads=[0.25], every=7),
+        row("checkpoint", 0.1, 1, 150, 25.0, [], saves=[1.0], every=8),
+        row("random", 0.1, 0, 140, 30.0, [("random", 1.0)]),
+        row("random", 0.1, 1, None, None, [("random", 1.0)]),  # missed the target: listed, not averaged
+    ]
+    summary = report(rows, [0.1], ["checkfree", "checkpoint", "random"])
+    assert summary["steps_by_strategy_and_rate"]["none"]["0.00"] == {"mean": 95, "min": 90, "max": 100, "n": 2}
+    assert summary["steps_by_strategy_and_rate"]["checkfree"]["0.10"]["mean"] == 115
+    # the later of the failure-free runs' target steps; after a rollback, the step's last evaluation
+    assert summary["val_loss_at_step"] == 100
+    assert summary["val_loss_at_step_by_strategy_and_rate"]["checkfree"]["0.10"]["mean"] == pytest.approx(0.7)
+    assert summary["val_loss_at_step_by_strategy_and_rate"]["random"]["0.10"] is None
+    assert summary["wall_s_by_strategy_and_rate"]["checkpoint"]["0.10"] == {"mean": 22.5, "min": 20, "max": 25, "n": 2}
+    assert summary["wall_s_by_strategy_and_rate"]["random"]["0.10"]["n"] == 1
+    assert summary["wallclock_speedup_vs_checkpoint_by_rate"]["0.10"] == pytest.approx(22.5 / 15.0)
+    assert summary["wallclock_speedup_vs_checkpoint_by_rate_and_seed"]["0.10"] == {"0": 2.0, "1": 1.25}
+    assert summary["steps_ratio_checkpoint_vs_checkfree_by_rate"]["0.10"] == pytest.approx(140 / 115)
+    assert summary["ordering_by_wall_s"]["0.10"] == ["checkfree", "checkpoint", "random"]
+    methods = summary["recovery_s_by_method"]
+    assert methods["checkfree"]["mean"] == 2.5 and methods["checkfree_plus"]["mean"] == 4.0
+    assert methods["checkpoint"]["n"] == 1 and methods["random"]["n"] == 2
+    assert summary["checkpoint_save_s"]["mean"] == 1.0 and summary["checkpoint_load_s"]["mean"] == 0.25
+    assert summary["checkpoint_every_by_rate"] == {"0.10": [7, 8]}
+    assert summary["checkpoint_replayed_steps"] == {"mean": 3, "min": 3, "max": 3, "n": 1}
+    assert summary["checkpoint_io_share"]["mean"] == pytest.approx((2.25 / 20 + 1.0 / 25) / 2)
+    assert summary["missed_target"] == ["random@0.10 seed 1"]
+    assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
+    assert summary["parameters"] == 42
+
+
+def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_checkpoint_rule(tmp_path):
+    young = {"shape": [256, 8, 4, 512], "max_steps": 120, "checkpoint_every": "young"}
+    every_25 = dict(young, checkpoint_every="25")
+    path = tmp_path / "rows.jsonl"
+    for strategy, key in [("none", young), ("checkfree", young), ("checkpoint", every_25), ("none", {"shape": [64]})]:
+        append_row(path, {"strategy": strategy, "key": key})
+    assert [r["strategy"] for r in read_rows(path, young)] == ["none", "checkfree"]
+    assert [r["strategy"] for r in read_rows(path, every_25)] == ["none", "checkpoint"]
+    assert read_rows(tmp_path / "absent.jsonl", young) == []
