@@ -20,9 +20,9 @@ one model shape, the cost of one unit of each kind of work on the workload's own
   group re-derived   a peer's group taken in (node/sharing.py rescore: its question re-derived from its spec, its
                      completions re-tokenized) less the scoring of its completions
 
-Each is the least of --repeats timings with time.process_time() on one torch thread (the median until
-2026-11-26 17:00: under other load the least is the steadier); the machine's load average is recorded beside
-them (calibrate where it is near 0). How well the units then predict a whole
+Each is the least of --repeats timings with time.process_time() on one torch thread (the median up to
+the calibration of 2026-11-26 17:57 UTC: under other load the least is the steadier); the machine's load
+average is recorded beside them (calibrate where it is near 0). How well the units then predict a whole
 round's CPU time is measured by `benchmarks/sharing.py --round-cost` (RESULTS "sharing").
 
     .venv/bin/python benchmarks/compute_units.py            # writes benchmarks/compute_costs.json
