@@ -35,9 +35,9 @@ from node.averaging.matchmaking import (
     CallRefusal,
     Round,
 )
-from node.transport.protobuf_shim import import_hivemind_isolated
 from node.transport.framing import (
     FRAME_HEADER,
+    P2PDaemonError,
     STREAM_FAILED,
     OversizedFrame,
     open_stream,
@@ -46,10 +46,6 @@ from node.transport.framing import (
 )
 from node.weights.codec import CodecError, EncodedWeights, decode_weights, encode_weights
 from node.weights.validation import WeightsRefusal, WeightsRefused, validate_partner_weights
-
-import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
-
-from hivemind.p2p import P2PDaemonError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
