@@ -159,6 +159,16 @@ ARMS = {
         *SAPO_BALANCE,
         "trainer.off_policy_negatives=false",
     ],
+    # and each specialty stepped by an AdamW of its own: the specialty peers bring cannot shrink the own one's step
+    # through Adam's shared second moment
+    "sapo_balance_separate": [
+        *SAPO_BALANCE,
+        "trainer.specialty_weighting=separate_steps",
+    ],
+    "silo_imitate_separate": [
+        *SILO_IMITATE,
+        "trainer.specialty_weighting=separate_steps",
+    ],
     "silo_imitate_equal": [
         *SILO_IMITATE,
         "trainer.specialty_weighting=equal",

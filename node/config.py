@@ -204,7 +204,7 @@ class TrainerConfig(_Section):
     fraction of the positions, since a group's completions all repeat its prompt. Used where the policy takes such
     a mask (a transformers model with sdpa or eager attention); elsewhere (flash attention, a pipeline) each
     completion is its own row whatever this says."""
-    specialty_weighting: Literal["tokens", "equal", "projected"] = "tokens"
+    specialty_weighting: Literal["tokens", "equal", "projected", "separate_steps"] = "tokens"
     """How the round's specialties share the update. 'tokens': every completion token weighs the same, so the
     specialty with the most trained tokens steers the step. 'equal': each specialty present in the batch weighs the
     same (its policy, imitation and distillation terms averaged over its own tokens, then the mean over
@@ -212,8 +212,12 @@ class TrainerConfig(_Section):
     of another. 'projected': as 'equal', and where two specialties' gradients conflict (negative dot product), each
     loses its component along the other before they are summed (PCGrad, Yu et al. 2020): what a node learns of one
     specialty does not, to first order, undo another. A specialty is a question's dataset and its configuration
-    (the mix entry). 'projected' keeps one gradient copy per specialty and needs the policy's parameters local
-    (not a pipeline)."""
+    (the mix entry). 'separate_steps': each specialty's terms averaged over its own tokens, its gradient clipped
+    alone and stepped by an AdamW of its own (moments per specialty, the full learning rate each): Adam divides a
+    step by the root of its second moment, so with one optimizer a specialty whose gradient is large this round
+    (peers' groups of one the node lacks) shrinks the step of every other; with one per specialty it cannot, and
+    the round takes one optimizer step per specialty in its batch. 'projected' and 'separate_steps' keep one
+    gradient copy per specialty and need the policy's parameters local (not a pipeline)."""
     off_policy_negatives: bool = True
     """Whether a peer's completions with a negative advantage enter the policy-gradient term. False: of a peer's group
     only the answers better than its mean are trained on (LUFFY's off-policy guidance takes a teacher's successes

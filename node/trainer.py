@@ -21,7 +21,8 @@ gradients. Every completion of such a group counts, a group all wrong included.
 The policy term is averaged over all its completion tokens (DAPO's token-level mean), whatever the
 micro-batching. With trainer.specialty_weighting 'equal' each specialty of the round (a question's dataset and
 configuration) has its terms averaged over its own tokens and the specialties weigh the same; with 'projected' each
-specialty's gradient also loses its components that conflict with another's before they are summed (PCGrad).
+specialty's gradient also loses its components that conflict with another's before they are summed (PCGrad); with
+'separate_steps' each specialty's gradient is stepped by an AdamW of its own (SpecialtyAdamW).
 
 Cost: one forward and backward per micro-batch carries both terms (a demonstration that is also a
 policy-term completion is not run twice), and with one epoch a round pi_old is that forward, detached:
@@ -293,6 +294,8 @@ class UpdateShare:
 
     rows: list[TrainingRow]
     weight: float
+    specialty: str = ""
+    """The specialty of every row ('' where the round is one share)."""
 
     def __post_init__(self) -> None:
         self.policy_tokens = sum(len(row.completion_ids) for row in self.rows if row.in_policy_term)
@@ -323,6 +326,45 @@ def project_conflicts(gradients: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+class SpecialtyAdamW:
+    """One AdamW per specialty over the same parameters, created when a specialty first trains.
+
+    Adam divides each coordinate's step by the root of its second moment. With one optimizer for a batch of two
+    specialties, the one with the larger gradient this round (a swarm node's peers' groups of the specialty it lacks,
+    every one with a reward spread) sets that moment, and the other specialty's step shrinks with it: the node learns
+    what it knew at a fraction of a node alone's rate. Here each specialty's gradient is normalised by its own moments
+    and stepped at the full learning rate, so what one specialty learns does not slow another's step (it may still
+    undo it: the steps add)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
+        self.by_specialty: dict[str, torch.optim.AdamW] = {}
+
+    def for_specialty(self, specialty: str) -> torch.optim.AdamW:
+        if specialty not in self.by_specialty:
+            self.by_specialty[specialty] = torch.optim.AdamW(
+                self.params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+            )
+        return self.by_specialty[specialty]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"per_specialty": {key: opt.state_dict() for key, opt in self.by_specialty.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "per_specialty" not in state:
+            raise ValueError(
+                "the checkpoint's optimizer is one AdamW for every specialty; trainer.specialty_weighting "
+                "'separate_steps' keeps one per specialty: resume with the weighting the checkpoint was written with"
+            )
+        for key, opt_state in state["per_specialty"].items():
+            self.for_specialty(key).load_state_dict(opt_state)
+
+
 class GRPOTrainer:
     """Owns the optimizer (and the optional frozen reference) of one policy."""
 
@@ -342,11 +384,13 @@ class GRPOTrainer:
         self.policy_version = policy_version
         # A policy split across stage servers brings its own optimizer (node/pipeline/remote_model.py): each stage steps
         # itself.
-        if optimizer is not None and config.specialty_weighting == "projected":
+        if optimizer is not None and config.specialty_weighting in ("projected", "separate_steps"):
             raise ValueError(
-                "trainer.specialty_weighting 'projected' needs the policy's gradients in this process; a policy split "
-                "across stage servers steps each stage where it is: use 'equal' or 'tokens'"
+                f"trainer.specialty_weighting '{config.specialty_weighting}' needs the policy's gradients in this "
+                "process; a policy split across stage servers steps each stage where it is: use 'equal' or 'tokens'"
             )
+        if optimizer is None and config.specialty_weighting == "separate_steps":
+            optimizer = SpecialtyAdamW(model.parameters(), config.lr, config.betas, config.weight_decay)
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -479,14 +523,16 @@ class GRPOTrainer:
 
     def shares(self, rows: list[TrainingRow]) -> list[UpdateShare]:
         """How the round's rows share the update (trainer.specialty_weighting): one share of all rows ('tokens'), or
-        one per specialty, each weighing 1 / (the number of specialties), in the order they first appear."""
+        one per specialty, in the order they first appear, each weighing 1 / (the number of specialties), or 1 where
+        each is stepped alone ('separate_steps')."""
         if self.config.specialty_weighting == "tokens":
             parts = {"": rows}
         else:
             parts = {}
             for row in rows:
                 parts.setdefault(row.specialty, []).append(row)
-        return [UpdateShare(part_rows, 1.0 / len(parts)) for part_rows in parts.values()]
+        weight = 1.0 if self.config.specialty_weighting == "separate_steps" else 1.0 / len(parts)
+        return [UpdateShare(part_rows, weight, specialty) for specialty, part_rows in parts.items()]
 
     def step(self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> TrainStats:
         """One optimizer step on `groups` (the policy-gradient term, and the imitation term over their marked right
@@ -508,6 +554,7 @@ class GRPOTrainer:
         # micro-batches never mix shares: each is divided by its own share's token counts
         batches = [(share, share.rows[i : i + micro]) for share in shares for i in range(0, len(share.rows), micro)]
         projected = self.config.specialty_weighting == "projected" and len(shares) > 1
+        separate = self.config.specialty_weighting == "separate_steps"
         frozen = None
         if self.config.epochs_per_round > 1:  # pi_old must not move with the first epoch's step: fixed before it
             frozen = [self.frozen_logprobs(batch) for _, batch in batches]
@@ -592,19 +639,23 @@ class GRPOTrainer:
                         distill_sum += distill.item()
                 if loss.requires_grad:
                     loss.backward()
-                if projected and (k + 1 == len(batches) or batches[k + 1][0] is not share):
+                if (projected or separate) and (k + 1 == len(batches) or batches[k + 1][0] is not share):
                     share_gradients.append(self._take_gradient())
+            if separate:
+                norms = []
+                for share, gradient in zip(shares, share_gradients):
+                    self._put_gradient(gradient)
+                    norms.append(self._clipped_grad_norm())
+                    self.optimizer.for_specialty(share.specialty).step()
+                    stats.optimizer_steps += 1
+                stats.grad_norm = math.sqrt(sum(n * n for n in norms))
+                continue
             if projected:
                 self._put_gradient(project_conflicts(share_gradients))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update "
-                    "refused"
-                )
+            grad_norm = self._clipped_grad_norm()
             self.optimizer.step()
             stats.optimizer_steps += 1
-            stats.grad_norm = grad_norm.item()
+            stats.grad_norm = grad_norm
             # a pipeline's stages clip and report their own norms
             stage_norms = getattr(self.optimizer, "last_grad_norms", None)
             if stage_norms:
@@ -626,6 +677,15 @@ class GRPOTrainer:
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
         return stats
+
+    def _clipped_grad_norm(self) -> float:
+        """The gradient's norm before clipping it to trainer.max_grad_norm; a non-finite one refuses the update."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite gradient norm {grad_norm.item()} at policy version {self.policy_version}; update refused"
+            )
+        return grad_norm.item()
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

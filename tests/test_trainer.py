@@ -556,10 +556,67 @@ def test_specialty_weighting_equal_and_projected_hand_computed(tiny_policy):
     assert torch.allclose(_sgd_gradient(tiny_policy, "projected", [first]), g_first, atol=1e-7)
 
 
-def test_projected_weighting_refuses_a_policy_split_across_stages(tiny_policy):
+@pytest.mark.parametrize("weighting", ["projected", "separate_steps"])
+def test_per_specialty_weightings_refuse_a_policy_split_across_stages(tiny_policy, weighting):
     optimizer = torch.optim.SGD(tiny_policy.parameters(), lr=1.0)
-    with pytest.raises(ValueError, match="projected"):
-        GRPOTrainer(TrainerConfig(specialty_weighting="projected"), tiny_policy, 0, 1.0, optimizer=optimizer)
+    with pytest.raises(ValueError, match=weighting):
+        GRPOTrainer(TrainerConfig(specialty_weighting=weighting), tiny_policy, 0, 1.0, optimizer=optimizer)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_separate_steps_give_each_specialty_its_own_adam_step(tiny_policy):
+    """From fresh moments Adam's first step is lr * g / (|g| + eps): about lr * sign(g) on every coordinate the
+    gradient touches. One AdamW per specialty steps each specialty's gradient so, and the steps add; one AdamW for
+    both (the mutant) would step lr * sign(g_first + g_second): nothing where they cancel, lr where they agree."""
+    import copy
+
+    first, second = _specialty_groups()
+    g_first = _sgd_gradient(tiny_policy, "tokens", [first])
+    g_second = _sgd_gradient(tiny_policy, "tokens", [second])
+    lr, eps = 1e-3, 1e-8  # eps: AdamW's default
+    model = copy.deepcopy(tiny_policy)
+    config = TrainerConfig(specialty_weighting="separate_steps", lr=lr, max_grad_norm=1e9)
+    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
+    before = _flat(model)
+    stats = trainer.step([first, second])
+    step = before - _flat(model)
+    expected = lr * (g_first / (g_first.abs() + eps) + g_second / (g_second.abs() + eps))
+    # where a gradient is near eps, g / (|g| + eps) magnifies its float rounding: compare where each is 0 or clear of it
+    clear = ((g_first == 0) | (g_first.abs() > 1e-6)) & ((g_second == 0) | (g_second.abs() > 1e-6))
+    assert clear.float().mean() > 0.9
+    assert torch.allclose(step[clear], expected[clear], atol=lr * 1e-3)
+    one_optimizer = lr * torch.sign(g_first + g_second)
+    assert not torch.allclose(step[clear], one_optimizer[clear], atol=lr * 0.5)
+    assert stats.optimizer_steps == 2  # compute units charge an optimizer step per specialty
+    assert len(trainer.optimizer.by_specialty) == 2
+
+
+def test_separate_steps_moments_survive_a_checkpoint(tiny_policy):
+    """The per-specialty moments go through state_dict / load_state_dict: a restored trainer takes the same next step
+    as the one that went on, and a trainer with fresh moments does not; a checkpoint of one AdamW for all specialties
+    is refused with a sentence, not a KeyError."""
+    import copy
+
+    from node.trainer import SpecialtyAdamW
+
+    first, second = _specialty_groups()
+    config = TrainerConfig(specialty_weighting="separate_steps", lr=1e-3)
+    model = copy.deepcopy(tiny_policy)
+    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
+    trainer.step([first, second])
+    restored = GRPOTrainer(config, copy.deepcopy(model), pad_id=0, temperature=1.0, policy_version=1)
+    restored.optimizer.load_state_dict(copy.deepcopy(trainer.optimizer.state_dict()))
+    fresh = GRPOTrainer(config, copy.deepcopy(model), pad_id=0, temperature=1.0, policy_version=1)
+    for each in (trainer, restored, fresh):
+        each.step([first, second])
+    assert torch.allclose(_flat(model), _flat(restored.model), atol=1e-7)
+    assert not torch.allclose(_flat(model), _flat(fresh.model), atol=1e-5)
+    plain = torch.optim.AdamW(tiny_policy.parameters()).state_dict()
+    with pytest.raises(ValueError, match="one AdamW for every specialty"):
+        SpecialtyAdamW(tiny_policy.parameters(), 1e-3, (0.9, 0.99), 0.0).load_state_dict(plain)
 
 
 def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tiny_policy):
