@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from node.config import NodeConfig
+from node.config import ConfigError, NodeConfig
 from node.device import HOST, resolve_device
 from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
@@ -56,6 +56,13 @@ class LocalPolicy:
             trainer = GRPOTrainer(
                 config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version
             )
+            written_separate = "per_specialty" in state.optimizer
+            if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
+                written = "'separate_steps' (an AdamW per specialty)" if written_separate else "one AdamW"
+                raise ConfigError(
+                    f"the checkpoint {checkpoint} was written with {written}, and trainer.specialty_weighting is "
+                    f"'{config.trainer.specialty_weighting}': resume with the weighting it was written with, or --fresh"
+                )
             trainer.optimizer.load_state_dict(state.optimizer)
             log.info(
                 "resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version
