@@ -334,7 +334,8 @@ class SpecialtyAdamW:
     every one with a reward spread) sets that moment, and the other specialty's step shrinks with it: the node learns
     what it knew at a fraction of a node alone's rate. Here each specialty's gradient is normalised by its own moments
     and stepped at the full learning rate, so what one specialty learns does not slow another's step (it may still
-    undo it: the steps add)."""
+    undo it: the steps add). Weight decay is decoupled and applied once a round (decay_weights), not once per
+    specialty."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float):
         self.params = [p for p in params if p.requires_grad]
@@ -343,10 +344,15 @@ class SpecialtyAdamW:
 
     def for_specialty(self, specialty: str) -> torch.optim.AdamW:
         if specialty not in self.by_specialty:
-            self.by_specialty[specialty] = torch.optim.AdamW(
-                self.params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
-            )
+            self.by_specialty[specialty] = torch.optim.AdamW(self.params, lr=self.lr, betas=self.betas, weight_decay=0)
         return self.by_specialty[specialty]
+
+    @torch.no_grad()
+    def decay_weights(self) -> None:
+        """AdamW's decoupled weight decay, p <- p (1 - lr * weight_decay), once for the round's steps."""
+        if self.weight_decay > 0:
+            for p in self.params:
+                p.mul_(1 - self.lr * self.weight_decay)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -642,6 +648,7 @@ class GRPOTrainer:
                 if (projected or separate) and (k + 1 == len(batches) or batches[k + 1][0] is not share):
                     share_gradients.append(self._take_gradient())
             if separate:
+                self.optimizer.decay_weights()
                 norms = []
                 for share, gradient in zip(shares, share_gradients):
                     self._put_gradient(gradient)

@@ -592,6 +592,12 @@ def test_separate_steps_give_each_specialty_its_own_adam_step(tiny_policy):
     assert not torch.allclose(step[clear], one_optimizer[clear], atol=lr * 0.5)
     assert stats.optimizer_steps == 2  # compute units charge an optimizer step per specialty
     assert len(trainer.optimizer.by_specialty) == 2
+    # weight decay once a round, not once per specialty: the same step plus lr * wd * p
+    decayed = copy.deepcopy(tiny_policy)
+    config = TrainerConfig(specialty_weighting="separate_steps", lr=lr, max_grad_norm=1e9, weight_decay=0.5)
+    GRPOTrainer(config, decayed, pad_id=0, temperature=1.0).step([first, second])
+    decay_step = before - _flat(decayed)
+    assert torch.allclose(decay_step[clear], (expected + lr * 0.5 * before)[clear], atol=lr * 1e-3)
 
 
 def test_separate_steps_moments_survive_a_checkpoint(tiny_policy):
