@@ -641,14 +641,33 @@ def on_axis(run: dict) -> dict:
     return view
 
 
+def cut_at(run: dict, budget: float) -> dict:
+    """A run with a longer budget read as if it had stopped at `budget` (its curves hold points there: --points with
+    the budget a multiple of the step): its held-out points up to it, each node's rounds and compute at its last one.
+    Its per-round means (sampled reward, groups used, peers' groups re-scored) stay the whole run's."""
+    if run["rounds_limit"] is not None or run["budget_s"] <= budget:
+        return run
+    view = dict(run, budget_s=budget, cut_from_budget=run["budget_s"])
+    view["curves"] = [[p for p in curve if p["compute_s"] <= budget * 1.01] for curve in run["curves"]]
+    view["rounds"] = [curve[-1]["round"] for curve in view["curves"]]
+    view["compute_s"] = [curve[-1]["compute_s"] for curve in view["curves"]]
+    return view
+
+
 def report(args) -> None:
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     # one axis at a time: a budget in units and one in CPU seconds are not the same work
     runs = [on_axis(run) for run in runs if run.get("axis", "cpu") == args.axis]
     # one transport at a time (--transport): a run through the DHT must not stand in for its seed's in-process one
     runs = [run for run in runs if run.get("transport", "inprocess") == args.transport]
-    if args.report_budget is not None:  # arms are compared at one budget: runs of others would mix axes
+    # arms are compared at one budget: longer runs are read up to it, shorter ones left out
+    if args.report_budget is not None:
+        runs = [cut_at(run, args.report_budget) for run in runs]
         runs = [run for run in runs if run["rounds_limit"] is not None or run["budget_s"] == args.report_budget]
+        for run in runs:
+            if "cut_from_budget" in run:
+                label = f"{arm_label(run)} seed {run['seed']}"
+                print(f"{label}: a run of {run['cut_from_budget']:g} read up to {args.report_budget:g}")
     # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
     if args.report_arms:
         runs = [run for run in runs if run["arm"] in args.report_arms]
