@@ -143,3 +143,35 @@ def test_a_partner_whose_first_dial_failed_is_called_again_after_the_backoff(tmp
             assert caller.failures == {"exchange_failed": 1}
 
     asyncio.run(scenario())
+
+
+class NoRouteThenBackoff:
+    """A daemon with no route to the peer, whose dial is then refused in backoff: the two answers `open_stream` gets."""
+
+    @property
+    def _client(self):
+        return self
+
+    async def call_binary_stream_handler(self, peer, handler):
+        raise ControlFailure("Connect failed. msg=routing: not found")
+
+    async def connect(self, peer, addresses) -> None:
+        raise ControlFailure(IN_BACKOFF)
+
+
+def test_a_failed_dial_keeps_what_the_first_stream_request_was_told():
+    """The error `open_stream` raises after dialing is the dial's (still told apart as a backoff), and it carries
+    p2pd's first answer as a note, which `stream_failure` prints beside it."""
+    from node.transport.framing import open_stream, stream_failure
+
+    async def attempt():
+        await open_stream(NoRouteThenBackoff(), PEER, ["/ip4/198.18.1.1/tcp/38423"], "handler", dial_timeout=5)
+
+    try:
+        asyncio.run(attempt())
+    except ControlFailure as exc:
+        assert refused_by_dial_backoff(exc)
+        line = stream_failure(exc)
+        assert "dial backoff" in line and "before the dial, p2pd said: Connect failed. msg=routing: not found" in line
+    else:
+        raise AssertionError("open_stream reached a peer it cannot reach")

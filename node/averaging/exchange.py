@@ -42,6 +42,7 @@ from node.transport.framing import (
     OversizedFrame,
     open_stream,
     read_frame,
+    stream_failure,
     write_frame,
 )
 from node.weights.codec import CodecError, EncodedWeights, decode_weights, encode_weights
@@ -242,7 +243,7 @@ class WeightExchange:
                 raise ExchangeError(f"expected ACCEPT, got {kind.name}")
             weights = await self._swap(rnd, peer, reader, writer)
         except (ExchangeError, *STREAM_FAILED) as exc:
-            log.info("round %d: exchange with %s failed: %s: %s", rnd.round_id, peer[:12], type(exc).__name__, exc)
+            log.info("round %d: exchange with %s failed: %s", rnd.round_id, peer[:12], stream_failure(exc))
             self.failures["exchange_failed"] += 1
             if rnd.failed_calls.bump(peer) >= MAX_FAILED_CALLS:
                 rnd.given_up.add(peer)  # gone or broken: its "free" announcement stays until it expires

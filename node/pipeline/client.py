@@ -14,7 +14,7 @@ import asyncio
 import msgpack
 
 from node.transport.joining import key_prefix
-from node.transport.framing import STREAM_FAILED, open_stream, read_frame, write_frame
+from node.transport.framing import STREAM_FAILED, open_stream, read_frame, stream_failure, write_frame
 from protocol import ProtocolRejection, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, parse_refusal
 
@@ -75,7 +75,7 @@ async def call_stage(
     except TimeoutError:
         raise HopFailed(server, "timeout", f"no answer to {call.op} within {timeout:.0f}s") from None
     except STREAM_FAILED as exc:
-        raise HopFailed(server, "unreachable", f"{type(exc).__name__}: {exc}") from None
+        raise HopFailed(server, "unreachable", stream_failure(exc)) from None
     finally:
         if writer is not None:
             writer.close()

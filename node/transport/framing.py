@@ -106,7 +106,8 @@ async def open_stream(
     its own peerstore, not by our DHT: on one host every peer is soon connected through DHT
     traffic, but across hosts a random partner or stage server often is not ("routing: not
     found"). A connected peer needs no dial, so we dial only after a first attempt found no
-    route. Raises what the stream call raises (P2PDaemonError, ...)."""
+    route. Raises what the stream call raises (P2PDaemonError, ...); after a dial, with a note of what the first
+    request was told (`stream_failure` prints both)."""
     from hivemind.p2p import PeerID
     from multiaddr import Multiaddr
 
@@ -114,7 +115,8 @@ async def open_stream(
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
         return reader, writer
-    except P2PDaemonError:
+    except P2PDaemonError as exc:
+        before_dial = exc
         addresses = []
         for text in maddrs:
             try:
@@ -123,6 +125,16 @@ async def open_stream(
                 continue
         if not addresses:
             raise
-    await asyncio.wait_for(p2p._client.connect(peer, addresses), dial_timeout)
-    _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+    try:
+        await asyncio.wait_for(p2p._client.connect(peer, addresses), dial_timeout)
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+    except Exception as exc:  # why the first request found no route is half of why the peer is unreachable
+        exc.add_note(f"before the dial, p2pd said: {before_dial}")
+        raise
     return reader, writer
+
+
+def stream_failure(exc: BaseException) -> str:
+    """A failed stream in one line, for logs and hop reports: its type, its message, and its notes (what p2pd said
+    before `open_stream` dialed)."""
+    return "; ".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
