@@ -27,6 +27,7 @@ JOIN_PRESET = [
     "swarm.external_questions=4",
     "swarm.external_selection=weakness",
     "swarm.imitation=own_and_stronger_peers",
+    "swarm.local_draw=balance",
     "trainer.imitation_coef=4.0",
     "state_dir=~/.swarm-node/swarm",
 ]
