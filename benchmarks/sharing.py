@@ -655,7 +655,9 @@ def cut_at(run: dict, budget: float) -> dict:
 
 
 def report(args) -> None:
-    runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    paths = [args.results, *args.more_results]
+    runs = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    runs.sort(key=lambda run: run.get("finished", 0))  # across files too, the newest run of a key counts
     # one axis at a time: a budget in units and one in CPU seconds are not the same work
     runs = [on_axis(run) for run in runs if run.get("axis", "cpu") == args.axis]
     # one transport at a time (--transport): a run through the DHT must not stand in for its seed's in-process one
@@ -1028,6 +1030,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--set", action="append", default=[], help="a config override for every node of every arm")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "sharing.jsonl")
+    parser.add_argument("--more-results", type=Path, nargs="*", default=[], help="--report: read these files too")
     parser.add_argument(
         "--network-charge",
         type=float,
