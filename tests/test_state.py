@@ -55,7 +55,7 @@ def test_resume_restores_weights_optimizer_and_version(tiny_config, tmp_path):
     assert len(list(second.store.checkpoints.glob("round-*"))) == config.checkpoint_keep
 
 
-def test_resume_keeps_each_specialtys_moments_and_refuses_another_optimizer(tiny_config):
+def test_resume_keeps_each_specialtys_moments_and_refuses_another_optimizer(tiny_config, tmp_path):
     """trainer.specialty_weighting 'separate_steps' checkpoints an AdamW per specialty; resuming restores each, and
     resuming with another weighting (one AdamW) is refused with a sentence, either way round."""
     import pytest
@@ -77,3 +77,9 @@ def test_resume_keeps_each_specialtys_moments_and_refuses_another_optimizer(tiny
         assert [s["step"] for s in restored[key]["state"].values()] == [s["step"] for s in state["state"].values()]
     with pytest.raises(ConfigError, match="written with 'separate_steps'"):
         Node(tiny_config()).load()
+    plain = tiny_config("trainer.drop_uniform_groups=false", state_dir=tmp_path / "plain")
+    one_adamw = Node(plain)
+    one_adamw.load()
+    asyncio.run(one_adamw.run(1, asyncio.Event()))
+    with pytest.raises(ConfigError, match="written with one AdamW"):
+        Node(tiny_config("trainer.specialty_weighting=separate_steps", state_dir=tmp_path / "plain")).load()
