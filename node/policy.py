@@ -17,7 +17,7 @@ from node.device import HOST, resolve_device
 from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.state import StateStore
-from node.trainer import GRPOTrainer
+from node.trainer import GRPOTrainer, SpecialtyAdamW
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class LocalPolicy:
             trainer = GRPOTrainer(
                 config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version
             )
-            written_separate = "per_specialty" in state.optimizer
+            written_separate = SpecialtyAdamW.wrote(state.optimizer)
             if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
                 written = "'separate_steps' (an AdamW per specialty)" if written_separate else "one AdamW"
                 raise ConfigError(

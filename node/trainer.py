@@ -358,11 +358,16 @@ class SpecialtyAdamW:
         for p in self.params:
             p.grad = None
 
+    @staticmethod
+    def wrote(state: dict) -> bool:
+        """Whether an optimizer state (a checkpoint's) is this optimizer's, one AdamW per specialty."""
+        return "per_specialty" in state
+
     def state_dict(self) -> dict:
         return {"per_specialty": {key: opt.state_dict() for key, opt in self.by_specialty.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if "per_specialty" not in state:
+        if not self.wrote(state):
             raise ValueError(
                 "the checkpoint's optimizer is one AdamW for every specialty; trainer.specialty_weighting "
                 "'separate_steps' keeps one per specialty: resume with the weighting the checkpoint was written with"
