@@ -46,6 +46,7 @@ from hivemind.dht.node import DHTNode  # noqa: E402
 
 from benchmarks.lab import WORKER_WAIT_S as WAIT_S, eth0_tx_bytes, wait_file, write_atomic  # noqa: E402
 from node.averaging.pairing import PairAverager  # noqa: E402
+from node.files import append_json_line  # noqa: E402
 from node.transport.records import RecordWriter  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
@@ -125,8 +126,7 @@ async def worker_ours(args, scratch: Path, tensor) -> None:
                 "payload_bytes": result.bytes_sent if result else None,
                 "failures_so_far": dict(averager.failures),
             }
-            with open(scratch / f"result-{args.index}.jsonl", "a") as out:
-                out.write(json.dumps(row) + "\n")
+            append_json_line(scratch / f"result-{args.index}.jsonl", row)
             write_atomic(scratch / f"done-{round_id}-{args.index}", "")
     finally:
         await averager.stop()
@@ -195,8 +195,7 @@ def worker_hivemind(args, scratch: Path, tensor) -> None:
                 "wire_bytes": eth0_tx_bytes() - sent_before,
                 "payload_bytes": None,
             }
-            with open(scratch / f"result-{args.index}.jsonl", "a") as out:
-                out.write(json.dumps(row) + "\n")
+            append_json_line(scratch / f"result-{args.index}.jsonl", row)
             write_atomic(scratch / f"done-{round_id}-{args.index}", "")
     finally:
         averager.shutdown()

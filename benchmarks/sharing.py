@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import fcntl
 import json
 import os
 import statistics
@@ -64,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.compute import RoundWork, UnitCosts, model_shape_key, round_layout  # noqa: E402
+from node.files import append_json_line  # noqa: E402
 from node.tasks import materialize  # noqa: E402
 from node.trainer import completion_logprobs  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
@@ -527,13 +527,6 @@ async def round_cost(args) -> dict:
             flush=True,
         )
     return summary
-
-
-def append_result(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as out:
-        fcntl.flock(out, fcntl.LOCK_EX)  # several benchmark processes may append at once
-        out.write(json.dumps(result) + "\n")
 
 
 def gate(args) -> None:
@@ -1092,14 +1085,14 @@ def main() -> None:
         return
     if args.round_cost:
         result = asyncio.run(round_cost(args))
-        append_result(args.round_cost_results, result)
+        append_json_line(args.round_cost_results, result)
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             for arm in args.arms:
                 result = asyncio.run(run_arm(args.setting, arm, seed, args, scratch))
-                append_result(args.results, result)
+                append_json_line(args.results, result)
                 finals = [curve[-1] for curve in result["curves"]]
                 print(
                     f"{args.setting} {arm} seed {seed}: rounds {result['rounds']}, final held-out "

@@ -88,7 +88,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from node.config import load_config  # noqa: E402
-from node.files import fsync_dir  # noqa: E402
+from node.files import append_json_line, fsync_dir  # noqa: E402
 from node.model import ensure_default_model, load_policy, model_fingerprint  # noqa: E402
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
@@ -767,18 +767,6 @@ def baseline_key(key: dict) -> dict:
     return {name: value for name, value in key.items() if name != "checkpoint_every"}
 
 
-def append_row(path: Path, row: dict) -> None:
-    """One line, one write() on an O_APPEND descriptor: side-by-side runs append to the same file without
-    interleaving."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(row) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def none_row(rows: list[dict], seed: int) -> dict | None:
     return next((r for r in rows if r["strategy"] == "none" and r["seed"] == seed and r.get("target")), None)
 
@@ -806,7 +794,7 @@ def run_one(args, seed: int, rate: float, strategy: str) -> None:
         result["target"] = base["target"]
     row = {"key": key, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load_average": os.getloadavg()}
     row.update(result)
-    append_row(args.results, row)
+    append_json_line(args.results, row)
     print(describe(row), flush=True)
 
 

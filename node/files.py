@@ -5,6 +5,8 @@ Torch-free, so that what only writes a snapshot (swarm statistics, addresses) do
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -39,3 +41,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def append_json_line(path: Path, row: dict) -> None:
+    """One JSON line appended whole and fsynced: processes side by side (benchmark seeds, a node and its
+    dashboard) append to one file without interleaving, and a kill leaves at most a cut last line, which
+    readers skip."""
+    data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a write() may be split on some file systems; the lock keeps lines whole
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock

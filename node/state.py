@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from node.device import HOST
-from node.files import atomic_write_text, fsync_dir, fsync_tree
+from node.files import append_json_line, atomic_write_text, fsync_dir, fsync_tree
 from node.model import save_policy
 
 CHECKPOINT_PREFIX = "round-"
@@ -123,11 +123,7 @@ class StateStore:
     # metrics ---------------------------------------------------------------
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_path, "a") as handle:
-            handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        append_json_line(self.metrics_path, row)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Complete rows only: a line cut by a kill is skipped."""

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from node.files import append_json_line
 from benchmarks.stage_recovery import (
-    append_row,
     load_stage_checkpoint,
     read_rows,
     report,
@@ -131,7 +131,7 @@ def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_check
     every_25 = dict(young, checkpoint_every="25")
     path = tmp_path / "rows.jsonl"
     for strategy, key in [("none", young), ("checkfree", young), ("checkpoint", every_25), ("none", {"shape": [64]})]:
-        append_row(path, {"strategy": strategy, "key": key})
+        append_json_line(path, {"strategy": strategy, "key": key})
     assert [r["strategy"] for r in read_rows(path, young)] == ["none", "checkfree"]
     assert [r["strategy"] for r in read_rows(path, every_25)] == ["none", "checkpoint"]
     assert read_rows(tmp_path / "absent.jsonl", young) == []

@@ -4,7 +4,7 @@ import json
 import torch
 
 from node.loop import Node
-from node.files import atomic_write_text
+from node.files import append_json_line, atomic_write_text
 from node.state import StateStore
 
 
@@ -14,6 +14,14 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     atomic_write_text(path, "two")
     assert path.read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temp files left
+
+
+def test_json_lines_append_whole_under_a_new_folder(tmp_path):
+    path = tmp_path / "deep" / "results.jsonl"
+    append_json_line(path, {"seed": 0, "pad": "x" * 70_000})
+    append_json_line(path, {"seed": 1})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [0, 1] and len(rows[0]["pad"]) == 70_000
 
 
 def test_metrics_skip_cut_lines_and_truncate(tmp_path):

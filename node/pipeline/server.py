@@ -67,7 +67,7 @@ from node.pipeline.stages import (
     stage_fingerprint,
     stage_plan,
 )
-from node.files import atomic_write_text
+from node.files import append_json_line, atomic_write_text
 from node.stats import prometheus_text
 from node.transport.session import SwarmSession
 from protocol import DEFAULT_LIMITS, StageAnnouncement
@@ -204,9 +204,7 @@ class StageServer:
             event.step,
             event.lr_scale,
         )
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "recoveries.jsonl", "a") as handle:
-            handle.write(json.dumps(event.to_json()) + "\n")
+        append_json_line(self.state_dir / "recoveries.jsonl", event.to_json())
 
     # moving -------------------------------------------------------------------------------
 
