@@ -23,22 +23,7 @@ from node.sharing import (
 from node.rollouts.base import ExternalGroup
 from node.tasks import TaskSource, materialize
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
-
-ARITHMETIC = {
-    "min_terms": 2,
-    "max_terms": 2,
-    "min_digits": 1,
-    "max_digits": 1,
-    "operators": ["+"],
-    "allow_negation": False,
-    "allow_parentheses": False,
-    "format_style": "simple",
-}
-MIX = [
-    {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
-    {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
-    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
-]
+from tests.helpers.tasks import ARITHMETIC, MIX
 
 
 @pytest.fixture

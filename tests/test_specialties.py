@@ -13,23 +13,8 @@ from node.config import ConfigError, TasksConfig
 from node.loop import Node
 from node.tasks import TaskSource
 from tests.helpers.rollouts import ScriptedBackend
+from tests.helpers.tasks import ARITHMETIC, MIX
 from protocol import NodeIdentity, PeerStats, TaskSpec, decode_message, encode_message
-
-ARITHMETIC = {
-    "min_terms": 2,
-    "max_terms": 2,
-    "min_digits": 1,
-    "max_digits": 1,
-    "operators": ["+"],
-    "allow_negation": False,
-    "allow_parentheses": False,
-    "format_style": "simple",
-}
-MIX = [
-    {"name": "basic_arithmetic", "config": ARITHMETIC, "label": "add"},
-    {"name": "basic_arithmetic", "config": {**ARITHMETIC, "operators": ["-"]}, "label": "subtract"},
-    {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
-]
 
 
 def test_labels_name_each_entry_and_must_be_distinct():
