@@ -685,6 +685,9 @@ def report(args) -> None:
                 by_key[(setting, "silo")] = by_key.pop((setting, args.baseline))
         print(f"the silo below is {args.baseline!r} (plain SAPO-less silo: 'silo_plain')")
     summary.update(four_specialists(by_key))
+    four_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
+    if args.plot_four and four_arms:
+        plot_four(four_arms, args.plot_four, args.axis, args.baseline)
     if args.round_cost_results.exists():
         costs = [json.loads(line) for line in args.round_cost_results.read_text().splitlines() if line.strip()]
         if costs and "round_cost_ratio_vs_silo" in costs[-1]:
@@ -989,6 +992,43 @@ def plot(spec_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None
     print(f"plot written to {path}")
 
 
+def four_node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
+    """--setting four: 'own' the node's warm-start specialty, 'lacked' the mean of the other three, 'all' all four."""
+    own = run["own"][node]
+    if which == "lacked":
+        lacked = [label for label in FOUR_SPECIALTIES if label != own]
+        return statistics.fmean(at_compute(run["curves"][node], label, compute_s) for label in lacked)
+    return at_compute(run["curves"][node], own if which == "own" else "all", compute_s)
+
+
+def plot_four(four_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None:
+    """--setting four: held-out per specialty kind against node compute, mean of the 4 nodes and the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("lacked", "the three it lacked (mean)"), ("own", "its own specialty"), ("all", "all four (mean)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
+    for arm, seeds in sorted(four_arms.items()):
+        label = f"{baseline} (the silo)" if arm == "silo" and baseline != "silo" else arm
+        budget = min(run["budget_s"] for run in seeds.values())
+        xs = [budget * k / 20 for k in range(21)]
+        for ax, (which, title) in zip(axes, panels):
+            ys = [
+                statistics.fmean(four_node_metric(run, i, x, which) for run in seeds.values() for i in range(NODES))
+                for x in xs
+            ]
+            ax.plot(xs, ys, label=f"{label} ({len(seeds)} seeds)")
+            ax.set_title(f"four specialists: held-out on {title}")
+            ax.set_xlabel("node compute (compute units)" if axis == "units" else "node compute (CPU seconds)")
+    axes[0].set_ylabel("greedy accuracy, mean of 4 nodes and seeds")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=["specialists", "four", "homogeneous", "sparse"], default="specialists")
@@ -1059,6 +1099,7 @@ def main() -> None:
     )
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--plot-four", type=Path, default=None, help="--report: the four-specialist plot")
     parser.add_argument(
         "--report-arms", nargs="+", choices=list(ARMS), help="--report: only these arms (the silo among them)"
     )
