@@ -44,9 +44,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def append_json_line(path: Path, row: dict) -> None:
-    """One JSON line appended whole and fsynced: processes side by side (benchmark seeds, a node and its
-    dashboard) append to one file without interleaving, and a kill leaves at most a cut last line, which
-    readers skip."""
+    """One JSON line appended whole and fsynced: processes side by side (benchmark seeds in one results file)
+    append without interleaving, and a kill leaves at most a cut last line, which readers skip."""
     data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
