@@ -54,6 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -969,27 +970,8 @@ def load_matched(spec_arms: dict) -> dict:
 
 
 def plot(spec_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = (("weak", "the specialty it lacked"), ("own", "its own specialty"), ("all", "both specialties"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    for arm, seeds in sorted(spec_arms.items()):
-        label = f"{baseline} (the silo)" if arm == "silo" and baseline != "silo" else arm
-        for ax, (which, title) in zip(axes, panels):
-            curves = [mean_curve(run, which) for run in seeds.values()]
-            xs = curves[0][0]
-            ys = [statistics.fmean(c[1][k] for c in curves) for k in range(len(xs))]
-            ax.plot(xs, ys, label=f"{label} ({len(curves)} seeds)")
-            ax.set_title(f"held-out accuracy on {title}")
-            ax.set_xlabel("node compute (compute units)" if axis == "units" else "node compute (CPU seconds)")
-    axes[0].set_ylabel("greedy accuracy, mean of 4 nodes and seeds")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+    plot_panels(spec_arms, path, axis, baseline, panels, "held-out accuracy on {}", mean_metric)
 
 
 def four_node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
@@ -1003,24 +985,39 @@ def four_node_metric(run: dict, node: int, compute_s: float, which: str) -> floa
 
 def plot_four(four_arms: dict, path: Path, axis: str, baseline: str = "silo") -> None:
     """--setting four: held-out per specialty kind against node compute, mean of the 4 nodes and the seeds."""
+
+    def four_mean(run: dict, compute_s: float, which: str) -> float:
+        return statistics.fmean(four_node_metric(run, i, compute_s, which) for i in range(NODES))
+
+    panels = (("lacked", "the three it lacked (mean)"), ("own", "its own specialty"), ("all", "all four (mean)"))
+    plot_panels(four_arms, path, axis, baseline, panels, "four specialists: held-out on {}", four_mean)
+
+
+def plot_panels(
+    arms: dict,
+    path: Path,
+    axis: str,
+    baseline: str,
+    panels: tuple[tuple[str, str], ...],
+    title: str,
+    metric: Callable[[dict, float, str], float],
+) -> None:
+    """One panel per (which, name) of `panels`: each arm's `metric(run, compute, which)`, the mean of its seeds, on 21
+    points of its first run's budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("lacked", "the three it lacked (mean)"), ("own", "its own specialty"), ("all", "all four (mean)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    for arm, seeds in sorted(four_arms.items()):
+    for arm, seeds in sorted(arms.items()):
         label = f"{baseline} (the silo)" if arm == "silo" and baseline != "silo" else arm
-        budget = min(run["budget_s"] for run in seeds.values())
+        budget = next(iter(seeds.values()))["budget_s"]
         xs = [budget * k / 20 for k in range(21)]
-        for ax, (which, title) in zip(axes, panels):
-            ys = [
-                statistics.fmean(four_node_metric(run, i, x, which) for run in seeds.values() for i in range(NODES))
-                for x in xs
-            ]
+        for ax, (which, name) in zip(axes, panels):
+            ys = [statistics.fmean(metric(run, x, which) for run in seeds.values()) for x in xs]
             ax.plot(xs, ys, label=f"{label} ({len(seeds)} seeds)")
-            ax.set_title(f"four specialists: held-out on {title}")
+            ax.set_title(title.format(name))
             ax.set_xlabel("node compute (compute units)" if axis == "units" else "node compute (CPU seconds)")
     axes[0].set_ylabel("greedy accuracy, mean of 4 nodes and seeds")
     axes[0].legend(fontsize=8)
