@@ -164,19 +164,38 @@ def test_a_process_without_a_rollout_transport_rejoins_by_its_membership_loop(tm
             b = await joined(tmp_path, "b", a.addresses, *quick)
             c = await joined(tmp_path, "c", a.addresses, *quick)
             assert await Announcer(b).publish(stage_announcement(b))
-            c.membership.add_source(lambda: announced_addresses(c.dht, c.config))
+            reading, passes = True, 0
+
+            async def announcements() -> list[list[str]]:
+                nonlocal passes
+                passes += 1
+                return await announced_addresses(c.dht, c.config) if reading else []
+
+            c.membership.add_source(announcements)
             deadline = time.monotonic() + 60
             while b.peer_id not in c.membership.known and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert c.membership.known.get(b.peer_id) == b.addresses
-            for left in (a, b):
-                forget(left, c)
-                forget(c, left)
-            assert not any(knows(n, c) or knows(c, n) for n in (a, b))
-            while not all(knows(c, n) and knows(n, c) for n in (a, b)) and time.monotonic() < deadline:
+            # A DHT read still in flight when the tables forget each other answers, and hivemind puts the peer back
+            # on its own (its lookups outlive the read they served): the partition would heal with no rejoin at
+            # all. So c stops reading once it knows b, two passes let the last read's calls end, and a heal that
+            # came about anyway is cut again, a bounded number of times.
+            reading, since = False, passes
+            while passes < since + 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert knows(c, a) and knows(c, b) and knows(a, c) and knows(b, c)
-            assert c.membership.peers_rejoined >= 2
+            for _attempt in range(3):
+                before = c.membership.peers_rejoined
+                for left in (a, b):
+                    forget(left, c)
+                    forget(c, left)
+                assert not any(knows(n, c) or knows(c, n) for n in (a, b))
+                deadline = time.monotonic() + 60
+                while not all(knows(c, n) and knows(n, c) for n in (a, b)) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert knows(c, a) and knows(c, b) and knows(a, c) and knows(b, c)
+                if c.membership.peers_rejoined - before >= 2:
+                    break
+            assert c.membership.peers_rejoined - before >= 2  # its loop pinged both back: bootstrap peer and announcer
             c.check_alive()
         finally:
             for session in (c, b, a):
