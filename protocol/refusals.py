@@ -38,7 +38,10 @@ class Refusal(SentencedEnum):
     WRONG_SWARM = ("wrong_swarm", "The message belongs to another swarm.")
     BAD_SIGNATURE = ("bad_signature", "The signature does not match the sender's key and the signed bytes.")
     SENDER_MISMATCH = ("sender_mismatch", "The signing key is not the one the message claims or the receiver expected.")
-    REPLAY = ("replay", "The sequence number is not newer than one already seen from this sender.")
+    REPLAY = (
+        "replay",
+        "A message this node may have used already: its sequence number is not above what it remembers of the sender.",
+    )
     STALE = (
         "stale",
         "The message is too old (or too far in the future), or refers to a round or policy that is too old.",

@@ -66,7 +66,7 @@ def test_seen_envelopes_are_bounded():
     seen = SeenEnvelopes()
     for seq in range(SEEN_PER_SENDER + 10):
         seen.add("a", seq)
-    assert seen.seen("a", SEEN_PER_SENDER + 9) and not seen.seen("a", 0) and seen.oldest("a") == 10
+    assert seen.seen("a", SEEN_PER_SENDER + 9) and not seen.seen("a", 0) and seen.forgotten_up_to("a") == 9
     for i in range(MAX_SENDERS_REMEMBERED + 5):
         seen.add(f"s{i}", 1)
     assert not seen.seen("a", SEEN_PER_SENDER + 9) and seen.seen(f"s{MAX_SENDERS_REMEMBERED + 4}", 1)

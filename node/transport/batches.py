@@ -8,7 +8,8 @@ decoding; of the new ones, at most a round's budget is taken, at random, and the
 unread (a flood costs the reader a bounded amount of work). Each is decoded and verified by the
 protocol (signature, swarm, size, structure), checked against the DHT subkey it was stored under,
 counted once if refused, skipped if already seen (the same DHT value is read again every round),
-refused as a replay if older than all we remember of its sender, or as stale if older than
+refused as a replay if it may be one used and forgotten (at or below the highest seq of its sender that the
+bounded memory let go), or as stale if older than
 `swarm.max_batch_age_s`. Re-scoring and choosing what to train on is the node's job (node/sharing.py).
 """
 
@@ -114,24 +115,37 @@ def value_digest(raw: object) -> bytes:
 class SeenEnvelopes:
     """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay.
 
-    Bounded: the last SEEN_PER_SENDER seqs of the MAX_SENDERS_REMEMBERED most recent senders
-    (throwaway identities cannot grow it without bound).
+    Bounded: the SEEN_PER_SENDER highest seqs of the MAX_SENDERS_REMEMBERED most recent senders (throwaway
+    identities cannot grow it without bound). What it lets go of a sender is always its lowest seq, kept as one
+    number: at or below it an unseen seq may be one that was used and forgotten, above it "unseen" is exact.
     """
 
     def __init__(self) -> None:
-        self._by_sender: BoundedDict[str, BoundedDict[int, None]] = BoundedDict(MAX_SENDERS_REMEMBERED)
+        self._by_sender: BoundedDict[str, set[int]] = BoundedDict(MAX_SENDERS_REMEMBERED)
+        self._forgotten_up_to: dict[str, int] = {}  # sender -> the highest seq let go (for senders remembered)
 
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
 
-    def oldest(self, sender: str) -> int:
-        """The oldest seq still remembered for `sender` (-1: none): below it, "seen" can no longer be told."""
-        return min(self._by_sender.get(sender, {-1: None}))
+    def forgotten_up_to(self, sender: str) -> int:
+        """The highest seq of `sender` let go to stay bounded (-1: none): at or below it, "seen" can no longer be
+        told."""
+        return self._forgotten_up_to.get(sender, -1) if sender in self._by_sender else -1
 
     def add(self, sender: str, seq: int) -> None:
-        seqs = self._by_sender.get(sender) or BoundedDict(SEEN_PER_SENDER)
-        self._by_sender[sender] = seqs
-        seqs[seq] = None
+        seqs = self._by_sender.get(sender)
+        if seqs is None:
+            seqs = set()
+            self._forgotten_up_to.pop(sender, None)  # a sender forgotten whole starts again from nothing
+        self._by_sender[sender] = seqs  # the most recently active sender now
+        seqs.add(seq)
+        if len(seqs) > SEEN_PER_SENDER:
+            lowest = min(seqs)
+            seqs.remove(lowest)
+            self._forgotten_up_to[sender] = max(self._forgotten_up_to.get(sender, -1), lowest)
+        if len(self._forgotten_up_to) > 2 * MAX_SENDERS_REMEMBERED:  # senders forgotten whole leave theirs behind
+            for gone in [s for s in self._forgotten_up_to if s not in self._by_sender]:
+                del self._forgotten_up_to[gone]
 
 
 class BatchReceiver:
@@ -180,9 +194,10 @@ class BatchReceiver:
             counters = self.stats.peer(peer)
             counters.batches_received += 1
             self.stats.bytes_received += size
-            if envelope.seq < self.seen.oldest(peer):
-                # Older than all we remember of this sender: it may be one we used and forgot. A batch newer
-                # than that but unseen is not a replay: gossip and DHT deliver out of order under load.
+            if envelope.seq <= self.seen.forgotten_up_to(peer):
+                # It may be one we used and had to forget. An unseen batch older than what we remember but above
+                # anything forgotten is not a replay: gossip and DHT deliver out of order under load, and a late
+                # DHT read of an honest peer's older batch after its newer push is first contact, not a repeat.
                 self.stats.reject(peer, Refusal.REPLAY)
                 self.seen.add(peer, envelope.seq)
                 continue
