@@ -190,6 +190,10 @@ ARMS = {
         "trainer.share_prompt_forward=false",
         "rollout.share_prompt_prefill=false",
     ],
+    # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
+    # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
+    "sapo_own": [*SWARM_4_4, "swarm.imitation=own", "trainer.imitation_coef=4.0"],
+    "sapo_balance_own": [*SAPO_BALANCE, "swarm.imitation=own"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
     "paper_silo": [
         "swarm.local_questions=8",
