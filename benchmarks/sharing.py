@@ -93,7 +93,10 @@ ARM_BASE = [
     "swarm.local_draw=mix",
     "swarm.peer_imitation_scale=1.0",
     "trainer.distill_coef=0.0",
+    "trainer.kl_beta=0.0",
+    "trainer.kl_labels=[]",
 ]
+OWN = "{own}"  # in an arm's overrides: the specialty the node was warm-started on
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
 # the isolated default: 8 own questions a round, its own right answers as demonstrations
@@ -192,6 +195,9 @@ ARMS = {
     ],
     # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
     # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
+    # and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's own-skill anchor; the
+    # same weight on every question held the weak specialty at the warm start too: "Seed 3, and a KL anchor")
+    "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
     "sapo_own": [*SWARM_4_4, "swarm.imitation=own", "trainer.imitation_coef=4.0"],
     "sapo_balance_own": [*SAPO_BALANCE, "swarm.imitation=own"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
@@ -258,10 +264,13 @@ def heldout_questions(config) -> list:
 async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> list[Node]:
     exchange = InProcessExchange()
     nodes: list[Node] = []
+    arm_overrides = ARMS[arm]
+    if any(OWN in o for o in arm_overrides) and own_specialty(setting, 0) is None:
+        raise SystemExit(f"arm {arm} names each node's own specialty: run it with --setting specialists or four")
     for i in range(NODES):
         overrides = [
             *ARM_BASE,
-            *ARMS[arm],
+            *(o.replace(OWN, own_specialty(setting, i) or "") for o in arm_overrides),
             *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps),
             *args.set,
             "swarm.transport=dht",

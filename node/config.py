@@ -190,6 +190,9 @@ class TrainerConfig(_Section):
     """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a frozen copy of the initial policy (0: no reference kept)."""
+    kl_labels: list[str] = []
+    """Specialties (task-mix labels) whose questions carry that KL penalty; empty: every question. A specialist that
+    joins others names its own specialty here to anchor what it knows and learn the rest freely."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping norm."""
     micro_batch_size: int = Field(32, ge=1)
@@ -528,6 +531,11 @@ class NodeConfig(_Section):
         unknown = [label for label in self.model.default.warmup_labels if label not in mix_labels]
         if unknown:
             raise ValueError(f"model.default.warmup_labels {unknown} are not specialties of the task mix {mix_labels}")
+        unknown = [label for label in self.trainer.kl_labels if label not in mix_labels]
+        if unknown:
+            raise ValueError(f"trainer.kl_labels {unknown} are not specialties of the task mix {mix_labels}")
+        if self.trainer.kl_labels and self.trainer.kl_beta == 0:
+            raise ValueError("trainer.kl_labels names where the KL penalty applies: set trainer.kl_beta > 0 as well")
         if self.swarm.generated_questions is not None and self.swarm.generated_questions < self.swarm.local_questions:
             raise ValueError(
                 f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "

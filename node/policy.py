@@ -17,7 +17,7 @@ from node.device import HOST, resolve_device
 from node.files import atomic_write_text
 from node.model import load_policy, model_fingerprint, resolve_initial_policy
 from node.state import StateStore
-from node.trainer import GRPOTrainer, SpecialtyAdamW
+from node.trainer import GRPOTrainer, SpecialtyAdamW, specialty_keys
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,12 @@ class LocalPolicy:
             state = self.store.load_trainer_state(checkpoint)
             model.eval()
             trainer = GRPOTrainer(
-                config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, state.policy_version
+                config.trainer,
+                model,
+                tokenizer.pad_token_id,
+                config.rollout.temperature,
+                state.policy_version,
+                kl_specialties=specialty_keys(config.tasks.datasets, config.trainer.kl_labels),
             )
             written_separate = SpecialtyAdamW.wrote(state.optimizer)
             if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
@@ -72,7 +77,14 @@ class LocalPolicy:
             torch.manual_seed(config.seed)
             model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)
             model.eval()
-            trainer = GRPOTrainer(config.trainer, model, tokenizer.pad_token_id, config.rollout.temperature, 0)
+            trainer = GRPOTrainer(
+                config.trainer,
+                model,
+                tokenizer.pad_token_id,
+                config.rollout.temperature,
+                0,
+                kl_specialties=specialty_keys(config.tasks.datasets, config.trainer.kl_labels),
+            )
             log.info("starting fresh from %s", config.model.name_or_path)
             loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
         loaded.fingerprint = model_fingerprint(model, tokenizer)

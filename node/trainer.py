@@ -96,10 +96,12 @@ def policy_loss(
     importance_weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    kl_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over masked tokens of the clipped surrogate (divide by the token count yourself).
 
-    logprobs/old_logprobs/mask/importance_weights/ref_logprobs: [batch, tokens]; advantages: [batch].
+    logprobs/old_logprobs/mask/importance_weights/ref_logprobs: [batch, tokens]; advantages: [batch];
+    kl_rows: [batch], the rows the KL penalty applies to (None: all).
     """
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None]
@@ -112,6 +114,8 @@ def policy_loss(
     if ref_logprobs is not None and kl_beta > 0:
         log_ratio = ref_logprobs - logprobs  # k3 estimator: unbiased, always >= 0
         kl = torch.exp(log_ratio) - log_ratio - 1
+        if kl_rows is not None:
+            kl = kl * kl_rows.to(kl.dtype)[:, None]
         per_token = per_token + kl_beta * kl
     mask = mask.to(per_token.dtype)
     info = {
@@ -281,6 +285,8 @@ class TrainingRow:
     specialty: str = ""
     """The specialty of the question (specialty_key): with trainer.specialty_weighting other than 'tokens', each
     specialty's terms are averaged over its own tokens."""
+    kl_anchored: bool = True
+    """Whether the KL penalty to the initial policy applies to it (trainer.kl_labels)."""
 
     @property
     def pair(self) -> tuple[list[int], list[int]]:
@@ -306,6 +312,13 @@ class UpdateShare:
 def specialty_key(spec: TaskSpec) -> str:
     """A question's specialty as the trainer tells them apart: its dataset and configuration (its mix entry)."""
     return f"{spec.dataset}:{spec.config_key}"
+
+
+def specialty_keys(datasets, labels: list[str]) -> frozenset[str] | None:
+    """The specialty keys of the task-mix entries (tasks.datasets) labelled `labels` (None: no label named, all)."""
+    if not labels:
+        return None
+    return frozenset(specialty_key(TaskSpec(d.name, d.config, 0, 0)) for d in datasets if d.display_label in labels)
 
 
 def project_conflicts(gradients: list[torch.Tensor]) -> torch.Tensor:
@@ -387,8 +400,12 @@ class GRPOTrainer:
         temperature: float,
         policy_version: int = 0,
         optimizer=None,
+        kl_specialties: frozenset[str] | None = None,
     ):
+        """kl_specialties: the specialty keys whose questions carry the KL penalty (None: all; `specialty_keys` turns
+        trainer.kl_labels into them)."""
         self.config = config
+        self.kl_specialties = kl_specialties
         self.model = model
         self.pad_id = pad_id
         self.temperature = temperature
@@ -450,6 +467,7 @@ class GRPOTrainer:
                     continue  # nothing to score; never divides the loss by zero tokens
                 if advantage < 0 and not keep_negatives:
                     continue  # a peer's wrong answer (trainer.off_policy_negatives)
+                specialty = specialty_key(group.spec)
                 rows.append(
                     TrainingRow(
                         prompt_ids=completion.prompt_ids,
@@ -459,7 +477,8 @@ class GRPOTrainer:
                         on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
                         loss_scale=group.loss_scale,
                         teacher=teacher,
-                        specialty=specialty_key(group.spec),
+                        specialty=specialty,
+                        kl_anchored=self.kl_specialties is None or specialty in self.kl_specialties,
                     )
                 )
         if self.config.imitation_coef > 0:
@@ -598,13 +617,15 @@ class GRPOTrainer:
                 # decided on the rows, not on a device tensor: no GPU sync per micro-batch
                 if any(row.in_policy_term for row in batch):
                     in_policy = torch.tensor([row.in_policy_term for row in batch], device=mask.device)
-                    ref = None
-                    if self.reference is not None:
+                    ref = kl_rows = None
+                    if self.reference is not None and any(row.in_policy_term and row.kl_anchored for row in batch):
                         with torch.no_grad():
                             ref, _ = completion_logprobs(
                                 self.reference, pairs, self.pad_id, self.temperature, self.share_prompts
                             )
                         stats.forward_tokens += positions_here
+                        if not all(row.kl_anchored for row in batch):
+                            kl_rows = torch.tensor([row.kl_anchored for row in batch], device=mask.device)
                     advantages = torch.tensor(
                         [row.advantage for row in batch], dtype=logprobs.dtype, device=mask.device
                     )
@@ -623,6 +644,7 @@ class GRPOTrainer:
                         weights,
                         ref,
                         self.config.kl_beta,
+                        kl_rows,
                     )
                     loss = loss + share.weight * policy_sum / share.policy_tokens
                     loss_sum += policy_sum.item()

@@ -52,6 +52,18 @@ def test_policy_loss_kl_term():
     assert loss.item() == pytest.approx(0.1 * expected_kl)
 
 
+def test_policy_loss_kl_only_on_the_rows_named():
+    logprobs = torch.log(torch.tensor([[0.5], [0.5]]))
+    ref = torch.log(torch.tensor([[0.25], [0.125]]))
+    mask = torch.tensor([[True], [True]])
+    loss, info = policy_loss(
+        logprobs, logprobs.clone(), torch.zeros(2), mask, 0.2, 0.28, None, ref, 0.1, torch.tensor([False, True])
+    )
+    expected_kl = 0.25 - math.log(0.25) - 1  # the second row's only: exp(ref - logp) - (ref - logp) - 1
+    assert info["kl_sum"].item() == pytest.approx(expected_kl)
+    assert loss.item() == pytest.approx(0.1 * expected_kl)
+
+
 @pytest.fixture
 def tiny_policy():
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -680,3 +692,41 @@ def test_a_peers_wrong_answers_can_stay_out_of_the_policy_term(tiny_policy):
     # the default trains on both signs of a peer's group
     both = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), 0, 1.0).training_rows([peer, own])
     assert len(both) == 4
+
+
+def _kl_gradient(tiny_policy, groups: list[RolloutGroup], kl_beta: float, anchored) -> tuple[torch.Tensor, int]:
+    """The update's gradient (a plain SGD step of rate 1, no clipping) of a policy moved off its reference, and the
+    token positions of its no-grad forwards."""
+    import copy
+
+    model = copy.deepcopy(tiny_policy)
+    trainer = GRPOTrainer(
+        TrainerConfig(kl_beta=kl_beta, max_grad_norm=1e9), model, pad_id=0, temperature=1.0, kl_specialties=anchored
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():  # after the reference was taken: the KL and its gradient are not zero
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    stats = trainer.step(groups)
+    return before - torch.cat([p.detach().flatten() for p in model.parameters()]), stats.forward_tokens
+
+
+def test_the_kl_anchor_applies_to_the_named_specialties_only(tiny_policy):
+    from node.config import DatasetConfig
+    from node.trainer import specialty_key, specialty_keys
+
+    first, second = _specialty_groups()
+    datasets = [DatasetConfig(name="x", config={"op": "+"}, label="add"), DatasetConfig(name="x", config={"op": "-"})]
+    assert specialty_keys(datasets, ["add"]) == {specialty_key(first.spec)} and specialty_keys(datasets, []) is None
+    plain, _ = _kl_gradient(tiny_policy, [first, second], 0.0, None)
+    every, _ = _kl_gradient(tiny_policy, [first, second], 1.0, None)
+    on_first, _ = _kl_gradient(tiny_policy, [first, second], 1.0, frozenset({specialty_key(first.spec)}))
+    on_second, _ = _kl_gradient(tiny_policy, [first, second], 1.0, frozenset({specialty_key(second.spec)}))
+    # the KL term is a sum over rows: each specialty's part adds to the plain gradient, and the two parts make the whole
+    assert not torch.allclose(on_second, every, atol=1e-6) and not torch.allclose(on_first, plain, atol=1e-6)
+    assert torch.allclose(on_first + on_second - plain, every, atol=1e-6)
+    # a batch with no anchored row runs no reference forward and takes the plain step
+    alone, positions = _kl_gradient(tiny_policy, [first], 1.0, frozenset({specialty_key(second.spec)}))
+    assert positions == 0 and torch.allclose(alone, _kl_gradient(tiny_policy, [first], 0.0, None)[0], atol=1e-7)
