@@ -193,6 +193,13 @@ ARMS = {
         "trainer.share_prompt_forward=false",
         "rollout.share_prompt_prefill=false",
     ],
+    # the shipped arm sharing less: 6 own questions and 2 of peers' groups a round (SAPO's 6/2)
+    "sapo_balance_6_2": [
+        *SAPO_BALANCE,
+        "swarm.local_questions=6",
+        "swarm.external_questions=2",
+        "swarm.generated_questions=6",
+    ],
     # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
     # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
     # and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's own-skill anchor; the
@@ -209,7 +216,12 @@ ARMS = {
     ],
     "paper_sapo": [*SWARM_4_4, "trainer.drop_uniform_groups=false"],
 }
-SWARM_ARMS = {name for name, overrides in ARMS.items() if "swarm.external_questions=4" in overrides}
+SWARM_ARMS = {  # the arms that take peers' groups: the last external_questions an arm sets is the one in effect
+    name
+    for name, overrides in ARMS.items()
+    if [o for o in overrides if o.startswith("swarm.external_questions=")][-1:] != ["swarm.external_questions=0"]
+    and any(o.startswith("swarm.external_questions=") for o in overrides)
+}
 
 
 def warm_start_overrides(setting: str, node: int, steps: dict[str, int], sparse_steps: int) -> list[str]:
