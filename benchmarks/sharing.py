@@ -200,6 +200,9 @@ ARMS = {
         "swarm.external_questions=2",
         "swarm.generated_questions=6",
     ],
+    # the shipped sharing generating 8 own questions and training on the 4 with a reward spread first (SAPO's
+    # equal-compute comparison): near the ceiling most of a node's own groups are all right
+    "sapo_balance_gen8": [*SAPO_BALANCE, "swarm.generated_questions=8"],
     # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
     # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
     # and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's own-skill anchor; the
