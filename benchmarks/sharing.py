@@ -203,11 +203,12 @@ ARMS = {
     # the shipped sharing generating 8 own questions and training on the 4 with a reward spread first (SAPO's
     # equal-compute comparison): near the ceiling most of a node's own groups are all right
     "sapo_balance_gen8": [*SAPO_BALANCE, "swarm.generated_questions=8"],
+    # the shipped arm and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's
+    # own-skill anchor; the same weight on every question held the weak specialty at the warm start too: "Seed 3, and a
+    # KL anchor")
+    "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
     # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
     # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
-    # and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's own-skill anchor; the
-    # same weight on every question held the weak specialty at the warm start too: "Seed 3, and a KL anchor")
-    "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
     "sapo_own": [*SWARM_4_4, "swarm.imitation=own", "trainer.imitation_coef=4.0"],
     "sapo_balance_own": [*SAPO_BALANCE, "swarm.imitation=own"],
     "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
@@ -222,8 +223,8 @@ ARMS = {
 SWARM_ARMS = {  # the arms that take peers' groups: the last external_questions an arm sets is the one in effect
     name
     for name, overrides in ARMS.items()
-    if [o for o in overrides if o.startswith("swarm.external_questions=")][-1:] != ["swarm.external_questions=0"]
-    and any(o.startswith("swarm.external_questions=") for o in overrides)
+    if [o for o in overrides if o.startswith("swarm.external_questions=")][-1:]
+    not in ([], ["swarm.external_questions=0"])
 }
 
 
