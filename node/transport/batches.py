@@ -112,6 +112,12 @@ def value_digest(raw: object) -> bytes:
     return hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()[:16]
 
 
+class SenderSeqs(set[int]):
+    """The seqs remembered of one sender, and the highest seq let go to stay bounded (-1: none)."""
+
+    forgotten_up_to = -1
+
+
 class SeenEnvelopes:
     """Which (sender, seq) pairs were processed, so that re-reading a DHT value is not a replay.
 
@@ -121,31 +127,26 @@ class SeenEnvelopes:
     """
 
     def __init__(self) -> None:
-        self._by_sender: BoundedDict[str, set[int]] = BoundedDict(MAX_SENDERS_REMEMBERED)
-        self._forgotten_up_to: dict[str, int] = {}  # sender -> the highest seq let go (for senders remembered)
+        self._by_sender: BoundedDict[str, SenderSeqs] = BoundedDict(MAX_SENDERS_REMEMBERED)
 
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
 
     def forgotten_up_to(self, sender: str) -> int:
-        """The highest seq of `sender` let go to stay bounded (-1: none): at or below it, "seen" can no longer be
-        told."""
-        return self._forgotten_up_to.get(sender, -1) if sender in self._by_sender else -1
+        """The highest seq of `sender` let go to stay bounded (-1: none, or the sender forgotten whole): at or below
+        it, "seen" can no longer be told."""
+        seqs = self._by_sender.get(sender)
+        return -1 if seqs is None else seqs.forgotten_up_to
 
     def add(self, sender: str, seq: int) -> None:
         seqs = self._by_sender.get(sender)
-        if seqs is None:
-            seqs = set()
-            self._forgotten_up_to.pop(sender, None)  # a sender forgotten whole starts again from nothing
+        seqs = SenderSeqs() if seqs is None else seqs
         self._by_sender[sender] = seqs  # the most recently active sender now
         seqs.add(seq)
         if len(seqs) > SEEN_PER_SENDER:
             lowest = min(seqs)
             seqs.remove(lowest)
-            self._forgotten_up_to[sender] = max(self._forgotten_up_to.get(sender, -1), lowest)
-        if len(self._forgotten_up_to) > 2 * MAX_SENDERS_REMEMBERED:  # senders forgotten whole leave theirs behind
-            for gone in [s for s in self._forgotten_up_to if s not in self._by_sender]:
-                del self._forgotten_up_to[gone]
+            seqs.forgotten_up_to = max(seqs.forgotten_up_to, lowest)
 
 
 class BatchReceiver:
