@@ -47,6 +47,7 @@ class LocalPolicy:
         config = self.config
         checkpoint = self.store.latest()
         device = resolve_device(config.model)
+        kl_specialties = specialty_keys(config.tasks.datasets, config.trainer.kl_labels)
         if checkpoint is not None:
             # a checkpoint is read on the CPU whatever device wrote it; the model and, through load_state_dict, the
             # optimizer's state follow the parameters to this node's device
@@ -59,7 +60,7 @@ class LocalPolicy:
                 tokenizer.pad_token_id,
                 config.rollout.temperature,
                 state.policy_version,
-                kl_specialties=specialty_keys(config.tasks.datasets, config.trainer.kl_labels),
+                kl_specialties=kl_specialties,
             )
             written_separate = SpecialtyAdamW.wrote(state.optimizer)
             if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
@@ -83,7 +84,7 @@ class LocalPolicy:
                 tokenizer.pad_token_id,
                 config.rollout.temperature,
                 0,
-                kl_specialties=specialty_keys(config.tasks.datasets, config.trainer.kl_labels),
+                kl_specialties=kl_specialties,
             )
             log.info("starting fresh from %s", config.model.name_or_path)
             loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
