@@ -5,6 +5,7 @@ a server that is down times out)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import torch
 
@@ -94,67 +95,121 @@ class Server:
         )
 
 
+class Stand:
+    """A driver of the two-stage model and the servers announcing to it every announce interval (`up`); servers in
+    `router.down` time out."""
+
+    def __init__(self, cfg, node, router: ScriptedRouter, driver: LMDriver) -> None:
+        self.cfg, self.node, self.router, self.driver = cfg, node, router, driver
+        self.up: set[Server] = set()
+
+    async def announcing(self) -> None:
+        while True:
+            await asyncio.gather(*(server.announce() for server in list(self.up)))
+            await asyncio.sleep(self.cfg.pipeline.announce_interval_s)
+
+    async def silent_until_aged_out(self, server: Server) -> None:
+        self.up.discard(server)
+        self.router.down.add(server.node_id)
+        for _ in range(200):
+            if not (await read_stage_map(self.node, self.cfg, "m")).servers.get(server.stage):
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError("the silent server's announcement never aged out")
+
+    async def lost(self, stage: int, step: asyncio.Task) -> None:
+        """Until the driver has found `stage` lost in the step it runs."""
+        for _ in range(200):
+            if stage in self.driver.lost_since or step.done():
+                break
+            await asyncio.sleep(0.1)
+        assert stage in self.driver.lost_since, f"the driver never found stage {stage} lost"
+
+    def back(self, server: Server) -> None:
+        self.router.down.discard(server.node_id)
+        self.up.add(server)
+
+
+@contextlib.asynccontextmanager
+async def stand(cfg):
+    async with swarm(1) as (node,):
+        driver_session = SwarmSession(cfg, node, "direct", NodeIdentity.generate())
+        router = ScriptedRouter(
+            node, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS, reporter=LostReporter(driver_session, "m")
+        )
+        router.down = set()
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        it = Stand(cfg, node, router, LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())))
+        beat = asyncio.create_task(it.announcing())
+        try:
+            yield it
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+
 def test_the_recovery_record_says_replaced_only_when_another_server_took_the_stage(tmp_path):
     """Stage 1's server goes silent until its announcement has aged out of every map, so the driver finds the stage
     lost with nobody in its map; the same server coming back is not a replacement, a new one is."""
     cfg = config(tmp_path)
 
     async def scenario():
-        async with swarm(1) as (node,):
-            first, second, other = Server(cfg, node, 0), Server(cfg, node, 1), Server(cfg, node, 1)
-            up = {first, second}  # the servers announcing, every announce interval
-
-            async def announcing():
-                while True:
-                    await asyncio.gather(*(server.announce() for server in list(up)))
-                    await asyncio.sleep(cfg.pipeline.announce_interval_s)
-
-            driver_session = SwarmSession(cfg, node, "direct", NodeIdentity.generate())
-            router = ScriptedRouter(
-                node, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS, reporter=LostReporter(driver_session, "m")
-            )
-            router.down = set()
-            corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-            driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
-
-            async def silent_until_aged_out(server: Server) -> None:
-                up.discard(server)
-                router.down.add(server.node_id)
-                for _ in range(200):
-                    if not (await read_stage_map(node, cfg, "m")).servers.get(1):
-                        return
-                    await asyncio.sleep(0.1)
-                raise AssertionError("the silent server's announcement never aged out")
+        async with stand(cfg) as it:
+            first, second, other = (Server(cfg, it.node, stage) for stage in (0, 1, 1))
 
             async def lost_then_served_by(server: Server) -> dict:
                 """A step that finds stage 1 lost, and is done once `server` announces it; its recovery record."""
-                step = asyncio.create_task(driver.train_step())
-                for _ in range(200):
-                    if 1 in driver.lost_since or step.done():
-                        break
-                    await asyncio.sleep(0.1)
-                assert 1 in driver.lost_since, "the driver never found stage 1 lost"
-                router.down.discard(server.node_id)
-                up.add(server)
+                step = asyncio.create_task(it.driver.train_step())
+                await it.lost(1, step)
+                it.back(server)
                 row = await asyncio.wait_for(step, 60)
                 [event] = row["recovery"]
                 assert event["stage"] == 1 and event["servers"] == [server.node_id], event
                 return event
 
+            it.back(first)
+            it.back(second)
             await first.announce()
             await second.announce()
-            beat = asyncio.create_task(announcing())
-            try:
-                assert "recovery" not in await driver.train_step()
+            assert "recovery" not in await it.driver.train_step()
 
-                await silent_until_aged_out(second)
-                assert not (await lost_then_served_by(second))["replaced"]  # the same server answered again
+            await it.silent_until_aged_out(second)
+            assert not (await lost_then_served_by(second))["replaced"]  # the same server answered again
 
-                await silent_until_aged_out(second)
-                assert (await lost_then_served_by(other))["replaced"]  # another server took the stage
-            finally:
-                beat.cancel()
-                await asyncio.gather(beat, return_exceptions=True)
+            await it.silent_until_aged_out(second)
+            assert (await lost_then_served_by(other))["replaced"]  # another server took the stage
+
+    asyncio.run(scenario())
+
+
+def test_a_stage_that_dies_while_the_driver_waits_for_another_is_recorded_when_it_comes_back(tmp_path):
+    """Stage 1 is lost; while the driver waits for it, stage 0's server goes silent too (two neighbours killed a
+    moment apart). The step after both are served again records both stages, stage 0's as found while waiting."""
+    cfg = config(tmp_path)
+
+    async def scenario():
+        async with stand(cfg) as it:
+            first, second, new_first, new_second = (Server(cfg, it.node, stage) for stage in (0, 1, 0, 1))
+            it.back(first)
+            it.back(second)
+            await first.announce()
+            await second.announce()
+            assert "recovery" not in await it.driver.train_step()
+
+            await it.silent_until_aged_out(second)
+            step = asyncio.create_task(it.driver.train_step())
+            await it.lost(1, step)
+            assert 0 not in it.driver.lost_since
+            await it.silent_until_aged_out(first)
+            await it.lost(0, step)
+            it.back(new_first)
+            it.back(new_second)
+            row = await asyncio.wait_for(step, 60)
+            events = {event["stage"]: event for event in row["recovery"]}
+            assert sorted(events) == [0, 1], row["recovery"]
+            assert events[0]["cause"] == "no live server" and events[0]["replaced"]
+            assert events[0]["servers"] == [new_first.node_id]
+            assert events[1]["servers"] == [new_second.node_id] and events[1]["replaced"]
 
     asyncio.run(scenario())
 

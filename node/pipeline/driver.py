@@ -30,6 +30,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -251,15 +252,22 @@ class PipelineRouter:
                 raise HopFailed(route[stage], "malformed", "a backward result without grad")
             grad = from_wire(result.tensors["grad"])
 
-    async def wait_until_served(self) -> None:
+    async def wait_until_served(self, on_missing: Callable[[int], None] | None = None) -> None:
         """Return once every stage has a live server that is not avoided (a lost one rebuilt, see recovery.py).
-        Meanwhile: report the missing stages lost, and say which ones we wait for every WAIT_LOG_EVERY_S."""
+        Meanwhile: report the missing stages lost, say which ones we wait for every WAIT_LOG_EVERY_S, and call
+        `on_missing(stage)` the first time each stage is found missing (a neighbour can die after the stage we
+        noticed first)."""
         started = time.monotonic()
         said = reported = -math.inf
         dated: set[int] = set()  # stages found lost in this wait (they keep that time in our reports)
+        noticed: set[int] = set()
         while True:
             await self.refresh(force=True)
             missing = self.missing_stages()
+            if on_missing is not None:
+                for stage in set(missing) - noticed:
+                    on_missing(stage)
+                noticed.update(missing)
             if not missing:
                 return
             now = time.monotonic()

@@ -146,14 +146,20 @@ class LMDriver:
         """Drop the step's gradients everywhere, then wait until every stage is served again."""
         await self.router.step(touched, scale=0.0, step_id=f"abandon-{step}-{time.time_ns() % 10**9}")
         await self.router.refresh(force=True)
-        for stage in self.router.missing_stages() or [lost.stage]:
+
+        def found_lost(stage: int) -> None:
             if stage >= 0 and stage not in self.lost_since:
+                cause = lost.cause if stage == lost.stage else "no live server"
                 # not the map's servers now: a server silent long enough has aged out of it, and would come back as
                 # a "replacement" of nobody
                 before = self.router.last_served.get(stage, frozenset())
-                self.lost_since[stage] = (time.monotonic(), lost.cause, before)
-                log.warning("stage %d lost (%s): waiting for a server to rebuild it", stage, lost.cause)
-        await self.router.wait_until_served()
+                self.lost_since[stage] = (time.monotonic(), cause, before)
+                log.warning("stage %d lost (%s): waiting for a server to rebuild it", stage, cause)
+
+        for stage in self.router.missing_stages() or [lost.stage]:
+            found_lost(stage)
+        # a stage that dies while we wait (its neighbour killed a moment later) is recorded when it comes back too
+        await self.router.wait_until_served(on_missing=found_lost)
 
     def _recovered(self) -> list[dict] | None:
         """Records of the stages lost since the last step: who serves them now, whether another server than the
