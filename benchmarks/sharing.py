@@ -68,6 +68,8 @@ from node.files import append_json_line  # noqa: E402
 from node.tasks import materialize  # noqa: E402
 from node.trainer import completion_logprobs  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
+from node.averaging.inprocess import InProcessAverager, InProcessBoard  # noqa: E402
+from node.averaging.service import OuterStepService  # noqa: E402
 from protocol import TaskSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +97,7 @@ ARM_BASE = [
     "trainer.distill_coef=0.0",
     "trainer.kl_beta=0.0",
     "trainer.kl_labels=[]",
+    "averaging.method=none",
 ]
 OWN = "{own}"  # in an arm's overrides: the specialty the node was warm-started on
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
@@ -207,6 +210,11 @@ ARMS = {
     # own-skill anchor; the same weight on every question held the weak specialty at the warm start too: "Seed 3, and a
     # KL anchor")
     "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
+    # NoLoCo as configs/swarm.yaml offers it (a random partner every 50 updates, outer lr 0.7, momentum 0.5, fp16 on
+    # the wire), beside the shipped sharing and beside the silo alone (issue #33 section 3: does the averaging the
+    # README offers help specialists or harm them?)
+    "sapo_balance_noloco": [*SAPO_BALANCE, "averaging.method=noloco"],
+    "silo_imitate_noloco": [*SILO_IMITATE, "averaging.method=noloco"],
     # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
     # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
     "sapo_own": [*SWARM_4_4, "swarm.imitation=own", "trainer.imitation_coef=4.0"],
@@ -277,8 +285,21 @@ def heldout_questions(config) -> list:
     ]
 
 
+def in_process_averaging(node: Node, boards: dict[str, InProcessBoard]) -> OuterStepService:
+    """The node's NoLoCo/DiLoCo service over an in-process board (one per method), weights through the real codec."""
+    averaging = node.config.averaging
+    board = boards.setdefault(averaging.method, InProcessBoard(group_size=2 if averaging.method == "noloco" else None))
+    averager = InProcessAverager(
+        board, node.identity.node_id, averaging.transfer_dtype, averaging.max_relative_distance
+    )
+    service = OuterStepService(node.config, node.model, averager)
+    service.last_trigger_version = node.policy_version
+    return service
+
+
 async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> list[Node]:
     exchange = InProcessExchange()
+    boards: dict[str, InProcessBoard] = {}
     nodes: list[Node] = []
     arm_overrides = ARMS[arm]
     if any(OWN in o for o in arm_overrides) and own_specialty(setting, 0) is None:
@@ -299,6 +320,9 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
         ]
         if setting == "sparse":
             overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
+        if args.transport == "inprocess":
+            # averaging windows pair peers over the DHT; in lockstep the exchange count pairs them (one per trigger)
+            overrides.append("averaging.window_s=0.001")
         if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
             overrides += ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.window_s=30"]
             overrides += [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
@@ -307,6 +331,8 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
         node.load(fresh=True, progress=False)
         if args.transport == "inprocess":
             node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+            if node.config.averaging.method != "none":
+                node.averaging = in_process_averaging(node, boards)
         await node.start_services()
         nodes.append(node)
     return nodes
@@ -476,6 +502,9 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
         "distilled_sequences_per_round": statistics.fmean(distilled),
+        # exchanges and bytes of the arms that average (their CPU, a few encodes and sums every 50 updates, is not
+        # in the units)
+        "averaging": [node.averaging.counters() if node.averaging else None for node in nodes],
         "wall_s": time.monotonic() - started,
         "finished": time.time(),
     }

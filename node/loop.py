@@ -87,7 +87,8 @@ class Node:
         self.model_parameters = 0
         self._metrics_server: MetricsServer | None = None
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
-        self.averaging = None  # OuterStepService, started with the transport when averaging.method != none
+        # OuterStepService: started with the transport when averaging.method != none, unless one is given before
+        self.averaging = None
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
@@ -178,13 +179,15 @@ class Node:
         if self.config.averaging.method != "none":
             from node.averaging.service import start_averaging
 
-            if self.session is None:
-                raise RuntimeError(
-                    "averaging needs the node's own swarm session: a node given its transport averages with nobody"
+            if self.averaging is None:  # one given before the start (in-process nodes') is kept, as a transport is
+                if self.session is None:
+                    raise RuntimeError(
+                        "averaging needs the node's own swarm session, or an averaging service given to the node: "
+                        "a node given its transport averages with nobody"
+                    )
+                self.averaging = await start_averaging(
+                    self.config, self.session, self.model, self.fingerprint, self.policy_version
                 )
-            self.averaging = await start_averaging(
-                self.config, self.session, self.model, self.fingerprint, self.policy_version
-            )
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
         if self.config.swarm.metrics_port is not None:
