@@ -210,6 +210,9 @@ ARMS = {
     # own-skill anchor; the same weight on every question held the weak specialty at the warm start too: "Seed 3, and a
     # KL anchor")
     "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
+    # the shipped arm joining gradually: from a silo's round (8 own questions) to 4 own and 4 of peers' groups over the
+    # first 200 rounds (~30 units), against the early shock on the own specialty (RESULTS "The own-specialty KL anchor")
+    "sapo_balance_ramp": [*SAPO_BALANCE, "swarm.sharing_ramp_rounds=200"],
     # NoLoCo as configs/swarm.yaml offers it (a random partner every 50 updates, outer lr 0.7, momentum 0.5, fp16 on
     # the wire), beside the shipped sharing and beside the silo alone (issue #33 section 3: does the averaging the
     # README offers help specialists or harm them?)

@@ -277,6 +277,10 @@ class SwarmConfig(_Section):
     4/4 node that generates 8 spends the compute of an 8/0 node, as in SAPO's comparison."""
     external_questions: int = Field(0, ge=0)
     """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
+    sharing_ramp_rounds: int = Field(0, ge=0)
+    """Rounds over which a node that joins moves from a silo's round to the shared one: in round r (0-based) of the
+    first N it takes floor(J * r / N) peers' groups and draws, answers and trains on as many more of its own questions
+    as it takes fewer peers' groups (a round holds I + J groups throughout). 0: J peers' groups from the first round."""
     external_selection: Literal["uniform", "weakness"] = "uniform"
     """How the J are drawn from the peers' groups with a learning signal (re-scored here):
     'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
@@ -377,6 +381,23 @@ class SwarmConfig(_Section):
     max_batches_read_per_round: int = Field(128, ge=1)
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
+
+    def external_quota(self, rounds_done: int) -> int:
+        """J for the round after `rounds_done` rounds, ramped over the first `sharing_ramp_rounds`."""
+        if rounds_done >= self.sharing_ramp_rounds:
+            return self.external_questions
+        return self.external_questions * rounds_done // self.sharing_ramp_rounds
+
+    def own_quota(self, rounds_done: int) -> tuple[int, int]:
+        """(questions of its own the node draws and answers, and trains on) in that round: I (or generated_questions)
+        plus the peers' groups the ramp does not take yet."""
+        deferred = self.external_questions - self.external_quota(rounds_done)
+        return (self.generated_questions or self.local_questions) + deferred, self.local_questions + deferred
+
+    @property
+    def own_draw_stride(self) -> int:
+        """Questions of the node's stream each round may draw: the most any round of the ramp draws."""
+        return self.own_quota(0)[0]
 
     @property
     def imitation_in_effect(self) -> str:
@@ -540,6 +561,10 @@ class NodeConfig(_Section):
             raise ValueError(
                 f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
                 f"({self.swarm.local_questions}): a node trains on questions it generated"
+            )
+        if self.swarm.sharing_ramp_rounds and not self.swarm.external_questions:
+            raise ValueError(
+                "swarm.sharing_ramp_rounds ramps up the peers' groups a round takes: set swarm.external_questions > 0"
             )
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")

@@ -52,16 +52,17 @@ class LocalRollouts:
         given the peers' groups chosen first (swarm.local_draw 'balance'), as many of each specialty as make the
         round's I + J groups hold the mix's shares (balanced_counts)."""
         swarm = self.config.swarm
-        generated = swarm.generated_questions or swarm.local_questions
+        generated, _ = swarm.own_quota(rounds_done)
+        first_draw = rounds_done * swarm.own_draw_stride  # rounds of the sharing ramp draw more: none overlap
         if balance_with is None:
-            return self.tasks.batch(first_draw=rounds_done * generated, count=generated)
+            return self.tasks.batch(first_draw=first_draw, count=generated)
         counts = balanced_counts(
             generated,
             swarm.local_questions + swarm.external_questions,
             self.tasks.mix_weights,
             Counter(self.tasks.label(g.spec) for g in balance_with),
         )
-        return self.tasks.batch_by_label(first_draw=rounds_done * generated, counts=counts)
+        return self.tasks.batch_by_label(first_draw=first_draw, counts=counts)
 
     def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
         """The group with its locally computed rewards, and how many of its completions are correct."""
@@ -103,10 +104,10 @@ class LocalRollouts:
         }
         return groups, summary, timings
 
-    def choose(self, groups: list[RolloutGroup], seed: int) -> list[RolloutGroup]:
-        """I of the node's own groups to train on: those with a learning signal first (the trainer
-        would drop the uniform ones), at random within each kind."""
-        count = self.config.swarm.local_questions
+    def choose(self, groups: list[RolloutGroup], seed: int, rounds_done: int) -> list[RolloutGroup]:
+        """I of the node's own groups to train on (more in the sharing ramp's rounds): those with a learning signal
+        first (the trainer would drop the uniform ones), at random within each kind."""
+        _, count = self.config.swarm.own_quota(rounds_done)
         if len(groups) <= count:
             return groups
         rng = random.Random(seed)

@@ -236,7 +236,7 @@ class Node:
             external_groups, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
-        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED)
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, self.round)
         if self.config.trainer.distill_coef > 0:
             self.teachers.assign(chosen_local)
         stats = await asyncio.to_thread(self.trainer.step, *training_batch(swarm, chosen_local, external_groups))
@@ -279,7 +279,9 @@ class Node:
         seconds it took."""
         start = time.perf_counter()
         received = await self.transport.collect()
-        chosen = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
+        chosen = await asyncio.to_thread(
+            self.sharing.choose, received, self._generation_seed(round_), self.config.swarm.external_quota(self.round)
+        )
         return chosen, time.perf_counter() - start
 
     def prometheus(self) -> str:

@@ -142,8 +142,9 @@ class PeerRollouts:
         swarm = self.config.swarm
         return swarm.max_rescored_per_round or RESCORES_PER_QUESTION * swarm.external_questions
 
-    def choose(self, received: list[ExternalGroup], seed: int) -> list[RolloutGroup]:
-        """Up to J peer groups to train on this round, re-scored here, with their capability corrections."""
+    def choose(self, received: list[ExternalGroup], seed: int, limit: int | None = None) -> list[RolloutGroup]:
+        """Up to `limit` (J) peer groups to train on this round, re-scored here, with their capability corrections."""
+        limit = self.config.swarm.external_questions if limit is None else limit
         candidates = []
         for item in received:
             if (item.spec.dataset, item.spec.config_key) not in self.mix:
@@ -165,7 +166,7 @@ class PeerRollouts:
         self.rescored_last_round = 0
         self.rescored_completions_last_round = 0
         for item in order:
-            if len(chosen) == self.config.swarm.external_questions or self.rescored_last_round == self.rescore_budget:
+            if len(chosen) >= limit or self.rescored_last_round == self.rescore_budget:
                 break
             self.rescored_last_round += 1
             rescored = self.rescore(item)

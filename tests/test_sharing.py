@@ -518,3 +518,93 @@ def test_a_balancing_node_answers_the_specialties_its_peers_did_not_bring(tiny_c
     # the round's work: 4 own questions x 4 completions scored, and each peer group's 2 re-scored here
     assert row["work"]["scored_completions"] == 4 * 4 + 2 * 2
     assert row["work"]["train_tokens"] > 0 and row["work"]["optimizer_steps"] == 1
+
+
+def test_the_sharing_ramp_moves_a_round_from_a_silos_to_the_shared_one():
+    """swarm.sharing_ramp_rounds N: round r (0-based) of the first N takes floor(J * r / N) peers' groups, and the node
+    draws, answers and trains on that many fewer than J more of its own; the stream's rounds never overlap."""
+    ramp = SwarmConfig(local_questions=4, external_questions=4, sharing_ramp_rounds=4)
+    assert [ramp.external_quota(r) for r in range(6)] == [0, 1, 2, 3, 4, 4]
+    assert [ramp.own_quota(r) for r in (0, 1, 3, 4, 9)] == [(8, 8), (7, 7), (5, 5), (4, 4), (4, 4)]
+    assert ramp.own_draw_stride == 8
+    # generating more than it trains on (generated_questions 6): the ramp adds to both
+    wider = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6, sharing_ramp_rounds=8)
+    assert [wider.external_quota(r) for r in (0, 1, 2, 7, 8)] == [0, 0, 1, 3, 4]
+    assert wider.own_quota(2) == (9, 7) and wider.own_draw_stride == 10
+    # without a ramp: J from the first round, and the stream's stride is what a round draws, as before the ramp
+    plain = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6)
+    assert plain.external_quota(0) == 4 and plain.own_quota(0) == (6, 4) and plain.own_draw_stride == 6
+
+
+def test_a_node_in_the_sharing_ramp_draws_and_trains_more_of_its_own_and_takes_fewer_peers_groups(swarm_node):
+    from node.config import ConfigError
+
+    node = swarm_node("swarm.local_questions=4", "swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance")
+    tasks, local = node.tasks, node.local
+    # round 0 takes no peers' group and draws 8 of its own (the batch's I + J), balanced over the mix's specialties
+    first = local.draw(0, balance_with=[])
+    assert len(first) == 8
+    # round 1 takes 2 and draws 6; its draws start after round 0's 8, so no question is answered twice
+    peers = [own_group("subtract", 0, [1.0, 0.0]), own_group("subtract", 1, [1.0, 0.0])]
+    second = local.draw(1, balance_with=peers)
+    assert len(second) == 6
+    assert {(tasks.label(q.spec), q.spec.index) for q in first}.isdisjoint(
+        (tasks.label(q.spec), q.spec.index) for q in second
+    )
+    assert len(local.draw(2, balance_with=peers + peers)) == 4
+    # it trains on as many of its own as it drew: 8, 6, then I = 4 of 8 groups with a spread
+    groups = [own_group("add", k, [1.0, 0.0]) for k in range(8)]
+    assert [len(local.choose(groups, seed=0, rounds_done=r)) for r in (0, 1, 2, 5)] == [8, 6, 4, 4]
+    # and takes at most the ramp's quota of peers' groups, re-scoring none when it takes none
+    received = [peer_group(spec_of("add", k), right=2, wrong=2, peer="p") for k in range(4)]
+    assert node.sharing.choose(received, seed=0, limit=0) == [] and node.sharing.rescored_last_round == 0
+    assert len(node.sharing.choose(received, seed=0, limit=2)) == 2
+    assert len(node.sharing.choose(received, seed=0)) == 4  # J, the ramp over
+    with pytest.raises(ConfigError, match="sharing_ramp_rounds"):
+        swarm_node("swarm.external_questions=0", "swarm.sharing_ramp_rounds=2")
+
+
+def test_a_joining_nodes_rounds_follow_the_sharing_ramp(tiny_config, tmp_path):
+    """Node b ramps over 2 rounds while a peer publishes 4 fresh groups with a spread every round: b takes 0, 2, then
+    4 of them, and answers 8, 6, then 4 questions of its own (every round 8 groups in all)."""
+    import asyncio
+
+    from node.rollouts.base import Completion
+    from node.transport.inprocess import InProcessExchange, InProcessTransport
+
+    exchange = InProcessExchange()
+    nodes = []
+    for name, extra in (("a", []), ("b", ["swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance"])):
+        node = Node(
+            tiny_config(
+                f"tasks.datasets={json.dumps(MIX)}",
+                "swarm.transport=dht",
+                "swarm.local_questions=4",
+                "swarm.external_questions=4",
+                *extra,
+                state_dir=tmp_path / name,
+            )
+        )
+        node.load()
+        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+        nodes.append(node)
+    a, b = nodes
+    per_question = b.config.rollout.completions_per_question
+
+    def spread_group(index: int) -> RolloutGroup:
+        spec = spec_of("add", index)
+        answer = materialize(spec).answer
+        completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
+        return RolloutGroup(spec, completions, [1.0, 0.0])
+
+    async def rounds():
+        rows = []
+        for round_ in range(3):
+            await a.transport.publish(round_ + 1, 0, [spread_group(4 * round_ + k) for k in range(4)])
+            rows.append(await b.run_round())
+        return rows
+
+    rows = asyncio.run(rounds())
+    assert [row["external_questions"] for row in rows] == [0, 2, 4]
+    own_answered = [(row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question for row in rows]
+    assert own_answered == [8, 6, 4]
