@@ -265,7 +265,7 @@ class PipelineRouter:
             await self.refresh(force=True)
             missing = self.missing_stages()
             if on_missing is not None:
-                for stage in set(missing) - noticed:
+                for stage in sorted(set(missing) - noticed):
                     on_missing(stage)
                 noticed.update(missing)
             if not missing:
