@@ -132,6 +132,10 @@ class SeenEnvelopes:
     def seen(self, sender: str, seq: int) -> bool:
         return seq in self._by_sender.get(sender, ())
 
+    def remembered(self) -> dict[str, int]:
+        """How many seqs are remembered of each sender remembered (what the bounds above cap)."""
+        return {sender: len(seqs) for sender, seqs in self._by_sender.items()}
+
     def forgotten_up_to(self, sender: str) -> int:
         """The highest seq of `sender` let go to stay bounded (-1: none, or the sender forgotten whole): at or below
         it, "seen" can no longer be told."""
