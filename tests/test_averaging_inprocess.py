@@ -13,8 +13,7 @@ import torch
 from node.averaging.inprocess import InProcessAverager, InProcessBoard
 from node.averaging.matchmaking import pair_partner
 from node.averaging.service import OuterStepService
-from node.loop import Node
-from node.transport.inprocess import InProcessExchange, InProcessTransport
+from tests.helpers.inprocess import in_process_nodes
 
 
 def weights(value: float) -> dict[str, torch.Tensor]:
@@ -85,28 +84,21 @@ def test_a_partner_that_never_comes_or_sends_the_wrong_shapes_is_a_skipped_excha
 def test_nodes_given_in_process_averaging_average_through_their_own_loop(tiny_config, tmp_path):
     """Two nodes, NoLoCo after every update: each round applies the last exchange, and the outer step moves both
     models to the same place (the pair's mean, both nodes' slow weights and momenta agree)."""
-    board, exchange = InProcessBoard(), InProcessExchange()
-    nodes = []
-    for name in ("a", "b"):
-        node = Node(
-            tiny_config(
-                f"tasks.datasets={json.dumps([{'name': 'basic_arithmetic', 'weight': 1.0}])}",
-                "swarm.transport=dht",
-                "swarm.external_questions=4",
-                "averaging.method=noloco",
-                "averaging.every_steps=1",
-                "averaging.window_s=0.001",  # one exchange per update
-                "averaging.outer_lr=1.0",
-                "averaging.outer_momentum=0.0",
-                "trainer.drop_uniform_groups=false",  # an update every round, so an exchange every round
-                f"seed={len(nodes)}",
-                state_dir=tmp_path / name,
-            )
-        )
-        node.load()
-        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+    common = [
+        f"tasks.datasets={json.dumps([{'name': 'basic_arithmetic', 'weight': 1.0}])}",
+        "swarm.transport=dht",
+        "swarm.external_questions=4",
+        "averaging.method=noloco",
+        "averaging.every_steps=1",
+        "averaging.window_s=0.001",  # one exchange per update
+        "averaging.outer_lr=1.0",
+        "averaging.outer_momentum=0.0",
+        "trainer.drop_uniform_groups=false",  # an update every round, so an exchange every round
+    ]
+    nodes = in_process_nodes(tiny_config, tmp_path, {"a": [*common, "seed=0"], "b": [*common, "seed=1"]})
+    board = InProcessBoard()
+    for name, node in zip("ab", nodes):
         node.averaging = OuterStepService(node.config, node.model, InProcessAverager(board, name))
-        nodes.append(node)
 
     async def run():
         for node in nodes:

@@ -140,24 +140,10 @@ def test_a_swarm_round_recomputes_peers_log_probs_with_the_policy(tiny_config, t
     """Two nodes through the in-process exchange (the real signing, decoding and re-scoring): b samples its own groups
     and trains on a's, whose log-probs it recomputes with its policy (off-policy, importance-weighted)."""
     from node.rollouts.base import Completion, RolloutGroup
-    from node.transport.inprocess import InProcessExchange, InProcessTransport
+    from tests.helpers.inprocess import in_process_nodes
 
-    exchange = InProcessExchange()
-    nodes = []
-    for name in ("a", "b"):
-        node = Node(
-            tiny_config(
-                "swarm.transport=dht",
-                "swarm.external_questions=1",
-                "trainer.drop_uniform_groups=false",
-                "eval_every=0",
-                state_dir=tmp_path / name,
-            )
-        )
-        node.load()
-        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
-        nodes.append(node)
-    a, b = nodes
+    common = ["swarm.transport=dht", "swarm.external_questions=1", "trainer.drop_uniform_groups=false", "eval_every=0"]
+    a, b = in_process_nodes(tiny_config, tmp_path, {"a": common, "b": common})
     question = a.tasks.batch(first_draw=0, count=1)[0]
     prompt_ids = a.tokenizer.encode(a.tasks.prompt(question), add_special_tokens=False)
     completions = []

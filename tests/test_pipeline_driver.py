@@ -129,6 +129,13 @@ class Stand:
         self.router.down.discard(server.node_id)
         self.up.add(server)
 
+    async def trains_with(self, *servers: Server) -> None:
+        """The servers announce, and a first step goes through them without any recovery to record."""
+        for server in servers:
+            self.back(server)
+            await server.announce()
+        assert "recovery" not in await self.driver.train_step()
+
 
 @contextlib.asynccontextmanager
 async def stand(cfg):
@@ -167,11 +174,7 @@ def test_the_recovery_record_says_replaced_only_when_another_server_took_the_sta
                 assert event["stage"] == 1 and event["servers"] == [server.node_id], event
                 return event
 
-            it.back(first)
-            it.back(second)
-            await first.announce()
-            await second.announce()
-            assert "recovery" not in await it.driver.train_step()
+            await it.trains_with(first, second)
 
             await it.silent_until_aged_out(second)
             assert not (await lost_then_served_by(second))["replaced"]  # the same server answered again
@@ -190,11 +193,7 @@ def test_a_stage_that_dies_while_the_driver_waits_for_another_is_recorded_when_i
     async def scenario():
         async with stand(cfg) as it:
             first, second, new_first, new_second = (Server(cfg, it.node, stage) for stage in (0, 1, 0, 1))
-            it.back(first)
-            it.back(second)
-            await first.announce()
-            await second.announce()
-            assert "recovery" not in await it.driver.train_step()
+            await it.trains_with(first, second)
 
             await it.silent_until_aged_out(second)
             step = asyncio.create_task(it.driver.train_step())

@@ -23,6 +23,7 @@ from node.sharing import (
 from node.rollouts.base import ExternalGroup
 from node.tasks import TaskSource, materialize
 from protocol import NodeIdentity, RolloutCompletion, TaskSpec
+from tests.helpers.inprocess import in_process_nodes
 from tests.helpers.tasks import ARITHMETIC, MIX
 
 
@@ -68,6 +69,12 @@ def peer_group(spec: TaskSpec, right: int, wrong: int, peer: str, claimed: list[
         same_model=False,
         policy_version=1,
     )
+
+
+def right_and_wrong(spec: TaskSpec) -> list[Completion]:
+    """A node's own two answers to `spec`: the right one and a wrong one (rewards 1 and 0)."""
+    answer = materialize(spec).answer
+    return [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
 
 
 def own_group(label: str, index: int, rewards: list[float]) -> RolloutGroup:
@@ -303,28 +310,12 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     """What the sharing benchmark relies on: signed bytes out, verified and re-scored groups in, forgeries refused."""
     import asyncio
 
-    from node.rollouts.base import Completion
-    from node.rollouts.base import RolloutGroup
-    from node.transport.inprocess import InProcessExchange, InProcessTransport
-
-    exchange = InProcessExchange()
-    nodes = []
-    for name in ("a", "b"):
-        node = Node(
-            tiny_config(
-                f"tasks.datasets={json.dumps(MIX)}",
-                "swarm.transport=dht",
-                "swarm.external_questions=4",
-                state_dir=tmp_path / name,
-            )
-        )
-        node.load()
-        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
-        nodes.append(node)
-    a, b = nodes
+    common = [f"tasks.datasets={json.dumps(MIX)}", "swarm.transport=dht", "swarm.external_questions=4"]
+    a, b = in_process_nodes(tiny_config, tmp_path, {"a": common, "b": common})
+    exchange = a.transport.exchange
     spec = spec_of("add", 0)
     answer = materialize(spec).answer
-    completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
+    completions = right_and_wrong(spec)
     asyncio.run(a.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
     [received] = asyncio.run(b.transport.collect())
     assert received.peer_id == a.identity.node_id and received.spec == spec and received.claimed_rewards == [1.0, 0.0]
@@ -569,33 +560,19 @@ def test_a_joining_nodes_rounds_follow_the_sharing_ramp(tiny_config, tmp_path):
     4 of them, and answers 8, 6, then 4 questions of its own (every round 8 groups in all)."""
     import asyncio
 
-    from node.rollouts.base import Completion
-    from node.transport.inprocess import InProcessExchange, InProcessTransport
-
-    exchange = InProcessExchange()
-    nodes = []
-    for name, extra in (("a", []), ("b", ["swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance"])):
-        node = Node(
-            tiny_config(
-                f"tasks.datasets={json.dumps(MIX)}",
-                "swarm.transport=dht",
-                "swarm.local_questions=4",
-                "swarm.external_questions=4",
-                *extra,
-                state_dir=tmp_path / name,
-            )
-        )
-        node.load()
-        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
-        nodes.append(node)
-    a, b = nodes
+    common = [
+        f"tasks.datasets={json.dumps(MIX)}",
+        "swarm.transport=dht",
+        "swarm.local_questions=4",
+        "swarm.external_questions=4",
+    ]
+    ramp = ["swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance"]
+    a, b = in_process_nodes(tiny_config, tmp_path, {"a": common, "b": [*common, *ramp]})
     per_question = b.config.rollout.completions_per_question
 
     def spread_group(index: int) -> RolloutGroup:
         spec = spec_of("add", index)
-        answer = materialize(spec).answer
-        completions = [Completion([1], [2], text, None, "stop", policy_version=0) for text in (answer, "nope")]
-        return RolloutGroup(spec, completions, [1.0, 0.0])
+        return RolloutGroup(spec, right_and_wrong(spec), [1.0, 0.0])
 
     async def rounds():
         rows = []
