@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -36,6 +37,26 @@ class PeerCounters:
 
 MAX_TRACKED_PEERS = 1024  # throwaway identities must not grow memory without bound
 LOG_EVERY_S = 60.0  # one log line per (peer, reason) this often: a flood of bad values must not flood the log
+
+
+class LogThrottle:
+    """Says whether a line about `key` is due: at most one per key every `every_s` seconds, for the newest `cap`
+    keys (a flood of bad values from throwaway peer ids must flood neither the log nor memory)."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, cap: int = MAX_TRACKED_PEERS) -> None:
+        self.every_s = every_s
+        self._last: BoundedDict[tuple[str, ...], float] = BoundedDict(cap)
+
+    def due(self, *key: str) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(key, -math.inf) < self.every_s:
+            return False
+        self._last[key] = now
+        return True
+
+    def __len__(self) -> int:
+        """Keys remembered (at most the cap)."""
+        return len(self._last)
 
 
 class RefusedOnce:
@@ -64,7 +85,7 @@ class RecordRefusals:
         self.by_owner: BoundedDict[str, Counter[str]] = BoundedDict(max_owners)
         self.max_owners = max_owners
         self.once = RefusedOnce()
-        self._logged: BoundedDict[tuple[str, str], float] = BoundedDict(max_owners)
+        self.log_throttle = LogThrottle(cap=max_owners)
 
     def record(self, owner: str, reason: str, detail: str, record: tuple[bytes, ...] = ()) -> None:
         if record and not self.once.first_time(*record):
@@ -73,10 +94,7 @@ class RecordRefusals:
         counts = self.by_owner.get(owner) or Counter()
         counts[reason] += 1
         self.by_owner[owner] = counts
-        now = time.monotonic()
-        key = (owner, reason)
-        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._logged[key] = now
+        if self.log_throttle.due(owner, reason):
             log.info("refused a DHT record claimed by %s: %s: %s", owner[:12], reason, detail)
 
     def snapshot(self) -> dict:
@@ -113,7 +131,7 @@ class SwarmStats:
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
         # DHT records refused by the validator (node/transport/records.py), by claimed owner
         self.records = RecordRefusals()
-        self._heartbeat_logged: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_TRACKED_PEERS)
+        self.heartbeat_log_throttle = LogThrottle()
 
     def peer(self, peer_id: str) -> PeerCounters:
         counters = self.peers.get(peer_id) or PeerCounters()
@@ -133,10 +151,7 @@ class SwarmStats:
         """A peer's heartbeat that failed the protocol's checks: counted, logged at most once a minute per peer and
         reason."""
         self.heartbeat_refusals.record(peer_id, rejection)
-        key = (peer_id, rejection.reason.value)
-        now = time.monotonic()
-        if now - self._heartbeat_logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._heartbeat_logged[key] = now
+        if self.heartbeat_log_throttle.due(peer_id, rejection.reason.value):
             log.info("refused a heartbeat stored as %s: %s", peer_id[:12], rejection)
 
     def rejected_by(self, peer_id: str) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node.stats import MAX_TRACKED_PEERS, RecordRefusals, SwarmStats
+from node.stats import MAX_TRACKED_PEERS, LogThrottle, RecordRefusals, SwarmStats
 from node.transport.batches import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, SeenEnvelopes
 from protocol import ProtocolRejection, Refusal
 
@@ -23,12 +23,21 @@ def test_swarm_stats_stay_bounded():
     assert len(stats.peers) == MAX_TRACKED_PEERS
     assert len(stats.refusals.by_peer()) == MAX_TRACKED_PEERS
     assert len(stats.heartbeat_refusals.by_peer()) == MAX_TRACKED_PEERS
-    assert len(stats.records.by_owner) == MAX_TRACKED_PEERS and len(stats.records._logged) <= MAX_TRACKED_PEERS
-    assert len(stats._heartbeat_logged) <= MAX_TRACKED_PEERS
+    assert len(stats.records.by_owner) == MAX_TRACKED_PEERS and len(stats.records.log_throttle) == MAX_TRACKED_PEERS
+    assert len(stats.heartbeat_log_throttle) == MAX_TRACKED_PEERS
     # Totals stay exact while the per-peer detail is bounded.
     assert stats.refusals.by_reason() == {"bad_signature": FLOOD}
     assert stats.records.by_reason == {"no_subkey": FLOOD}
     assert len(stats.snapshot()["peers"]) <= 2 * MAX_TRACKED_PEERS
+
+
+def test_a_log_throttle_says_one_line_per_key_and_remembers_only_its_newest_keys():
+    throttle = LogThrottle(every_s=3600, cap=2)
+    assert throttle.due("peer-a", "bad_signature") and not throttle.due("peer-a", "bad_signature")
+    assert throttle.due("peer-a", "too_large")  # another reason is another line
+    assert throttle.due("peer-b", "bad_signature") and len(throttle) == 2
+    assert throttle.due("peer-a", "bad_signature")  # forgotten: it was the oldest of three keys
+    assert all(LogThrottle(every_s=0).due("x") for _ in range(3))
 
 
 def test_seen_envelopes_stay_bounded():

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections import Counter
 from typing import Callable
 
@@ -23,12 +21,11 @@ import msgpack
 from node.pipeline.backend import BackendRefused, StageBackend
 from node.pipeline.client import CONTROL_MAX_BYTES, unpack
 from node.pipeline.tensors import to_wire
-from node.stats import SwarmStats
+from node.stats import LogThrottle, SwarmStats
 from node.transport.framing import FramingError, OversizedFrame, read_frame, write_frame
 from protocol import ProtocolRejection
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
 from protocol.refusals import PipelineRefusal, Refusal
-from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +48,7 @@ class StageHandler:
         self.torch_lock = asyncio.Lock()
         self.before_step: Callable[[], None] = lambda: None  # e.g. apply a finished averaging round between steps
         self.after_step: Callable[[int], None] = lambda step: None  # e.g. start an averaging round
-        self._last_refusal_log: BoundedDict[tuple[str, str], float] = BoundedDict(1024)
+        self.refusal_log_throttle = LogThrottle(REFUSAL_LOG_EVERY_S)
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -149,8 +146,5 @@ class StageHandler:
 
     def _log_refusal(self, peer: str, refused: BackendRefused) -> None:
         """At most one log line per peer and reason a minute: a flood of bad calls must not flood the log."""
-        key = (peer, refused.reason.value)
-        now = time.monotonic()
-        if now - self._last_refusal_log.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
-            self._last_refusal_log[key] = now
+        if self.refusal_log_throttle.due(peer, refused.reason.value):
             log.info("refused a pipeline call from %s: %s: %s", peer[:12], refused.reason.value, refused.detail)
