@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import hashlib
 import json
 import os
 import statistics
@@ -350,6 +351,32 @@ KL_PROMPTS = 64  # held-out questions of the node's own specialty, each answered
 KL_SAMPLES = 4
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """The first 12 hex digits of the sha256 of the model's weights, bit for bit. The default model is built on each
+    machine, and two machines built different warm starts from the same recipe (RESULTS "The default model rebuilt
+    on this machine"): rows that started from different weights must not be compared as one seed."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def warm_start_mismatches(by_key: dict) -> list[str]:
+    """Each (setting, seed) whose arms' runs started from different warm starts (runs without a digest, stored
+    before it was recorded, are not checked)."""
+    digests: dict[tuple[str, int], dict[str, tuple]] = {}
+    for (setting, label), seeds in by_key.items():
+        for seed, run in seeds.items():
+            if run.get("warm_start_digests"):
+                digests.setdefault((setting, seed), {})[label] = tuple(run["warm_start_digests"])
+    return [
+        f"{setting} seed {seed}: " + "; ".join(f"{label} {','.join(d)}" for label, d in sorted(by_label.items()))
+        for (setting, seed), by_label in sorted(digests.items())
+        if len(set(by_label.values())) > 1
+    ]
+
+
 def kl_to_warm_start(node: Node, warm, questions: list) -> float:
     """KL(pi_t || pi_warm) on the node's own specialty (RL's Razor's predictor of forgetting): sequences sampled from
     pi_t on held-out prompts, mean over them of sum_t log pi_t - log pi_warm (the sampler's log-probs are pi_t's at
@@ -491,6 +518,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "budget_s": args.budget,
         "rounds_limit": args.rounds,
         "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps},
+        "warm_start_digests": [weights_digest(model) for model in warm],
         "overrides": args.set,
         "weak": [weak_specialty(setting, i) for i in range(NODES)],
         "own": [own_specialty(setting, i) for i in range(NODES)],
@@ -738,6 +766,10 @@ def report(args) -> None:
         else:
             by_key.setdefault((run["setting"], arm_label(run)), {})[run["seed"]] = run
     summary: dict = {"benchmark": "sharing", "compute_axis": args.axis, "baseline": args.baseline}
+    if mismatches := warm_start_mismatches(by_key):
+        print("WARNING: these arms started from different warm starts (built on different machines?), so their")
+        print("differences are not the arms' alone:\n  " + "\n  ".join(mismatches))
+        summary["warm_start_mismatches"] = mismatches
     if args.baseline != "silo":  # the best single-node recipe plays the silo every arm is measured against
         for setting in {setting for setting, _ in by_key}:
             if (setting, args.baseline) in by_key:
