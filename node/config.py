@@ -423,7 +423,8 @@ class AveragingConfig(_Section):
     transfer_dtype: Literal["fp32", "fp16", "int8", "int4"] = "fp16"
     """Encoding of the weights sent to partners."""
     window_s: float = Field(30.0, gt=0)
-    """Peers pair up within time windows of this length (no barrier: they need not be in step)."""
+    """Peers pair up within time windows of this length (no barrier: they need not be in step); a node looks for a
+    partner until its window ends, and one that found none tries again in the next window."""
     timeout_s: float = Field(20.0, gt=0)
     """Longest wait for a partner and the exchange; past it the outer step is skipped."""
     max_relative_distance: float = Field(0.5, gt=0)

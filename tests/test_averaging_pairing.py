@@ -92,6 +92,25 @@ def test_four_peers_form_pairs():
     asyncio.run(scenario())
 
 
+def test_a_peer_alone_in_its_window_stops_looking_when_the_window_ends_and_pairs_in_the_next():
+    """With `find_within` (what is left of the caller's time window) a round nobody else joined ends there, not at
+    the deadline: later peers look in the next window's round, where both then meet."""
+
+    async def scenario():
+        async with swarm(2) as nodes, averagers(nodes) as (a, b):
+            assert await a.average(weights(1), 5, timeout=60, find_within=1.0) is None
+            assert a.failures["no_partner_in_window"] == 1 and "no_partner" not in a.failures, a.failures
+            assert a.rounds_to_deadline == 0 and a.rounds_skipped == 1
+            result_a, result_b = await asyncio.gather(
+                a.average(weights(1), 6, timeout=60, find_within=30),
+                b.average(weights(2), 6, timeout=60, find_within=30),
+            )
+            assert result_a is not None and result_b is not None, (a.failures, b.failures)
+            assert result_a.partner_ids == [b.peer_id] and result_b.partner_ids == [a.peer_id]
+
+    asyncio.run(scenario())
+
+
 def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline(tmp_path):
     """A peer ended its round but its "done" never reached the DHT (a store that timed out on a loaded
     machine; seen in the lab: two of four peers idled to the deadline). Its stale "free" still pairs

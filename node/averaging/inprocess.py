@@ -62,10 +62,12 @@ class InProcessAverager:
         self.exchanges = 0
         self.poll_s = 0.01
 
-    async def average(self, theta: Named, round_id: int, timeout: float) -> AveragingResult | None:
+    async def average(
+        self, theta: Named, round_id: int, timeout: float, find_within: float | None = None
+    ) -> AveragingResult | None:
         """The mean of `theta` and the partners' snapshots of this member's next exchange; None when no partner
-        came in `timeout` or every partner's weights were refused. `round_id` (the caller's time window) is not
-        used: in lockstep the exchange count pairs the members."""
+        came in `timeout` or every partner's weights were refused. `round_id` and `find_within` (the caller's time
+        window and what is left of it) are not used: in lockstep the exchange count pairs the members."""
         started = time.perf_counter()
         exchange, self.exchanges = self.exchanges, self.exchanges + 1
         payload = await asyncio.to_thread(lambda: encode_weights(theta, self.mode).to_bytes())

@@ -117,6 +117,7 @@ class Round:
     payload: bytes  # our encoded weights
     capacity: int  # partners to commit: 1 for pairs, MAX_GROUP_PARTNERS for all
     deadline: float  # loop time
+    find_by: float | None = None  # loop time after which the round ends if no exchange has begun (None: deadline)
     received: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # committed partners' weights
     engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
     # p2p multiaddrs peers announced (at most MAX_READY_ENTRIES)
@@ -127,6 +128,7 @@ class Round:
     # loop time before which we do not call a peer again (a failed dial of ours to it is in libp2p's backoff)
     retry_at: BoundedDict[str, float] = field(default_factory=lambda: BoundedDict(MAX_ROUND_PEERS))
     closed: bool = False
+    search_ended: bool = False  # the round ended at find_by with no exchange begun
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -158,6 +160,14 @@ class Round:
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def past_search(self) -> bool:
+        """Whether the round should end now: its time to find a partner is over and no exchange has begun."""
+        find_by = self.deadline if self.find_by is None else self.find_by
+        if self.received or self.engaged or asyncio.get_running_loop().time() < find_by:
+            return False
+        self.search_ended = True
+        return True
 
 
 def pair_order(peers: list[str], round_id: int) -> list[str]:
@@ -228,7 +238,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         settle_at = loop.time() + self.settle_s
         awaited, awaited_since = None, loop.time()  # the partner expected to call us, and since when
-        while not rnd.received and not rnd.closed:
+        while not rnd.received and not rnd.closed and not rnd.past_search():
             view = await self.read_view(rnd)
             free = [p for p, state in view.items() if state == "free" and p not in rnd.given_up]
             free.append(self.peer_id)
@@ -288,7 +298,7 @@ class Matchmaker:
                     and p not in rnd.given_up
                     and (state == "free" or p in rnd.engaged)
                 ]
-                if not gathering and not pending and not rnd.engaged:
+                if (not gathering and not pending and not rnd.engaged) or rnd.past_search():
                     return
                 await self._wait_for_change(rnd)
         finally:

@@ -193,11 +193,14 @@ class PairAverager:
 
     # one round -----------------------------------------------------------------------
 
-    async def average(self, named_theta: Named, round_id: int, timeout: float) -> AveragingResult | None:
+    async def average(
+        self, named_theta: Named, round_id: int, timeout: float, find_within: float | None = None
+    ) -> AveragingResult | None:
         """Average a snapshot of `named_theta` (taken now; the tensors are never modified) with peers.
 
-        Returns None when no partner committed within `timeout` seconds (or every
-        partner's weights were refused); never waits on peers beyond the timeout.
+        Returns None when no partner committed within `timeout` seconds (or every partner's weights were refused);
+        never waits on peers beyond the timeout. With `find_within`, the round also ends after that many seconds if
+        no exchange has begun by then (the caller's window for the round is over: later peers are in another).
         """
         if not self._started:
             raise RuntimeError("PairAverager.start() was not awaited")
@@ -205,14 +208,17 @@ class PairAverager:
             raise RuntimeError("an exchange is already running; average() rounds must not overlap")
         self._averaging = True
         try:
-            return await self._average(named_theta, round_id, timeout)
+            return await self._average(named_theta, round_id, timeout, find_within)
         finally:
             self._averaging = False
 
-    async def _average(self, named_theta: Named, round_id: int, timeout: float) -> AveragingResult | None:
+    async def _average(
+        self, named_theta: Named, round_id: int, timeout: float, find_within: float | None
+    ) -> AveragingResult | None:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        find_by = deadline if find_within is None else min(deadline, loop.time() + max(0.0, find_within))
         theta = {name: t.detach().to("cpu").clone() for name, t in named_theta.items()}
         if not all(bool(torch.isfinite(t).all()) for t in theta.values()):
             log.warning("round %d: not averaging: our own weights are not finite", round_id)
@@ -226,6 +232,7 @@ class PairAverager:
             payload=payload,
             capacity=1 if self.group_size == 2 else MAX_GROUP_PARTNERS,
             deadline=deadline,
+            find_by=find_by,
         )
         self.exchange.open(rnd)
         try:
@@ -237,7 +244,7 @@ class PairAverager:
         # "done" either way: we no longer take partners this round (our "free" would otherwise outlive the round)
         self._spawn(self.matchmaker.announce(round_id, "done"), name=f"averaging-done-{round_id}")
         if not rnd.received:
-            self.failures["no_partner"] += 1
+            self.failures["no_partner_in_window" if rnd.search_ended else "no_partner"] += 1
             self.rounds_skipped += 1
             return None
         peers = sorted(rnd.received)

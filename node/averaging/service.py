@@ -5,7 +5,13 @@ exchange in the background (pairing.py); training goes on. When the exchange end
 outer step is applied between two rounds: new theta from the rule (outer.py), plus the
 inner steps taken while the exchange ran (Streaming DiLoCo's idea, outer.apply_with_drift).
 An exchange that finds no partner in time, or whose partner's weights are refused, is
-skipped: the weights stay as training left them.
+skipped: the weights stay as training left them, and the node tries again in the next window.
+
+Peers meet in time windows (`window_s`): the round of an exchange is the window it starts in, so two peers meet
+only if both look for a partner in the same window. A node therefore looks for one only until its window ends (an
+exchange begun by then may run to `timeout_s`), and a skipped exchange does not wait another `every_steps` updates:
+without both, two nodes whose attempts fell in different windows kept missing each other (two hosts, `every_steps` 20,
+`window_s` 10: 5 exchanges averaged a node in 600 s before, 17 after; RESULTS "two hosts").
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,14 +46,18 @@ class AveragingStats:
 
 
 class OuterStepService:
-    def __init__(self, config: NodeConfig, model: torch.nn.Module, averager):
+    def __init__(
+        self, config: NodeConfig, model: torch.nn.Module, averager, clock: Callable[[], float] = time.time
+    ) -> None:
         self.config = config.averaging
         self.model = model
         self.averager = averager  # a started pairing.PairAverager
         self.outer = OuterOptimizerState.from_model(model)
         self.stats = AveragingStats()
-        self.last_trigger_version = 0
+        self.clock = clock  # wall-clock seconds: peers agree on a window by the time, not by a message
+        self.last_trigger_version = 0  # the policy version of the last exchange that averaged (or of the start)
         self._last_window = -1
+        self._attempt_version = 0  # the policy version at which the exchange in flight started
         self._task: asyncio.Task | None = None
         self._theta_sent: dict[str, torch.Tensor] | None = None
 
@@ -66,21 +77,28 @@ class OuterStepService:
             await asyncio.wait([self._task])
 
     def maybe_start(self, policy_version: int) -> bool:
-        """Start an exchange when H updates have passed since the last one and none is in flight."""
+        """Start an exchange when H updates have passed since the last one that averaged, none is in flight, and
+        none started in this window yet."""
         if self._task is not None or policy_version - self.last_trigger_version < self.config.every_steps:
             return False
-        window = int(time.time() // self.config.window_s)
+        now = self.clock()
+        window = int(now // self.config.window_s)
         if window == self._last_window:
             return False  # one exchange per window: peers pair up by window
         self._last_window = window
-        self.last_trigger_version = policy_version
+        self._attempt_version = policy_version
+        # a peer that becomes ready after this window ends looks in the next window's round, not in ours
+        find_within = (window + 1) * self.config.window_s - now
         # the snapshot leaves the device here: the exchange and the outer rule never touch the live parameters
         self._theta_sent = {
             k: v.detach().to(HOST, torch.float32).clone() for k, v in float_parameters(self.model).items()
         }
         self.stats.attempted += 1
         self._task = asyncio.create_task(
-            self.averager.average(self._theta_sent, round_id=window, timeout=self.config.timeout_s), name="outer-step"
+            self.averager.average(
+                self._theta_sent, round_id=window, timeout=self.config.timeout_s, find_within=find_within
+            ),
+            name="outer-step",
         )
         return True
 
@@ -91,8 +109,9 @@ class OuterStepService:
         task, theta_sent, self._task, self._theta_sent = self._task, self._theta_sent, None, None
         result = task.result()  # the averager returns None for every expected failure; anything else is a bug
         if result is None:
-            self.stats.skipped += 1
+            self.stats.skipped += 1  # last_trigger_version stays: the next window tries again
             return {"outcome": "skipped"}
+        self.last_trigger_version = self._attempt_version
         if self.config.method == "noloco":
             new_theta = noloco_step(
                 self.outer, theta_sent, result.mean_theta, self.config.momentum(), self.config.outer_lr
