@@ -249,7 +249,7 @@ def test_a_noloco_exchange_takes_the_weights_off_the_device_and_back(tiny_config
     class CodecPartner:
         refusals: dict = {}
 
-        async def average(self, theta, round_id, timeout):
+        async def average(self, theta, round_id, timeout, find_within=None):
             sent = encode_weights(theta, "fp32").to_bytes()
             theirs = decode_weights(EncodedWeights.from_bytes(encode_weights(partner, "fp16").to_bytes()))
             ours = decode_weights(EncodedWeights.from_bytes(sent))
