@@ -29,6 +29,7 @@ class Fault(enum.Enum):
     STALL = "stall"  # sends half its weights, then nothing
     NO_DONE = "no_done"  # never sends DONE after the COMMIT frames, as if the stream broke right there
     BREAK_AFTER_COMMIT = "break_after_commit"  # sends its COMMIT, then breaks the stream before reading the partner's
+    ROUND_ENDS = "round_ends"  # not hostile: its own round ends (deadline, window) while the weights move
 
 
 class FaultyExchange(WeightExchange):
@@ -62,6 +63,8 @@ class FaultyExchange(WeightExchange):
         return 0  # its DONE is lost (closing the stream here instead would race with its own COMMIT in flight)
 
     async def send_weights(self, writer, payload):
+        if self.fault is Fault.ROUND_ENDS:
+            self.close()
         if self.fault is not Fault.STALL:
             return await super().send_weights(writer, payload)
         writer.write(struct.pack(">BQ", Frame.WEIGHTS, len(payload)) + payload[: len(payload) // 2])
@@ -119,7 +122,9 @@ def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, rol
                 ):
                     assert honest.rounds_to_deadline == 1
                 assert_untouched(theta, before)
-                assert honest.rounds_skipped == 1 and honest.failures["no_partner"] == 1
+                # the weights began to move: not a round without a partner (which the node would retry at once)
+                assert honest.rounds_skipped == 1 and honest.failures["not_committed"] == 1
+                assert honest.last_skip == "not_committed" and "no_partner" not in honest.failures
 
     asyncio.run(scenario())
 
@@ -196,5 +201,30 @@ def test_a_stream_broken_between_the_commit_frames_never_leaves_a_silent_disagre
                 else:
                     assert honest.failures["outcome_unconfirmed"] == 0 and honest.failures["exchange_failed"] >= 1
                 print(f"honest side averaged: {result is not None}; failures {dict(honest.failures)}")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_round_that_ends_while_the_weights_move_commits_to_nobody(role, tmp_path):
+    """A round closed mid-exchange (its deadline, or the end of its window as a call came in) commits nothing, so its
+    partner must not average either: it is told so instead of a COMMIT."""
+
+    async def scenario():
+        async with swarm(2, honest_first(role, tmp_path)) as nodes:
+            async with (
+                averagers(nodes[:1]) as (honest,),
+                averagers(nodes[1:], exchange=faulty(Fault.ROUND_ENDS)) as (ending,),
+            ):
+                theta = weights(1)
+                before = snapshot(theta)
+                result, ending_result = await asyncio.gather(
+                    honest.average(theta, 5, timeout=60), ending.average(weights(2), 5, timeout=60)
+                )
+                assert ending_result is None and ending.failures["round_closed_before_commit"] == 1, ending.failures
+                # the answer is a REFUSE, unless the closed stream's reset overtakes it in p2pd: either way, no average
+                assert result is None, honest.failures
+                assert honest.failures["partner_refused_our_weights"] + honest.failures["exchange_failed"] == 1
+                assert_untouched(theta, before)
 
     asyncio.run(scenario())

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from node.averaging.matchmaking import Round, pair_partner
+from node.averaging.matchmaking import CallRefusal, Round, pair_partner
 from node.averaging.pairing import PairAverager
 from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import (
@@ -107,6 +107,25 @@ def test_a_peer_alone_in_its_window_stops_looking_when_the_window_ends_and_pairs
             )
             assert result_a is not None and result_b is not None, (a.failures, b.failures)
             assert result_a.partner_ids == [b.peer_id] and result_b.partner_ids == [a.peer_id]
+
+    asyncio.run(scenario())
+
+
+def test_a_round_past_its_search_closes_at_once_so_no_late_caller_is_taken():
+    async def scenario():
+        now = asyncio.get_running_loop().time()
+
+        def round_(find_by):
+            return Round(round_id=1, theta={}, payload=b"", capacity=1, deadline=now + 60, find_by=find_by)
+
+        over = round_(now - 1)
+        assert over.refusal_for("late-caller") is None
+        assert over.past_search() and over.closed and over.search_ended
+        assert over.refusal_for("late-caller") is CallRefusal.FINISHED
+        busy = round_(now - 1)
+        busy.engaged.add("partner")  # an exchange in flight finishes: only its deadline ends it
+        assert not busy.past_search() and not busy.closed
+        assert not round_(now + 60).past_search() and not round_(None).past_search()
 
     asyncio.run(scenario())
 

@@ -29,16 +29,20 @@ class Clock:
 
 
 class ScriptedAverager:
-    """Answers each exchange with the next outcome of its script (None: no partner came); records the calls."""
+    """Answers each exchange with the next outcome of its script ("averaged", or the reason it skipped, as
+    PairAverager.last_skip says it); records the calls."""
 
-    def __init__(self, outcomes: list[bool]) -> None:
+    def __init__(self, outcomes: list[str]) -> None:
         self.outcomes = list(outcomes)
         self.calls: list[dict] = []
         self.refusals: Counter[str] = Counter()
+        self.last_skip: str | None = None
 
     async def average(self, theta, round_id: int, timeout: float, find_within: float | None = None):
         self.calls.append({"round_id": round_id, "timeout": timeout, "find_within": find_within})
-        if not self.outcomes.pop(0):
+        outcome = self.outcomes.pop(0)
+        self.last_skip = None if outcome == "averaged" else outcome
+        if self.last_skip:
             return None
         return AveragingResult(
             mean_theta={k: v.clone() for k, v in theta.items()},
@@ -53,7 +57,7 @@ class ScriptedAverager:
         return None
 
 
-def service(outcomes: list[bool], clock: Clock) -> tuple[OuterStepService, ScriptedAverager]:
+def service(outcomes: list[str], clock: Clock) -> tuple[OuterStepService, ScriptedAverager]:
     config = load_config(
         REPO / "configs" / "swarm.yaml",
         ["averaging.method=noloco", "averaging.every_steps=3", "averaging.window_s=10", "averaging.timeout_s=20"],
@@ -65,7 +69,7 @@ def service(outcomes: list[bool], clock: Clock) -> tuple[OuterStepService, Scrip
 def test_a_skipped_exchange_is_tried_again_in_the_next_window_and_an_averaged_one_waits_h_updates():
     async def scenario():
         clock = Clock(1003.5)  # window 100, 6.5 s of it left
-        svc, averager = service([False, True, True], clock)
+        svc, averager = service(["no_partner_in_window", "averaged", "averaged"], clock)
         assert not svc.maybe_start(2)  # H = 3 updates have not passed
         assert svc.maybe_start(3)
         await svc.wait_exchange()
@@ -88,5 +92,25 @@ def test_a_skipped_exchange_is_tried_again_in_the_next_window_and_an_averaged_on
         assert svc.apply_if_done()["outcome"] == "averaged"
         assert (svc.stats.attempted, svc.stats.succeeded, svc.stats.skipped) == (3, 2, 1)
         assert svc.last_trigger_version == 7
+
+    asyncio.run(scenario())
+
+
+def test_weights_that_moved_and_were_refused_wait_h_updates():
+    async def scenario():
+        clock = Clock(1003.5)
+        svc, averager = service(["not_committed", "no_partner", "averaged"], clock)
+        assert svc.maybe_start(3)
+        await svc.wait_exchange()
+        assert svc.apply_if_done() == {"outcome": "skipped"}
+        clock.now = 1011.0
+        assert not svc.maybe_start(5)  # refused (or broken) after the weights moved: they would be refused again
+        assert svc.maybe_start(6)
+        await svc.wait_exchange()
+        assert svc.apply_if_done() == {"outcome": "skipped"}  # nobody came: the next window tries again
+        clock.now = 1021.0
+        assert svc.maybe_start(6)
+        await svc.wait_exchange()
+        assert [call["round_id"] for call in averager.calls] == [100, 101, 102]
 
     asyncio.run(scenario())

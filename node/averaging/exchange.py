@@ -289,6 +289,7 @@ class WeightExchange:
         self, rnd: Round, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> Named | None:
         """Send our weights while reading theirs, check theirs, trade verdicts; their weights if both passed."""
+        rnd.swaps += 1
         sending = asyncio.create_task(self.send_weights(writer, rnd.payload))
         try:
             try:
@@ -322,6 +323,14 @@ class WeightExchange:
                 writer, Frame.REFUSE, _refusal_body(refused.reason.value, refused.detail)
             )
             await self._read_partner_verdict(rnd, reader)
+            return None
+        if rnd.closed:
+            # our round ended while the weights moved (its deadline, or the search's end as a call came in): we commit
+            # to nobody, so the partner must not average with us either
+            self.failures["round_closed_before_commit"] += 1
+            rnd.bytes_sent += await write_frame(
+                writer, Frame.REFUSE, _refusal_body(CallRefusal.FINISHED.value, "the round ended before the commit")
+            )
             return None
         rnd.bytes_sent += await self.send_commit(writer)
         kind, body = await _read_frame(reader, 0)

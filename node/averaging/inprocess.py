@@ -61,6 +61,9 @@ class InProcessAverager:
         self.refusals: Counter[str] = Counter()  # partners' weights refused, by WeightsRefusal code
         self.exchanges = 0
         self.poll_s = 0.01
+        # why the last average() returned None (None: it averaged): "partner_late" or "not_committed" (refused). Never
+        # a "no partner" reason: in lockstep a retry would take the next exchange's slot out of turn.
+        self.last_skip: str | None = None
 
     async def average(
         self, theta: Named, round_id: int, timeout: float, find_within: float | None = None
@@ -69,6 +72,7 @@ class InProcessAverager:
         came in `timeout` or every partner's weights were refused. `round_id` and `find_within` (the caller's time
         window and what is left of it) are not used: in lockstep the exchange count pairs the members."""
         started = time.perf_counter()
+        self.last_skip = None
         exchange, self.exchanges = self.exchanges, self.exchanges + 1
         payload = await asyncio.to_thread(lambda: encode_weights(theta, self.mode).to_bytes())
         self.board.post(self.member, exchange, payload)
@@ -76,6 +80,7 @@ class InProcessAverager:
         deadline = time.monotonic() + timeout
         while any(p not in self.board.snapshots.get(exchange, {}) for p in partners):
             if time.monotonic() >= deadline:
+                self.last_skip = "partner_late"
                 return None
             await asyncio.sleep(self.poll_s)
         slot = self.board.snapshots[exchange]
@@ -89,6 +94,7 @@ class InProcessAverager:
                 continue
             received[partner] = weights
         if not received:
+            self.last_skip = "not_committed"
             return None
         members = [theta, *received.values()]
         mean = {name: sum(m[name].float() for m in members) / len(members) for name in theta}

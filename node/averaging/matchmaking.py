@@ -117,7 +117,7 @@ class Round:
     payload: bytes  # our encoded weights
     capacity: int  # partners to commit: 1 for pairs, MAX_GROUP_PARTNERS for all
     deadline: float  # loop time
-    find_by: float | None = None  # loop time after which the round ends if no exchange has begun (None: deadline)
+    find_by: float | None = None  # loop time after which the round ends if no exchange has begun (None: the deadline)
     received: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # committed partners' weights
     engaged: set[str] = field(default_factory=set)  # peers with an exchange in flight
     # p2p multiaddrs peers announced (at most MAX_READY_ENTRIES)
@@ -129,6 +129,7 @@ class Round:
     retry_at: BoundedDict[str, float] = field(default_factory=lambda: BoundedDict(MAX_ROUND_PEERS))
     closed: bool = False
     search_ended: bool = False  # the round ended at find_by with no exchange begun
+    swaps: int = 0  # exchanges that got as far as sending our weights (committed or not)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -162,11 +163,11 @@ class Round:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
     def past_search(self) -> bool:
-        """Whether the round should end now: its time to find a partner is over and no exchange has begun."""
-        find_by = self.deadline if self.find_by is None else self.find_by
-        if self.received or self.engaged or asyncio.get_running_loop().time() < find_by:
+        """Whether the round ends now because its time to find a partner is over and no exchange has begun; it is
+        then closed at once, so that no call accepted before our caller closes it can commit."""
+        if self.find_by is None or self.received or self.engaged or asyncio.get_running_loop().time() < self.find_by:
             return False
-        self.search_ended = True
+        self.search_ended = self.closed = True
         return True
 
 

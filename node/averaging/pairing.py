@@ -123,6 +123,10 @@ class PairAverager:
         self.rounds_averaged = 0
         self.rounds_skipped = 0
         self.rounds_to_deadline = 0  # rounds that ran until their deadline (rather than ending when nobody was left)
+        # why the last average() returned None (None: it averaged): "no_partner" / "no_partner_in_window" (nobody to
+        # exchange with), "not_committed" (weights moved but were refused, or the stream broke), or
+        # "own_weights_not_finite"
+        self.last_skip: str | None = None
         self.exchange = exchange(
             dht.p2p,
             prefix,
@@ -207,6 +211,7 @@ class PairAverager:
         if self._averaging:
             raise RuntimeError("an exchange is already running; average() rounds must not overlap")
         self._averaging = True
+        self.last_skip = None
         try:
             return await self._average(named_theta, round_id, timeout, find_within)
         finally:
@@ -218,12 +223,14 @@ class PairAverager:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        find_by = deadline if find_within is None else min(deadline, loop.time() + max(0.0, find_within))
+        # a window that outlasts the deadline changes nothing: the round ends at its deadline as without one
+        find_by = None if find_within is None or find_within >= timeout else loop.time() + max(0.0, find_within)
         theta = {name: t.detach().to("cpu").clone() for name, t in named_theta.items()}
         if not all(bool(torch.isfinite(t).all()) for t in theta.values()):
             log.warning("round %d: not averaging: our own weights are not finite", round_id)
             self.failures["own_weights_not_finite"] += 1
             self.rounds_skipped += 1
+            self.last_skip = "own_weights_not_finite"
             return None
         payload = await asyncio.to_thread(self.exchange.encode, theta)
         rnd = Round(
@@ -244,7 +251,11 @@ class PairAverager:
         # "done" either way: we no longer take partners this round (our "free" would otherwise outlive the round)
         self._spawn(self.matchmaker.announce(round_id, "done"), name=f"averaging-done-{round_id}")
         if not rnd.received:
-            self.failures["no_partner_in_window" if rnd.search_ended else "no_partner"] += 1
+            if rnd.swaps:
+                self.last_skip = "not_committed"  # weights moved, and one side refused or the stream broke
+            else:
+                self.last_skip = "no_partner_in_window" if rnd.search_ended else "no_partner"
+            self.failures[self.last_skip] += 1
             self.rounds_skipped += 1
             return None
         peers = sorted(rnd.received)

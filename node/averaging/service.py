@@ -5,13 +5,15 @@ exchange in the background (pairing.py); training goes on. When the exchange end
 outer step is applied between two rounds: new theta from the rule (outer.py), plus the
 inner steps taken while the exchange ran (Streaming DiLoCo's idea, outer.apply_with_drift).
 An exchange that finds no partner in time, or whose partner's weights are refused, is
-skipped: the weights stay as training left them, and the node tries again in the next window.
+skipped: the weights stay as training left them.
 
 Peers meet in time windows (`window_s`): the round of an exchange is the window it starts in, so two peers meet
 only if both look for a partner in the same window. A node therefore looks for one only until its window ends (an
-exchange begun by then may run to `timeout_s`), and a skipped exchange does not wait another `every_steps` updates:
-without both, two nodes whose attempts fell in different windows kept missing each other (two hosts, `every_steps` 20,
-`window_s` 10: 5 exchanges averaged a node in 600 s before, 17 after; RESULTS "two hosts").
+exchange begun by then may run to `timeout_s`), and an exchange that found nobody is tried again in the next window
+rather than `every_steps` updates later. Without both, two nodes whose attempts fell in different windows kept
+missing each other (two hosts, `every_steps` 20, `window_s` 10: 5 exchanges averaged a node in 600 s before, 17
+after; RESULTS "two hosts"). Weights that moved and were refused wait `every_steps` updates: they would be refused
+again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from node.device import HOST
 
 log = logging.getLogger(__name__)
 
+# an averager's `last_skip` reasons after which the next window tries again (no partner was there to exchange with)
+RETRIED_SKIPS = frozenset({"no_partner", "no_partner_in_window"})
+
 
 @dataclass
 class AveragingStats:
@@ -51,7 +56,7 @@ class OuterStepService:
     ) -> None:
         self.config = config.averaging
         self.model = model
-        self.averager = averager  # a started pairing.PairAverager
+        self.averager = averager  # a started pairing.PairAverager (or one with its average(), last_skip, refusals)
         self.outer = OuterOptimizerState.from_model(model)
         self.stats = AveragingStats()
         self.clock = clock  # wall-clock seconds: peers agree on a window by the time, not by a message
@@ -87,12 +92,13 @@ class OuterStepService:
             return False  # one exchange per window: peers pair up by window
         self._last_window = window
         self._attempt_version = policy_version
-        # a peer that becomes ready after this window ends looks in the next window's round, not in ours
-        find_within = (window + 1) * self.config.window_s - now
         # the snapshot leaves the device here: the exchange and the outer rule never touch the live parameters
         self._theta_sent = {
             k: v.detach().to(HOST, torch.float32).clone() for k, v in float_parameters(self.model).items()
         }
+        # a peer that becomes ready after this window ends looks in the next window's round, not in ours (measured
+        # after the snapshot, which may take a while off a device)
+        find_within = (window + 1) * self.config.window_s - self.clock()
         self.stats.attempted += 1
         self._task = asyncio.create_task(
             self.averager.average(
@@ -109,7 +115,11 @@ class OuterStepService:
         task, theta_sent, self._task, self._theta_sent = self._task, self._theta_sent, None, None
         result = task.result()  # the averager returns None for every expected failure; anything else is a bug
         if result is None:
-            self.stats.skipped += 1  # last_trigger_version stays: the next window tries again
+            self.stats.skipped += 1
+            # nobody to exchange with in that window: the next window may have someone, so try again there; weights
+            # that moved and were refused (or a broken stream) wait H updates, as they would be refused again
+            if self.averager.last_skip not in RETRIED_SKIPS:
+                self.last_trigger_version = self._attempt_version
             return {"outcome": "skipped"}
         self.last_trigger_version = self._attempt_version
         if self.config.method == "noloco":
