@@ -19,7 +19,9 @@ p2pd refuses to redial an address that long after a failed dial, so the next pol
 be refused). A peer whose exchanges broke twice, whose address was still in backoff at
 MAX_DIAL_BACKOFFS calls, or whose weights were refused, is given up for the round; the odd
 one out skips (returns None) at its timeout, or earlier once every other announced peer
-is done and `settle_s` has passed. All mode (`group_size=None`): during the gather
+is done and `settle_s` has passed, or once the caller's window for the round is over with no
+exchange begun (`Round.find_by`: later peers look in the next window's round; the round is then
+closed at once, so a call that comes in as it ends commits nothing). All mode (`group_size=None`): during the gather
 window a node calls every announced peer with a higher id and accepts calls from any
 peer (at most MAX_GROUP_PARTNERS per round: no view holds more); a lower id still shown free
 `call_patience_s` after the window is called too (it may be slow to call, or a stale "free"); it
