@@ -28,6 +28,7 @@ from node.pipeline.driver import WAIT_LOG_EVERY_S
 from node.pipeline.recovery import MissingSource, RecoveryEvent, RecoveryImpossible, choose_method, load_stage
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import PipelineStage, part_tensors
+from node.stats import LogThrottle
 from node.weights.codec import CodecError, EncodedWeights, decode_weights
 from node.weights.validation import WeightsRefused, validate_partner_weights
 from protocol import StageAnnouncement
@@ -57,7 +58,7 @@ class StageLoader:
         index, num_stages = stage.index, stage.plan.num_stages
         # source -> when its call failed: its announcement may still look live; left out for avoid_s
         failed: dict[str, float] = {}
-        said: dict[str, float] = {}  # what we wait for -> when we last said so (at most every WAIT_LOG_EVERY_S)
+        said = LogThrottle(WAIT_LOG_EVERY_S)  # what we wait for, said at most every WAIT_LOG_EVERY_S
         while True:
             stage_map, view = await self.read_view()
             now = time.monotonic()
@@ -91,8 +92,7 @@ class StageLoader:
                     self.pipeline.recovered_lr_scale,
                 )
             except (RecoveryImpossible, MissingSource) as exc:
-                if now - said.get(str(exc), -math.inf) >= WAIT_LOG_EVERY_S:
-                    said[str(exc)] = now
+                if said.due(str(exc)):
                     log.warning("stage %d cannot be rebuilt yet: %s; waiting", index, exc)
             except HopFailed as exc:
                 failed[exc.server.node_id] = time.monotonic()
