@@ -12,6 +12,7 @@ import asyncio
 import enum
 import functools
 import struct
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -87,44 +88,52 @@ def honest_first(role: str, tmp_path) -> list[str]:
     return [low, high] if role == "honest_calls" else [high, low]
 
 
+@asynccontextmanager
+async def honest_against(fault: Fault, role: str, tmp_path):
+    """An honest averager and one that plays `fault`, each on its own DHT node, the honest one in `role`: yields
+    (nodes, honest, faulty)."""
+    async with swarm(2, honest_first(role, tmp_path)) as nodes:
+        async with (
+            averagers(nodes[:1]) as (honest,),
+            averagers(nodes[1:], exchange=faulty(fault)) as (other,),
+        ):
+            yield nodes, honest, other
+
+
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("then", ["hangs", "dies"])
 def test_partner_that_stops_mid_exchange_gives_none_within_the_timeout(then, role, tmp_path):
     async def scenario():
-        async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with (
-                averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], exchange=faulty(Fault.STALL)) as (stalling,),
+        async with honest_against(Fault.STALL, role, tmp_path) as (nodes, honest, stalling):
+            assert (honest.peer_id < stalling.peer_id) == (role == "honest_calls")
+            theta = weights(1)
+            before = snapshot(theta)
+            # long enough for the rendezvous on a loaded machine: the stall, not the DHT, must end the round
+            timeout = 10.0
+
+            async def kill_when_stalled():
+                await stalling.exchange.stalled.wait()
+                if then == "dies":
+                    await stalling.stop(timeout=2)
+                    await shutdown_dht(nodes[1], timeout=5)
+
+            killer = asyncio.create_task(kill_when_stalled())
+            result, _ = await asyncio.gather(
+                honest.average(theta, 3, timeout=timeout), stalling.average(weights(2), 3, timeout=timeout)
+            )
+            await asyncio.wait_for(killer, 10)
+            assert stalling.exchange.stalled.is_set()  # the exchange really started
+            assert result is None
+            if (
+                then == "hangs"
+                # only the round's deadline can end an exchange that stalls
+                # (a dead partner's reset may end it sooner)
             ):
-                assert (honest.peer_id < stalling.peer_id) == (role == "honest_calls")
-                theta = weights(1)
-                before = snapshot(theta)
-                # long enough for the rendezvous on a loaded machine: the stall, not the DHT, must end the round
-                timeout = 10.0
-
-                async def kill_when_stalled():
-                    await stalling.exchange.stalled.wait()
-                    if then == "dies":
-                        await stalling.stop(timeout=2)
-                        await shutdown_dht(nodes[1], timeout=5)
-
-                killer = asyncio.create_task(kill_when_stalled())
-                result, _ = await asyncio.gather(
-                    honest.average(theta, 3, timeout=timeout), stalling.average(weights(2), 3, timeout=timeout)
-                )
-                await asyncio.wait_for(killer, 10)
-                assert stalling.exchange.stalled.is_set()  # the exchange really started
-                assert result is None
-                if (
-                    then == "hangs"
-                    # only the round's deadline can end an exchange that stalls
-                    # (a dead partner's reset may end it sooner)
-                ):
-                    assert honest.rounds_to_deadline == 1
-                assert_untouched(theta, before)
-                # the weights began to move: not a round without a partner (which the node would retry at once)
-                assert honest.rounds_skipped == 1 and honest.failures["not_committed"] == 1
-                assert honest.last_skip == "not_committed" and "no_partner" not in honest.failures
+                assert honest.rounds_to_deadline == 1
+            assert_untouched(theta, before)
+            # the weights began to move: not a round without a partner (which the node would retry at once)
+            assert honest.rounds_skipped == 1 and honest.failures["not_committed"] == 1
+            assert honest.last_skip == "not_committed" and "no_partner" not in honest.failures
 
     asyncio.run(scenario())
 
@@ -162,17 +171,13 @@ def test_hostile_partners_are_refused_and_counted(role, tmp_path):
 @pytest.mark.parametrize("role", ROLES)
 def test_a_lost_done_frame_is_counted_as_an_unconfirmed_outcome(role, tmp_path):
     async def scenario():
-        async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with (
-                averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], exchange=faulty(Fault.NO_DONE)) as (broken,),
-            ):
-                result, _ = await asyncio.gather(
-                    honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6)
-                )
-                assert result is not None  # it averaged, and cannot know whether its partner did: counted, not silent
-                assert honest.failures["outcome_unconfirmed"] == 1
-                assert broken.failures["outcome_unconfirmed"] == 0  # the honest side's DONE did arrive
+        async with honest_against(Fault.NO_DONE, role, tmp_path) as (_, honest, broken):
+            result, _ = await asyncio.gather(
+                honest.average(weights(1), 5, timeout=6), broken.average(weights(2), 5, timeout=6)
+            )
+            assert result is not None  # it averaged, and cannot know whether its partner did: counted, not silent
+            assert honest.failures["outcome_unconfirmed"] == 1
+            assert broken.failures["outcome_unconfirmed"] == 0  # the honest side's DONE did arrive
 
     asyncio.run(scenario())
 
@@ -184,23 +189,19 @@ def test_a_stream_broken_between_the_commit_frames_never_leaves_a_silent_disagre
     weights, or ours averaged alone and counted `outcome_unconfirmed`."""
 
     async def scenario():
-        async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with (
-                averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], exchange=faulty(Fault.BREAK_AFTER_COMMIT)) as (broken,),
-            ):
-                theta = weights(1)
-                before = snapshot(theta)
-                result, broken_result = await asyncio.gather(
-                    honest.average(theta, 5, timeout=6), broken.average(weights(2), 5, timeout=6)
-                )
-                assert broken_result is None and broken.failures["exchange_failed"] >= 1
-                assert_untouched(theta, before)
-                if result is not None and result.partner_ids:
-                    assert honest.failures["outcome_unconfirmed"] == 1  # averaged alone: counted, not silent
-                else:
-                    assert honest.failures["outcome_unconfirmed"] == 0 and honest.failures["exchange_failed"] >= 1
-                print(f"honest side averaged: {result is not None}; failures {dict(honest.failures)}")
+        async with honest_against(Fault.BREAK_AFTER_COMMIT, role, tmp_path) as (_, honest, broken):
+            theta = weights(1)
+            before = snapshot(theta)
+            result, broken_result = await asyncio.gather(
+                honest.average(theta, 5, timeout=6), broken.average(weights(2), 5, timeout=6)
+            )
+            assert broken_result is None and broken.failures["exchange_failed"] >= 1
+            assert_untouched(theta, before)
+            if result is not None and result.partner_ids:
+                assert honest.failures["outcome_unconfirmed"] == 1  # averaged alone: counted, not silent
+            else:
+                assert honest.failures["outcome_unconfirmed"] == 0 and honest.failures["exchange_failed"] >= 1
+            print(f"honest side averaged: {result is not None}; failures {dict(honest.failures)}")
 
     asyncio.run(scenario())
 
@@ -211,20 +212,16 @@ def test_a_round_that_ends_while_the_weights_move_commits_to_nobody(role, tmp_pa
     partner must not average either: it is told so instead of a COMMIT."""
 
     async def scenario():
-        async with swarm(2, honest_first(role, tmp_path)) as nodes:
-            async with (
-                averagers(nodes[:1]) as (honest,),
-                averagers(nodes[1:], exchange=faulty(Fault.ROUND_ENDS)) as (ending,),
-            ):
-                theta = weights(1)
-                before = snapshot(theta)
-                result, ending_result = await asyncio.gather(
-                    honest.average(theta, 5, timeout=60), ending.average(weights(2), 5, timeout=60)
-                )
-                assert ending_result is None and ending.failures["round_closed_before_commit"] == 1, ending.failures
-                # the answer is a REFUSE, unless the closed stream's reset overtakes it in p2pd: either way, no average
-                assert result is None, honest.failures
-                assert honest.failures["partner_refused_our_weights"] + honest.failures["exchange_failed"] == 1
-                assert_untouched(theta, before)
+        async with honest_against(Fault.ROUND_ENDS, role, tmp_path) as (_, honest, ending):
+            theta = weights(1)
+            before = snapshot(theta)
+            result, ending_result = await asyncio.gather(
+                honest.average(theta, 5, timeout=60), ending.average(weights(2), 5, timeout=60)
+            )
+            assert ending_result is None and ending.failures["round_closed_before_commit"] == 1, ending.failures
+            # the answer is a REFUSE, unless the closed stream's reset overtakes it in p2pd: either way, no average
+            assert result is None, honest.failures
+            assert honest.failures["partner_refused_our_weights"] + honest.failures["exchange_failed"] == 1
+            assert_untouched(theta, before)
 
     asyncio.run(scenario())
