@@ -23,13 +23,16 @@ Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `w
 servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
 compares the losses; `--lab MBIT ...` runs every process in its own namespace of benchmarks/lab.py
 (root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
-method (replica failover, a warm spare's checkfree and checkfree_plus).
+method (replica failover, a warm spare's checkfree and checkfree_plus); `--transport-floor` echoes
+payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute (the wire's
+own cost per call, and the CPU it takes in this process and in the daemons).
 
     .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
     .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 \
         --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
+    .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor
     sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
         --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
 """
@@ -678,6 +681,101 @@ def _wait_path(path: Path, lab, index: int) -> None:
         time.sleep(0.5)
 
 
+FLOOR_BYTES = [4_096, 65_536, 262_144, 1_048_576, 4_194_304]  # a 4 KB control call to 4 MB (27M's hidden states of a
+# micro-batch are 1 MB in float32, its logits' gradient 0.2 MB)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def transport_floor(sizes: list[int], calls: int) -> dict:
+    """What a pipeline call's bytes cost on the wire with no compute: a framed echo (node/transport/framing.py, as
+    call_stage and StageHandler frame a call) of each size, through two p2p daemons on 127.0.0.1 (a stream per call,
+    as call_stage opens one) and through a plain TCP connection on 127.0.0.1 (a connection per call), interleaved call
+    by call. Round trip medians, and the CPU seconds per call of this process (both ends' Python) and of the two p2p
+    daemons (for the TCP way that is their background work: the DHT's upkeep)."""
+    import enum
+
+    from hivemind.p2p import P2P
+
+    from node.transport.framing import read_frame, write_frame
+
+    class Echo(enum.IntEnum):
+        DATA = 1
+
+    def limit(kind) -> int:
+        return max(sizes) + 1
+
+    async def echo(reader, writer) -> None:
+        try:
+            _, body = await read_frame(reader, Echo, limit)
+            await write_frame(writer, Echo.DATA, body)
+        finally:
+            writer.close()
+
+    async def round_trip(reader, writer, body: bytes) -> None:
+        try:
+            await write_frame(writer, Echo.DATA, body)
+            _, back = await read_frame(reader, Echo, limit)
+        finally:
+            writer.close()
+        if back != body:  # the figures are only worth something if the bytes came back whole
+            raise RuntimeError(f"the echo of {len(body)} bytes came back as {len(back)} different bytes")
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+    tcp = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = tcp.sockets[0].getsockname()[1]
+    await server.add_binary_stream_handler("floor", lambda info, reader, writer: echo(reader, writer))
+    daemons = [server._child.pid, client._child.pid]
+    rows = {}
+    try:
+        for size in sizes:
+            body = os.urandom(size)
+            times: dict[str, list[float]] = {"p2p": [], "tcp": []}
+            cpu = {"p2p": [0.0, 0.0], "tcp": [0.0, 0.0]}  # [this process, the two daemons]
+            for call in range(calls + 1):  # the first call of each way warms it up and is not counted
+                for way in ("p2p", "tcp"):
+                    before = (time.process_time(), sum(_cpu_s(pid) for pid in daemons), time.perf_counter())
+                    if way == "p2p":
+                        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "floor")
+                    else:
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    await round_trip(reader, writer, body)
+                    wall = time.perf_counter() - before[2]
+                    if call:
+                        times[way].append(wall)
+                        cpu[way][0] += time.process_time() - before[0]
+                        cpu[way][1] += sum(_cpu_s(pid) for pid in daemons) - before[1]
+            row = {}
+            for way in ("p2p", "tcp"):
+                median = statistics.median(times[way])
+                row[way] = {
+                    "round_trip_ms": 1000 * median,
+                    "mb_per_s_each_way": size / median / 1e6,
+                    "python_cpu_ms": 1000 * cpu[way][0] / calls,
+                    "daemons_cpu_ms": 1000 * cpu[way][1] / calls,
+                }
+            row["p2p_excess_ms"] = row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"]
+            rows[size] = row
+            print(
+                f"{size:>9} B  p2p {row['p2p']['round_trip_ms']:7.2f} ms ({row['p2p']['mb_per_s_each_way']:6.0f} MB/s, "
+                f"CPU ms: python {row['p2p']['python_cpu_ms']:5.2f}, daemons {row['p2p']['daemons_cpu_ms']:5.2f})  "
+                f"tcp {row['tcp']['round_trip_ms']:7.2f} ms ({row['tcp']['mb_per_s_each_way']:6.0f} MB/s, CPU ms: "
+                f"python {row['tcp']['python_cpu_ms']:5.2f})  p2p - tcp {row['p2p_excess_ms']:6.2f} ms",
+                flush=True,
+            )
+    finally:
+        tcp.close()
+        await tcp.wait_closed()
+        await client.shutdown()
+        await server.shutdown()
+    return {"calls": calls, "bytes": rows}
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, settings = text.partition(":")
     return name, [setting for setting in settings.split(",") if setting]
@@ -709,6 +807,12 @@ def main() -> None:
         "at S = max(--stages); a variant's `driver:KEY=VALUE` settings apply to the driver only",
     )  # fmt: skip
     parser.add_argument("--recovery", action="store_true", help="instead: stall per recovery method (loopback)")
+    parser.add_argument(
+        "--transport-floor", action="store_true", help="instead: a framed echo of each --floor-bytes through two "
+        "p2p daemons and through plain TCP on 127.0.0.1, no compute: what the wire alone costs a call",
+    )  # fmt: skip
+    parser.add_argument("--floor-bytes", nargs="+", type=int, default=FLOOR_BYTES)
+    parser.add_argument("--floor-calls", type=int, default=30, help="timed echoes per size and way")
     args = parser.parse_args()
     sizes = TINY if args.tiny else {name: SIZES[name] for name in args.sizes}
     settings = list(args.set)
@@ -726,6 +830,11 @@ def main() -> None:
                 for name, shape in sizes.items()
             }
         summary.update(load_average=os.getloadavg(), settings=settings, stages=max(args.stages), lab=runs)
+        print(json.dumps(summary))
+        return
+    if args.transport_floor:
+        floor = asyncio.run(transport_floor(args.floor_bytes, args.floor_calls))
+        summary.update(load_average=os.getloadavg(), transport_floor=floor)
         print(json.dumps(summary))
         return
     if args.recovery:

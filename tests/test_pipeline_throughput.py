@@ -64,3 +64,27 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
         assert ways[way]["calls"] == {"forward": 6, "backward": 6, "step": 2}
     assert set(ways["wire 2"]["overhead_ms"]) == {"forward", "backward", "step"}
     assert all(math.isfinite(ms) for ms in ways["wire 2"]["overhead_ms"].values())
+
+
+def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_figure():
+    """The wire alone: a framed echo through two real p2p daemons and through plain TCP on 127.0.0.1; the benchmark
+    itself checks that every echo came back byte for byte (it exits non-zero otherwise)."""
+    sizes = [4096, 70_000]  # the second spans several of the stream reader's 64 KiB chunks
+    result = subprocess.run(
+        [sys.executable, "benchmarks/pipeline_throughput.py", "--transport-floor", "--floor-calls", "2"]
+        + ["--floor-bytes", *map(str, sizes)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    floor = json.loads(result.stdout.strip().splitlines()[-1])["transport_floor"]
+    assert floor["calls"] == 2
+    assert sorted(map(int, floor["bytes"])) == sizes
+    for size, row in floor["bytes"].items():
+        for way in ("p2p", "tcp"):
+            figures = row[way]
+            assert figures["round_trip_ms"] > 0 and figures["python_cpu_ms"] >= 0 and figures["daemons_cpu_ms"] >= 0
+            assert math.isclose(figures["mb_per_s_each_way"], int(size) / figures["round_trip_ms"] * 1000 / 1e6)
+        assert math.isclose(row["p2p_excess_ms"], row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"])
