@@ -20,7 +20,11 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                from disk and the driver goes back to its step. Saves and loads are timed and in
                the strategy's wall clock. The interval is by default Young's rule,
                sqrt(2 x checkpoint cost x the pipeline's MTBF), from the first checkpoint's
-               measured cost and the failure-free run's normal step (young_interval);
+               measured cost and the failure-free run's normal step (young_interval). With
+               --checkpoint-store-mbit R (root) a checkpoint is not done until it is also uploaded to
+               a store on another host (a network namespace behind a link of R Mbit/s, which fsyncs
+               it), and a replacement server downloads its stage's checkpoint from there: a
+               checkpoint kept only on the host that dies is lost with it;
 - random:      the new server initialises the stage randomly (fresh optimizer).
 
 Failure schedule: each stage fails independently with probability rate / steps_per_hour
@@ -55,6 +59,8 @@ the last checkpoint) on the same schedule.
     .venv/bin/python benchmarks/stage_recovery.py --seeds 3
     .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 0.16 0.05 --side-by-side
     .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --report
+    sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
+        --checkpoint-store-mbit 100
     .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
@@ -172,6 +178,123 @@ def young_interval(checkpoint_s: float, step_s: float, rate: float, steps_per_ho
     return max(1, round(math.sqrt(2 * checkpoint_s * mtbf_s) / step_s))
 
 
+# A checkpoint store on another host (--checkpoint-store-mbit): in a swarm a checkpoint kept only on the node that dies
+# is lost with it, so a deployment uploads each stage's checkpoint to storage elsewhere and a replacement server
+# downloads it. The store is a process in a network namespace of its own (benchmarks/lab.py), behind a link shaped to
+# the rate; it writes what it receives to a temporary file, fsyncs it and renames it over the last one before it
+# answers. One request per connection: PUT (b"P", name, length, bytes) -> b"K"; GET (b"G", name) -> length, bytes.
+STORE_PORT = 7311
+STORE_HEADER = ">cH"  # op, name length
+STORE_LENGTH = ">Q"
+
+
+async def store_serve(folder: Path, host: str, port: int) -> None:
+    """The store's side (`--store-serve FOLDER HOST PORT`), until killed."""
+    import struct
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            op, size = struct.unpack(STORE_HEADER, await reader.readexactly(struct.calcsize(STORE_HEADER)))
+            name = (await reader.readexactly(size)).decode()
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"bad name {name!r}")
+            path = folder / name
+            if op == b"P":
+                (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
+                partial = path.with_name(name + ".partial")
+                with open(partial, "wb") as handle:
+                    left = length
+                    while left:
+                        chunk = await reader.read(min(left, 1 << 20))
+                        if not chunk:
+                            raise ConnectionError("the upload ended early")
+                        handle.write(chunk)
+                        left -= len(chunk)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(partial, path)
+                fsync_dir(folder)
+                writer.write(b"K")
+            elif op == b"G":
+                data = path.read_bytes()
+                writer.write(struct.pack(STORE_LENGTH, len(data)) + data)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    folder.mkdir(parents=True, exist_ok=True)
+    server = await asyncio.start_server(handle, host, port)
+    async with server:
+        await server.serve_forever()
+
+
+async def store_put(host: str, port: int, path: Path) -> None:
+    """Upload the file at `path` to the store under its name; returns once the store has it on disk."""
+    import struct
+
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        name = path.name.encode()
+        data = await asyncio.to_thread(path.read_bytes)
+        writer.write(struct.pack(STORE_HEADER, b"P", len(name)) + name + struct.pack(STORE_LENGTH, len(data)))
+        writer.write(data)
+        await writer.drain()
+        if await reader.readexactly(1) != b"K":
+            raise RuntimeError(f"the store did not acknowledge {path.name}")
+    finally:
+        writer.close()
+
+
+async def store_get(host: str, port: int, path: Path) -> None:
+    """Download the file named like `path` from the store and write it there."""
+    import struct
+
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        name = path.name.encode()
+        writer.write(struct.pack(STORE_HEADER, b"G", len(name)) + name)
+        await writer.drain()
+        (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
+        data = await reader.readexactly(length)
+    finally:
+        writer.close()
+    await asyncio.to_thread(path.write_bytes, data)
+
+
+class CheckpointStore:
+    """The store in a one-node lab, its link shaped to `mbit` both ways (root: network namespaces and tc)."""
+
+    def __init__(self, mbit: float, scratch: Path) -> None:
+        from benchmarks.lab import Lab, Link
+
+        self.lab = Lab(nodes=1, host_link=True)
+        self.lab.up()
+        try:
+            self.lab.shape(0, Link(mbit=mbit))
+            self.host, self.port = self.lab.ip(0), STORE_PORT
+            self.lab.run(
+                0,
+                [sys.executable, str(Path(__file__).resolve()), "--store-serve", str(scratch / "store"), self.host]
+                + [str(self.port)],
+                scratch / "store.log",
+            )
+        except BaseException:
+            self.lab.down()
+            raise
+
+    async def ready(self) -> None:
+        for _ in range(600):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection(self.host, self.port)
+                writer.close()
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("the checkpoint store never listened")
+
+    def close(self) -> None:
+        self.lab.down()
+
+
 class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
@@ -214,10 +337,15 @@ class Bench:
         self.saves_s: list[float] = []  # each checkpoint of all stages, seconds
         self.loads_s: list[float] = []  # each restore of all stages, seconds
         self.last_bytes = 0
+        self.store: CheckpointStore | None = None
+        if strategy == "checkpoint" and args.checkpoint_store_mbit:
+            self.store = CheckpointStore(args.checkpoint_store_mbit, scratch)
 
     async def start(self) -> None:
         from hivemind.dht.node import DHTNode
 
+        if self.store is not None:
+            await self.store.ready()
         path = ensure_default_model(self.config, progress=False)
         self.model, self.tokenizer = load_policy(path)
         self.fingerprint = model_fingerprint(self.model, self.tokenizer)
@@ -294,6 +422,8 @@ class Bench:
         for server, _, _ in self.servers.values():
             path = folder / f"stage-{server.index}.pt"
             await asyncio.to_thread(save_stage_checkpoint, server.backend, path)
+            if self.store is not None:  # not safe until it is off this host: the upload is part of the save
+                await store_put(self.store.host, self.store.port, path)
             state["stages"][server.index] = path
         self.checkpoint = state
         seconds = time.perf_counter() - started
@@ -301,11 +431,16 @@ class Bench:
         self.saves_s.append(seconds)
         self.io_s += seconds
 
-    async def load_checkpoint(self) -> None:
-        """Every stage, the new one too, reads its last checkpoint back from disk; the driver goes back to its step."""
+    async def load_checkpoint(self, replaced: list[int] = ()) -> None:
+        """Every stage, the new one too, reads its last checkpoint back from disk; the driver goes back to its step.
+        With a store, the servers of the `replaced` stages (new hosts) first download theirs from it."""
         started = time.perf_counter()
         for server, _, _ in self.servers.values():
-            await asyncio.to_thread(load_stage_checkpoint, server.backend, self.checkpoint["stages"][server.index])
+            path = self.checkpoint["stages"][server.index]
+            if self.store is not None and server.index in replaced:
+                path.unlink(missing_ok=True)  # the dead host's disk is gone with it
+                await store_get(self.store.host, self.store.port, path)
+            await asyncio.to_thread(load_stage_checkpoint, server.backend, path)
         self.driver.step = self.checkpoint["step"]
         seconds = time.perf_counter() - started
         self.loads_s.append(seconds)
@@ -316,6 +451,8 @@ class Bench:
         return self.last_bytes
 
     async def stop(self) -> None:
+        if self.store is not None:
+            self.store.close()
         await asyncio.gather(*self.dead, return_exceptions=True)
         for stage in list(self.servers):
             server, task, dht = self.servers.pop(stage)
@@ -422,7 +559,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 failed["methods"].append("checkpoint" if strategy == "checkpoint" else last_method(server))
             if strategy == "checkpoint":
                 failed["replayed"] = bench.driver.step - bench.checkpoint["step"]
-                await bench.load_checkpoint()
+                await bench.load_checkpoint(schedule[step])
                 failed["load_s"] = bench.loads_s[-1]
         row = await bench.driver.train_step()
         executed += 1
@@ -630,6 +767,12 @@ def main() -> None:
         help="steps between checkpoint-restart's checkpoints, or `young`: sqrt(2 x checkpoint cost x the pipeline's "
         "MTBF), from the first checkpoint's measured cost and the failure-free run's step (churn mode: a number)",
     )
+    parser.add_argument(
+        "--checkpoint-store-mbit", type=float, default=None, help="checkpoint-restart uploads every checkpoint to a "
+        "store on another host (a network namespace) over a link of this rate, and a replacement server downloads "
+        "its stage's from there (root); default: checkpoints stay on this host's disk",
+    )  # fmt: skip
+    parser.add_argument("--store-serve", nargs=3, metavar=("FOLDER", "HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
         "--target-fraction",
@@ -665,6 +808,12 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only the figures from --results, for this configuration")
     parser.add_argument("--one", nargs=3, metavar=("SEED", "RATE", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.store_serve:
+        folder, host, port = args.store_serve
+        asyncio.run(store_serve(Path(folder), host, int(port)))
+        return
+    if args.churn and args.checkpoint_store_mbit:
+        parser.error("--checkpoint-store-mbit is for the failure-rate mode, not --churn")
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -746,6 +895,7 @@ def config_key(args) -> dict:
         "max_steps": args.max_steps,
         "steps_per_hour": args.steps_per_hour,
         "checkpoint_every": str(args.checkpoint_every),
+        **({"checkpoint_store_mbit": args.checkpoint_store_mbit} if args.checkpoint_store_mbit else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -767,7 +917,7 @@ def read_rows(path: Path, key: dict) -> list[dict]:
 
 def baseline_key(key: dict) -> dict:
     """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings."""
-    return {name: value for name, value in key.items() if name != "checkpoint_every"}
+    return {name: value for name, value in key.items() if name not in ("checkpoint_every", "checkpoint_store_mbit")}
 
 
 def none_row(rows: list[dict], seed: int) -> dict | None:

@@ -1,22 +1,35 @@
-"""benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, Young's interval,
-and the report's arithmetic on hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
+"""benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, the checkpoint store
+returns what was uploaded (on loopback, and from its own namespace), Young's interval, and the report's arithmetic on
+hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
 benchmarks/RESULTS.md.)"""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
+import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from node.files import append_json_line
+from benchmarks.lab import lab_unavailable
 from benchmarks.stage_recovery import (
+    CheckpointStore,
     load_stage_checkpoint,
     read_rows,
     report,
     save_stage_checkpoint,
+    store_get,
+    store_put,
+    store_serve,
     young_interval,
 )
+
+needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
 
 class FakeBackend:
@@ -135,3 +148,61 @@ def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_check
     assert [r["strategy"] for r in read_rows(path, young)] == ["none", "checkfree"]
     assert [r["strategy"] for r in read_rows(path, every_25)] == ["none", "checkpoint"]
     assert read_rows(tmp_path / "absent.jsonl", young) == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def store_round_trip(host: str, port: int, tmp_path: Path, sizes: list[int]) -> None:
+    """PUT each of `sizes` random bytes under one name (each over the last), GET it back after each: the same bytes."""
+    local = tmp_path / "local" / "stage-2.pt"
+    local.parent.mkdir()
+    for size in sizes:
+        data = os.urandom(size)
+        local.write_bytes(data)
+        await store_put(host, port, local)
+        local.unlink()
+        await store_get(host, port, local)
+        assert local.read_bytes() == data
+
+
+def test_the_checkpoint_store_keeps_the_last_upload_of_each_name_whole(tmp_path):
+    """The store's wire and disk side on 127.0.0.1: what a replacement server downloads is byte for byte the last
+    checkpoint uploaded under that name, written under another name and renamed (no partial file left)."""
+    port = free_port()
+    folder = tmp_path / "store"
+
+    async def scenario() -> None:
+        server = asyncio.create_task(store_serve(folder, "127.0.0.1", port))
+        try:
+            for _ in range(100):  # until it listens
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.close()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.05)
+            await store_round_trip("127.0.0.1", port, tmp_path, [3_000_000, 10])
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert sorted(p.name for p in folder.iterdir()) == ["stage-2.pt"]
+    assert (folder / "stage-2.pt").stat().st_size == 10
+
+
+@needs_lab
+def test_the_checkpoint_store_serves_from_its_own_namespace_behind_a_shaped_link_and_is_removed_after(tmp_path):
+    store = CheckpointStore(mbit=50, scratch=tmp_path)
+    namespace = store.lab.ns(0)
+    try:
+        assert store.host != "127.0.0.1"  # another host: the bytes cross the shaped link
+        asyncio.run(store.ready())
+        asyncio.run(store_round_trip(store.host, store.port, tmp_path, [1_000_000]))
+    finally:
+        store.close()
+    assert namespace not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
