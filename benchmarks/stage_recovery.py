@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -78,6 +79,7 @@ import random
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -180,7 +182,7 @@ def young_interval(checkpoint_s: float, step_s: float, rate: float, steps_per_ho
 
 # A checkpoint store on another host (--checkpoint-store-mbit): in a swarm a checkpoint kept only on the node that dies
 # is lost with it, so a deployment uploads each stage's checkpoint to storage elsewhere and a replacement server
-# downloads it. The store is a process in a network namespace of its own (benchmarks/lab.py), behind a link shaped to
+# downloads it. The store is a process in a network namespace of its own (CheckpointStore), behind a link shaped to
 # the rate; it writes what it receives to a temporary file, fsyncs it and renames it over the last one before it
 # answers. One request per connection: PUT (b"P", name, length, bytes) -> b"K"; GET (b"G", name) -> length, bytes.
 STORE_PORT = 7311
@@ -190,7 +192,6 @@ STORE_LENGTH = ">Q"
 
 async def store_serve(folder: Path, host: str, port: int) -> None:
     """The store's side (`--store-serve FOLDER HOST PORT`), until killed."""
-    import struct
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -230,8 +231,6 @@ async def store_serve(folder: Path, host: str, port: int) -> None:
 
 async def store_put(host: str, port: int, path: Path) -> None:
     """Upload the file at `path` to the store under its name; returns once the store has it on disk."""
-    import struct
-
     reader, writer = await asyncio.open_connection(host, port)
     try:
         name = path.name.encode()
@@ -247,8 +246,6 @@ async def store_put(host: str, port: int, path: Path) -> None:
 
 async def store_get(host: str, port: int, path: Path) -> None:
     """Download the file named like `path` from the store and write it there."""
-    import struct
-
     reader, writer = await asyncio.open_connection(host, port)
     try:
         name = path.name.encode()
@@ -261,25 +258,49 @@ async def store_get(host: str, port: int, path: Path) -> None:
     await asyncio.to_thread(path.write_bytes, data)
 
 
+STORE_NET = "198.19"  # the other half of RFC 2544's benchmarking range (the lab uses 198.18 and 198.20)
+STORE_INDEX = itertools.count()  # stores of one process: each its own names and addresses
+
+
 class CheckpointStore:
-    """The store in a one-node lab, its link shaped to `mbit` both ways (root: network namespaces and tc)."""
+    """The store in a network namespace of its own, joined to this host by a veth pair whose two ends are shaped to
+    `mbit` (tbf; root). Its names and its /30 come from this process's id, so it runs beside a lab, another store or a
+    test's (no bridge, no shared host address); a store whose owner died is removed by the next one (by that id)."""
 
     def __init__(self, mbit: float, scratch: Path) -> None:
-        from benchmarks.lab import Lab, Link
+        from benchmarks.lab import _run, _tbf, lab_unavailable
 
-        self.lab = Lab(nodes=1, host_link=True)
-        self.lab.up()
+        why = lab_unavailable()
+        if why:
+            raise RuntimeError(f"--checkpoint-store-mbit: {why}")
+        remove_stale_stores()
+        pid, index = os.getpid(), next(STORE_INDEX)
+        self.ns = f"ckst{pid}x{index}"  # with "h"/"s", within the 15 characters of an interface name
+        base = 4 * ((8 * pid + index) % 16384)
+        host_ip = f"{STORE_NET}.{base // 256}.{base % 256 + 1}"
+        self.host, self.port = f"{STORE_NET}.{base // 256}.{base % 256 + 2}", STORE_PORT
+        self.process: subprocess.Popen | None = None
         try:
-            self.lab.shape(0, Link(mbit=mbit))
-            self.host, self.port = self.lab.ip(0), STORE_PORT
-            self.lab.run(
-                0,
-                [sys.executable, str(Path(__file__).resolve()), "--store-serve", str(scratch / "store"), self.host]
-                + [str(self.port)],
-                scratch / "store.log",
-            )
+            _run("ip", "netns", "add", self.ns)
+            _run("ip", "link", "add", f"{self.ns}h", "type", "veth", "peer", "name", f"{self.ns}s")
+            _run("ip", "link", "set", f"{self.ns}s", "netns", self.ns)
+            _run("ip", "addr", "add", f"{host_ip}/30", "dev", f"{self.ns}h")
+            _run("ip", "link", "set", f"{self.ns}h", "up")
+            _run("ip", "-n", self.ns, "addr", "add", f"{self.host}/30", "dev", f"{self.ns}s")
+            _run("ip", "-n", self.ns, "link", "set", f"{self.ns}s", "up")
+            _run("ip", "-n", self.ns, "link", "set", "lo", "up")
+            _run("tc", "qdisc", "add", "dev", f"{self.ns}h", "root", *_tbf(mbit))  # uploads
+            _run("tc", "-n", self.ns, "qdisc", "add", "dev", f"{self.ns}s", "root", *_tbf(mbit))  # downloads
+            with open(scratch / "store.log", "ab") as log:
+                self.process = subprocess.Popen(
+                    ["ip", "netns", "exec", self.ns, sys.executable, str(Path(__file__).resolve()), "--store-serve"]
+                    + [str(scratch / "store"), self.host, str(self.port)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         except BaseException:
-            self.lab.down()
+            self.close()
             raise
 
     async def ready(self) -> None:
@@ -292,7 +313,29 @@ class CheckpointStore:
         raise RuntimeError("the checkpoint store never listened")
 
     def close(self) -> None:
-        self.lab.down()
+        """Stop the store's process (by its process group) and delete its namespace, which takes the veth pair along."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+def remove_stale_stores() -> list[str]:
+    """Delete the namespaces of checkpoint stores whose owner process is gone (and stop what still runs in them)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    removed = []
+    for name in listed:
+        owner = name.removeprefix("ckst").split("x")[0]
+        if not name.startswith("ckst") or not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        removed.append(name)
+    return removed
 
 
 class Bench:

@@ -1,6 +1,6 @@
-"""benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, the checkpoint store
-returns what was uploaded (on loopback, and from its own namespace), Young's interval, and the report's arithmetic on
-hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
+"""benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, the checkpoint
+store returns what was uploaded (on loopback, and from its own namespace), Young's interval, and the report's arithmetic
+on hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
 benchmarks/RESULTS.md.)"""
 
 from __future__ import annotations
@@ -195,14 +195,41 @@ def test_the_checkpoint_store_keeps_the_last_upload_of_each_name_whole(tmp_path)
     assert (folder / "stage-2.pt").stat().st_size == 10
 
 
+def namespaces() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
 @needs_lab
-def test_the_checkpoint_store_serves_from_its_own_namespace_behind_a_shaped_link_and_is_removed_after(tmp_path):
-    store = CheckpointStore(mbit=50, scratch=tmp_path)
-    namespace = store.lab.ns(0)
+def test_two_checkpoint_stores_serve_side_by_side_from_their_own_namespaces_and_are_removed_after(tmp_path):
+    """Each store has its own namespace, link and address: two at once (or a store beside a lab) never cross wires,
+    which a store on the lab's shared host address did (a test's upload landed in a running benchmark's store)."""
+    stores = []
     try:
-        assert store.host != "127.0.0.1"  # another host: the bytes cross the shaped link
-        asyncio.run(store.ready())
-        asyncio.run(store_round_trip(store.host, store.port, tmp_path, [1_000_000]))
+        for i in range(2):
+            (tmp_path / str(i)).mkdir()
+            stores.append(CheckpointStore(mbit=50, scratch=tmp_path / str(i)))
+        assert len({(store.ns, store.host) for store in stores}) == 2
+        assert all(store.host != "127.0.0.1" for store in stores)  # another host: the bytes cross the shaped link
+        for i, store in enumerate(stores):
+            asyncio.run(store.ready())
+            asyncio.run(store_round_trip(store.host, store.port, tmp_path / str(i), [1_000_000, 20]))
+        # each kept its own last upload
+        assert [(tmp_path / str(i) / "store" / "stage-2.pt").stat().st_size for i in range(2)] == [20, 20]
     finally:
+        for store in stores:
+            store.close()
+    assert not {store.ns for store in stores} & set(namespaces())
+
+
+@needs_lab
+def test_a_store_whose_owner_died_is_removed_by_the_next_one(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"ckst{gone.pid}x0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        store = CheckpointStore(mbit=50, scratch=tmp_path)
         store.close()
-    assert namespace not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
