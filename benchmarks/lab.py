@@ -240,6 +240,11 @@ class Lab:
         if why:
             raise RuntimeError(why)
         cleanup_stale()
+        if self.host_link and (holder := host_link_holder()):
+            raise RuntimeError(
+                f"lab {holder} already joins this host to {BENCH_NET}.0.0/{PREFIX_LEN} as {HOST_IP}: a second lab with "
+                "host_link would take its routes (pass host_link=False, or wait for it to end)"
+            )
         self._up = True
         self._save_registry()  # before creating anything: a crash from here on is cleaned up next time
         try:
@@ -355,6 +360,7 @@ class Lab:
             "owner_pid": os.getpid(),
             "tag": self.tag,
             "nodes": self.nodes,
+            "host_link": self.host_link,
             "process_groups": [p.popen.pid for p in self.processes.values()],
         }
         tmp = self._registry.with_suffix(".tmp")
@@ -459,6 +465,21 @@ def _remove(tag: str, nodes: int) -> None:
             _run("ip", "netns", "del", name, check=False)
     _run("ip", "netns", "del", f"{tag}-hub", check=False)
     _run("ip", "link", "del", f"{tag}h", check=False)
+
+
+def host_link_holder() -> str | None:
+    """The tag of a live lab joining the host to the bench network (one at most: they share HOST_IP and its route)."""
+    if not REGISTRY_DIR.exists():
+        return None
+    for path in sorted(REGISTRY_DIR.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        owner = record.get("owner_pid")
+        if record.get("host_link") and owner and Path(f"/proc/{owner}").exists():
+            return record["tag"]
+    return None
 
 
 def cleanup_stale() -> list[str]:

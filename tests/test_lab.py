@@ -16,7 +16,16 @@ from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
 from tests.helpers.swarm import read_rows, wait_for
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab, Link, cleanup_stale, lab_unavailable, node_argv, node_summary, start_swarm  # noqa: E402
+from lab import (  # noqa: E402
+    REGISTRY_DIR,
+    Lab,
+    Link,
+    cleanup_stale,
+    lab_unavailable,
+    node_argv,
+    node_summary,
+    start_swarm,
+)
 
 needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
@@ -77,6 +86,28 @@ def test_link_profiles_are_checked():
         Lab(0)
     with pytest.raises(ValueError):
         Lab(2, tag="much-too-long")
+
+
+@needs_lab
+def test_a_second_lab_joined_to_the_host_is_refused_while_the_first_lives():
+    """Two labs with host_link share HOST_IP and its route: the second would silently take the first's traffic. A
+    live lab that holds the host link (here a registry record owned by a live process) makes up() refuse, creating
+    nothing."""
+    owner = subprocess.Popen(["sleep", "60"])
+    record = REGISTRY_DIR / "slhold.json"
+    REGISTRY_DIR.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"owner_pid": owner.pid, "tag": "slhold", "nodes": 1, "host_link": True}))
+    try:
+        lab = Lab(1, tag="slsecnd")
+        with pytest.raises(RuntimeError, match="slhold already joins this host"):
+            lab.up()
+        assert not (REGISTRY_DIR / "slsecnd.json").exists()
+        assert "slsecnd-hub" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        Lab(1, tag="slother", host_link=False).__enter__().down()  # a lab without the host link is not in its way
+    finally:
+        owner.kill()
+        owner.wait()
+        record.unlink(missing_ok=True)
 
 
 @needs_lab
