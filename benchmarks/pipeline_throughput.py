@@ -730,7 +730,7 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
     tcp = await asyncio.start_server(echo, "127.0.0.1", 0)
     port = tcp.sockets[0].getsockname()[1]
     await server.add_binary_stream_handler("floor", lambda info, reader, writer: echo(reader, writer))
-    daemons = [server._child.pid, client._child.pid]
+    daemons = [server._child.pid, client._child.pid]  # hivemind keeps each daemon's process there, no public handle
     rows = {}
     try:
         for size in sizes:
