@@ -263,19 +263,14 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                             break
                         await asyncio.sleep(0.1)
                 assert all(s.state == "serving" and s.averaging is not None for s in servers)
+                # A stream reset by the p2p daemons under heavy load (seen once at a load of ~10: the answer's header
+                # never came) is what the driver retries on another step; so does this loop, a bounded number of times
+                reset_streams = 0
                 for step in range(60):  # bounded: stop as soon as both replicas averaged once
                     for k, server in enumerate(servers):
                         call_id = f"s{step}-{k}"
                         announcement = server.announcement()
                         hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(step * 2 + k))
-                        await call_stage(
-                            caller.p2p,
-                            server.protocol,
-                            announcement,
-                            hidden_call(stage_fp, hidden, call_id=call_id),
-                            server.limits,
-                            30,
-                        )
                         backward = StageCall(
                             v=PIPELINE_VERSION,
                             op="backward",
@@ -287,7 +282,6 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                             tensors={"grad": to_wire(torch.ones(2, 5, 32))},
                             scale=1.0,
                         )
-                        await call_stage(caller.p2p, server.protocol, announcement, backward, server.limits, 30)
                         step_call = StageCall(
                             v=PIPELINE_VERSION,
                             op="step",
@@ -299,7 +293,13 @@ def test_replicas_of_a_stage_average_with_noloco(config):
                             tensors={},
                             scale=1.0,
                         )
-                        await call_stage(caller.p2p, server.protocol, announcement, step_call, server.limits, 30)
+                        try:
+                            for call in (hidden_call(stage_fp, hidden, call_id=call_id), backward, step_call):
+                                await call_stage(caller.p2p, server.protocol, announcement, call, server.limits, 30)
+                        except HopFailed as failed:
+                            if failed.reason != "unreachable" or reset_streams >= 5:
+                                raise
+                            reset_streams += 1
                     if all(s.averaging.stats.succeeded >= 1 for s in servers):
                         break
                     await asyncio.sleep(0.3)
