@@ -467,17 +467,26 @@ def _remove(tag: str, nodes: int) -> None:
     _run("ip", "link", "del", f"{tag}h", check=False)
 
 
-def host_link_holder() -> str | None:
-    """The tag of a live lab joining the host to the bench network (one at most: they share HOST_IP and its route)."""
+def _registry_records():
+    """(path, record) of every lab in the registry; record None where the file cannot be read."""
     if not REGISTRY_DIR.exists():
-        return None
+        return
     for path in sorted(REGISTRY_DIR.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
+            yield path, json.loads(path.read_text())
         except (OSError, ValueError):
-            continue
-        owner = record.get("owner_pid")
-        if record.get("host_link") and owner and Path(f"/proc/{owner}").exists():
+            yield path, None
+
+
+def _owner_alive(record: dict) -> bool:
+    owner = record.get("owner_pid")
+    return bool(owner) and Path(f"/proc/{owner}").exists()
+
+
+def host_link_holder() -> str | None:
+    """The tag of a live lab joining the host to the bench network (one at most: they share HOST_IP and its route)."""
+    for _, record in _registry_records():
+        if record is not None and record.get("host_link") and _owner_alive(record):
             return record["tag"]
     return None
 
@@ -485,16 +494,11 @@ def host_link_holder() -> str | None:
 def cleanup_stale() -> list[str]:
     """Remove what labs whose owner process is gone left behind (process groups, namespaces, links); their tags."""
     removed = []
-    if not REGISTRY_DIR.exists():
-        return removed
-    for path in sorted(REGISTRY_DIR.glob("*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+    for path, record in list(_registry_records()):
+        if record is None:
             path.unlink(missing_ok=True)
             continue
-        owner = record.get("owner_pid")
-        if owner and owner != os.getpid() and Path(f"/proc/{owner}").exists():
+        if record.get("owner_pid") != os.getpid() and _owner_alive(record):
             continue  # a live lab
         for pgid in record.get("process_groups", []):
             with contextlib.suppress(ProcessLookupError, PermissionError):
