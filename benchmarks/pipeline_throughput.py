@@ -685,12 +685,6 @@ FLOOR_BYTES = [4_096, 65_536, 262_144, 1_048_576, 4_194_304]  # a 4 KB control c
 # micro-batch are 1 MB in float32, its logits' gradient 0.2 MB)
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid` so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def transport_floor(sizes: list[int], calls: int) -> dict:
     """What a pipeline call's bytes cost on the wire with no compute: a framed echo (node/transport/framing.py, as
     call_stage and StageHandler frame a call) of each size, through two p2p daemons on 127.0.0.1 (a stream per call,
@@ -699,6 +693,7 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
     daemons (for the TCP way that is their background work: the DHT's upkeep)."""
     import enum
 
+    import psutil
     from hivemind.p2p import P2P
 
     from node.transport.framing import read_frame, write_frame
@@ -730,7 +725,12 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
     tcp = await asyncio.start_server(echo, "127.0.0.1", 0)
     port = tcp.sockets[0].getsockname()[1]
     await server.add_binary_stream_handler("floor", lambda info, reader, writer: echo(reader, writer))
-    daemons = [server._child.pid, client._child.pid]  # hivemind keeps each daemon's process there, no public handle
+    # hivemind keeps each daemon's process there, no public handle
+    daemons = [psutil.Process(p2p._child.pid) for p2p in (server, client)]
+
+    def daemons_cpu_s() -> float:
+        return sum(sum(daemon.cpu_times()[:2]) for daemon in daemons)  # user + system
+
     rows = {}
     try:
         for size in sizes:
@@ -739,7 +739,7 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
             cpu = {"p2p": [0.0, 0.0], "tcp": [0.0, 0.0]}  # [this process, the two daemons]
             for call in range(calls + 1):  # the first call of each way warms it up and is not counted
                 for way in ("p2p", "tcp"):
-                    before = (time.process_time(), sum(_cpu_s(pid) for pid in daemons), time.perf_counter())
+                    before = (time.process_time(), daemons_cpu_s(), time.perf_counter())
                     if way == "p2p":
                         _, reader, writer = await client.call_binary_stream_handler(server.peer_id, "floor")
                     else:
@@ -749,7 +749,7 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
                     if call:
                         times[way].append(wall)
                         cpu[way][0] += time.process_time() - before[0]
-                        cpu[way][1] += sum(_cpu_s(pid) for pid in daemons) - before[1]
+                        cpu[way][1] += daemons_cpu_s() - before[1]
             row = {}
             for way in ("p2p", "tcp"):
                 median = statistics.median(times[way])
