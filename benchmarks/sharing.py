@@ -214,6 +214,9 @@ ARMS = {
     # the shipped arm joining gradually: from a silo's round (8 own questions) to 4 own and 4 of peers' groups over the
     # first 200 rounds (~30 units), against the early shock on the own specialty (RESULTS "The own-specialty KL anchor")
     "sapo_balance_ramp": [*SAPO_BALANCE, "swarm.sharing_ramp_rounds=200"],
+    # the shipped arm taking a peer's group only where that peer is measurably stronger in its specialty, its own
+    # questions in place of the rest (issue #33 section 3's success-gated transfer): equal nodes train as silos do
+    "sapo_balance_gated": [*SAPO_BALANCE, "swarm.external_gate=stronger_peer"],
     # NoLoCo as configs/swarm.yaml offers it (a random partner every 50 updates, outer lr 0.7, momentum 0.5, fp16 on
     # the wire), beside the shipped sharing and beside the silo alone (issue #33 section 3: does the averaging the
     # README offers help specialists or harm them?)
@@ -459,6 +462,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     groups_used: list[list[int]] = [[] for _ in nodes]
     importance: list[float] = []
     rescored: list[int] = []
+    taken: list[int] = []
     omegas: list[float] = []
     imitated: list[int] = []
     distilled: list[int] = []
@@ -489,6 +493,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
                 importance.append(row["importance_weight_mean"])
             if "external_rescored" in row:
                 rescored.append(row["external_rescored"])
+                taken.append(row["external_questions"])
             if "external_omega_mean" in row:
                 omegas.append(row["external_omega_mean"])
             imitated.append(row.get("imitation_sequences", 0))
@@ -530,6 +535,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "groups_used_per_update": statistics.fmean(g for per_node in groups_used for g in per_node),
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
+        "external_taken_per_round": statistics.fmean(taken) if taken else None,
         "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
         "distilled_sequences_per_round": statistics.fmean(distilled),
@@ -914,21 +920,7 @@ def report(args) -> None:
     # homogeneous: never below the silo
     homo = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "homogeneous"}
     if "silo" in homo:
-        ratios = {}
-        for arm, seeds in homo.items():
-            common = sorted(set(seeds) & set(homo["silo"]))
-            budget = min(seeds[s]["budget_s"] for s in common)
-            ratios[arm] = [
-                mean_metric(seeds[s], budget, "all") / mean_metric(homo["silo"][s], budget, "all") for s in common
-            ]
-            print(
-                f"homogeneous: {arm} held-out ratio to silo at equal compute, per seed "
-                f"{[round(r, 3) for r in ratios[arm]]}",
-                flush=True,
-            )
-        best = summary.get("best_arm")
-        summary["homogeneous_ratio_per_seed"] = ratios.get(best) if best else None
-        summary["homogeneous_ratios"] = ratios
+        summary.update(homogeneous_ratios(homo, summary.get("best_arm")))
     # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours, at each horizon run; the summary's
     # per-seed fields keep the horizon with the most seeds of the paper's two arms (then the longest)
     horizons: dict[int, dict[str, list[float]]] = {}
@@ -957,6 +949,34 @@ def report(args) -> None:
     if "silo" in spec_arms and args.axis == "cpu":  # compute units are load-free already
         summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
+
+
+def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
+    """Equal nodes: each arm's mean held-out over its 4 nodes divided by the silo's, per seed, at the smaller budget of
+    the two; the summary's per-seed ratios are those of the specialists' best arm, or (a report of equal nodes alone)
+    of the swarm arm with the highest mean ratio among those run on the most seeds."""
+    ratios = {}
+    for arm, seeds in homo.items():
+        common = sorted(set(seeds) & set(homo["silo"]))
+        ratios[arm] = []
+        for s in common:
+            budget = min(seeds[s]["budget_s"], homo["silo"][s]["budget_s"])
+            ratios[arm].append(mean_metric(seeds[s], budget, "all") / mean_metric(homo["silo"][s], budget, "all"))
+        print(
+            f"homogeneous: {arm} held-out ratio to silo at equal compute, per seed "
+            f"{[round(r, 3) for r in ratios[arm]]}",
+            flush=True,
+        )
+    if best_arm is None:
+        swarm_ratios = {arm: r for arm, r in ratios.items() if base_arm(arm) in SWARM_ARMS and r}
+        most_seeds = max((len(r) for r in swarm_ratios.values()), default=0)
+        swarm_ratios = {arm: r for arm, r in swarm_ratios.items() if len(r) == most_seeds}
+        best_arm = max(swarm_ratios, key=lambda arm: statistics.fmean(swarm_ratios[arm]), default=None)
+    return {
+        "homogeneous_arm": best_arm,
+        "homogeneous_ratio_per_seed": ratios.get(best_arm) if best_arm else None,
+        "homogeneous_ratios": ratios,
+    }
 
 
 def four_specialists(by_key: dict) -> dict:

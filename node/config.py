@@ -286,6 +286,16 @@ class SwarmConfig(_Section):
     'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
     that question's specialty are wrong (1 - its accuracy moving average, floor 0.05), so the
     node takes peers' correct answers where it rarely finds them itself."""
+    external_gate: Literal["none", "stronger_peer"] = "none"
+    """Which re-scored peers' groups with a spread a round keeps: 'none', each one (SAPO); 'stronger_peer', only a
+    group whose sender knows its specialty better than this node: that peer's moving pass rate there, re-scored here,
+    at least `external_gate_margin` above this node's own accuracy moving average (an unanswered specialty counts as
+    an even chance). For each of the J it does not take, the node draws, answers and trains on one more question of its
+    own, so between equal nodes a round is a silo's round, and a node takes peers' groups where they know what it
+    lacks."""
+    external_gate_margin: float = Field(0.1, ge=0.0, le=1.0)
+    """How much more often than this node a peer must be right in a specialty for the 'stronger_peer' gate to take its
+    groups there: a margin over the noise of two moving averages of 8-answer groups (about 0.05 each)."""
     capability_aware: bool = False
     """HACPO's corrections for peers that know more or less than this node (node/sharing.py): per specialty, a
     peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
@@ -388,15 +398,22 @@ class SwarmConfig(_Section):
             return self.external_questions
         return self.external_questions * rounds_done // self.sharing_ramp_rounds
 
-    def own_quota(self, rounds_done: int) -> tuple[int, int]:
+    def own_quota(self, rounds_done: int, peers_taken: int | None = None) -> tuple[int, int]:
         """(questions of its own the node draws and answers, and trains on) in that round: I (or generated_questions)
-        plus the peers' groups the ramp does not take yet."""
-        deferred = self.external_questions - self.external_quota(rounds_done)
+        plus the peers' groups the ramp does not take yet, and, with `external_gate`, those of the round's J it did not
+        take (`peers_taken`: how many it took; None, not known yet: as if all)."""
+        quota = self.external_quota(rounds_done)
+        deferred = self.external_questions - quota
+        if self.external_gate != "none" and peers_taken is not None:
+            deferred += max(0, quota - peers_taken)
         return (self.generated_questions or self.local_questions) + deferred, self.local_questions + deferred
 
     @property
     def own_draw_stride(self) -> int:
-        """Questions of the node's stream each round may draw: the most any round of the ramp draws."""
+        """Questions of the node's stream each round may draw: the most any round draws (a round of the ramp, or with
+        `external_gate` one that took no peer's group)."""
+        if self.external_gate != "none":
+            return (self.generated_questions or self.local_questions) + self.external_questions
         return self.own_quota(0)[0]
 
     @property
@@ -566,6 +583,11 @@ class NodeConfig(_Section):
         if self.swarm.sharing_ramp_rounds and not self.swarm.external_questions:
             raise ValueError(
                 "swarm.sharing_ramp_rounds ramps up the peers' groups a round takes: set swarm.external_questions > 0"
+            )
+        if self.swarm.external_gate != "none" and not self.swarm.external_questions:
+            raise ValueError(
+                "swarm.external_gate chooses which of the J peers' groups a round keeps: "
+                "set swarm.external_questions > 0"
             )
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")

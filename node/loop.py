@@ -222,9 +222,13 @@ class Node:
         collect = when_to_collect_peers(swarm)
         external_groups: list[RolloutGroup] = []
         sharing_s = 0.0
-        if collect == "before_drawing":  # the node's own questions fill the specialties peers did not bring
+        peers_taken = None
+        if collect == "before_drawing":  # the node's own questions fill the specialties (or slots) peers did not
             external_groups, sharing_s = await self._peer_groups(round_)
-        questions = self.local.draw(self.round, balance_with=external_groups if collect == "before_drawing" else None)
+            peers_taken = len(external_groups)
+        questions = self.local.draw(
+            self.round, balance_with=external_groups if swarm.local_draw == "balance" else None, peers_taken=peers_taken
+        )
         work_before = copy.copy(self.backend.work)
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
@@ -236,7 +240,7 @@ class Node:
             external_groups, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
-        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, self.round)
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, self.round, peers_taken)
         if self.config.trainer.distill_coef > 0:
             self.teachers.assign(chosen_local)
         stats = await asyncio.to_thread(self.trainer.step, *training_batch(swarm, chosen_local, external_groups))
@@ -253,6 +257,7 @@ class Node:
             own_groups=local_groups,
             peer_groups=external_groups,
             peers_rescored=self.sharing.rescored_last_round,
+            peers_gated=self.sharing.gated_last_round,
             peer_completions_rescored=self.sharing.rescored_completions_last_round,
             outer_step=outer_step,
             generation_s=timings.generation_s,

@@ -24,7 +24,11 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    trainer's imitation term (trainer.imitation_coef), weighted by the share of the peer's pass rate this
    node lacks in the specialty (imitation_weight) times swarm.peer_imitation_scale: the policy-gradient term
    weighs a peer's answer by how likely this policy finds it, so the answers a node most lacks are the ones it
-   learns least from there.
+   learns least from there;
+5. with `swarm.external_gate: stronger_peer`, keeps a re-scored group only where its peer is measurably stronger in the
+   specialty (that peer's moving pass rate, re-scored here, at least `swarm.external_gate_margin` above this node's
+   accuracy moving average); the round answers one more question of its own for each group turned away, so equal
+   nodes train as a node alone would and a node takes peers' groups only where they know what it lacks.
 
 What a round does with its own groups and peers' follows from the swarm config alone: `when_to_collect_peers`,
 `groups_to_publish` and `training_batch` decide it for `Node.run_round`.
@@ -58,11 +62,14 @@ MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identi
 
 def when_to_collect_peers(swarm: SwarmConfig) -> Literal["never", "before_drawing", "after_publishing"]:
     """When a round collects and chooses peers' groups: never without J; with swarm.local_draw 'balance', before the
-    node draws its own questions (they fill the specialties peers left short); otherwise after it has published its
-    own (SAPO's order)."""
+    node draws its own questions (they fill the specialties peers left short), and with swarm.external_gate (the node
+    answers one more of its own for each peer's group it turns away); otherwise after it has published its own
+    (SAPO's order)."""
     if swarm.external_questions == 0:
         return "never"
-    return "before_drawing" if swarm.local_draw == "balance" else "after_publishing"
+    if swarm.local_draw == "balance" or swarm.external_gate != "none":
+        return "before_drawing"
+    return "after_publishing"
 
 
 def groups_to_publish(swarm: SwarmConfig, own: list[RolloutGroup]) -> list[RolloutGroup]:
@@ -134,6 +141,7 @@ class PeerRollouts:
         self.peer_rates: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_PEER_RATES)
         self.rescored_last_round = 0
         self.rescored_completions_last_round = 0  # graded here: part of a round's work (node/compute.py)
+        self.gated_last_round = 0  # re-scored with a spread, and turned away by swarm.external_gate
         # counts each refused group
         self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))
 
@@ -165,6 +173,7 @@ class PeerRollouts:
         chosen: list[RolloutGroup] = []
         self.rescored_last_round = 0
         self.rescored_completions_last_round = 0
+        self.gated_last_round = 0
         for item in order:
             if len(chosen) >= limit or self.rescored_last_round == self.rescore_budget:
                 break
@@ -177,9 +186,21 @@ class PeerRollouts:
             if is_uniform(group.rewards):
                 continue  # it claimed a spread it does not have: scored here, found empty, replaced
             self._correct_for_capability(group, correct / len(group.rewards))
+            if not self.passes_gate(group.source, self.tasks.label(group.spec)):
+                self.gated_last_round += 1
+                continue
             self.stats.peer(group.source).questions_used += 1
             chosen.append(group)
         return chosen
+
+    def passes_gate(self, peer: str, label: str) -> bool:
+        """swarm.external_gate 'stronger_peer': whether the peer's moving pass rate in the specialty (its groups
+        re-scored here, this one included) is at least the margin above this node's accuracy moving average there."""
+        swarm = self.config.swarm
+        if swarm.external_gate == "none":
+            return True
+        own = self.own_accuracy.get(label, CAPABILITY_PRIOR)
+        return self.peer_rates[(peer, label)] >= own + swarm.external_gate_margin - 1e-9
 
     def selection_weight(self, spec: TaskSpec) -> float:
         """'weakness' selection: how often this node's own answers in the spec's specialty are wrong (unknown: as if

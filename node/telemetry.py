@@ -48,6 +48,7 @@ class Telemetry:
         own_groups: list[RolloutGroup],
         peer_groups: list[RolloutGroup],
         peers_rescored: int,
+        peers_gated: int,
         peer_completions_rescored: int,
         outer_step: dict | None,
         generation_s: float,
@@ -90,6 +91,7 @@ class Telemetry:
             **policy_report,
             "external_questions": len(peer_groups),
             **({"external_rescored": peers_rescored} if swarm.external_questions else {}),
+            **({"external_gated": peers_gated} if swarm.external_gate != "none" else {}),
             **(
                 {
                     "external_omega_mean": sum(g.baseline_scale for g in peer_groups) / len(peer_groups),

@@ -585,3 +585,88 @@ def test_a_joining_nodes_rounds_follow_the_sharing_ramp(tiny_config, tmp_path):
     assert [row["external_questions"] for row in rows] == [0, 2, 4]
     own_answered = [(row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question for row in rows]
     assert own_answered == [8, 6, 4]
+
+
+# swarm.external_gate: peers' groups only where the peer is stronger, the node's own questions in place of the rest ---
+
+
+def test_the_gate_keeps_a_peers_group_only_where_that_peer_is_the_margin_stronger(swarm_node):
+    node = swarm_node("swarm.external_gate=stronger_peer")
+    node.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.1})
+    received = [
+        peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),  # 0.75 < 0.9 + 0.1: this node knows add
+        peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),  # 0.75 >= 0.1 + 0.1
+    ]
+    chosen = node.sharing.choose(received, seed=0)
+    assert [node.tasks.label(g.spec) for g in chosen] == ["subtract"]
+    assert node.sharing.gated_last_round == 1 and node.sharing.rescored_last_round == 2
+    assert node.stats.peer("expert").questions_used == 1  # only what it took counts as used
+    # an equal peer: right 6 times in 8 where this node is right 0.7 of the time; 0.75 is under 0.7 + 0.1 ...
+    node.telemetry.accuracy_by_dataset.update({"subtract": 0.7})
+    equal = [peer_group(spec_of("subtract", 1), right=6, wrong=2, peer="equal")]
+    assert node.sharing.choose(equal, seed=0) == [] and node.sharing.gated_last_round == 1
+    # ... and over 0.7 + 0.05; a specialty the node never answered counts as an even chance (0.5 + 0.1 <= 0.75)
+    looser = swarm_node("swarm.external_gate=stronger_peer", "swarm.external_gate_margin=0.05")
+    looser.telemetry.accuracy_by_dataset.update({"subtract": 0.7})
+    assert len(looser.sharing.choose(equal, seed=0)) == 1
+    assert len(swarm_node("swarm.external_gate=stronger_peer").sharing.choose(equal, seed=0)) == 1
+    # SAPO's rule (no gate) keeps every group with a spread
+    plain = swarm_node()
+    plain.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.7})
+    assert len(plain.sharing.choose(received + equal, seed=0)) == 3 and plain.sharing.gated_last_round == 0
+
+
+def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
+    from node.config import ConfigError
+
+    gated = SwarmConfig(local_questions=4, external_questions=4, external_gate="stronger_peer")
+    assert [gated.own_quota(5, taken) for taken in (None, 4, 1, 0)] == [(4, 4), (4, 4), (7, 7), (8, 8)]
+    assert gated.own_draw_stride == 8  # a round that took none draws 8: the rounds' draws never overlap
+    assert when_to_collect_peers(gated) == "before_drawing"  # it must know what it took before it draws
+    wider = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6, external_gate="stronger_peer")
+    assert wider.own_quota(0, 2) == (8, 6) and wider.own_draw_stride == 10
+    ramped = SwarmConfig(local_questions=4, external_questions=4, sharing_ramp_rounds=4, external_gate="stronger_peer")
+    assert ramped.own_quota(1, 0) == (8, 8) and ramped.own_quota(1, 1) == (7, 7)  # J = 1 in the ramp's round 1
+    # without the gate what a round took does not change its own share (the ramp's alone does)
+    plain = SwarmConfig(local_questions=4, external_questions=4)
+    assert plain.own_quota(5, 0) == (4, 4) and plain.own_draw_stride == 4
+    with pytest.raises(ConfigError, match="external_gate"):
+        tiny_config("swarm.transport=dht", "swarm.external_gate=stronger_peer")
+
+
+def test_a_gated_nodes_rounds_take_a_stronger_peers_groups_and_answer_its_own_in_place_of_an_equals(
+    tiny_config, tmp_path
+):
+    """Node b gates; a publishes 4 add groups right once in 2 (0.5) each round. Where b is right 0.95 of the time at
+    add, it takes none and answers 8 of its own; where it is right 0.1 of the time, it takes the 4 and answers 4."""
+    import asyncio
+
+    common = [
+        f"tasks.datasets={json.dumps(MIX)}",
+        "swarm.transport=dht",
+        "swarm.local_questions=4",
+        "swarm.external_questions=4",
+    ]
+    a, b = in_process_nodes(
+        tiny_config, tmp_path, {"a": common, "b": [*common, "swarm.external_gate=stronger_peer", "eval_every=0"]}
+    )
+    per_question = b.config.rollout.completions_per_question
+
+    def spread_group(index: int) -> RolloutGroup:
+        spec = spec_of("add", index)
+        return RolloutGroup(spec, right_and_wrong(spec), [1.0, 0.0])
+
+    async def rounds():
+        rows = []
+        for round_, add_accuracy in enumerate((0.95, 0.1)):
+            b.telemetry.accuracy_by_dataset["add"] = add_accuracy
+            b.sharing.peer_rates.clear()  # each round judges a's groups afresh
+            await a.transport.publish(round_ + 1, 0, [spread_group(4 * round_ + k) for k in range(4)])
+            rows.append(await b.run_round())
+        return rows
+
+    rows = asyncio.run(rounds())
+    assert [row["external_questions"] for row in rows] == [0, 4]
+    assert [row["external_gated"] for row in rows] == [4, 0]
+    own_answered = [(row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question for row in rows]
+    assert own_answered == [8, 4]

@@ -1,11 +1,12 @@
-"""The sharing benchmark's guard against comparing runs that started from different warm starts
-(benchmarks/sharing.py: each row's `warm_start_digests`, and the report's warning)."""
+"""The sharing benchmark's report (benchmarks/sharing.py): its guard against comparing runs that started from different
+warm starts (each row's `warm_start_digests`, and the report's warning), and the equal nodes' ratios."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from benchmarks.sharing import warm_start_mismatches, weights_digest
+from benchmarks.sharing import homogeneous_ratios, warm_start_mismatches, weights_digest
 
 
 def test_the_digest_sees_one_changed_bit_and_nothing_else():
@@ -33,3 +34,28 @@ def test_arms_of_one_seed_from_different_warm_starts_are_named():
     # seed 0 agrees; seed 2's silo row has no digest (stored before they were recorded); the homogeneous setting is
     # another comparison
     assert warm_start_mismatches(by_key) == ["specialists seed 1: sapo_balance c,e; silo c,d"]
+
+
+def test_equal_nodes_ratios_per_seed_at_the_budget_both_arms_reached():
+    def run(final: float, budget: float = 200.0) -> dict:
+        curve = [{"compute_s": 0.0, "all": 0.7}, {"compute_s": budget, "all": final}]
+        return {"budget_s": budget, "weak": [None] * 4, "curves": [curve] * 4}
+
+    homo = {
+        "silo": {0: run(0.9), 1: run(0.8)},
+        "sapo_balance": {0: run(0.9 * 0.99), 1: run(0.8 * 0.97)},
+        "sapo_balance_gated": {0: run(0.9), 1: run(0.8 * 1.01)},
+        "sapo_own": {0: run(0.95)},  # one seed: not comparable with the two-seed arms
+        "silo_imitate_peers": {0: run(0.9), 1: run(0.75, budget=100.0)},  # stopped at 100: compared there
+    }
+    out = homogeneous_ratios(homo, best_arm=None)
+    assert out["homogeneous_ratios"]["sapo_balance"] == pytest.approx([0.99, 0.97])
+    # at 100 units the silo is halfway: 0.7 + (0.8 - 0.7) / 2
+    assert out["homogeneous_ratios"]["silo_imitate_peers"] == pytest.approx([1.0, 0.75 / 0.75])
+    # a report of equal nodes alone names its best swarm arm on the most seeds (the silo is none)
+    assert out["homogeneous_arm"] == "sapo_balance_gated"
+    assert out["homogeneous_ratio_per_seed"] == pytest.approx([1.0, 1.01])
+    # beside specialists, the specialists' best arm is the one reported
+    assert homogeneous_ratios(homo, best_arm="sapo_balance")["homogeneous_ratio_per_seed"] == pytest.approx(
+        [0.99, 0.97]
+    )

@@ -102,6 +102,7 @@ def test_a_rounds_metrics_row_hand_computed():
             own_groups=[group(4), group(4)],
             peer_groups=peer_groups,
             peers_rescored=3,
+            peers_gated=1,
             peer_completions_rescored=6,
             outer_step=outer_step,
             generation_s=1.0,
