@@ -176,3 +176,40 @@ def test_a_hidden_state_of_an_integer_dtype_is_refused():
     with pytest.raises(BackendRefused) as refusal:
         chain[1].forward("p", wrong)
     assert refusal.value.reason is PipelineRefusal.BAD_TENSOR and "int32" in refusal.value.detail
+
+
+def test_a_repeated_step_call_is_answered_without_being_applied_twice():
+    """A driver whose stream broke before the answer came sends the same step call again (PipelineRouter.step): the
+    server that applied it answers the repeat with the first answer; another call id, or another caller, steps."""
+    import asyncio
+
+    from node.pipeline.handler import StageHandler
+    from protocol.pipeline import DEFAULT_PIPELINE_LIMITS
+
+    _, chain = backends(PipelineConfig())
+    handler = StageHandler(DEFAULT_PIPELINE_LIMITS)
+    handler.backend, handler.fingerprint, handler.state = chain[0], "fp", "serving"
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(3))
+
+    def accumulate(call_id: str) -> None:
+        out = chain[0].forward("driver", call("forward", 0, call_id, ("embed", "layers"), input_ids=ids, **inputs(ids)))
+        chain[0].backward(
+            "driver", call("backward", 0, call_id, ("embed", "layers"), grad=torch.ones_like(out["output"]))
+        )
+
+    async def steps():
+        accumulate("m1")
+        first = await handler.serve("driver", call("step", 0, "step-1", ("embed", "layers")))
+        weights = [p.detach().clone() for p in chain[0].stage.parameters()]
+        accumulate("m2")  # gradients the repeat must leave alone
+        again = await handler.serve("driver", call("step", 0, "step-1", ("embed", "layers")))
+        assert again == first and chain[0].step == 1
+        assert all(torch.equal(a, b) for a, b in zip(weights, chain[0].stage.parameters()))
+        assert any(p.grad is not None for p in chain[0].stage.parameters())
+        other = await handler.serve("driver", call("step", 0, "step-2", ("embed", "layers")))
+        assert chain[0].step == 2 and other.step == 2
+        accumulate("m3")
+        await handler.serve("another-driver", call("step", 0, "step-2", ("embed", "layers")))
+        assert chain[0].step == 3
+
+    asyncio.run(steps())

@@ -259,3 +259,44 @@ def test_micro_batches_in_flight_bounds_how_many_travel_at_once_and_keeps_the_lo
         assert seen == expected, (in_flight, seen)
         assert abs(row["loss"] - 2.7726) < 1e-4 and row["retries"] == 0
         assert set(row["grad_norms"]) == {0, 1}
+
+
+class BrokenStepRouter(FixedRouter):
+    """FixedRouter whose step calls to stage 1 fail `breaks` times first, with `reason`; it notes every step call."""
+
+    def __init__(self, cfg, breaks: int, reason: str) -> None:
+        super().__init__(cfg)
+        self.breaks, self.reason = breaks, reason
+        self.step_calls: list[tuple[int, str]] = []
+
+    async def call(self, server, call, timeout=None):
+        if call.op == "step":
+            self.step_calls.append((server.stage, call.call_id))
+            if server.stage == 1 and self.breaks:
+                self.breaks -= 1
+                raise HopFailed(server, self.reason, "scripted")
+        return await super().call(server, call, timeout)
+
+
+def test_a_step_call_whose_stream_broke_is_sent_again_and_a_dead_server_is_not_waited_for_twice(tmp_path):
+    """A reset stream (reason 'unreachable') may have lost the server's answer or the call itself: the driver sends
+    the same call again, up to 3 tries (the server answers a repeat without applying it twice: test_pipeline_backend).
+    A timeout is not retried (the server is presumed dead, and another try would cost another call_timeout_s)."""
+
+    async def run_step(breaks: int, reason: str) -> tuple[BrokenStepRouter, dict]:
+        cfg = config(tmp_path / f"{reason}{breaks}").model_copy(deep=True)
+        cfg.pipeline.checkfree_plus = False
+        router = BrokenStepRouter(cfg, breaks, reason)
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        row = await LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())).train_step()
+        return router, row
+
+    router, row = asyncio.run(run_step(2, "unreachable"))
+    stage_one = [call_id for stage, call_id in router.step_calls if stage == 1]
+    assert len(stage_one) == 3 and len(set(stage_one)) == 1  # the same call, three times
+    assert set(row["grad_norms"]) == {0, 1} and "n1" not in router.avoid
+    router, row = asyncio.run(run_step(3, "unreachable"))  # three broken streams: the stage's step failed
+    assert len([1 for stage, _ in router.step_calls if stage == 1]) == 3 and set(row["grad_norms"]) == {0}
+    router, row = asyncio.run(run_step(1, "timeout"))
+    assert len([1 for stage, _ in router.step_calls if stage == 1]) == 1 and set(row["grad_norms"]) == {0}
+    assert "n1" in router.avoid

@@ -46,6 +46,7 @@ from protocol.bounded import BoundedDict
 log = logging.getLogger(__name__)
 
 STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
+STEP_ATTEMPTS = 3  # tries of a step call whose stream broke (the server answers a repeated step without applying it)
 WAIT_LOG_EVERY_S = 15.0  # a driver waiting for a lost stage says so this often
 
 
@@ -300,8 +301,23 @@ class PipelineRouter:
         return [i for i in range(self.pipeline.num_stages) if not self.map.live(i, self.avoided())]
 
     async def step(self, servers: dict[str, StageAnnouncement], scale: float, step_id: str) -> dict[int, float]:
-        """Ask every server used in this step to apply (scale > 0) or drop (scale 0) its gradients; their grad norms."""
-        calls = [self.call(s, self._call("step", s, step_id, scale=scale)) for s in servers.values()]
+        """Ask every server used in this step to apply (scale > 0) or drop (scale 0) its gradients; their grad norms.
+
+        A step call whose stream broke is sent again, the same call: a server that applied it answers without applying
+        it twice (StageHandler.steps_answered), and one that never received it applies it now. Without that, a server
+        whose answer was lost keeps this step's gradients and adds them to the next one's."""
+
+        async def step_call(server: StageAnnouncement):
+            call = self._call("step", server, step_id, scale=scale)
+            for attempt in range(STEP_ATTEMPTS):
+                try:
+                    return await self.call(server, call)
+                except HopFailed as failure:
+                    if failure.reason != "unreachable" or attempt == STEP_ATTEMPTS - 1:
+                        raise
+                    log.info("step call to stage %d broke (%s); asking again", server.stage, failure.detail)
+
+        calls = [step_call(s) for s in servers.values()]
         norms = {}
         for server, outcome in zip(servers.values(), await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(outcome, HopFailed):

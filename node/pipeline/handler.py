@@ -6,7 +6,9 @@ backend, write the answer. Every call is checked before torch sees it: the frame
 the backend checks the tensors. A bad call gets a REFUSE frame with a `PipelineRefusal` (or
 protocol `Refusal`) code, counted by reason and by peer; nothing raises out of the handler.
 The torch work runs in one worker thread, one call at a time (`torch_lock`), so the event
-loop keeps answering the DHT and new streams while a step runs.
+loop keeps answering the DHT and new streams while a step runs. A step call is applied once per
+caller and call id: a driver whose stream broke before the answer came asks again and gets the
+first answer (a step is not idempotent, and the driver cannot tell whether it was applied).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from node.pipeline.tensors import to_wire
 from node.stats import LogThrottle, SwarmStats
 from node.transport.framing import FramingError, OversizedFrame, read_frame, write_frame
 from protocol import ProtocolRejection
+from protocol.bounded import BoundedDict
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
 from protocol.refusals import PipelineRefusal, Refusal
 
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 30.0  # a caller that opens a stream must send its call within this
+STEPS_REMEMBERED = 64  # step answers kept for a caller's retry of the same call (each is a few numbers)
 REFUSAL_LOG_EVERY_S = 60.0
 
 
@@ -49,6 +53,8 @@ class StageHandler:
         self.before_step: Callable[[], None] = lambda: None  # e.g. apply a finished averaging round between steps
         self.after_step: Callable[[int], None] = lambda step: None  # e.g. start an averaging round
         self.refusal_log_throttle = LogThrottle(REFUSAL_LOG_EVERY_S)
+        # (caller, call id) -> the answer of a step applied: a retried step call is answered, not applied again
+        self.steps_answered: BoundedDict[tuple[str, str], StageResult] = BoundedDict(STEPS_REMEMBERED)
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -114,18 +120,21 @@ class StageHandler:
                 if call.op == "weights":
                     return self._result(backend, {}, weights=await asyncio.to_thread(backend.weights, call.parts))
                 if call.op == "step":
+                    answered = self.steps_answered.get((peer, call.call_id))
+                    if answered is not None:
+                        return answered
                     self.before_step()
                     if await asyncio.to_thread(backend.apply_step, call.scale, call.lr_scale):
                         self.after_step(backend.step)
-                    tensors = {}
-                else:
-                    run = {
-                        "forward": backend.forward,
-                        "backward": backend.backward,
-                        "infer": backend.infer,
-                        "end_session": backend.end_session,
-                    }[call.op]
-                    tensors = await asyncio.to_thread(run, peer, call)
+                    self.steps_answered[(peer, call.call_id)] = result = self._result(backend, {})
+                    return result
+                run = {
+                    "forward": backend.forward,
+                    "backward": backend.backward,
+                    "infer": backend.infer,
+                    "end_session": backend.end_session,
+                }[call.op]
+                tensors = await asyncio.to_thread(run, peer, call)
             except BackendRefused:
                 raise
             except Exception as exc:  # noqa: BLE001 - a compute error is refused to the caller, logged here, and the server lives on

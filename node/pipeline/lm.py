@@ -119,7 +119,8 @@ class LMDriver:
                 break
             except StageLost as lost:
                 await self._abandon(touched, step, lost)
-        norms = await self.router.step(touched, scale=1.0, step_id=f"step-{step}")
+        # unique per try: a driver restarted at this step must not be answered with the step its last run applied
+        norms = await self.router.step(touched, scale=1.0, step_id=f"step-{step}-{time.time_ns() % 10**9}")
         row: dict[str, Any] = {
             "step": step,
             "time": time.time(),
