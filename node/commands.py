@@ -28,6 +28,7 @@ JOIN_PRESET = [
     "swarm.external_selection=weakness",
     "swarm.imitation=own_and_stronger_peers",
     "swarm.local_draw=balance",
+    "swarm.external_gate=stronger_peer",
     "trainer.imitation_coef=4.0",
     "state_dir=~/.swarm-node/swarm",
 ]

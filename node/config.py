@@ -292,7 +292,7 @@ class SwarmConfig(_Section):
     at least `external_gate_margin` above this node's own accuracy moving average (an unanswered specialty counts as
     an even chance). For each of the J it does not take, the node draws, answers and trains on one more question of its
     own, so between equal nodes a round is a silo's round, and a node takes peers' groups where they know what it
-    lacks."""
+    lacks. With J = 0 (an isolated node) it does nothing."""
     external_gate_margin: float = Field(0.1, ge=0.0, le=1.0)
     """How much more often than this node a peer must be right in a specialty for the 'stronger_peer' gate to take its
     groups there: a margin over the noise of two moving averages of 8-answer groups (about 0.05 each)."""
@@ -583,11 +583,6 @@ class NodeConfig(_Section):
         if self.swarm.sharing_ramp_rounds and not self.swarm.external_questions:
             raise ValueError(
                 "swarm.sharing_ramp_rounds ramps up the peers' groups a round takes: set swarm.external_questions > 0"
-            )
-        if self.swarm.external_gate != "none" and not self.swarm.external_questions:
-            raise ValueError(
-                "swarm.external_gate chooses which of the J peers' groups a round keeps: "
-                "set swarm.external_questions > 0"
             )
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")

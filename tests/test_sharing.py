@@ -617,8 +617,6 @@ def test_the_gate_keeps_a_peers_group_only_where_that_peer_is_the_margin_stronge
 
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
-    from node.config import ConfigError
-
     gated = SwarmConfig(local_questions=4, external_questions=4, external_gate="stronger_peer")
     assert [gated.own_quota(5, taken) for taken in (None, 4, 1, 0)] == [(4, 4), (4, 4), (7, 7), (8, 8)]
     assert gated.own_draw_stride == 8  # a round that took none draws 8: the rounds' draws never overlap
@@ -630,8 +628,9 @@ def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turne
     # without the gate what a round took does not change its own share (the ramp's alone does)
     plain = SwarmConfig(local_questions=4, external_questions=4)
     assert plain.own_quota(5, 0) == (4, 4) and plain.own_draw_stride == 4
-    with pytest.raises(ConfigError, match="external_gate"):
-        tiny_config("swarm.transport=dht", "swarm.external_gate=stronger_peer")
+    # a node that takes no peers' groups (J = 0, the shipped config trained alone) is a silo whatever the gate says
+    alone = tiny_config("swarm.external_gate=stronger_peer").swarm
+    assert when_to_collect_peers(alone) == "never" and alone.own_quota(5, 0) == (2, 2) and alone.own_draw_stride == 2
 
 
 def test_a_gated_nodes_rounds_take_a_stronger_peers_groups_and_answer_its_own_in_place_of_an_equals(
