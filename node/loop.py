@@ -223,7 +223,7 @@ class Node:
         external_groups: list[RolloutGroup] = []
         sharing_s = 0.0
         peers_taken = None
-        if collect == "before_drawing":  # the node's own questions fill the specialties (or slots) peers did not
+        if collect == "before_drawing":  # own questions then fill the specialties, or the slots, peers left empty
             external_groups, sharing_s = await self._peer_groups(round_)
             peers_taken = len(external_groups)
         questions = self.local.draw(
