@@ -903,8 +903,7 @@ def report(args) -> None:
         # an arm run with --set overrides is a variant (its label says which), never the shipped arm
         swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
         # the best arm among those run on the most seeds: a 2-seed pilot must not outrank a 3-seed result
-        most_seeds = max((len(row["seeds"]) for row in swarm_rows.values()), default=0)
-        swarm_rows = {arm: row for arm, row in swarm_rows.items() if len(row["seeds"]) == most_seeds}
+        swarm_rows = on_most_seeds(swarm_rows, lambda row: row["seeds"])
         if swarm_rows:
             # the swarm must add: the best arm is the one that ends highest on both specialties together
             best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["both_gain_points_vs_silo"]["mean"])
@@ -951,6 +950,12 @@ def report(args) -> None:
     print(json.dumps(summary))
 
 
+def on_most_seeds(by_arm: dict, seeds_of: Callable[[object], list]) -> dict:
+    """The arms run on the most seeds: a pilot on fewer seeds must not outrank a result on more."""
+    most = max((len(seeds_of(value)) for value in by_arm.values()), default=0)
+    return {arm: value for arm, value in by_arm.items() if len(seeds_of(value)) == most}
+
+
 def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
     """Equal nodes: each arm's mean held-out over its 4 nodes divided by the silo's, per seed, at the smaller budget of
     the two; the summary's per-seed ratios are those of the specialists' best arm, or (a report of equal nodes alone)
@@ -969,8 +974,7 @@ def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
         )
     if best_arm is None:
         swarm_ratios = {arm: r for arm, r in ratios.items() if base_arm(arm) in SWARM_ARMS and r}
-        most_seeds = max((len(r) for r in swarm_ratios.values()), default=0)
-        swarm_ratios = {arm: r for arm, r in swarm_ratios.items() if len(r) == most_seeds}
+        swarm_ratios = on_most_seeds(swarm_ratios, lambda per_seed: per_seed)
         best_arm = max(swarm_ratios, key=lambda arm: statistics.fmean(swarm_ratios[arm]), default=None)
     return {
         "homogeneous_arm": best_arm,

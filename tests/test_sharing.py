@@ -555,36 +555,46 @@ def test_a_node_in_the_sharing_ramp_draws_and_trains_more_of_its_own_and_takes_f
         swarm_node("swarm.external_questions=0", "swarm.sharing_ramp_rounds=2")
 
 
+# a node of the three-specialty mix answering 4 own questions and taking 4 peers' groups a round
+FOUR_AND_FOUR = [
+    f"tasks.datasets={json.dumps(MIX)}",
+    "swarm.transport=dht",
+    "swarm.local_questions=4",
+    "swarm.external_questions=4",
+]
+
+
+def add_group_with_a_spread(index: int) -> RolloutGroup:
+    """A peer's group on the index-th add question: one right answer and one wrong."""
+    spec = spec_of("add", index)
+    return RolloutGroup(spec, right_and_wrong(spec), [1.0, 0.0])
+
+
+def own_questions_answered(row: dict, per_question: int) -> int:
+    """Questions of its own a node answered in a round, from the round's work (each peer group re-scored has 2
+    answers)."""
+    return (row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question
+
+
 def test_a_joining_nodes_rounds_follow_the_sharing_ramp(tiny_config, tmp_path):
     """Node b ramps over 2 rounds while a peer publishes 4 fresh groups with a spread every round: b takes 0, 2, then
     4 of them, and answers 8, 6, then 4 questions of its own (every round 8 groups in all)."""
     import asyncio
 
-    common = [
-        f"tasks.datasets={json.dumps(MIX)}",
-        "swarm.transport=dht",
-        "swarm.local_questions=4",
-        "swarm.external_questions=4",
-    ]
     ramp = ["swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance"]
-    a, b = in_process_nodes(tiny_config, tmp_path, {"a": common, "b": [*common, *ramp]})
+    a, b = in_process_nodes(tiny_config, tmp_path, {"a": FOUR_AND_FOUR, "b": [*FOUR_AND_FOUR, *ramp]})
     per_question = b.config.rollout.completions_per_question
-
-    def spread_group(index: int) -> RolloutGroup:
-        spec = spec_of("add", index)
-        return RolloutGroup(spec, right_and_wrong(spec), [1.0, 0.0])
 
     async def rounds():
         rows = []
         for round_ in range(3):
-            await a.transport.publish(round_ + 1, 0, [spread_group(4 * round_ + k) for k in range(4)])
+            await a.transport.publish(round_ + 1, 0, [add_group_with_a_spread(4 * round_ + k) for k in range(4)])
             rows.append(await b.run_round())
         return rows
 
     rows = asyncio.run(rounds())
     assert [row["external_questions"] for row in rows] == [0, 2, 4]
-    own_answered = [(row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question for row in rows]
-    assert own_answered == [8, 6, 4]
+    assert [own_questions_answered(row, per_question) for row in rows] == [8, 6, 4]
 
 
 # swarm.external_gate: peers' groups only where the peer is stronger, the node's own questions in place of the rest ---
@@ -640,32 +650,20 @@ def test_a_gated_nodes_rounds_take_a_stronger_peers_groups_and_answer_its_own_in
     add, it takes none and answers 8 of its own; where it is right 0.1 of the time, it takes the 4 and answers 4."""
     import asyncio
 
-    common = [
-        f"tasks.datasets={json.dumps(MIX)}",
-        "swarm.transport=dht",
-        "swarm.local_questions=4",
-        "swarm.external_questions=4",
-    ]
-    a, b = in_process_nodes(
-        tiny_config, tmp_path, {"a": common, "b": [*common, "swarm.external_gate=stronger_peer", "eval_every=0"]}
-    )
+    gated = [*FOUR_AND_FOUR, "swarm.external_gate=stronger_peer", "eval_every=0"]
+    a, b = in_process_nodes(tiny_config, tmp_path, {"a": FOUR_AND_FOUR, "b": gated})
     per_question = b.config.rollout.completions_per_question
-
-    def spread_group(index: int) -> RolloutGroup:
-        spec = spec_of("add", index)
-        return RolloutGroup(spec, right_and_wrong(spec), [1.0, 0.0])
 
     async def rounds():
         rows = []
         for round_, add_accuracy in enumerate((0.95, 0.1)):
             b.telemetry.accuracy_by_dataset["add"] = add_accuracy
             b.sharing.peer_rates.clear()  # each round judges a's groups afresh
-            await a.transport.publish(round_ + 1, 0, [spread_group(4 * round_ + k) for k in range(4)])
+            await a.transport.publish(round_ + 1, 0, [add_group_with_a_spread(4 * round_ + k) for k in range(4)])
             rows.append(await b.run_round())
         return rows
 
     rows = asyncio.run(rounds())
     assert [row["external_questions"] for row in rows] == [0, 4]
     assert [row["external_gated"] for row in rows] == [4, 0]
-    own_answered = [(row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question for row in rows]
-    assert own_answered == [8, 4]
+    assert [own_questions_answered(row, per_question) for row in rows] == [8, 4]
