@@ -150,7 +150,8 @@ def arm(
     if len(rows) < rounds:
         print(f"  stopped after {len(rows)} of {rounds} rounds: this device's {budget_s:.0f}s are spent", flush=True)
     result["heldout_after"] = node.evaluator.accuracy()
-    if profile_rounds:
+    peak_mib = torch.cuda.max_memory_allocated(where) / 2**20 if where.type == "cuda" else None
+    if profile_rounds:  # after the figures: the profiler's own overhead and memory are not in them
         print_profile(node, profile_rounds, where)
     tokens = sum(r["tokens"] for r in rows)
     result |= {
@@ -162,7 +163,7 @@ def arm(
         "update_s_mean": statistics.fmean(r["update_s"] for r in rows),
         "step_s_mean": statistics.fmean(r["step_s"] for r in rows),
         "policy_version": node.policy_version,
-        "peak_gpu_memory_mib": torch.cuda.max_memory_allocated(where) / 2**20 if where.type == "cuda" else None,
+        "peak_gpu_memory_mib": peak_mib,
     }
     print(f"  {json.dumps(result)}", flush=True)
     del node, rows  # the next arm's peak GPU memory is its own: this arm's weights and optimizer state are freed first
