@@ -25,6 +25,7 @@ from tests.helpers.averaging import (
     swarm,
     weights,
     writer_losing_done_announcements,
+    writer_slow_to_announce_done,
 )
 from tests.helpers.swarm import SWARM_OVERRIDES
 
@@ -156,6 +157,34 @@ def test_a_stale_free_announcement_does_not_idle_its_partner_to_the_deadline(tmp
             assert all(r is not None for r in results), [avg.failures for avg in group]
             assert results[0].partner_ids == [third.peer_id] and results[1].partner_ids == [waiting.peer_id]
             assert waiting.failures["call_refused:finished"] == 1 and waiting.rounds_to_deadline == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_stops_right_after_its_round_is_done_in_its_peers_view():
+    """A node that leaves right after a round (the lab's workers after their last one) must not stay "free" in its
+    peers' views: they would dial a dead daemon and wait out libp2p's dial backoff. stop() lets the round's "done"
+    announcement land first, even when the store is slow."""
+    from protocol import MessageKind
+
+    from node.transport.records import read_records
+
+    async def scenario():
+        async with (
+            swarm(2) as nodes,
+            averagers(nodes, writers=[writer_slow_to_announce_done(1.0)]) as (leaving, staying),
+        ):
+            results = await asyncio.gather(
+                leaving.average(weights(1), 3, timeout=15), staying.average(weights(2), 3, timeout=15)
+            )
+            assert all(r is not None for r in results), (leaving.failures, staying.failures)
+            await leaving.stop(timeout=10)
+            key = staying.matchmaker.ready_key(3)
+            envelopes = await read_records(
+                nodes[1], key, staying.matchmaker.writer.swarm_id, MessageKind.AVERAGING_READY, 5.0, 16, lambda *_: None
+            )
+            states = {e.message.p2p_peer_id: e.message.state for e in envelopes}
+            assert states.get(leaving.peer_id) == "done", states
 
     asyncio.run(scenario())
 

@@ -155,6 +155,7 @@ class PairAverager:
         )
         self._averaging = False  # an average() call is running (set before its first await)
         self._tasks: set[asyncio.Task] = set()  # stream handlers and late announcements in flight
+        self._done_announcements: set[asyncio.Task] = set()  # "done" announcements in flight: stop() lets them land
         self._started = False
 
     # lifecycle -----------------------------------------------------------------------
@@ -167,7 +168,12 @@ class PairAverager:
         self._started = True
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop accepting exchanges and end the ones in flight (within `timeout`)."""
+        """Stop accepting exchanges and end the ones in flight (within `timeout`), after the last round's "done"
+        announcement has landed (within `timeout` too): a node that leaves right after a round must not stay "free" in
+        its peers' views. They would call a dead daemon, and each failed dial costs them libp2p's dial backoff: two of
+        four lab peers gave up a round that way under load (tests/test_lab.py's NoLoCo pairs)."""
+        if self._done_announcements:
+            await asyncio.wait(list(self._done_announcements), timeout=timeout)
         self.exchange.close()
         if self._started:
             self._started = False
@@ -249,7 +255,9 @@ class PairAverager:
         finally:
             self.exchange.close()
         # "done" either way: we no longer take partners this round (our "free" would otherwise outlive the round)
-        self._spawn(self.matchmaker.announce(round_id, "done"), name=f"averaging-done-{round_id}")
+        done = self._spawn(self.matchmaker.announce(round_id, "done"), name=f"averaging-done-{round_id}")
+        self._done_announcements.add(done)
+        done.add_done_callback(self._done_announcements.discard)
         if not rnd.received:
             if rnd.swaps:
                 self.last_skip = "not_committed"  # weights moved, and one side refused or the stream broke

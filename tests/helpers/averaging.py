@@ -89,6 +89,20 @@ def writer_losing_done_announcements():
     return LosesDone(NodeIdentity.generate(), "test-swarm")
 
 
+def writer_slow_to_announce_done(delay_s: float):
+    """A writer whose "done" announcements reach the DHT `delay_s` late (a slow store on a loaded machine)."""
+    from node.transport.records import RecordWriter
+    from protocol import AveragingReady, NodeIdentity
+
+    class SlowDone(RecordWriter):
+        async def store(self, dht, key, message, timeout):
+            if isinstance(message, AveragingReady) and message.state == "done":
+                await asyncio.sleep(delay_s)
+            return await super().store(dht, key, message, timeout)
+
+    return SlowDone(NodeIdentity.generate(), "test-swarm")
+
+
 @asynccontextmanager
 async def averagers(nodes, prefixes=None, cls=PairAverager, writers=None, **kwargs):
     """A started averager on each DHT node (`writers[i]`, when given and not None, signs node i's announcements)."""
