@@ -44,6 +44,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -121,6 +122,9 @@ def tokens_per_step(config: NodeConfig) -> int:
     return p.micro_batches * p.micro_batch_size * p.sequence_length
 
 
+ATTEMPT_ID = re.compile(r"^(s\d+-m\d+)-a(\d+)-")
+
+
 class Calls:
     """Every call of a way: op, hop, seconds, tensor payload bytes out (to the server) and in (back)."""
 
@@ -129,11 +133,16 @@ class Calls:
 
     def record(self, call, result, seconds: float) -> None:
         hop = call.call_id.rsplit("-", 1)[-1] if call.op in ("forward", "backward") else "-"
+        # LMDriver's call ids: s<step>-m<micro-batch>-a<attempt>-<ns>-<hop>; a micro-batch whose route broke is sent
+        # again as the next attempt, and the calls its broken attempt completed moved bytes the shapes do not imply
+        attempt = ATTEMPT_ID.match(call.call_id)
         self.rows.append(
             {
                 "op": call.op,
                 "stage": call.stage,
                 "hop": hop,
+                "micro_batch": attempt.group(1) if attempt else call.call_id,
+                "attempt": int(attempt.group(2)) if attempt else 0,
                 "parts": "+".join(call.parts),
                 "s": seconds,
                 "out": sum(len(t.data) for t in call.tensors.values()),
@@ -287,22 +296,34 @@ class Servers:
 
 
 def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
-    """Mean seconds by op, and tensor payload bytes per micro-batch, each way (forward and backward calls)."""
+    """Mean seconds by op, and tensor payload bytes per micro-batch, each way (forward and backward calls): those of
+    each micro-batch's last attempt (what the shapes imply), and apart those of attempts whose route broke and were
+    sent again (`retried_bytes_per_micro_batch`)."""
     by_op: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         by_op[row["op"]].append(row["s"])
     passes = max(1, micro_batches)
-    moved = {
-        f"{op}_{way}": sum(r[way] for r in rows if r["op"] == op) / passes
-        for op in ("forward", "backward")
-        for way in ("out", "in")
-    }
-    hops = sum(1 for r in rows if r["op"] == "forward") / passes
+    last_attempt: dict[str, int] = {}
+    for row in rows:
+        last_attempt[row["micro_batch"]] = max(last_attempt.get(row["micro_batch"], 0), row["attempt"])
+    final = [r for r in rows if r["attempt"] == last_attempt[r["micro_batch"]]]
+    retried = [r for r in rows if r["attempt"] != last_attempt[r["micro_batch"]]]
+
+    def per_micro_batch(chosen: list[dict]) -> dict[str, float]:
+        return {
+            f"{op}_{way}": sum(r[way] for r in chosen if r["op"] == op) / passes
+            for op in ("forward", "backward")
+            for way in ("out", "in")
+        }
+
+    hops = sum(1 for r in final if r["op"] == "forward") / passes
     return {
         "calls_s": {op: statistics.fmean(v) for op, v in by_op.items()},
         "calls": {op: len(v) for op, v in by_op.items()},
         "hops_per_micro_batch": hops,
-        "bytes_per_micro_batch": moved,
+        "bytes_per_micro_batch": per_micro_batch(final),
+        "retried_calls": len(retried),
+        "retried_bytes_per_micro_batch": per_micro_batch(retried),
     }
 
 

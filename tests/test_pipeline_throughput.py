@@ -58,10 +58,15 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
         "backward_in": (back_straight_in + back_swapped_in) / 2,  # 8192
     }
     assert expected == {"forward_out": 9984, "forward_in": 20992, "backward_out": 20992, "backward_in": 8192}
+    # a p2p stream that breaks sends the micro-batch again: the calls its broken attempt completed are counted apart
+    # (seen in a clean-clone run on a quiet machine: one extra hop-0 forward), and never in-process
+    assert ways["local 2"]["retried_calls"] == 0
+    assert set(ways["local 2"]["retried_bytes_per_micro_batch"].values()) == {0}
     for way in ("local 2", "wire 2"):
         assert ways[way]["bytes_per_micro_batch"] == expected
         assert ways[way]["hops_per_micro_batch"] == 3
-        assert ways[way]["calls"] == {"forward": 6, "backward": 6, "step": 2}
+        calls = ways[way]["calls"]
+        assert calls["step"] == 2 and calls["forward"] + calls["backward"] == 12 + ways[way]["retried_calls"]
     assert set(ways["wire 2"]["overhead_ms"]) == {"forward", "backward", "step"}
     assert all(math.isfinite(ms) for ms in ways["wire 2"]["overhead_ms"].values())
 
@@ -88,3 +93,37 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
             assert figures["round_trip_ms"] > 0 and figures["python_cpu_ms"] >= 0 and figures["daemons_cpu_ms"] >= 0
             assert math.isclose(figures["mb_per_s_each_way"], int(size) / figures["round_trip_ms"] * 1000 / 1e6)
         assert math.isclose(row["p2p_excess_ms"], row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"])
+
+
+def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attempts_apart():
+    """Hand-made calls: micro-batch 0 went through on its first attempt; micro-batch 1's first attempt completed
+    its hop-0 forward before its route broke, and its second attempt went through."""
+    from benchmarks.pipeline_throughput import summarize_calls
+
+    def row(op: str, micro_batch: str, attempt: int, out: int, into: int) -> dict:
+        return {"op": op, "s": 0.01, "micro_batch": micro_batch, "attempt": attempt, "out": out, "in": into}
+
+    rows = [
+        row("forward", "s1-m0", 0, 100, 10),
+        row("forward", "s1-m0", 0, 20, 30),
+        row("backward", "s1-m0", 0, 30, 20),
+        row("forward", "s1-m1", 0, 100, 10),  # the broken attempt's one completed call
+        row("forward", "s1-m1", 1, 100, 10),
+        row("forward", "s1-m1", 1, 20, 30),
+        row("backward", "s1-m1", 1, 30, 20),
+    ]
+    summary = summarize_calls(rows, micro_batches=2)
+    assert summary["bytes_per_micro_batch"] == {
+        "forward_out": 120.0,
+        "forward_in": 40.0,
+        "backward_out": 30.0,
+        "backward_in": 20.0,
+    }
+    assert summary["hops_per_micro_batch"] == 2 and summary["retried_calls"] == 1
+    assert summary["retried_bytes_per_micro_batch"] == {
+        "forward_out": 50.0,
+        "forward_in": 5.0,
+        "backward_out": 0.0,
+        "backward_in": 0.0,
+    }
+    assert summary["calls"] == {"forward": 5, "backward": 2}
