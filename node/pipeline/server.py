@@ -260,7 +260,9 @@ class StageServer:
                 await self._sync_replica_parts()
                 if self.pipeline.rebalance and (move := self.check_move()) is not None:
                     await self.move(move)
-                atomic_write_text(self.state_dir / "stage.json", json.dumps(self.counters()))
+                # off the event loop: an fsync waits for the disk, for as long as other writers keep it busy (another
+                # process's checkpoints), and pipeline calls and the DHT wait for the loop
+                await asyncio.to_thread(atomic_write_text, self.state_dir / "stage.json", json.dumps(self.counters()))
         finally:
             await self.stop()
 
