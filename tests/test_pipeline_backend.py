@@ -178,6 +178,24 @@ def test_a_hidden_state_of_an_integer_dtype_is_refused():
     assert refusal.value.reason is PipelineRefusal.BAD_TENSOR and "int32" in refusal.value.detail
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_non_finite_value_is_refused_in_every_wire_dtype_and_every_finite_one_kept(dtype):
+    """The receiving check reads the wire's own bytes (bfloat16 as its bit patterns): a NaN or an infinity of
+    either sign anywhere is refused; the largest and smallest finite values, a subnormal and -0 arrive unchanged."""
+    from node.pipeline.tensors import FLOATS, TensorRefused, expect
+
+    finfo = torch.finfo(dtype)
+    kept = torch.tensor([finfo.max, finfo.min, finfo.tiny / 4, -0.0, 1.5], dtype=dtype)
+    arrived = expect({"x": to_wire(kept)}, "x", FLOATS, (5,))
+    assert arrived.dtype is dtype and torch.equal(arrived, kept) and arrived[3].signbit()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 4):
+            spoiled = kept.clone()
+            spoiled[where] = bad
+            with pytest.raises(TensorRefused, match="not finite"):
+                expect({"x": to_wire(spoiled)}, "x", FLOATS, (5,))
+
+
 def test_a_repeated_step_call_is_answered_without_being_applied_twice():
     """A driver whose stream broke before the answer came sends the same step call again (PipelineRouter.step): the
     server that applied it answers the repeat with the first answer; another call id, or another caller, steps."""

@@ -95,6 +95,26 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
         assert math.isclose(row["p2p_excess_ms"], row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"])
 
 
+def test_check_cost_times_both_checks_of_every_size_and_dtype():
+    """--check-cost: the shipped check of a received tensor against torch.isfinite, for float32 and bfloat16 of each
+    size; the benchmark itself exits non-zero if the two checks disagree on a tensor with a NaN."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/pipeline_throughput.py", "--check-cost", "--floor-calls", "2"]
+        + ["--floor-bytes", "4096", "65536"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cost = json.loads(result.stdout.strip().splitlines()[-1])["check_cost"]
+    assert cost["repeats"] == 2 and cost["threads"] == 1
+    assert sorted(cost["ms"]) == ["4096 bfloat16", "4096 float32", "65536 bfloat16", "65536 float32"]
+    for row in cost["ms"].values():
+        assert row["torch"] > 0 and row["shipped"] > 0
+        assert math.isclose(row["torch_over_shipped"], row["torch"] / row["shipped"])
+
+
 def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attempts_apart():
     """Hand-made calls: micro-batch 0 went through on its first attempt; micro-batch 1's first attempt completed
     its hop-0 forward before its route broke, and its second attempt went through."""
