@@ -70,7 +70,7 @@ from node.model import model_fingerprint, resolve_initial_policy  # noqa: E402
 from node.pipeline.backend import StageBackend  # noqa: E402
 from node.pipeline.corpus import micro_batch, training_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
-from node.pipeline.handler import StageHandler  # noqa: E402
+from node.pipeline.handler import CALL_PHASES, StageHandler  # noqa: E402
 from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import (  # noqa: E402
@@ -281,6 +281,17 @@ class Servers:
                 raise TimeoutError(f"server {index} did not manage {what} in {START_S}s")
             time.sleep(0.2)
 
+    def served(self, after: float) -> list[dict]:
+        """Each server's `call_seconds` (node/pipeline/handler.py) from a stage.json it wrote after the
+        unix time `after` (a server rewrites it every announce interval)."""
+        snapshots = []
+        for index in range(len(self.procs)):
+            path = self.root / f"server-{index}" / "stage.json"
+            self._wait(lambda: path.exists() and path.stat().st_mtime > after, index, "to write its counters")
+            counters = json.loads(path.read_text())
+            snapshots.append({"call_seconds": counters["call_seconds"]})
+        return snapshots
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -325,6 +336,30 @@ def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
         "retried_calls": len(retried),
         "retried_bytes_per_micro_batch": per_micro_batch(retried),
     }
+
+
+def server_ms_per_call(before: list[dict], after: list[dict]) -> dict[str, dict[str, float]]:
+    """Where the servers' time went per forward and backward call between two `Servers.served` snapshots: mean ms
+    of each phase of node/pipeline/handler.py's CALL_PHASES over every server's calls of that op, and their sum."""
+    out = {}
+    for op in ("forward", "backward"):
+        calls = sum(
+            a["call_seconds"].get(op, {}).get("calls", 0) - b["call_seconds"].get(op, {}).get("calls", 0)
+            for b, a in zip(before, after)
+        )
+        if not calls:
+            continue
+        phases = {
+            phase: 1000
+            * sum(
+                a["call_seconds"].get(op, {}).get(phase, 0.0) - b["call_seconds"].get(op, {}).get(phase, 0.0)
+                for b, a in zip(before, after)
+            )
+            / calls
+            for phase in CALL_PHASES
+        }
+        out[op] = {**phases, "total": sum(phases.values()), "calls": calls}
+    return out
 
 
 def hop_overhead_ms(wire: list[dict], local: list[dict]) -> dict[str, float]:
@@ -406,12 +441,18 @@ async def measure_size(
             await _step(runner)
         for record in calls.values():
             record.rows.clear()
+        warmed = time.time()
+        served_before = {way: group.served(after=warmed) for way, group in servers.items()}
         for _ in range(rounds):
             for way, runner in ways.items():
                 for _ in range(steps):
                     row = await _step(runner)
                     steps_s[way].append(row["step_s"])
                     losses[way].append(row["loss"])
+        finished = time.time()
+        server_ms = {
+            way: server_ms_per_call(served_before[way], group.served(after=finished)) for way, group in servers.items()
+        }
     finally:
         for session in sessions:
             await session.close()
@@ -439,6 +480,7 @@ async def measure_size(
             entry.update(summarize_calls(calls[way].rows, base.pipeline.micro_batches * rounds * steps))
         if way.startswith("wire"):
             entry["overhead_ms"] = hop_overhead_ms(calls[way].rows, calls["local " + way.split()[1]].rows)
+            entry["server_ms_per_call"] = server_ms[way]
         result["ways"][way] = entry
     return result
 
@@ -515,6 +557,15 @@ def print_size(name: str, result: dict) -> None:
             f"{1000 * calls.get('backward', 0):>7.1f} {ovh.get('forward', math.nan):>8.1f} "
             f"{ovh.get('backward', math.nan):>8.1f} {ovh.get('step', math.nan):>8.1f} {out:>9.3f} {back:>9.3f}"
         )
+    for way, e in result["ways"].items():
+        for op, split in e.get("server_ms_per_call", {}).items():
+            driver_ms = 1000 * e["calls_s"][op]
+            print(
+                f"  {way}, a {op} call on its server (ms): "
+                + ", ".join(f"{phase} {split[phase]:.1f}" for phase in CALL_PHASES)
+                + f"; served in {split['total']:.1f} of the driver's {driver_ms:.1f} (the rest: the driver, the "
+                f"daemons, the wire, {driver_ms - split['total']:.1f})"
+            )
 
 
 async def recovery_run(name: str, shape, settings: list[str], steps: int, root: Path) -> list[dict]:

@@ -69,6 +69,17 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
         assert calls["step"] == 2 and calls["forward"] + calls["backward"] == 12 + ways[way]["retried_calls"]
     assert set(ways["wire 2"]["overhead_ms"]) == {"forward", "backward", "step"}
     assert all(math.isfinite(ms) for ms in ways["wire 2"]["overhead_ms"].values())
+    # the servers' own account of the same calls: every call the driver got an answer to was served (a broken
+    # attempt's call may have been served too), and a call's time on its server lies within the driver's wait for it
+    served = ways["wire 2"]["server_ms_per_call"]
+    assert set(served) == {"forward", "backward"}
+    for op, split in served.items():
+        answered = ways["wire 2"]["calls"][op]  # every answered call of the timed steps, broken attempts' included
+        assert split["calls"] >= answered
+        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "reply"))
+        assert math.isclose(split["total"], sum(split[p] for p in ("read", "lock", "compute", "checks", "reply")))
+        if split["calls"] == answered:
+            assert split["total"] <= 1000 * ways["wire 2"]["calls_s"][op]
 
 
 def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_figure():

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 from typing import Callable
 
 import msgpack
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 30.0  # a caller that opens a stream must send its call within this
 STEPS_REMEMBERED = 64  # step answers kept for a caller's retry of the same call (each is a few numbers)
 REFUSAL_LOG_EVERY_S = 60.0
+# Where a served call's seconds go, summed by op in StageHandler.call_seconds: "read" from the stream's opening to the
+# call decoded (the caller's bytes arriving), "lock" waiting for the torch worker, "compute" the work under it, "checks"
+# the rest of serving (the call's checks, the result's tensors to bytes), "reply" packing and writing the result.
+CALL_PHASES = ("read", "lock", "compute", "checks", "reply")
 
 
 class StageHandler:
@@ -49,6 +54,8 @@ class StageHandler:
         )
         self.stats = SwarmStats()  # refusals by peer and reason, shown by /metrics with the node's one renderer
         self.calls: Counter[str] = Counter()
+        # op -> CALL_PHASES -> seconds, and "calls": how many calls they are of
+        self.call_seconds: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.torch_lock = asyncio.Lock()
         self.before_step: Callable[[], None] = lambda: None  # e.g. apply a finished averaging round between steps
         self.after_step: Callable[[int], None] = lambda step: None  # e.g. start an averaging round
@@ -58,6 +65,7 @@ class StageHandler:
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
+        opened = time.perf_counter()
         try:
             try:
                 kind, body = await asyncio.wait_for(
@@ -76,13 +84,23 @@ class StageHandler:
                     raise BackendRefused(Refusal.NOT_MSGPACK, str(exc)) from None
                 except ProtocolRejection as exc:
                     raise BackendRefused(exc.reason, exc.detail) from None
-                result = await self.serve(peer, call)
+                decoded = time.perf_counter()
+                timing: dict[str, float] = {}
+                result = await self.serve(peer, call, timing)
             except OversizedFrame as exc:
                 raise BackendRefused(Refusal.TOO_LARGE, str(exc)) from None
             except FramingError as exc:
                 raise BackendRefused(Refusal.BAD_STRUCTURE, str(exc)) from None
+            served = time.perf_counter()
             self.calls[call.op] += 1
             await write_frame(writer, PipelineFrame.RESULT, msgpack.packb(result.to_wire(), use_bin_type=True))
+            seconds = self.call_seconds[call.op]
+            seconds["read"] += decoded - opened
+            seconds["lock"] += timing.get("lock", 0.0)
+            seconds["compute"] += timing.get("compute", 0.0)
+            seconds["checks"] += served - decoded - timing.get("lock", 0.0) - timing.get("compute", 0.0)
+            seconds["reply"] += time.perf_counter() - served
+            seconds["calls"] += 1  # the calls these seconds are of (a call whose reply broke is in `calls` alone)
         except BackendRefused as refused:
             self.stats.refusals.record(peer, refused.reason)
             self._log_refusal(peer, refused)
@@ -98,8 +116,9 @@ class StageHandler:
         finally:
             writer.close()
 
-    async def serve(self, peer: str, call: StageCall) -> StageResult:
-        """Run one checked call on the backend; BackendRefused for a call this server does not serve."""
+    async def serve(self, peer: str, call: StageCall, timing: dict[str, float] | None = None) -> StageResult:
+        """Run one checked call on the backend; BackendRefused for a call this server does not serve. `timing`, if
+        given, gets the seconds spent waiting for the torch worker ("lock") and working under it ("compute")."""
         backend = self.backend
         if backend is None or call.stage != backend.index or call.stage_fingerprint != self.fingerprint:
             raise BackendRefused(
@@ -113,7 +132,11 @@ class StageHandler:
         if missing:
             raise BackendRefused(PipelineRefusal.MISSING_PART, f"this server holds {sorted(held)}, not {missing}")
         backend.expire()
+        waiting = time.perf_counter()
         async with self.torch_lock:
+            locked = time.perf_counter()
+            if timing is not None:
+                timing["lock"] = locked - waiting
             if self.backend is not backend:  # the server moved to another stage while this call waited
                 raise BackendRefused(PipelineRefusal.WRONG_STAGE, "this server changed stage")
             try:
@@ -140,6 +163,9 @@ class StageHandler:
             except Exception as exc:  # noqa: BLE001 - a compute error is refused to the caller, logged here, and the server lives on
                 log.exception("stage %d: %s call failed", backend.index, call.op)
                 raise BackendRefused(PipelineRefusal.FAILED, f"{type(exc).__name__}: {exc}") from None
+            finally:
+                if timing is not None:
+                    timing["compute"] = time.perf_counter() - locked
         return self._result(backend, tensors)
 
     @staticmethod

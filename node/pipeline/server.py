@@ -390,6 +390,8 @@ class StageServer:
             "lr_scale": backend.lr_scale if backend else 1.0,
             "replicas": len(self.replicas),
             "calls": dict(self.handler.calls),
+            # op -> where its served calls' seconds went, summed (node/pipeline/handler.py CALL_PHASES)
+            "call_seconds": {op: dict(phases) for op, phases in sorted(self.handler.call_seconds.items())},
             "refusals": refusals.by_reason(),
             "refusals_by_peer": refusals.by_peer(),
             "pending_forwards": backend.pending_forwards if backend else 0,
@@ -417,4 +419,11 @@ class StageServer:
             )
         }
         gauges.update({f"pipeline_calls_{op}": float(n) for op, n in sorted(self.handler.calls.items())})
+        gauges.update(
+            {
+                f"pipeline_call_seconds_{op}_{phase}": float(seconds)
+                for op, phases in counters["call_seconds"].items()
+                for phase, seconds in phases.items()
+            }
+        )
         return prometheus_text(gauges, self.handler.stats)
