@@ -694,6 +694,21 @@ def mean_metric(run: dict, compute_s: float, which: str) -> float:
     return statistics.fmean(node_metric(run, i, compute_s, which) for i in range(NODES))
 
 
+LATE_POINTS = 5  # own_gain_per_node reads each curve at this many equal steps over the budget's last third
+
+
+def own_gain_per_node(runs: dict, silo: dict, seeds: list[int], compute_s: float) -> dict[int, list[float]]:
+    """Seed -> each node's own specialty against the same node alone (the silo run of that seed: the same warm start),
+    in points to a tenth, averaged over the last third of `compute_s`: a mean over nodes can hide a node that lost, and
+    one node's held-out on a specialty swings by 10-20 points between evaluations 50 units apart."""
+
+    def late(run: dict, node: int) -> float:
+        xs = [compute_s * (2 / 3 + k / (3 * (LATE_POINTS - 1))) for k in range(LATE_POINTS)]
+        return statistics.fmean(node_metric(run, node, x, "own") for x in xs)
+
+    return {s: [round(100 * (late(runs[s], n) - late(silo[s], n)), 1) for n in range(NODES)] for s in seeds}
+
+
 def mean_curve(run: dict, which: str, points: int = 20) -> tuple[list[float], list[float]]:
     xs = [run["budget_s"] * k / points for k in range(points + 1)]
     return xs, [mean_metric(run, x, which) for x in xs]
@@ -839,6 +854,7 @@ def report(args) -> None:
             row["own_gain_points_vs_silo"] = spread(
                 [100 * (mean_metric(seeds[s], budget, "own") - mean_metric(silo[s], budget, "own")) for s in common]
             )
+            row["own_gain_points_per_node_and_seed"] = own_gain_per_node(seeds, silo, common, budget)
             swarm_arm = base_arm(arm) in SWARM_ARMS
             if swarm_arm and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
@@ -886,7 +902,8 @@ def report(args) -> None:
                 f"({row['speedup_with_network']['mean']:.2f}x with network), "
                 f"reward ratio {row['sampled_reward_ratio_vs_silo']['mean']:.3f}, groups/update "
                 f"{row['groups_used_per_update']:.2f}, "
-                f"rounds {row['rounds_per_node']:.0f}"
+                f"rounds {row['rounds_per_node']:.0f}, own vs the same node alone over the last third, points per seed "
+                f"{row['own_gain_points_per_node_and_seed']}"
                 + (
                     f", importance weight {row['importance_weight_mean']:.3f}"
                     if row["importance_weight_mean"] is not None
@@ -911,6 +928,7 @@ def report(args) -> None:
             summary["seeds"] = table[best]["seeds"]
             summary["both_gain_points_per_seed"] = table[best]["both_gain_points_vs_silo"]["per_seed"]
             summary["own_gain_points_per_seed"] = table[best]["own_gain_points_vs_silo"]["per_seed"]
+            summary["own_gain_points_per_node_and_seed"] = table[best]["own_gain_points_per_node_and_seed"]
             summary["heldout_gain_weak_points_per_seed"] = table[best]["weak_gain_points_vs_silo"]["per_seed"]
             summary["speedup_per_seed"] = table[best]["speedup"]["per_seed"]
             summary["speedup_with_network_per_seed"] = table[best]["speedup_with_network"]["per_seed"]

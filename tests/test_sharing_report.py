@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.sharing import homogeneous_ratios, warm_start_mismatches, weights_digest
+from benchmarks.sharing import homogeneous_ratios, own_gain_per_node, warm_start_mismatches, weights_digest
 
 
 def test_the_digest_sees_one_changed_bit_and_nothing_else():
@@ -59,3 +59,20 @@ def test_equal_nodes_ratios_per_seed_at_the_budget_both_arms_reached():
     assert homogeneous_ratios(homo, best_arm="sapo_balance")["homogeneous_ratio_per_seed"] == pytest.approx(
         [0.99, 0.97]
     )
+
+
+def test_each_node_own_specialty_is_compared_with_the_same_node_alone():
+    def run(add_accuracy: list[float], subtract_accuracy: list[float]) -> dict:
+        weak = ["subtract", "subtract", "add", "add"]  # nodes 0-1 know addition, 2-3 subtraction
+        curves = [
+            [{"compute_s": 0.0, "add": 0.0, "subtract": 0.0}, {"compute_s": 100.0, "add": a, "subtract": b}]
+            for a, b in zip(add_accuracy, subtract_accuracy)
+        ]
+        return {"budget_s": 100.0, "weak": weak, "curves": curves}
+
+    silo = {3: run([0.90, 0.94, 0.1, 0.1], [0.1, 0.1, 0.96, 0.90])}
+    swarm = {3: run([0.97, 0.80, 0.9, 0.9], [0.9, 0.9, 0.98, 0.90])}
+    # own: add for nodes 0-1, subtract for 2-3 (the weak specialty, 0.1 -> 0.9, does not enter), averaged over the
+    # budget's last third: these curves climb linearly from 0, so the mean is their value at 5/6 of the budget
+    assert own_gain_per_node(swarm, silo, [3], 100.0) == {3: [5.8, -11.7, 1.7, 0.0]}
+    assert own_gain_per_node(swarm, silo, [3], 50.0) == {3: [2.9, -5.8, 0.8, 0.0]}
