@@ -326,8 +326,14 @@ def test_each_announcement_carries_the_addresses_the_session_has_then(config):
     fingerprint = model_fingerprint(model, tokenizer)
 
     async def announced(server: StageServer) -> list[str]:
-        [ours] = [s for s in (await server.read_map()).live(1) if s.node_id == server.identity.node_id]
-        return ours.p2p_maddrs
+        # "serving" is set before the announce loop stores the announcement that says so: on a loaded machine the
+        # first read can still find the "loading" one, which is not live (bounded wait)
+        for _ in range(100):
+            ours = [s for s in (await server.read_map()).live(1) if s.node_id == server.identity.node_id]
+            if ours:
+                return ours[0].p2p_maddrs
+            await asyncio.sleep(0.1)
+        raise AssertionError("the server's own serving announcement never reached its map")
 
     async def scenario():
         async with swarm(2) as (node, relay_node):
