@@ -17,7 +17,10 @@ Per way: step time, tokens/s (micro_batches x micro_batch_size x sequence_length
 per call of the wire ways, its round trip less the same call's time in the local way of the
 same S (`overhead_ms`, by op: forward, backward, step); bytes of tensor payload per
 micro-batch, each way (driver -> servers, servers -> driver: every hop goes through the
-driver, see node/pipeline/driver.py). Prints its figures and ends with one JSON line.
+driver, see node/pipeline/driver.py); and where each wire way's forward and backward calls spent their time
+on their servers' own clocks (`server_ms_per_call`: the phases of node/pipeline/handler.py's CALL_PHASES, read
+from every server's stage.json), beside the driver's time for the same calls. Prints its figures and ends
+with one JSON line.
 
 Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
 servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
@@ -25,7 +28,8 @@ compares the losses; `--lab MBIT ...` runs every process in its own namespace of
 (root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
 method (replica failover, a warm spare's checkfree and checkfree_plus); `--transport-floor` echoes
 payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute (the wire's
-own cost per call, and the CPU it takes in this process and in the daemons).
+own cost per call, and the CPU it takes in this process and in the daemons); `--check-cost` times a
+server's check of one received tensor of each of those sizes against the torch check it replaced.
 
     .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
     .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
@@ -33,6 +37,7 @@ own cost per call, and the CPU it takes in this process and in the daemons).
         --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
     .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor
+    .venv/bin/python benchmarks/pipeline_throughput.py --check-cost
     sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
         --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
 """
