@@ -287,14 +287,13 @@ class Servers:
             time.sleep(0.2)
 
     def served(self, after: float) -> list[dict]:
-        """Each server's `call_seconds` (node/pipeline/handler.py) from a stage.json it wrote after the
-        unix time `after` (a server rewrites it every announce interval)."""
+        """Each server's `call_seconds` (node/pipeline/handler.py: op -> phase -> seconds) from a stage.json it wrote
+        after the unix time `after` (a server rewrites it every announce interval)."""
         snapshots = []
         for index in range(len(self.procs)):
             path = self.root / f"server-{index}" / "stage.json"
             self._wait(lambda: path.exists() and path.stat().st_mtime > after, index, "to write its counters")
-            counters = json.loads(path.read_text())
-            snapshots.append({"call_seconds": counters["call_seconds"]})
+            snapshots.append(json.loads(path.read_text())["call_seconds"])
         return snapshots
 
     def close(self) -> None:
@@ -346,23 +345,16 @@ def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
 def server_ms_per_call(before: list[dict], after: list[dict]) -> dict[str, dict[str, float]]:
     """Where the servers' time went per forward and backward call between two `Servers.served` snapshots: mean ms
     of each phase of node/pipeline/handler.py's CALL_PHASES over every server's calls of that op, and their sum."""
+
+    def total(op: str, key: str) -> float:  # over every server, between the two snapshots
+        return sum(a.get(op, {}).get(key, 0) - b.get(op, {}).get(key, 0) for b, a in zip(before, after))
+
     out = {}
     for op in ("forward", "backward"):
-        calls = sum(
-            a["call_seconds"].get(op, {}).get("calls", 0) - b["call_seconds"].get(op, {}).get("calls", 0)
-            for b, a in zip(before, after)
-        )
+        calls = total(op, "calls")
         if not calls:
             continue
-        phases = {
-            phase: 1000
-            * sum(
-                a["call_seconds"].get(op, {}).get(phase, 0.0) - b["call_seconds"].get(op, {}).get(phase, 0.0)
-                for b, a in zip(before, after)
-            )
-            / calls
-            for phase in CALL_PHASES
-        }
+        phases = {phase: 1000 * total(op, phase) / calls for phase in CALL_PHASES}
         out[op] = {**phases, "total": sum(phases.values()), "calls": calls}
     return out
 

@@ -21,16 +21,21 @@ MASKS = 2 * B * T * 8  # position_ids and attention_mask travel with every hop =
 LOGITS = B * T * V * 4  # float32 logits (or their gradient) = 12800
 
 
-def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
+def run_benchmark(*args: str, timeout: int) -> dict:
+    """benchmarks/pipeline_throughput.py with `args`, which must succeed: its summary, the JSON of its last line."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/pipeline_throughput.py", "--tiny", "--stages", "2"],
+        [sys.executable, "benchmarks/pipeline_throughput.py", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=900,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
+    summary = run_benchmark("--tiny", "--stages", "2", timeout=900)
     assert summary["benchmark"] == "pipeline_throughput" and len(summary["load_average"]) == 3
     tiny = summary["sizes"]["tiny"]
     assert tiny["tokens_per_step"] == 2 * B * T == 64
@@ -86,16 +91,9 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
     """The wire alone: a framed echo through two real p2p daemons and through plain TCP on 127.0.0.1; the benchmark
     itself checks that every echo came back byte for byte (it exits non-zero otherwise)."""
     sizes = [4096, 70_000]  # the second spans several of the stream reader's 64 KiB chunks
-    result = subprocess.run(
-        [sys.executable, "benchmarks/pipeline_throughput.py", "--transport-floor", "--floor-calls", "2"]
-        + ["--floor-bytes", *map(str, sizes)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    floor = json.loads(result.stdout.strip().splitlines()[-1])["transport_floor"]
+    floor = run_benchmark("--transport-floor", "--floor-calls", "2", "--floor-bytes", *map(str, sizes), timeout=300)[
+        "transport_floor"
+    ]
     assert floor["calls"] == 2
     assert sorted(map(int, floor["bytes"])) == sizes
     for size, row in floor["bytes"].items():
@@ -109,16 +107,9 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
 def test_check_cost_times_both_checks_of_every_size_and_dtype():
     """--check-cost: the shipped check of a received tensor against torch.isfinite, for float32 and bfloat16 of each
     size; the benchmark itself exits non-zero if the two checks disagree on a tensor with a NaN."""
-    result = subprocess.run(
-        [sys.executable, "benchmarks/pipeline_throughput.py", "--check-cost", "--floor-calls", "2"]
-        + ["--floor-bytes", "4096", "65536"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    cost = json.loads(result.stdout.strip().splitlines()[-1])["check_cost"]
+    cost = run_benchmark("--check-cost", "--floor-calls", "2", "--floor-bytes", "4096", "65536", timeout=300)[
+        "check_cost"
+    ]
     assert cost["repeats"] == 2 and cost["threads"] == 1
     assert sorted(cost["ms"]) == ["4096 bfloat16", "4096 float32", "65536 bfloat16", "65536 float32"]
     for row in cost["ms"].values():
