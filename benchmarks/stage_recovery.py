@@ -604,14 +604,16 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 failed["replayed"] = bench.driver.step - bench.checkpoint["step"]
                 await bench.load_checkpoint(schedule[step])
                 failed["load_s"] = bench.loads_s[-1]
+            failed["to_serving_s"] = time.perf_counter() - failed["at"]
         row = await bench.driver.train_step()
         executed += 1
         # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
         record["retries"] += row["retries"] + row["backward_failures"] + sum(row["hop_failures"].values())
         if failed is not None:
-            # Recovery: from the failure to the end of the first step after it, less what a normal step takes.
-            failed["seconds"] = (
-                time.perf_counter() - failed.pop("at") - (statistics.median(normal_step_s) if normal_step_s else 0.0)
+            failed.pop("at")
+            failed["recovery_step_s"] = row["step_s"]
+            failed["seconds"] = recovery_seconds(
+                failed["to_serving_s"], row["step_s"], statistics.median(normal_step_s) if normal_step_s else 0.0
             )
             record["recoveries"].append(failed)
             if last_loss is not None:
@@ -654,6 +656,15 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 break
         if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
             break
+
+
+def recovery_seconds(to_serving_s: float, recovery_step_s: float, normal_step_s: float) -> float:
+    """What a failure stalled training for: from the failure until its stage serves again (the replacement's start
+    and weight transfer, a checkpoint's download and load), plus what the first step after it took beyond a normal
+    step (the driver's failed hop, its wait for the new announcement, retries). That excess is taken as at least 0:
+    on a loaded machine one step can run seconds faster than the median step, and subtracting the median from the
+    whole span made recoveries of -7.5 s (RESULTS, 27M at 16 %)."""
+    return to_serving_s + max(0.0, recovery_step_s - normal_step_s)
 
 
 def last_method(server: StageServer) -> str:
@@ -1091,10 +1102,13 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
                 paired[str(ours["seed"])] = theirs["wall_s_to_target"] / ours["wall_s_to_target"]
         speedup_by_seed[name] = paired
     by_method: dict[str, list[float]] = {}
+    to_serving: dict[str, list[float]] = {}
     for row in rows:
         for recovery in row.get("recoveries", []):
             for method in recovery["methods"]:
                 by_method.setdefault(method, []).append(recovery["seconds"])
+                if "to_serving_s" in recovery:
+                    to_serving.setdefault(method, []).append(recovery["to_serving_s"])
     baselines = [r for r in rows_of("none") if r.get("target") is not None]
     # validation loss at the step where the failure-free runs took their target: a measure that does not jump by a
     # whole evaluation interval when a curve on its plateau misses the target by a hair
@@ -1109,6 +1123,7 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         strategy: {f"{rate:.2f}": spread([val_at(r) for r in rows_of(strategy, rate)]) for rate in rates}
         for strategy in strategies
     }
+    equal_wall, equal_wall_s, equal_wall_ranks, not_evaluated = val_loss_at_equal_wall_clock(rows, rates, strategies)
     checkpoints = rows_of("checkpoint")
     saves = [s for r in checkpoints for s in r["checkpoint_saves_s"]]
     loads = [s for r in checkpoints for s in r["checkpoint_loads_s"]]
@@ -1128,8 +1143,17 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "ordering_by_wall_s": {name: sorted(means, key=means.get) for name, means in wall_means.items()},
         "val_loss_at_step": target_step,
         "val_loss_at_step_by_strategy_and_rate": val_loss_at,
+        # each seed's runs compared at the wall clock where the first of them reached the target
+        "val_loss_at_equal_wall_s_by_strategy_and_rate": equal_wall,
+        "equal_wall_s_by_rate_and_seed": equal_wall_s,
+        "mean_rank_at_equal_wall_s_by_rate": equal_wall_ranks,
+        "ordering_by_rank_at_equal_wall_s": {name: sorted(r, key=r.get) for name, r in equal_wall_ranks.items()},
+        "not_evaluated_by_equal_wall_s": not_evaluated,
         "failures_by_strategy_and_rate": failures,
         "recovery_s_by_method": {m: spread(v) for m, v in sorted(by_method.items())},
+        # the part of a recovery before the first step: the replacement's start and weight transfer (rows since
+        # 2026-11-28)
+        "to_serving_s_by_method": {m: spread(v) for m, v in sorted(to_serving.items())},
         # training loss of the first step after a failure less that of the step before it
         "loss_spike_by_strategy": {
             s: spread([x for r in rows_of(s) for x in r.get("loss_spike", [])]) for s in strategies
@@ -1151,6 +1175,53 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     }
 
 
+def val_loss_at_equal_wall_clock(
+    rows: list[dict], rates: list[float], strategies: list[str]
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict], list[str]]:
+    """Each seed's strategies at one wall clock: the earliest at which one of them reached the target (the runs stop
+    there, so it is the latest time every run has a curve for), and each run's last validation loss by then. Time to
+    a target on a plateau turns on which curve crosses a line a thousandth away before its next failure; the loss at
+    the winner's time says how far behind the others were. Returns, per strategy and rate, the spread over seeds of
+    that loss, per rate and seed the wall clock used, per rate each strategy's rank among the seed's runs averaged
+    over seeds (1 = lowest loss; a run with no evaluation by then, e.g. one still writing its first checkpoint, ranks
+    last and is named in `not_evaluated`)."""
+    losses: dict[str, dict] = {s: {} for s in strategies}
+    used: dict[str, dict] = {}
+    ranks: dict[str, dict] = {}
+    not_evaluated: list[str] = []
+    for rate in rates:
+        name = f"{rate:.2f}"
+        runs = [r for r in rows if r["strategy"] in strategies and abs(r["rate"] - rate) < 1e-9]
+        by_seed: dict[int, list[dict]] = {}
+        for run in runs:
+            by_seed.setdefault(run["seed"], []).append(run)
+        per_strategy: dict[str, list[float]] = {s: [] for s in strategies}
+        rank_lists: dict[str, list[float]] = {s: [] for s in strategies}
+        used[name] = {}
+        for seed, seed_runs in sorted(by_seed.items()):
+            reached = [r["wall_s_to_target"] for r in seed_runs if r["wall_s_to_target"] is not None]
+            # every strategy of the seed must be there to be compared; a run that missed the target ran to its end
+            if not reached or {r["strategy"] for r in seed_runs} != set(strategies):
+                continue
+            wall = min(reached)
+            used[name][str(seed)] = wall
+            at_wall = {}
+            for run in seed_runs:
+                before = [p["val_loss"] for p in run["curve"] if p["wall_s"] <= wall + 1e-9]
+                if before:
+                    at_wall[run["strategy"]] = before[-1]
+                    per_strategy[run["strategy"]].append(before[-1])
+                else:
+                    not_evaluated.append(f"{run['strategy']}@{name} seed {seed}")
+            order = sorted(strategies, key=lambda s: at_wall.get(s, math.inf))
+            for strategy in strategies:
+                rank_lists[strategy].append(order.index(strategy) + 1.0)
+        for strategy in strategies:
+            losses[strategy][name] = spread(per_strategy[strategy])
+        ranks[name] = {s: statistics.fmean(v) for s, v in rank_lists.items() if v}
+    return losses, used, ranks, sorted(not_evaluated)
+
+
 def print_report(summary: dict) -> None:
     def cell(value: dict | None, digits: int) -> str:
         if value is None:
@@ -1163,7 +1234,14 @@ def print_report(summary: dict) -> None:
             wall = summary["wall_s_by_strategy_and_rate"][strategy][rate]
             print(f"{strategy + '@' + rate:24s} {cell(value, 1):36s} {cell(wall, 1)}")
     print(f"checkpoint-restart wall s / CheckFree's, by rate: {summary['wallclock_speedup_vs_checkpoint_by_rate']}")
+    print(
+        "validation loss at each seed's first time to target: "
+        f"{summary['val_loss_at_equal_wall_s_by_strategy_and_rate']}"
+        f" (mean rank {summary['mean_rank_at_equal_wall_s_by_rate']}; no evaluation yet: "
+        f"{summary['not_evaluated_by_equal_wall_s']})"
+    )
     print(f"recovery s by method: {summary['recovery_s_by_method']}")
+    print(f"of which to a serving replacement, s: {summary['to_serving_s_by_method']}")
     print(f"loss spike after a failure: {summary['loss_spike_by_strategy']}")
     print(f"checkpoint save s {summary['checkpoint_save_s']}, load s {summary['checkpoint_load_s']}")
     print(

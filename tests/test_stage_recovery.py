@@ -21,6 +21,7 @@ from benchmarks.stage_recovery import (
     CheckpointStore,
     load_stage_checkpoint,
     read_rows,
+    recovery_seconds,
     report,
     save_stage_checkpoint,
     store_get,
@@ -83,7 +84,8 @@ def test_young_interval_is_the_square_root_rule_over_the_whole_pipeline():
 
 def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None, curve=(), target=None):
     return {
-        "curve": [{"step": step, "val_loss": loss} for step, loss in curve],
+        # a curve point: (step, loss), or (step, loss, wall s) where the test needs the clock (else wall s = step)
+        "curve": [{"step": p[0], "val_loss": p[1], "wall_s": p[2] if len(p) > 2 else float(p[0])} for p in curve],
         "target": target,
         "strategy": strategy,
         "rate": rate,
@@ -137,6 +139,48 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["missed_target"] == ["random@0.10 seed 1"]
     assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
     assert summary["parameters"] == 42
+
+
+def test_each_seed_is_compared_at_the_wall_clock_where_its_first_run_reached_the_target():
+    target = 0.5
+    rows = [
+        # seed 0: random first at 100 s; by then CheckFree's last loss is 0.52 (at 90 s), checkpoint's 0.7 (at 60 s)
+        row("checkfree", 0.16, 0, 30, 140.0, curve=[(10, 0.9, 30.0), (20, 0.52, 90.0), (30, 0.49, 140.0)]),
+        row("checkpoint", 0.16, 0, 40, 200.0, curve=[(10, 0.7, 60.0), (20, 0.6, 120.0), (40, 0.5, 200.0)]),
+        row("random", 0.16, 0, 20, 100.0, curve=[(10, 0.8, 50.0), (20, 0.45, 100.0)]),
+        # seed 1: CheckFree first at 50 s; random missed the target and ran on: its loss by 50 s counts
+        row("checkfree", 0.16, 1, 10, 50.0, curve=[(10, 0.48, 50.0)]),
+        row("checkpoint", 0.16, 1, 20, 90.0, curve=[(10, 0.56, 45.0), (20, 0.5, 90.0)]),
+        row("random", 0.16, 1, None, None, curve=[(10, 0.9, 40.0), (20, 0.6, 80.0)]),
+        # seed 2 has no random run: not compared
+        row("checkfree", 0.16, 2, 10, 10.0, curve=[(10, 0.1, 10.0)]),
+        row("checkpoint", 0.16, 2, 10, 10.0, curve=[(10, 0.1, 10.0)]),
+        # seed 3: checkpoint-restart has no evaluation by CheckFree's 20 s (its first save): it ranks last
+        row("checkfree", 0.16, 3, 10, 20.0, curve=[(10, 0.4, 20.0)]),
+        row("checkpoint", 0.16, 3, 10, 70.0, curve=[(10, 0.3, 70.0)]),
+        row("random", 0.16, 3, None, None, curve=[(10, 0.45, 15.0)]),
+    ]
+    for r in rows:
+        r["target"] = target
+    summary = report(rows, [0.16], ["checkfree", "checkpoint", "random"])
+    assert summary["equal_wall_s_by_rate_and_seed"] == {"0.16": {"0": 100.0, "1": 50.0, "3": 20.0}}
+    at_equal_wall = summary["val_loss_at_equal_wall_s_by_strategy_and_rate"]
+    assert at_equal_wall["checkfree"]["0.16"]["mean"] == pytest.approx((0.52 + 0.48 + 0.4) / 3)
+    assert at_equal_wall["checkpoint"]["0.16"]["mean"] == pytest.approx((0.7 + 0.56) / 2)
+    assert at_equal_wall["random"]["0.16"]["mean"] == pytest.approx((0.45 + 0.9 + 0.45) / 3)
+    assert at_equal_wall["random"]["0.16"]["n"] == 3
+    assert summary["not_evaluated_by_equal_wall_s"] == ["checkpoint@0.16 seed 3"]
+    # ranks by seed: 0 random, checkfree, checkpoint; 1 checkfree, checkpoint, random; 3 checkfree, random, checkpoint
+    assert summary["mean_rank_at_equal_wall_s_by_rate"]["0.16"] == pytest.approx(
+        {"checkfree": 4 / 3, "checkpoint": 8 / 3, "random": 2.0}
+    )
+    assert summary["ordering_by_rank_at_equal_wall_s"]["0.16"] == ["checkfree", "random", "checkpoint"]
+
+
+def test_a_recovery_is_the_time_to_a_serving_stage_plus_what_the_next_step_took_beyond_a_normal_one():
+    assert recovery_seconds(3.0, 8.5, 6.0) == pytest.approx(5.5)
+    # a first step faster than the median (a loaded machine that calmed down) takes nothing off the recovery
+    assert recovery_seconds(3.0, 2.0, 9.5) == pytest.approx(3.0)
 
 
 def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_checkpoint_rule(tmp_path):
