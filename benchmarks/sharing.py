@@ -51,6 +51,7 @@ import copy
 import hashlib
 import json
 import os
+import math
 import statistics
 import sys
 import tempfile
@@ -697,16 +698,33 @@ def mean_metric(run: dict, compute_s: float, which: str) -> float:
 LATE_POINTS = 5  # own_gain_per_node reads each curve at this many equal steps over the budget's last third
 
 
+def late_own(run: dict, node: int, compute_s: float) -> float:
+    """The node's held-out on its own specialty averaged over the last third of `compute_s`."""
+    xs = [compute_s * (2 / 3 + k / (3 * (LATE_POINTS - 1))) for k in range(LATE_POINTS)]
+    return statistics.fmean(node_metric(run, node, x, "own") for x in xs)
+
+
 def own_gain_per_node(runs: dict, silo: dict, seeds: list[int], compute_s: float) -> dict[int, list[float]]:
     """Seed -> each node's own specialty against the same node alone (the silo run of that seed: the same warm start),
     in points to a tenth, averaged over the last third of `compute_s`: a mean over nodes can hide a node that lost, and
     one node's held-out on a specialty swings by 10-20 points between evaluations 50 units apart."""
+    return {
+        s: [round(100 * (late_own(runs[s], n, compute_s) - late_own(silo[s], n, compute_s)), 1) for n in range(NODES)]
+        for s in seeds
+    }
 
-    def late(run: dict, node: int) -> float:
-        xs = [compute_s * (2 / 3 + k / (3 * (LATE_POINTS - 1))) for k in range(LATE_POINTS)]
-        return statistics.fmean(node_metric(run, node, x, "own") for x in xs)
 
-    return {s: [round(100 * (late(runs[s], n) - late(silo[s], n)), 1) for n in range(NODES)] for s in seeds}
+def silo_twin_differences(silo: dict, seeds: list[int], compute_s: float) -> dict[int, list[float]]:
+    """Seed -> for each pair of the silo's nodes warm-started alike (the same weak specialty), the first's own
+    specialty less the second's, as `own_gain_per_node` measures it. The twins differ only in their sampling: what
+    separates them is what separates any node from "the same node alone" when nothing else differs, the resolution
+    of the per-node figure."""
+    out = {}
+    for s in seeds:
+        run = silo[s]
+        pairs = [(a, b) for a in range(NODES) for b in range(a + 1, NODES) if run["weak"][a] == run["weak"][b]]
+        out[s] = [round(100 * (late_own(run, a, compute_s) - late_own(run, b, compute_s)), 1) for a, b in pairs]
+    return out
 
 
 def mean_curve(run: dict, which: str, points: int = 20) -> tuple[list[float], list[float]]:
@@ -855,6 +873,7 @@ def report(args) -> None:
                 [100 * (mean_metric(seeds[s], budget, "own") - mean_metric(silo[s], budget, "own")) for s in common]
             )
             row["own_gain_points_per_node_and_seed"] = own_gain_per_node(seeds, silo, common, budget)
+            row["budget_s"] = budget
             swarm_arm = base_arm(arm) in SWARM_ARMS
             if swarm_arm and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
@@ -929,6 +948,21 @@ def report(args) -> None:
             summary["both_gain_points_per_seed"] = table[best]["both_gain_points_vs_silo"]["per_seed"]
             summary["own_gain_points_per_seed"] = table[best]["own_gain_points_vs_silo"]["per_seed"]
             summary["own_gain_points_per_node_and_seed"] = table[best]["own_gain_points_per_node_and_seed"]
+            twins = silo_twin_differences(silo, table[best]["seeds"], table[best]["budget_s"])
+            differences = [d for per_seed in twins.values() for d in per_seed]
+            summary["own_silo_twin_difference_points_per_seed"] = twins
+            # the twins' differences have mean 0 by construction: their root mean square is the spread of a
+            # node-against-node difference that no sharing made
+            summary["own_silo_twin_rms_points"] = (
+                round(math.sqrt(statistics.fmean(d * d for d in differences)), 1) if differences else None
+            )
+            print(
+                f"  the silo's twins (nodes warm-started alike), own specialty over the last third, first less second, "
+                f"points per seed: {twins}; root mean square {summary['own_silo_twin_rms_points']}; a node alone "
+                f"ends more than 2 points under its twin in {sum(abs(d) > 2 for d in differences)} of "
+                f"{2 * len(differences)} ordered comparisons",
+                flush=True,
+            )
             summary["heldout_gain_weak_points_per_seed"] = table[best]["weak_gain_points_vs_silo"]["per_seed"]
             summary["speedup_per_seed"] = table[best]["speedup"]["per_seed"]
             summary["speedup_with_network_per_seed"] = table[best]["speedup_with_network"]["per_seed"]

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.sharing import homogeneous_ratios, own_gain_per_node, warm_start_mismatches, weights_digest
+from benchmarks.sharing import (
+    homogeneous_ratios,
+    own_gain_per_node,
+    silo_twin_differences,
+    warm_start_mismatches,
+    weights_digest,
+)
 
 
 def test_the_digest_sees_one_changed_bit_and_nothing_else():
@@ -61,18 +67,30 @@ def test_equal_nodes_ratios_per_seed_at_the_budget_both_arms_reached():
     )
 
 
-def test_each_node_own_specialty_is_compared_with_the_same_node_alone():
-    def run(add_accuracy: list[float], subtract_accuracy: list[float]) -> dict:
-        weak = ["subtract", "subtract", "add", "add"]  # nodes 0-1 know addition, 2-3 subtraction
-        curves = [
-            [{"compute_s": 0.0, "add": 0.0, "subtract": 0.0}, {"compute_s": 100.0, "add": a, "subtract": b}]
-            for a, b in zip(add_accuracy, subtract_accuracy)
-        ]
-        return {"budget_s": 100.0, "weak": weak, "curves": curves}
+def run(add_accuracy: list[float], subtract_accuracy: list[float], weak=("subtract", "subtract", "add", "add")) -> dict:
+    """Curves that climb linearly from 0 at 0 units to the given held-out at 100; by default nodes 0-1 know addition,
+    2-3 subtraction."""
+    curves = [
+        [{"compute_s": 0.0, "add": 0.0, "subtract": 0.0}, {"compute_s": 100.0, "add": a, "subtract": b}]
+        for a, b in zip(add_accuracy, subtract_accuracy)
+    ]
+    return {"budget_s": 100.0, "weak": list(weak), "curves": curves}
 
+
+def test_each_node_own_specialty_is_compared_with_the_same_node_alone():
     silo = {3: run([0.90, 0.94, 0.1, 0.1], [0.1, 0.1, 0.96, 0.90])}
     swarm = {3: run([0.97, 0.80, 0.9, 0.9], [0.9, 0.9, 0.98, 0.90])}
     # own: add for nodes 0-1, subtract for 2-3 (the weak specialty, 0.1 -> 0.9, does not enter), averaged over the
     # budget's last third: these curves climb linearly from 0, so the mean is their value at 5/6 of the budget
     assert own_gain_per_node(swarm, silo, [3], 100.0) == {3: [5.8, -11.7, 1.7, 0.0]}
     assert own_gain_per_node(swarm, silo, [3], 50.0) == {3: [2.9, -5.8, 0.8, 0.0]}
+
+
+def test_the_silo_twins_are_the_nodes_warm_started_alike_compared_as_a_node_with_itself_alone():
+    silo = {
+        3: run([0.90, 0.84, 0.1, 0.1], [0.1, 0.1, 0.96, 0.90]),
+        # three nodes know subtraction here: three pairs among them, none with the addition specialist
+        4: run([0.1, 0.6, 0.1, 0.1], [0.9, 0.1, 0.6, 0.3], weak=("add", "subtract", "add", "add")),
+    }
+    # each curve's mean over the last third is its value at 5/6 of the budget: (0.90 - 0.84) * 5/6 = 0.05
+    assert silo_twin_differences(silo, [3, 4], 100.0) == {3: [5.0, 5.0], 4: [25.0, 50.0, 25.0]}
