@@ -1091,16 +1091,28 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     speedup, speedup_by_seed, steps_ratio = {}, {}, {}
     for rate in rates:
         name = f"{rate:.2f}"
-        ours, theirs = wall.get("checkfree", {}).get(name), wall.get("checkpoint", {}).get(name)
-        speedup[name] = theirs["mean"] / ours["mean"] if ours and theirs else None
-        ours, theirs = steps.get("checkfree", {}).get(name), steps.get("checkpoint", {}).get(name)
-        steps_ratio[name] = theirs["mean"] / ours["mean"] if ours and theirs else None
-        paired = {}
+        # the ratios of the means are taken over the seeds where both strategies reached the target: a seed one of
+        # them has no row for must not enter one mean and not the other
+        pairs = []
         for ours in rows_of("checkfree", rate):
             theirs = next((r for r in rows_of("checkpoint", rate) if r["seed"] == ours["seed"]), None)
             if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
-                paired[str(ours["seed"])] = theirs["wall_s_to_target"] / ours["wall_s_to_target"]
-        speedup_by_seed[name] = paired
+                pairs.append((ours, theirs))
+        speedup_by_seed[name] = {
+            str(ours["seed"]): theirs["wall_s_to_target"] / ours["wall_s_to_target"] for ours, theirs in pairs
+        }
+        speedup[name] = (
+            statistics.fmean(t["wall_s_to_target"] for _, t in pairs)
+            / statistics.fmean(o["wall_s_to_target"] for o, _ in pairs)
+            if pairs
+            else None
+        )
+        steps_ratio[name] = (
+            statistics.fmean(t["steps_to_target"] for _, t in pairs)
+            / statistics.fmean(o["steps_to_target"] for o, _ in pairs)
+            if pairs
+            else None
+        )
     by_method: dict[str, list[float]] = {}
     to_serving: dict[str, list[float]] = {}
     for row in rows:
@@ -1127,10 +1139,16 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     checkpoints = rows_of("checkpoint")
     saves = [s for r in checkpoints for s in r["checkpoint_saves_s"]]
     loads = [s for r in checkpoints for s in r["checkpoint_loads_s"]]
-    wall_means = {
-        name: {s: wall[s][name]["mean"] for s in strategies if wall[s].get(name)}
-        for name in (f"{r:.2f}" for r in rates)
-    }
+    wall_means = {}
+    for rate in rates:
+        # over the seeds where every strategy reached the target, so that each mean is of the same seeds
+        reached = {
+            s: {r["seed"]: r["wall_s_to_target"] for r in rows_of(s, rate) if r["wall_s_to_target"]} for s in strategies
+        }
+        common = set.intersection(*(set(v) for v in reached.values())) if reached else set()
+        wall_means[f"{rate:.2f}"] = (
+            {s: statistics.fmean(reached[s][seed] for seed in common) for s in strategies} if common else {}
+        )
     return {
         "benchmark": "stage_recovery",
         "parameters": next((r.get("parameters") for r in rows if r.get("parameters")), None),
