@@ -50,8 +50,8 @@ import asyncio
 import copy
 import hashlib
 import json
-import os
 import math
+import os
 import statistics
 import sys
 import tempfile
