@@ -1075,6 +1075,9 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     over CheckFree's per rate (of the means, and per seed); recovery seconds by how the stage came back; what a
     checkpoint cost."""
 
+    # the rates asked for only (and the failure-free runs): recoveries, spikes and checkpoint costs are read per report
+    rows = [r for r in rows if r["strategy"] == "none" or any(abs(r["rate"] - rate) < 1e-9 for rate in rates)]
+
     def rows_of(strategy: str, rate: float | None = None) -> list[dict]:
         return [r for r in rows if r["strategy"] == strategy and (rate is None or abs(r["rate"] - rate) < 1e-9)]
 

@@ -117,6 +117,9 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
         row("random", 0.1, 1, None, None, [("random", 1.0)]),  # missed the target: listed, not averaged
         # CheckFree's seed 2 has no checkpoint-restart row: in CheckFree's mean, not in the ratios
         row("checkfree", 0.1, 2, 90, 60.0),
+        # another rate than the one asked for: in no figure
+        row("checkfree", 0.16, 0, 50, 5.0, [("checkfree", 99.0)], curve=[(50, 0.1)]),
+        row("checkpoint", 0.16, 0, 50, 5.0, [("checkpoint", 99.0)], saves=[9.0], every=3),
     ]
     summary = report(rows, [0.1], ["checkfree", "checkpoint", "random"])
     assert summary["steps_by_strategy_and_rate"]["none"]["0.00"] == {"mean": 95, "min": 90, "max": 100, "n": 2}
