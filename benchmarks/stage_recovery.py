@@ -1104,18 +1104,8 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         speedup_by_seed[name] = {
             str(ours["seed"]): theirs["wall_s_to_target"] / ours["wall_s_to_target"] for ours, theirs in pairs
         }
-        speedup[name] = (
-            statistics.fmean(t["wall_s_to_target"] for _, t in pairs)
-            / statistics.fmean(o["wall_s_to_target"] for o, _ in pairs)
-            if pairs
-            else None
-        )
-        steps_ratio[name] = (
-            statistics.fmean(t["steps_to_target"] for _, t in pairs)
-            / statistics.fmean(o["steps_to_target"] for o, _ in pairs)
-            if pairs
-            else None
-        )
+        speedup[name] = paired_ratio_of_means(pairs, "wall_s_to_target")
+        steps_ratio[name] = paired_ratio_of_means(pairs, "steps_to_target")
     by_method: dict[str, list[float]] = {}
     to_serving: dict[str, list[float]] = {}
     for row in rows:
@@ -1194,6 +1184,13 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
             f"{r['strategy']}@{r['rate']:.2f} seed {r['seed']}" for r in rows if r["steps_to_target"] is None
         ),
     }
+
+
+def paired_ratio_of_means(pairs: list[tuple[dict, dict]], key: str) -> float | None:
+    """The mean of `key` over the second rows of `pairs` over its mean over the first (None without pairs)."""
+    if not pairs:
+        return None
+    return statistics.fmean(theirs[key] for _, theirs in pairs) / statistics.fmean(ours[key] for ours, _ in pairs)
 
 
 def val_loss_at_equal_wall_clock(
