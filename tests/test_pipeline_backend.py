@@ -231,3 +231,24 @@ def test_a_repeated_step_call_is_answered_without_being_applied_twice():
         assert chain[0].step == 3
 
     asyncio.run(steps())
+
+
+def test_a_served_call_reports_its_worker_threads_cpu_and_page_faults_within_its_wall_time():
+    """`timing` gets what the torch work cost the worker thread that ran it (COMPUTE_WORK), beside its wall time: the
+    thread's CPU seconds, which no single thread can spend faster than the wall clock runs, and its minor page faults
+    (a count). Measured on the event loop's thread instead, the CPU would be about nothing."""
+    import asyncio
+
+    from node.pipeline.handler import COMPUTE_WORK, StageHandler
+    from protocol.pipeline import DEFAULT_PIPELINE_LIMITS
+
+    _, chain = backends(PipelineConfig())
+    handler = StageHandler(DEFAULT_PIPELINE_LIMITS)
+    handler.backend, handler.fingerprint, handler.state = chain[0], "fp", "serving"
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(5))
+    timing: dict[str, float] = {}
+    forward = call("forward", 0, "m1", ("embed", "layers"), input_ids=ids, **inputs(ids))
+    asyncio.run(handler.serve("driver", forward, timing))
+    assert set(COMPUTE_WORK) <= set(timing)
+    assert 0 < timing["compute_cpu"] <= timing["compute"]
+    assert isinstance(timing["compute_faults"], int) and timing["compute_faults"] >= 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections import Counter, defaultdict
 from typing import Callable
@@ -40,6 +41,16 @@ REFUSAL_LOG_EVERY_S = 60.0
 # call decoded (the caller's bytes arriving), "lock" waiting for the torch worker, "compute" the work under it, "checks"
 # the rest of serving (the call's checks, the result's tensors to bytes), "reply" packing and writing the result.
 CALL_PHASES = ("read", "lock", "compute", "checks", "reply")
+# Beside the phases, what the torch work did on its worker thread: "compute_cpu" its CPU seconds (below "compute" when
+# the thread waits: for a core, for the GIL) and "compute_faults" its minor page faults (memory touched for the first
+# time since the allocator took it from the system): a slow call is told apart from a call kept waiting.
+COMPUTE_WORK = ("compute_cpu", "compute_faults")
+
+
+def _worker_usage() -> tuple[float, int]:
+    """This thread's CPU seconds and minor page faults so far."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
 class StageHandler:
@@ -98,6 +109,8 @@ class StageHandler:
             seconds["read"] += decoded - opened
             seconds["lock"] += timing.get("lock", 0.0)
             seconds["compute"] += timing.get("compute", 0.0)
+            for key in COMPUTE_WORK:
+                seconds[key] += timing.get(key, 0)
             seconds["checks"] += served - decoded - timing.get("lock", 0.0) - timing.get("compute", 0.0)
             seconds["reply"] += time.perf_counter() - served
             seconds["calls"] += 1  # the calls these seconds are of (a call whose reply broke is in `calls` alone)
@@ -118,7 +131,8 @@ class StageHandler:
 
     async def serve(self, peer: str, call: StageCall, timing: dict[str, float] | None = None) -> StageResult:
         """Run one checked call on the backend; BackendRefused for a call this server does not serve. `timing`, if
-        given, gets the seconds spent waiting for the torch worker ("lock") and working under it ("compute")."""
+        given, gets the seconds spent waiting for the torch worker ("lock") and working under it ("compute"), and what
+        the work cost its worker thread (COMPUTE_WORK)."""
         backend = self.backend
         if backend is None or call.stage != backend.index or call.stage_fingerprint != self.fingerprint:
             raise BackendRefused(
@@ -139,15 +153,17 @@ class StageHandler:
                 timing["lock"] = locked - waiting
             if self.backend is not backend:  # the server moved to another stage while this call waited
                 raise BackendRefused(PipelineRefusal.WRONG_STAGE, "this server changed stage")
+            work = timing if timing is not None else {}
             try:
                 if call.op == "weights":
-                    return self._result(backend, {}, weights=await asyncio.to_thread(backend.weights, call.parts))
+                    weights = await asyncio.to_thread(_measured, work, backend.weights, call.parts)
+                    return self._result(backend, {}, weights=weights)
                 if call.op == "step":
                     answered = self.steps_answered.get((peer, call.call_id))
                     if answered is not None:
                         return answered
                     self.before_step()
-                    if await asyncio.to_thread(backend.apply_step, call.scale, call.lr_scale):
+                    if await asyncio.to_thread(_measured, work, backend.apply_step, call.scale, call.lr_scale):
                         self.after_step(backend.step)
                     self.steps_answered[(peer, call.call_id)] = result = self._result(backend, {})
                     return result
@@ -157,7 +173,7 @@ class StageHandler:
                     "infer": backend.infer,
                     "end_session": backend.end_session,
                 }[call.op]
-                tensors = await asyncio.to_thread(run, peer, call)
+                tensors = await asyncio.to_thread(_measured, work, run, peer, call)
             except BackendRefused:
                 raise
             except Exception as exc:  # noqa: BLE001 - a compute error is refused to the caller, logged here, and the server lives on
@@ -183,3 +199,14 @@ class StageHandler:
         """At most one log line per peer and reason a minute: a flood of bad calls must not flood the log."""
         if self.refusal_log_throttle.due(peer, refused.reason.value):
             log.info("refused a pipeline call from %s: %s: %s", peer[:12], refused.reason.value, refused.detail)
+
+
+def _measured(work: dict, run: Callable, *args):
+    """run(*args) on this (worker) thread, adding its CPU seconds and minor page faults to `work` (COMPUTE_WORK)."""
+    cpu, faults = _worker_usage()
+    try:
+        return run(*args)
+    finally:
+        cpu_after, faults_after = _worker_usage()
+        work["compute_cpu"] = work.get("compute_cpu", 0.0) + cpu_after - cpu
+        work["compute_faults"] = work.get("compute_faults", 0) + faults_after - faults
