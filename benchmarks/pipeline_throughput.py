@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,11 +71,12 @@ import torch  # noqa: E402
 
 from node.config import NodeConfig, load_config  # noqa: E402
 from node.device import HOST  # noqa: E402
+from node.host_memory import keep_freed_memory  # noqa: E402
 from node.model import model_fingerprint, resolve_initial_policy  # noqa: E402
 from node.pipeline.backend import StageBackend  # noqa: E402
 from node.pipeline.corpus import micro_batch, training_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
-from node.pipeline.handler import CALL_PHASES, StageHandler  # noqa: E402
+from node.pipeline.handler import CALL_PHASES, COMPUTE_WORK, StageHandler  # noqa: E402
 from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import (  # noqa: E402
@@ -178,14 +179,21 @@ class LocalRouter(PipelineRouter):
         self.handlers = handlers
         self.calls = calls
         self.servers = {i: SimpleNamespace(stage=i, node_id=f"local-{i}") for i in range(len(handlers))}
+        # op -> the torch work's wall seconds and its COMPUTE_WORK, summed over every stage, as a server counts them
+        self.work: defaultdict[str, Counter] = defaultdict(Counter)
 
     async def pick_route(self, hops):
         return {stage: self.servers[stage] for stage, _ in hops}
 
     async def call(self, server, call, timeout=None):
         started = time.perf_counter()
-        result = await self.handlers[server.stage].serve("driver", call)
+        timing: dict[str, float] = {}
+        result = await self.handlers[server.stage].serve("driver", call, timing)
         self.calls.record(call, result, time.perf_counter() - started)
+        work = self.work[call.op]
+        for key in ("compute", *COMPUTE_WORK):
+            work[key] += timing.get(key, 0)
+        work["calls"] += 1
         return result
 
 
@@ -355,7 +363,28 @@ def server_ms_per_call(before: list[dict], after: list[dict]) -> dict[str, dict[
         if not calls:
             continue
         phases = {phase: 1000 * total(op, phase) / calls for phase in CALL_PHASES}
-        out[op] = {**phases, "total": sum(phases.values()), "calls": calls}
+        out[op] = {
+            **phases,
+            "total": sum(phases.values()),
+            "calls": calls,
+            "compute_cpu": 1000 * total(op, "compute_cpu") / calls,
+            "compute_faults": total(op, "compute_faults") / calls,
+        }
+    return out
+
+
+def compute_per_call(work: dict[str, Counter]) -> dict[str, dict[str, float]]:
+    """The in-process way's torch work per forward and backward call (LocalRouter.work), in server_ms_per_call's
+    units: wall ms under the lock, its worker thread's CPU ms and minor page faults."""
+    out = {}
+    for op in ("forward", "backward"):
+        calls = work.get(op, {}).get("calls", 0)
+        if calls:
+            out[op] = {
+                "compute": 1000 * work[op]["compute"] / calls,
+                "compute_cpu": 1000 * work[op]["compute_cpu"] / calls,
+                "compute_faults": work[op]["compute_faults"] / calls,
+            }
     return out
 
 
@@ -407,6 +436,7 @@ async def measure_size(
         for t in one_process_threads
     }
     calls: dict[str, Calls] = {}
+    local_routers: dict[str, LocalRouter] = {}
     servers: dict[str, Servers] = {}
     sessions = []
     try:
@@ -415,6 +445,7 @@ async def measure_size(
             fingerprints = expected_fingerprints(config, model.config, fingerprint)
             calls[f"local {s}"] = Calls()
             router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, calls[f"local {s}"])
+            local_routers[f"local {s}"] = router
             ways[f"local {s}"] = _driver(config, router, corpus, root / f"{name}-local-{s}")
         for s, v in keys[1:]:
             way = f"wire {s}" + (f" {v}" if v else "")
@@ -438,6 +469,8 @@ async def measure_size(
             await _step(runner)
         for record in calls.values():
             record.rows.clear()
+        for router in local_routers.values():
+            router.work.clear()
         warmed = time.time()
         served_before = {way: group.served(after=warmed) for way, group in servers.items()}
         for _ in range(rounds):
@@ -475,6 +508,8 @@ async def measure_size(
         }
         if way in calls:
             entry.update(summarize_calls(calls[way].rows, base.pipeline.micro_batches * rounds * steps))
+        if way in local_routers:
+            entry["compute_per_call"] = compute_per_call(local_routers[way].work)
         if way.startswith("wire"):
             entry["overhead_ms"] = hop_overhead_ms(calls[way].rows, calls["local " + way.split()[1]].rows)
             entry["server_ms_per_call"] = server_ms[way]
@@ -563,6 +598,21 @@ def print_size(name: str, result: dict) -> None:
                 + f"; served in {split['total']:.1f} of the driver's {driver_ms:.1f} (the rest: the driver, the "
                 f"daemons, the wire, {driver_ms - split['total']:.1f})"
             )
+    # the same torch work in this process and on the servers: slower with as much CPU is waiting; with more CPU and
+    # page faults, memory taken again
+    for way, e in result["ways"].items():
+        if not way.startswith("wire"):
+            continue
+        local = result["ways"].get("local " + way.split()[1], {}).get("compute_per_call", {})
+        for op, split in e.get("server_ms_per_call", {}).items():
+            if op in local:
+                mine = local[op]
+                print(
+                    f"  torch work of a {op} call, local / {way}: wall ms {mine['compute']:.1f} / "
+                    f"{split['compute']:.1f}, thread CPU ms {mine['compute_cpu']:.1f} / {split['compute_cpu']:.1f}, "
+                    "minor page faults "
+                    f"{mine['compute_faults']:.0f} / {split['compute_faults']:.0f}"
+                )
 
 
 async def recovery_run(name: str, shape, settings: list[str], steps: int, root: Path) -> list[dict]:
@@ -894,6 +944,71 @@ def check_cost(sizes: list[int], repeats: int) -> dict:
     return {"repeats": repeats, "threads": 1, "ms": rows}
 
 
+PROTOBUF_PROBE = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from node.transport.protobuf_shim import import_hivemind_isolated
+import_hivemind_isolated()
+from google.protobuf.internal import api_implementation
+from hivemind.proto import dht_pb2, p2pd_pb2
+repeats = int(sys.argv[2])
+found = dht_pb2.FindResponse()  # a DHT node's answer to a get: 8 keys' values and their nearest peers
+for _ in range(8):
+    result = found.results.add(type=dht_pb2.FOUND_REGULAR, value=os.urandom(600), expiration_time=1e9)
+    result.nearest_node_ids.extend(os.urandom(20) for _ in range(5))
+    result.nearest_peer_ids.extend(os.urandom(38) for _ in range(5))
+opening = p2pd_pb2.Request(type=p2pd_pb2.Request.STREAM_OPEN)  # what each pipeline call asks its p2p daemon
+opening.streamOpen.peer = os.urandom(38)
+opening.streamOpen.proto.append("swarm-node/v1/swarm/pipeline/0123456789abcdef/v1")
+us = {}
+for name, message in (("dht_find_response", found), ("stream_open_request", opening)):
+    data = message.SerializeToString()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        parsed = type(message)()
+        parsed.ParseFromString(data)
+        if parsed.SerializeToString() != data:
+            raise SystemExit(f"{name} did not round-trip")
+    us[name] = {"bytes": len(data), "us": 1e6 * (time.perf_counter() - started) / repeats}
+print(json.dumps({"implementation": api_implementation.Type(), "messages": us}))
+"""
+
+
+def protobuf_cost(repeats: int) -> dict:
+    """What parsing and re-serializing a protobuf message costs in each implementation of google.protobuf (its C
+    runtime, upb, the default; and pure Python), each in a fresh interpreter: a hivemind DHT answer and a p2p daemon
+    stream-open request, the messages a stage server's event loop handles. upb calls malloc_trim(0) every 10,000 of
+    its arena frees, which hands back the memory torch just freed (node/host_memory.py); pure Python does not, and
+    costs this much more a message."""
+    rows = {}
+    for implementation in ("upb", "python"):
+        env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": implementation}
+        out = subprocess.run(
+            [sys.executable, "-c", PROTOBUF_PROBE, str(REPO), str(repeats)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        if row["implementation"] != implementation:
+            raise RuntimeError(f"asked for protobuf's {implementation} implementation, got {row['implementation']}")
+        rows[implementation] = row["messages"]
+    for name, upb in rows["upb"].items():
+        python = rows["python"][name]
+        print(
+            f"{name} ({upb['bytes']} B): upb {upb['us']:.1f} us, pure Python {python['us']:.1f} us a message, "
+            f"{python['us'] / upb['us']:.0f}x",
+            flush=True,
+        )
+    return {
+        "repeats": repeats,
+        "us_per_message": rows,
+        "python_over_upb": {name: rows["python"][name]["us"] / upb["us"] for name, upb in rows["upb"].items()},
+    }
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, settings = text.partition(":")
     return name, [setting for setting in settings.split(",") if setting]
@@ -933,6 +1048,10 @@ def main() -> None:
         "--check-cost", action="store_true", help="instead: what checking one received tensor of each --floor-bytes "
         "costs a stage server, the shipped check against torch.isfinite, no network",
     )  # fmt: skip
+    parser.add_argument(
+        "--protobuf-cost", action="store_true", help="instead: what parsing and re-serializing a DHT answer and a "
+        "stream-open request costs in protobuf's upb and pure-Python implementations (--floor-calls times each)",
+    )  # fmt: skip
     parser.add_argument("--floor-bytes", nargs="+", type=int, default=FLOOR_BYTES)
     parser.add_argument("--floor-calls", type=int, default=30, help="timed echoes per size and way")
     args = parser.parse_args()
@@ -942,8 +1061,14 @@ def main() -> None:
     if args.tiny:
         settings += ["pipeline.micro_batch_size=2", "pipeline.micro_batches=2", "pipeline.sequence_length=16"]
         args.steps, args.rounds = 1, 1
+    # this process's torch work (one process, the local ways, the driver) under the allocator its servers run with
+    kept = load_config(REPO / "configs" / "pipeline.yaml", settings).pipeline.keep_freed_memory and keep_freed_memory()
     started = time.time()
-    summary: dict = {"benchmark": "pipeline_throughput", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(started))}
+    summary: dict = {
+        "benchmark": "pipeline_throughput",
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(started)),
+        "freed_memory_kept": kept,  # node/host_memory.py, in this process and (the same setting) its servers
+    }
     if args.lab:
         sys.path.insert(0, str(REPO / "benchmarks"))
         with tempfile.TemporaryDirectory(prefix="pipeline-throughput-lab-") as scratch:
@@ -957,6 +1082,10 @@ def main() -> None:
     if args.transport_floor:
         floor = asyncio.run(transport_floor(args.floor_bytes, args.floor_calls))
         summary.update(load_average=os.getloadavg(), transport_floor=floor)
+        print(json.dumps(summary))
+        return
+    if args.protobuf_cost:
+        summary.update(load_average=os.getloadavg(), protobuf_cost=protobuf_cost(args.floor_calls))
         print(json.dumps(summary))
         return
     if args.check_cost:

@@ -533,6 +533,10 @@ class PipelineConfig(_Section):
     micro_batches_in_flight: int = Field(1, ge=1)
     """Micro-batches of one lm step the driver sends through the pipeline at once (GPipe's fill: stage i works on one
     while stage i+1 works on the one before); 1: one after the other."""
+    keep_freed_memory: bool = True
+    """A stage server or driver sets glibc's malloc to keep the memory torch frees for the next call, rather than hand
+    it back to the system and fault it in again page by page (node/host_memory.py; benchmarks/RESULTS.md,
+    pipeline_throughput). No effect on another C library, or where MALLOC_* environment variables set the allocator."""
 
 
 class NodeConfig(_Section):

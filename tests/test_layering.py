@@ -40,7 +40,7 @@ def test_choosing_own_and_peers_rollouts_is_torch_free():
 # Each name is a room: a module, or a package with everything under it that no room of a longer name claims.
 LAYERS = [
     ("wire", ["protocol"]),
-    ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display"]),
+    ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display", "node.host_memory"]),
     ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.compute", "node.device"]),
     (
         "network and policy",

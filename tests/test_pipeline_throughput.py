@@ -85,6 +85,13 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
         assert math.isclose(split["total"], sum(split[p] for p in ("read", "lock", "compute", "checks", "reply")))
         if split["calls"] == answered:
             assert split["total"] <= 1000 * ways["wire 2"]["calls_s"][op]
+    # what the torch work cost its worker thread, on the servers and in this process alike: CPU no more than the wall
+    # time it ran in (one thread), page faults counted
+    local = ways["local 2"]["compute_per_call"]
+    assert set(local) == {"forward", "backward"}
+    for work in (*served.values(), *local.values()):
+        assert 0 < work["compute_cpu"] <= work["compute"]
+        assert work["compute_faults"] >= 0
 
 
 def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_figure():
@@ -115,6 +122,18 @@ def test_check_cost_times_both_checks_of_every_size_and_dtype():
     for row in cost["ms"].values():
         assert row["torch"] > 0 and row["shipped"] > 0
         assert math.isclose(row["torch_over_shipped"], row["torch"] / row["shipped"])
+
+
+def test_protobuf_cost_times_both_implementations_on_the_same_messages():
+    """--protobuf-cost: each implementation of google.protobuf in its own interpreter (the benchmark exits non-zero if
+    the environment did not pick the one asked for, or a message does not round-trip byte for byte)."""
+    cost = run_benchmark("--protobuf-cost", "--floor-calls", "3", timeout=300)["protobuf_cost"]
+    assert cost["repeats"] == 3
+    assert set(cost["us_per_message"]) == {"upb", "python"}
+    for name, ratio in cost["python_over_upb"].items():
+        upb, python = cost["us_per_message"]["upb"][name], cost["us_per_message"]["python"][name]
+        assert upb["bytes"] == python["bytes"] > 0  # the same message in both
+        assert math.isclose(ratio, python["us"] / upb["us"])
 
 
 def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attempts_apart():

@@ -80,11 +80,14 @@ async def _join(config, console: Console, role: str):
     import torch
 
     from node.device import HOST
+    from node.host_memory import keep_freed_memory
     from node.model import model_fingerprint, resolve_initial_policy
     from node.pipeline.stagemap import announced_addresses
     from node.transport.session import join_swarm
     from protocol import NodeIdentity
 
+    if config.pipeline.keep_freed_memory:  # before the worker threads start: the arena limit binds only new arenas
+        keep_freed_memory()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     state_dir = config.resolved_state_dir()
