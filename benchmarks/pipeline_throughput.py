@@ -19,7 +19,10 @@ same S (`overhead_ms`, by op: forward, backward, step); bytes of tensor payload 
 micro-batch, each way (driver -> servers, servers -> driver: every hop goes through the
 driver, see node/pipeline/driver.py); and where each wire way's forward and backward calls spent their time
 on their servers' own clocks (`server_ms_per_call`: the phases of node/pipeline/handler.py's CALL_PHASES, read
-from every server's stage.json), beside the driver's time for the same calls. Prints its figures and ends
+from every server's stage.json), beside the driver's time for the same calls; and what a call's torch work cost
+its worker thread, on the servers and in the local way alike (`compute_cpu`, `compute_faults`: CPU ms and minor
+page faults a call), so that a server's slower torch work is told apart from waiting. This process takes the
+allocator setting its servers take (`pipeline.keep_freed_memory`, node/host_memory.py). Prints its figures and ends
 with one JSON line.
 
 Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
@@ -29,7 +32,8 @@ compares the losses; `--lab MBIT ...` runs every process in its own namespace of
 method (replica failover, a warm spare's checkfree and checkfree_plus); `--transport-floor` echoes
 payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute (the wire's
 own cost per call, and the CPU it takes in this process and in the daemons); `--check-cost` times a
-server's check of one received tensor of each of those sizes against the torch check it replaced.
+server's check of one received tensor of each of those sizes against the torch check it replaced;
+`--protobuf-cost` times a DHT answer and a stream-open request in protobuf's upb and pure-Python implementations.
 
     .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
     .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
@@ -38,6 +42,8 @@ server's check of one received tensor of each of those sizes against the torch c
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
     .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor
     .venv/bin/python benchmarks/pipeline_throughput.py --check-cost
+    .venv/bin/python benchmarks/pipeline_throughput.py --protobuf-cost --floor-calls 3000
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --set pipeline.keep_freed_memory=false
     sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
         --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
 """
@@ -598,8 +604,8 @@ def print_size(name: str, result: dict) -> None:
                 + f"; served in {split['total']:.1f} of the driver's {driver_ms:.1f} (the rest: the driver, the "
                 f"daemons, the wire, {driver_ms - split['total']:.1f})"
             )
-    # the same torch work in this process and on the servers: slower with as much CPU is waiting; with more CPU and
-    # page faults, memory taken again
+    # the same torch work in this process and on the servers: wall time above the thread's CPU is waiting (for a core,
+    # the GIL); more CPU with more page faults is memory taken from the system again
     for way, e in result["ways"].items():
         if not way.startswith("wire"):
             continue
