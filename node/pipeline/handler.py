@@ -48,9 +48,10 @@ COMPUTE_WORK = ("compute_cpu", "compute_faults")
 
 
 def _worker_usage() -> tuple[float, int]:
-    """This thread's CPU seconds and minor page faults so far."""
-    usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+    """This thread's CPU seconds and minor page faults so far. The CPU from CLOCK_THREAD_CPUTIME_ID, not getrusage:
+    the kernel's rusage of a running thread lags by up to a scheduler tick, so a short call could read more CPU
+    than wall time, or none."""
+    return time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 class StageHandler:
