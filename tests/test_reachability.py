@@ -242,3 +242,49 @@ def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
             await shutdown_dht(relay)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("breaks", ["the first stream", "every stream"])
+def test_an_observed_address_whose_stream_broke_is_asked_again_on_a_new_stream(breaks):
+    """Real daemons on 127.0.0.1: a bootstrap peer whose first answer stream, or every one, ends before the answer
+    (as p2pd streams now and then do). With one broken stream the asker gets the address on the next stream, as if
+    nothing broke (without asking again a NAT'd node would conclude "direct", seen in tests/test_nat.py); when every
+    stream it may open breaks (OBSERVED_ATTEMPTS) it gets nothing, and asked no more than that."""
+    from node.transport.protobuf_shim import import_hivemind_isolated
+    from node.transport.reachability import OBSERVED_ATTEMPTS, ObservedFrame, ask_observed
+    from node.transport.framing import write_frame
+    from protocol.reachability import OBSERVED_ADDRESS_HANDLER
+
+    import_hivemind_isolated()
+    from hivemind.dht.node import DHTNode
+
+    broken = 1 if breaks == "the first stream" else OBSERVED_ATTEMPTS
+
+    async def run():
+        bootstrap = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        streams = []
+
+        async def flaky(info, reader, writer):
+            streams.append(info)
+            try:
+                if len(streams) > broken:  # the answer serve_observed_address gives
+                    await write_frame(writer, ObservedFrame.OBSERVED, encode_observed(str(info.addr)))
+            finally:
+                writer.close()
+
+        await bootstrap.p2p.add_binary_stream_handler(OBSERVED_ADDRESS_HANDLER, flaky)
+        maddrs = [str(a) for a in await bootstrap.get_visible_maddrs()]
+        asker = await DHTNode.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            observed = await ask_observed(asker.p2p, bootstrap.peer_id.to_base58(), timeout=30)
+        finally:
+            await asker.shutdown()
+            await bootstrap.shutdown()
+        return observed, len(streams)
+
+    observed, asked = asyncio.run(run())
+    if breaks == "the first stream":
+        assert observed is not None and observed.startswith("/ip4/127.0.0.1/tcp/"), observed
+        assert asked == 2
+    else:
+        assert observed is None and asked == OBSERVED_ATTEMPTS

@@ -78,25 +78,38 @@ async def serve_observed_address(p2p) -> None:
     await p2p.add_binary_stream_handler(OBSERVED_ADDRESS_HANDLER, handle)
 
 
+OBSERVED_ATTEMPTS = 3  # streams asked of one peer whose answer stream broke before the answer
+
+
 async def ask_observed(p2p, peer_id: str, timeout: float) -> str | None:
-    """Where `peer_id` sees our connection come from; None when it did not say in time (or said nonsense)."""
+    """Where `peer_id` sees our connection come from; None when it did not say in time (or said nonsense).
+
+    A stream that opened and then ended before the answer is asked again, up to OBSERVED_ATTEMPTS streams: p2pd
+    streams break now and then, and a node whose only bootstrap peer's answer was lost that way would conclude that
+    nobody rewrote its packets ("direct") behind a NAT (seen in a clean-clone test suite: tests/test_nat.py). A peer
+    that cannot be reached or has no handler is not asked again: that costs a join its timeout each time."""
     from hivemind.p2p import PeerID
 
-    try:
-        _, reader, writer = await asyncio.wait_for(
-            p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), OBSERVED_ADDRESS_HANDLER), timeout
-        )
-    except Exception as exc:  # unreachable, or a peer without the handler: it just does not count
-        log.debug("no observed address from %s: %r", peer_id, exc)
-        return None
-    try:
-        _, body = await asyncio.wait_for(read_frame(reader, ObservedFrame, lambda _: MAX_OBSERVED_BYTES), timeout)
-        return decode_observed(body)
-    except (ProtocolRejection, Exception) as exc:  # noqa: BLE001 - any failure of one answer costs only that answer
-        log.warning("observed-address answer from %s refused: %r", peer_id, exc)
-        return None
-    finally:
-        writer.close()
+    for attempt in range(1, OBSERVED_ATTEMPTS + 1):
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), OBSERVED_ADDRESS_HANDLER), timeout
+            )
+        except Exception as exc:  # unreachable, or a peer without the handler: it just does not count
+            log.debug("no observed address from %s: %r", peer_id, exc)
+            return None
+        try:
+            _, body = await asyncio.wait_for(read_frame(reader, ObservedFrame, lambda _: MAX_OBSERVED_BYTES), timeout)
+            return decode_observed(body)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:  # the stream broke: ask on a new one
+            log.info("observed-address stream from %s broke (attempt %d): %r", peer_id, attempt, exc)
+        except (ProtocolRejection, Exception) as exc:  # noqa: BLE001 - any failure of one answer costs only that answer
+            log.warning("observed-address answer from %s refused: %r", peer_id, exc)
+            return None
+        finally:
+            writer.close()
+    log.warning("observed-address answer from %s lost: %d streams broke before it", peer_id, OBSERVED_ATTEMPTS)
+    return None
 
 
 def ip_of(maddr: str) -> str | None:
