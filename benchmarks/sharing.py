@@ -679,11 +679,14 @@ def first_reach(run: dict, which: str, target: float) -> float | None:
 
 
 def node_metric(run: dict, node: int, compute_s: float, which: str) -> float:
-    """'weak': the node's weak specialty; 'own': the one it was warm-started on; 'all': both."""
+    """'weak': the node's weak specialty; 'own': the one it was warm-started on; 'all': every specialty."""
     weak = run["weak"][node]
+    own = (run.get("own") or [None] * NODES)[node]  # rows from before "own" was stored: the specialty not weak
     key = (
         weak
         if which == "weak" and weak
+        else own
+        if which == "own" and own
         else next(label for label in SPECIALTIES if label != weak)
         if which == "own" and weak
         else "all"
@@ -1066,6 +1069,7 @@ def four_specialists(by_key: dict) -> dict:
             "gain_points_per_node_and_seed": gains,
             "gain_points_mean": statistics.fmean(g for per_seed in gains for g in per_seed),
             "worst_specialty_per_node_and_seed": worst,
+            "own_gain_points_per_node_and_seed": own_gain_per_node(seeds, silo, common, budget),
             "rounds_per_node": statistics.fmean(r for s in common for r in seeds[s]["rounds"]),
         }
         print(
@@ -1073,7 +1077,8 @@ def four_specialists(by_key: dict) -> dict:
             f"({out[arm]['gain_points_mean']:+.1f} points vs silo; per seed, per node "
             f"{[[round(g, 1) for g in per_seed] for per_seed in gains]}), own {own:.3f}, by specialty "
             f"{ {label: round(v, 3) for label, v in by_specialty.items()} }, worst per node "
-            f"{[[round(w, 3) for w in per_seed] for per_seed in worst]}",
+            f"{[[round(w, 3) for w in per_seed] for per_seed in worst]}, own specialty vs the same node alone over "
+            f"the budget's last third, points per seed and node {out[arm]['own_gain_points_per_node_and_seed']}",
             flush=True,
         )
     swarm = {arm: row for arm, row in out.items() if arm in SWARM_ARMS}
@@ -1082,6 +1087,9 @@ def four_specialists(by_key: dict) -> dict:
         "four_specialists": out,
         "four_specialists_best_arm": best,
         "four_specialists_gain_points_per_node_and_seed": out[best]["gain_points_per_node_and_seed"] if best else None,
+        "four_specialists_own_gain_points_per_node_and_seed": (
+            out[best]["own_gain_points_per_node_and_seed"] if best else None
+        ),
     }
 
 

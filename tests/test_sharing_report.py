@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.sharing import (
+    four_specialists,
     homogeneous_ratios,
     own_gain_per_node,
     silo_twin_differences,
@@ -94,3 +95,31 @@ def test_the_silo_twins_are_the_nodes_warm_started_alike_compared_as_a_node_with
     }
     # each curve's mean over the last third is its value at 5/6 of the budget: (0.90 - 0.84) * 5/6 = 0.05
     assert silo_twin_differences(silo, [3, 4], 100.0) == {3: [5.0, 5.0], 4: [25.0, 50.0, 25.0]}
+
+
+def test_four_specialists_compare_each_node_with_itself_alone_on_all_four_and_on_its_own():
+    labels = ("add", "subtract", "multiply", "lcm")
+
+    def four_run(own_final: list[float], others_final: float) -> dict:
+        """Node i knows labels[i]: its curve climbs linearly from 0 at 0 units to `own_final[i]` on it and to
+        `others_final` on the other three at 90 units."""
+        curves = []
+        for i, own in enumerate(own_final):
+            end = {label: (own if label == labels[i] else others_final) for label in labels}
+            end["all"] = sum(end.values()) / 4
+            curves.append([{"compute_s": 0.0, **{k: 0.0 for k in end}}, {"compute_s": 90.0, **end}])
+        return {"budget_s": 90.0, "weak": [None] * 4, "own": list(labels), "curves": curves, "rounds": [10] * 4}
+
+    by_key = {
+        ("four", "silo"): {0: four_run([0.6, 0.9, 0.3, 0.6], others_final=0.0)},
+        ("four", "sapo_balance_gated"): {0: four_run([0.6, 0.6, 0.6, 0.9], others_final=0.4)},
+    }
+    out = four_specialists(by_key)
+    gated = out["four_specialists"]["sapo_balance_gated"]
+    # all four at 90 units: silo (own)/4, gated (own + 3 x 0.4)/4
+    assert gated["gain_points_per_node_and_seed"] == [pytest.approx([30.0, 22.5, 37.5, 37.5])]
+    assert gated["worst_specialty_per_node_and_seed"] == [pytest.approx([0.4] * 4)]
+    # own specialty over the budget's last third (the mean of a line is its value at 5/6 of 90 units): the subtraction
+    # node's 0.6 against its 0.9 alone is -25 points, however high its mean of four
+    assert out["four_specialists_own_gain_points_per_node_and_seed"] == {0: [0.0, -25.0, 25.0, 25.0]}
+    assert out["four_specialists_best_arm"] == "sapo_balance_gated"
