@@ -218,10 +218,6 @@ ARMS = {
     # the shipped arm taking a peer's group only where that peer is measurably stronger in its specialty, its own
     # questions in place of the rest (issue #33 section 3's success-gated transfer): equal nodes train as silos do
     "sapo_balance_gated": [*SAPO_BALANCE, "swarm.external_gate=stronger_peer"],
-    # the gated arm guarding what a node holds: while a specialty it holds stands 0.15 under its best moving average,
-    # only peers' groups of that specialty (between four specialists the subtraction node fell from 0.48 to 0.15-0.20
-    # held-out in its first 100 units, every seed)
-    "sapo_balance_gated_held": [*SAPO_BALANCE, "swarm.external_gate=stronger_peer", "swarm.held_skill_drop=0.15"],
     # NoLoCo as configs/swarm.yaml offers it (a random partner every 50 updates, outer lr 0.7, momentum 0.5, fp16 on
     # the wire), beside the shipped sharing and beside the silo alone (issue #33 section 3: does the averaging the
     # README offers help specialists or harm them?)
@@ -468,7 +464,6 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     importance: list[float] = []
     rescored: list[int] = []
     taken: list[int] = []
-    guarded = [0] * NODES  # swarm.held_skill_drop: rounds in which a node turned peers' groups away to guard a skill
     omegas: list[float] = []
     imitated: list[int] = []
     distilled: list[int] = []
@@ -500,7 +495,6 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             if "external_rescored" in row:
                 rescored.append(row["external_rescored"])
                 taken.append(row["external_questions"])
-            guarded[i] += bool(row.get("external_held"))
             if "external_omega_mean" in row:
                 omegas.append(row["external_omega_mean"])
             imitated.append(row.get("imitation_sequences", 0))
@@ -543,7 +537,6 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
         "external_taken_per_round": statistics.fmean(taken) if taken else None,
-        "guarded_rounds": guarded,
         "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
         "distilled_sequences_per_round": statistics.fmean(distilled),

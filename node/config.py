@@ -296,15 +296,6 @@ class SwarmConfig(_Section):
     external_gate_margin: float = Field(0.1, ge=0.0, le=1.0)
     """How much more often than this node a peer must be right in a specialty for the 'stronger_peer' gate to take its
     groups there: a margin over the noise of two moving averages of 8-answer groups (about 0.05 each)."""
-    held_skill_drop: float | None = Field(None, gt=0.0, le=1.0)
-    """Guard what the node knows while it learns from peers (None: no guard). The node remembers the best accuracy
-    moving average it has reached in each specialty; while that of a specialty it holds (best at least
-    `HELD_SKILL_LEVEL`, node/sharing.py) is more than this below its best, it takes peers' groups in such dropped
-    specialties only, and answers questions of its own in place of the rest (as `external_gate` does), until it is back
-    within this of its best. Peers' groups of other specialties are what pushed a held one down (between four
-    specialists a subtraction specialist's subtraction fell from 0.48 to 0.15-0.20 held-out in its first 100 units,
-    every seed; benchmarks/RESULTS.md), and a node alone is what it falls back to. 0.15 is about twice what one
-    specialty's moving average of a round's 8-answer groups stands under its running best from noise alone."""
     capability_aware: bool = False
     """HACPO's corrections for peers that know more or less than this node (node/sharing.py): per specialty, a
     peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
@@ -413,21 +404,15 @@ class SwarmConfig(_Section):
         take (`peers_taken`: how many it took; None, not known yet: as if all)."""
         quota = self.external_quota(rounds_done)
         deferred = self.external_questions - quota
-        if self.turns_peers_away and peers_taken is not None:
+        if self.external_gate != "none" and peers_taken is not None:
             deferred += max(0, quota - peers_taken)
         return (self.generated_questions or self.local_questions) + deferred, self.local_questions + deferred
 
     @property
-    def turns_peers_away(self) -> bool:
-        """Whether a round may take fewer than J peers' groups by choice (`external_gate`, `held_skill_drop`): it then
-        answers one more question of its own for each one it did not take."""
-        return self.external_gate != "none" or self.held_skill_drop is not None
-
-    @property
     def own_draw_stride(self) -> int:
         """Questions of the node's stream each round may draw: the most any round draws (a round of the ramp, or with
-        `external_gate` or `held_skill_drop` one that took no peer's group)."""
-        if self.turns_peers_away:
+        `external_gate` one that took no peer's group)."""
+        if self.external_gate != "none":
             return (self.generated_questions or self.local_questions) + self.external_questions
         return self.own_quota(0)[0]
 

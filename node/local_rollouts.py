@@ -51,9 +51,9 @@ class LocalRollouts:
         self, rounds_done: int, balance_with: list[RolloutGroup] | None = None, peers_taken: int | None = None
     ) -> list[Question]:
         """This round's own questions, the next `generated_questions` of the node's stream (more in the sharing ramp's
-        rounds, and with swarm.external_gate or held_skill_drop one for each peer's group not taken: `peers_taken`):
-        from the task mix, or, given the peers' groups chosen first (swarm.local_draw 'balance'), as many of each
-        specialty as make the round's I + J groups hold the mix's shares (balanced_counts)."""
+        rounds, and with swarm.external_gate one for each peer's group not taken: `peers_taken`): from the task mix,
+        or, given the peers' groups chosen first (swarm.local_draw 'balance'), as many of each specialty as make the
+        round's I + J groups hold the mix's shares (balanced_counts)."""
         swarm = self.config.swarm
         generated, _ = swarm.own_quota(rounds_done, peers_taken)
         first_draw = rounds_done * swarm.own_draw_stride  # rounds of the sharing ramp draw more: none overlap

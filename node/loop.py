@@ -258,7 +258,6 @@ class Node:
             peer_groups=external_groups,
             peers_rescored=self.sharing.rescored_last_round,
             peers_gated=self.sharing.gated_last_round,
-            peers_held=self.sharing.held_last_round,
             peer_completions_rescored=self.sharing.rescored_completions_last_round,
             outer_step=outer_step,
             generation_s=timings.generation_s,

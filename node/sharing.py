@@ -28,10 +28,7 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
 5. with `swarm.external_gate: stronger_peer`, keeps a re-scored group only where its peer is measurably stronger in the
    specialty (that peer's moving pass rate, re-scored here, at least `swarm.external_gate_margin` above this node's
    accuracy moving average); the round answers one more question of its own for each group turned away, so equal
-   nodes train as a node alone would and a node takes peers' groups only where they know what it lacks;
-6. with `swarm.held_skill_drop`, guards what the node holds: while its accuracy moving average in a specialty it holds
-   stands more than the drop under the best it has reached there, it takes peers' groups of such dropped specialties
-   only (the others are not re-scored) and answers its own questions in place of the rest, until it is back.
+   nodes train as a node alone would and a node takes peers' groups only where they know what it lacks.
 
 What a round does with its own groups and peers' follows from the swarm config alone: `when_to_collect_peers`,
 `groups_to_publish` and `training_batch` decide it for `Node.run_round`.
@@ -59,20 +56,18 @@ CAPABILITY_FLOOR = (
     0.02  # pass rates are floored here before a ratio is taken: one right answer in 50 is "weak", not "infinitely"
 )
 CAPABILITY_RATIO_BOUNDS = (0.1, 10.0)  # HACPO's clip of omega and of the discrepancy coefficient
-HELD_SKILL_SETTLE_ROUNDS = 20  # a moving average starts at its first round's value: its best counts from here on
-HELD_SKILL_LEVEL = 0.25  # swarm.held_skill_drop: a specialty the node has been right in this often at best, it holds
 PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (HACPO averages over about 5 steps)
 MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
 
 
 def when_to_collect_peers(swarm: SwarmConfig) -> Literal["never", "before_drawing", "after_publishing"]:
     """When a round collects and chooses peers' groups: never without J; with swarm.local_draw 'balance', before the
-    node draws its own questions (they fill the specialties peers left short), and with swarm.external_gate or
-    swarm.held_skill_drop (the node answers one more of its own for each peer's group it turns away); otherwise after
-    it has published its own (SAPO's order)."""
+    node draws its own questions (they fill the specialties peers left short), and with swarm.external_gate (the node
+    answers one more of its own for each peer's group it turns away); otherwise after it has published its own
+    (SAPO's order)."""
     if swarm.external_questions == 0:
         return "never"
-    if swarm.local_draw == "balance" or swarm.turns_peers_away:
+    if swarm.local_draw == "balance" or swarm.external_gate != "none":
         return "before_drawing"
     return "after_publishing"
 
@@ -147,9 +142,6 @@ class PeerRollouts:
         self.rescored_last_round = 0
         self.rescored_completions_last_round = 0  # graded here: part of a round's work (node/compute.py)
         self.gated_last_round = 0  # re-scored with a spread, and turned away by swarm.external_gate
-        self.best_accuracy: dict[str, float] = {}  # swarm.held_skill_drop: per specialty, the best moving average yet
-        self.rounds_averaged: dict[str, int] = {}  # swarm.held_skill_drop: per specialty, rounds its average has run
-        self.held_last_round = 0  # turned away unscored by swarm.held_skill_drop
         # counts each refused group
         self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))
 
@@ -182,14 +174,9 @@ class PeerRollouts:
         self.rescored_last_round = 0
         self.rescored_completions_last_round = 0
         self.gated_last_round = 0
-        self.held_last_round = 0
-        dropped = self.dropped_skills()
         for item in order:
             if len(chosen) >= limit or self.rescored_last_round == self.rescore_budget:
                 break
-            if dropped and self.tasks.label(item.spec) not in dropped:
-                self.held_last_round += 1
-                continue
             self.rescored_last_round += 1
             rescored = self.rescore(item)
             if rescored is None:
@@ -205,25 +192,6 @@ class PeerRollouts:
             self.stats.peer(group.source).questions_used += 1
             chosen.append(group)
         return chosen
-
-    def dropped_skills(self) -> set[str]:
-        """swarm.held_skill_drop: the specialties this node holds (its best accuracy moving average there at least
-        HELD_SKILL_LEVEL) whose moving average now stands more than the drop under that best; the best is updated
-        here, once a round, from the averages the node keeps of its own answers, once an average has run
-        HELD_SKILL_SETTLE_ROUNDS rounds (it starts at one round's value, and a best taken from that would hold the
-        node's peers off for as long as its noise stands above where the node really is)."""
-        drop = self.config.swarm.held_skill_drop
-        if drop is None:
-            return set()
-        for label, accuracy in self.own_accuracy.items():
-            self.rounds_averaged[label] = self.rounds_averaged.get(label, 0) + 1
-            if self.rounds_averaged[label] >= HELD_SKILL_SETTLE_ROUNDS:
-                self.best_accuracy[label] = max(accuracy, self.best_accuracy.get(label, accuracy))
-        return {
-            label
-            for label, best in self.best_accuracy.items()
-            if best >= HELD_SKILL_LEVEL and self.own_accuracy[label] < best - drop - 1e-9
-        }
 
     def passes_gate(self, peer: str, label: str) -> bool:
         """swarm.external_gate 'stronger_peer': whether the peer's moving pass rate in the specialty (its groups

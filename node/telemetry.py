@@ -49,7 +49,6 @@ class Telemetry:
         peer_groups: list[RolloutGroup],
         peers_rescored: int,
         peers_gated: int,
-        peers_held: int,
         peer_completions_rescored: int,
         outer_step: dict | None,
         generation_s: float,
@@ -93,7 +92,6 @@ class Telemetry:
             "external_questions": len(peer_groups),
             **({"external_rescored": peers_rescored} if swarm.external_questions else {}),
             **({"external_gated": peers_gated} if swarm.external_gate != "none" else {}),
-            **({"external_held": peers_held} if swarm.held_skill_drop is not None else {}),
             **(
                 {
                     "external_omega_mean": sum(g.baseline_scale for g in peer_groups) / len(peer_groups),

@@ -13,7 +13,6 @@ from node.loop import Node
 from node.rollouts.base import Completion, RolloutGroup
 from node.sharing import (
     CAPABILITY_PRIOR,
-    HELD_SKILL_SETTLE_ROUNDS,
     capability_correction,
     groups_to_publish,
     imitation_weight,
@@ -625,49 +624,6 @@ def test_the_gate_keeps_a_peers_group_only_where_that_peer_is_the_margin_stronge
     plain = swarm_node()
     plain.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.7})
     assert len(plain.sharing.choose(received + equal, seed=0)) == 3 and plain.sharing.gated_last_round == 0
-
-
-def test_the_held_skill_guard_takes_only_a_dropped_specialtys_peers_groups_until_it_is_back(swarm_node):
-    node = swarm_node("swarm.held_skill_drop=0.15")
-    accuracy = node.telemetry.accuracy_by_dataset
-    # a moving average starts at its first round's value: a lucky first round is not a best to fall from
-    accuracy.update({"add": 0.95, "subtract": 0.2})
-    assert node.sharing.dropped_skills() == set()
-    accuracy["add"] = 0.6
-    for _ in range(HELD_SKILL_SETTLE_ROUNDS - 2):
-        assert node.sharing.dropped_skills() == set()
-
-    def round_of(index: int) -> list[str]:
-        received = [
-            peer_group(spec_of("add", index), right=4, wrong=4, peer="p"),
-            peer_group(spec_of("subtract", index), right=4, wrong=4, peer="p"),
-        ]
-        return sorted(node.tasks.label(g.spec) for g in node.sharing.choose(received, seed=index))
-
-    # the averages' 20th round: bests add 0.6, subtract 0.2
-    assert round_of(0) == ["add", "subtract"] and node.sharing.held_last_round == 0
-    accuracy.update({"add": 0.44, "subtract": 0.0})  # add 0.16 under its best; subtract 0.2 under, never held (< 0.25)
-    assert node.sharing.dropped_skills() == {"add"}
-    assert round_of(1) == ["add"]
-    # the subtraction group was turned away unscored
-    assert (node.sharing.held_last_round, node.sharing.rescored_last_round) == (1, 1)
-    accuracy["add"] = 0.46  # 0.14 under: back within the drop
-    assert round_of(2) == ["add", "subtract"] and node.sharing.held_last_round == 0
-    accuracy["add"] = 0.8  # a new best: the drop is measured from it
-    assert node.sharing.dropped_skills() == set()
-    accuracy["add"] = 0.64
-    assert node.sharing.dropped_skills() == {"add"}
-    # without the setting nothing is guarded, however far a specialty falls
-    plain = swarm_node()
-    plain.telemetry.accuracy_by_dataset.update({"add": 0.9})
-    for _ in range(HELD_SKILL_SETTLE_ROUNDS):
-        plain.sharing.dropped_skills()
-    plain.telemetry.accuracy_by_dataset.update({"add": 0.1})
-    assert plain.sharing.dropped_skills() == set()
-    # a guarded round answers its own questions in place of those it did not take, as the gate's does
-    guarded = SwarmConfig(local_questions=4, external_questions=4, held_skill_drop=0.15)
-    assert guarded.own_quota(5, 1) == (7, 7) and guarded.own_draw_stride == 8
-    assert when_to_collect_peers(guarded) == "before_drawing"
 
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):

@@ -103,7 +103,6 @@ def test_a_rounds_metrics_row_hand_computed():
             peer_groups=peer_groups,
             peers_rescored=3,
             peers_gated=1,
-            peers_held=2,
             peer_completions_rescored=6,
             outer_step=outer_step,
             generation_s=1.0,
@@ -186,14 +185,3 @@ def test_a_rounds_metrics_row_hand_computed():
     # corrections are reported only where they are applied
     plain = row("swarm.transport=dht", "swarm.external_questions=2", train=train, peer_groups=peers)
     assert "external_omega_mean" not in plain and "external_loss_scale_mean" not in plain
-    # the gate's and the guard's counts appear where they are set
-    guarded = row(
-        "swarm.transport=dht",
-        "swarm.external_questions=2",
-        "swarm.external_gate=stronger_peer",
-        "swarm.held_skill_drop=0.15",
-        train=train,
-        peer_groups=peers,
-    )
-    assert (guarded["external_gated"], guarded["external_held"]) == (1, 2)
-    assert "external_gated" not in plain and "external_held" not in plain
