@@ -312,6 +312,11 @@ class SwarmConfig(_Section):
     answers keep weight 1: below 1, a peer's answers teach the specialty this node lacks more gently than its own
     answers hold the one it knows (peers' answers are off this policy's distribution, and how far training moves
     off it is what erases a held skill)."""
+    own_replay: int = Field(0, ge=0)
+    """Right answers of the node's own from earlier rounds replayed each round as demonstrations of weight 1 (drawn at
+    random from the last `OWN_REPLAY_CAPACITY`, node/sharing.py; 0: none): rehearsal, so that the answers of what it
+    knew keep a share of the imitation term while peers' answers teach it what it lacks (ExGRPO replays a node's own
+    successes). Needs swarm.imitation other than 'none'."""
     external_use: Literal["policy", "demonstrations_only"] = "policy"
     """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
     own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only
@@ -594,6 +599,10 @@ class NodeConfig(_Section):
             raise ValueError(
                 f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
                 "weight)"
+            )
+        if self.swarm.own_replay and self.swarm.imitation == "none":
+            raise ValueError(
+                "swarm.own_replay replays the node's own right answers as demonstrations: set swarm.imitation"
             )
         if self.swarm.external_use == "demonstrations_only" and self.swarm.imitation != "own_and_stronger_peers":
             raise ValueError(

@@ -30,7 +30,7 @@ from node.state import StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.local_rollouts import LocalRollouts
 from node.stats import MetricsServer, SwarmStats
-from node.sharing import PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
+from node.sharing import OwnAnswerReplay, PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
 from node.tasks import TaskSource
 from node.teachers import Teachers
 from node.telemetry import Telemetry
@@ -82,6 +82,13 @@ class Node:
             None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
         )
         self.evaluator: HeldoutEvaluator | None = None  # built with the backend
+        # swarm.own_replay: earlier right answers of its own, replayed as demonstrations (in memory: a restart starts it
+        # empty)
+        self.own_replay = (
+            OwnAnswerReplay(config.swarm.own_replay, seed=self.stream_seed ^ 0x4E91A7)
+            if config.swarm.own_replay
+            else None
+        )
         self.telemetry = Telemetry(config, self.stats)
         self.fingerprint = ""
         self.model_parameters = 0
@@ -243,7 +250,11 @@ class Node:
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, self.round, peers_taken)
         if self.config.trainer.distill_coef > 0:
             self.teachers.assign(chosen_local)
-        stats = await asyncio.to_thread(self.trainer.step, *training_batch(swarm, chosen_local, external_groups))
+        groups, demonstration_groups = training_batch(swarm, chosen_local, external_groups)
+        if self.own_replay is not None:
+            demonstration_groups = demonstration_groups + self.own_replay.draw()
+            self.own_replay.add(local_groups)
+        stats = await asyncio.to_thread(self.trainer.step, groups, demonstration_groups)
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)

@@ -37,6 +37,7 @@ What a round does with its own groups and peers' follows from the swarm config a
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Literal
 
@@ -94,6 +95,36 @@ def training_batch(
     if swarm.external_use == "policy":
         return own + peers, []
     return own, peers
+
+
+OWN_REPLAY_CAPACITY = 512  # swarm.own_replay: the node's latest distinct right answers it draws replays from
+
+
+class OwnAnswerReplay:
+    """swarm.own_replay: the node's own right answers of earlier rounds, replayed as demonstrations (weight 1).
+
+    Between four specialists peers' right answers as demonstrations take a specialist's own skill away within its first
+    100 units (benchmarks/RESULTS.md, "The subtraction specialist's early fall"); replaying what the node got right
+    before keeps those answers in the imitation term beside its peers' (rehearsal). Draws come before the round's own
+    answers are added, so a round never replays itself."""
+
+    def __init__(self, per_round: int, seed: int, capacity: int = OWN_REPLAY_CAPACITY) -> None:
+        self.per_round = per_round
+        self.answers: deque[tuple[TaskSpec, Completion]] = deque(maxlen=capacity)
+        self.rng = random.Random(seed)
+
+    def draw(self) -> list[RolloutGroup]:
+        """Up to `per_round` earlier right answers, each a one-answer demonstration group."""
+        picks = self.rng.sample(list(self.answers), min(self.per_round, len(self.answers)))
+        return [RolloutGroup(spec, [answer], [1.0], correct=[True], imitation_weight=1.0) for spec, answer in picks]
+
+    def add(self, own: list[RolloutGroup]) -> None:
+        """The distinct right answers of this round's own groups."""
+        for group in own:
+            if group.correct is None:
+                continue
+            distinct = {tuple(c.completion_ids): c for c, right in zip(group.completions, group.correct) if right}
+            self.answers.extend((group.spec, c) for ids, c in distinct.items() if ids)
 
 
 def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:

@@ -12,6 +12,7 @@ from node.config import SwarmConfig, TasksConfig
 from node.loop import Node
 from node.rollouts.base import Completion, RolloutGroup
 from node.sharing import (
+    OwnAnswerReplay,
     CAPABILITY_PRIOR,
     capability_correction,
     groups_to_publish,
@@ -624,6 +625,38 @@ def test_the_gate_keeps_a_peers_group_only_where_that_peer_is_the_margin_stronge
     plain = swarm_node()
     plain.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.7})
     assert len(plain.sharing.choose(received + equal, seed=0)) == 3 and plain.sharing.gated_last_round == 0
+
+
+# swarm.own_replay: the node's own earlier right answers, replayed as demonstrations ---------------------------------
+
+
+def test_own_replay_keeps_each_groups_distinct_right_answers_and_replays_them_as_demonstrations(tiny_config):
+    def answer(ids: list[int]) -> Completion:
+        return Completion([7, 8], ids, "", None, "stop", policy_version=0)
+
+    spec = spec_of("add", 0)
+    replay = OwnAnswerReplay(per_round=2, seed=0, capacity=3)
+    assert replay.draw() == []  # nothing learned yet
+    right_twice = RolloutGroup(
+        spec,
+        [answer([1]), answer([1]), answer([2]), answer([])],
+        [1.0, 1.0, 0.0, 1.0],
+        correct=[True, True, False, True],
+    )
+    unscored = RolloutGroup(spec, [answer([3])], [1.0])  # no verdicts: nothing to replay
+    replay.add([right_twice, unscored])
+    # [1] twice is one answer; [2] is wrong; an empty completion teaches nothing
+    assert [list(c.completion_ids) for _, c in replay.answers] == [[1]]
+    (drawn,) = replay.draw()
+    assert drawn.spec == spec and drawn.imitation_weight == 1.0
+    assert [list(c.completion_ids) for c in drawn.demonstrations()] == [[1]]
+    # the newest `capacity` answers are kept; a round draws `per_round` of them, distinct
+    replay.add([RolloutGroup(spec, [answer([k])], [1.0], correct=[True]) for k in (4, 5, 6)])
+    assert [list(c.completion_ids) for _, c in replay.answers] == [[4], [5], [6]]
+    drawn = replay.draw()
+    assert len(drawn) == 2 and len({tuple(g.completions[0].completion_ids) for g in drawn}) == 2
+    with pytest.raises(ValueError, match="own_replay"):
+        tiny_config("swarm.own_replay=4", "swarm.imitation=none")
 
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
