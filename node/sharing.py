@@ -120,11 +120,7 @@ class OwnAnswerReplay:
 
     def add(self, own: list[RolloutGroup]) -> None:
         """The distinct right answers of this round's own groups."""
-        for group in own:
-            if group.correct is None:
-                continue
-            distinct = {tuple(c.completion_ids): c for c, right in zip(group.completions, group.correct) if right}
-            self.answers.extend((group.spec, c) for ids, c in distinct.items() if ids)
+        self.answers.extend((group.spec, answer) for group in own for answer in group.right_answers())
 
 
 def weighted_sample(items: list, weights: list[float], count: int, rng: random.Random) -> list:

@@ -55,8 +55,12 @@ class RolloutGroup:
     term (trainer.distill_coef; None: no teacher). Set on the node's own groups only: distillation is on-policy."""
 
     def demonstrations(self) -> list[Completion]:
-        """The group's distinct right answers (the same tokens twice teach nothing twice)."""
-        if self.imitation_weight <= 0 or self.correct is None:
+        """The group's distinct right answers when it is marked for imitation (imitation_weight > 0)."""
+        return self.right_answers() if self.imitation_weight > 0 else []
+
+    def right_answers(self) -> list[Completion]:
+        """The group's distinct right answers (the same tokens twice teach nothing twice); none without verdicts."""
+        if self.correct is None:
             return []
         seen, out = set(), []
         for completion, right in zip(self.completions, self.correct):
