@@ -316,7 +316,8 @@ class SwarmConfig(_Section):
     """Right answers of the node's own from earlier rounds replayed each round as demonstrations of weight 1 (drawn at
     random from the last `OWN_REPLAY_CAPACITY`, node/sharing.py; 0: none): rehearsal, so that the answers of what it
     knew keep a share of the imitation term while peers' answers teach it what it lacks (ExGRPO replays a node's own
-    successes). Kept in memory: a restarted node starts with none. Needs swarm.imitation other than 'none'."""
+    successes). Saved with each checkpoint, so a restarted node replays what it knew. Needs swarm.imitation other than
+    'none'."""
     external_use: Literal["policy", "demonstrations_only"] = "policy"
     """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
     own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only

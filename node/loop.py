@@ -82,8 +82,7 @@ class Node:
             None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
         )
         self.evaluator: HeldoutEvaluator | None = None  # built with the backend
-        # swarm.own_replay: earlier right answers of its own, replayed as demonstrations (in memory: a restart starts it
-        # empty)
+        # swarm.own_replay: earlier right answers of its own, replayed as demonstrations (saved with each checkpoint)
         self.own_replay = (
             OwnAnswerReplay(config.swarm.own_replay, seed=self.stream_seed ^ 0x4E91A7)
             if config.swarm.own_replay
@@ -114,6 +113,8 @@ class Node:
         self._build_rollouts(self.trainer.policy_version)
         if loaded.rng is not None:
             restore_rng(loaded.rng)
+        if self.own_replay is not None and loaded.node_state and loaded.node_state.get("own_replay"):
+            self.own_replay.load_state_dict(loaded.node_state["own_replay"])
         self.store.truncate_metrics(self.round)
         self.store.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
@@ -307,7 +308,11 @@ class Node:
 
     def save(self) -> None:
         outer = self.averaging.outer.state_dict() if self.averaging else self._outer_state
-        self.policy.save(self.round, self.loaded, outer)
+        self.policy.save(self.round, self.loaded, outer, self.node_state())
+
+    def node_state(self) -> dict | None:
+        """What the round loop itself learned and a restart must not lose, beside the policy's own state."""
+        return {"own_replay": self.own_replay.state_dict()} if self.own_replay is not None else None
 
     # the loop ----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class LoadedPolicy:
     parameters: int
     rng: dict | None = None  # the random generators' state at the checkpoint, restored once the node is built
     outer_state: dict | None = None  # the averaging's outer optimizer at the checkpoint, applied when averaging starts
+    node_state: dict | None = None  # the round loop's own state at the checkpoint (Node.node_state)
 
 
 class LocalPolicy:
@@ -73,7 +74,17 @@ class LocalPolicy:
             log.info(
                 "resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version
             )
-            loaded = LoadedPolicy(model, tokenizer, trainer, state.round, "", 0, rng=state.rng, outer_state=state.outer)
+            loaded = LoadedPolicy(
+                model,
+                tokenizer,
+                trainer,
+                state.round,
+                "",
+                0,
+                rng=state.rng,
+                outer_state=state.outer,
+                node_state=state.node,
+            )
         else:
             torch.manual_seed(config.seed)
             model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)
@@ -95,7 +106,7 @@ class LocalPolicy:
     async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
         """Nothing to join: the weights are here."""
 
-    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
+    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
         trainer = policy.trainer
         self.store.save(
             round_,
@@ -105,6 +116,7 @@ class LocalPolicy:
             trainer.policy_version,
             self.config.checkpoint_keep,
             outer=outer_state,
+            node=node_state,
         )
 
     def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
@@ -149,6 +161,7 @@ class PipelinePolicy:
             saved["round"],
             model_fingerprint(initial, tokenizer),
             sum(p.numel() for p in initial.parameters()),
+            node_state=saved.get("node"),
         )
         log.info(
             "driving a policy split in %d stages (model %s), at round %d",
@@ -176,10 +189,10 @@ class PipelinePolicy:
         policy.model.attach(router, asyncio.get_running_loop())
         await router.wait_until_served()
 
-    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None) -> None:
+    def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
         atomic_write_text(
             self.store.root / PIPELINE_STATE,
-            json.dumps({"round": round_, "policy_version": policy.trainer.policy_version}),
+            json.dumps({"round": round_, "policy_version": policy.trainer.policy_version, "node": node_state}),
         )
 
     def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Literal
 
 from node.config import NodeConfig, SwarmConfig
@@ -106,12 +107,28 @@ class OwnAnswerReplay:
     Between four specialists peers' right answers as demonstrations take a specialist's own skill away within its first
     100 units (benchmarks/RESULTS.md, "The subtraction specialist's early fall"); replaying what the node got right
     before keeps those answers in the imitation term beside its peers' (rehearsal). Draws come before the round's own
-    answers are added, so a round never replays itself."""
+    answers are added, so a round never replays itself. The answers and the draw's generator are saved with each
+    checkpoint (state_dict), so a restarted node replays what it knew before the restart."""
 
     def __init__(self, per_round: int, seed: int, capacity: int = OWN_REPLAY_CAPACITY) -> None:
         self.per_round = per_round
         self.answers: deque[tuple[TaskSpec, Completion]] = deque(maxlen=capacity)
         self.rng = random.Random(seed)
+
+    def state_dict(self) -> dict:
+        """Plain lists, dicts and numbers (a checkpoint stores it as it stores the round)."""
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "answers": [[asdict(spec), asdict(answer)] for spec, answer in self.answers],
+            "rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """What state_dict saved; the newest `capacity` answers are kept if it saved more."""
+        self.answers.clear()
+        self.answers.extend((TaskSpec(**spec), Completion(**answer)) for spec, answer in state["answers"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
 
     def draw(self) -> list[RolloutGroup]:
         """Up to `per_round` earlier right answers, each a one-answer demonstration group."""

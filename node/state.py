@@ -40,6 +40,7 @@ class TrainerState:
     optimizer: dict[str, Any]
     rng: dict[str, Any]
     outer: dict[str, Any] | None  # averaging's slow weights and outer momentum (None: no averaging)
+    node: dict[str, Any] | None  # the round loop's own state beyond the policy (Node.node_state; None: nothing)
 
 
 class StateStore:
@@ -69,6 +70,7 @@ class StateStore:
         policy_version: int,
         keep: int,
         outer: dict | None = None,
+        node: dict | None = None,
     ) -> Path:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
@@ -81,6 +83,7 @@ class StateStore:
                     "optimizer": optimizer.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "outer": outer,
+                    "node": node,
                 },
                 staging / "trainer.pt",
             )
@@ -118,6 +121,7 @@ class StateStore:
             optimizer=data["optimizer"],
             rng=data["rng"],
             outer=data.get("outer"),
+            node=data.get("node"),
         )
 
     # metrics ---------------------------------------------------------------

@@ -91,3 +91,35 @@ def test_resume_keeps_each_specialtys_moments_and_refuses_another_optimizer(tiny
     asyncio.run(one_adamw.run(1, asyncio.Event()))
     with pytest.raises(ConfigError, match="written with one AdamW"):
         Node(tiny_config("trainer.specialty_weighting=separate_steps", state_dir=tmp_path / "plain")).load()
+
+
+def test_resume_replays_the_right_answers_the_node_kept_before_the_restart(tiny_config, tmp_path):
+    """swarm.own_replay's answers, and where its draws stood, survive a restart with the checkpoint: the restarted node
+    draws what the first would have drawn next."""
+    from node.rollouts.base import Completion, RolloutGroup
+    from protocol import TaskSpec
+
+    config = tiny_config("swarm.own_replay=2", "swarm.imitation=own")
+    first = Node(config)
+    first.load()
+    asyncio.run(first.run(1, asyncio.Event()))
+    spec = TaskSpec("basic_arithmetic", {"min_terms": 2}, seed=3, index=7)
+    right = [Completion([5, 6], [10 + k, 2], f"{k}", [-0.5, -0.1], "stop", policy_version=1) for k in range(4)]
+    first.own_replay.add([RolloutGroup(spec, right, [1.0] * 4, correct=[True] * 4)])
+    kept = list(first.own_replay.answers)
+    first.own_replay.draw()  # moves the draws' generator off where a fresh node's starts
+    first.save()
+
+    second = Node(config)
+    second.load()
+    assert list(second.own_replay.answers) == kept  # every spec and completion field, in order
+    assert [g.completions for g in second.own_replay.draw()] == [g.completions for g in first.own_replay.draw()]
+    # without replay the checkpoint holds nothing of it, and a node that turns replay on later starts empty
+    plain = tiny_config("swarm.imitation=own", state_dir=tmp_path / "plain")
+    alone = Node(plain)
+    alone.load()
+    asyncio.run(alone.run(1, asyncio.Event()))
+    assert alone.node_state() is None
+    later = Node(tiny_config("swarm.own_replay=2", "swarm.imitation=own", state_dir=tmp_path / "plain"))
+    later.load()
+    assert list(later.own_replay.answers) == []
