@@ -95,6 +95,8 @@ ARM_BASE = [
     "trainer.imitation_token_weight=uniform",
     "trainer.imitation_coef_final=null",
     "swarm.local_draw=mix",
+    "swarm.external_gate=none",
+    "swarm.own_replay=0",
     "swarm.peer_imitation_scale=1.0",
     "trainer.distill_coef=0.0",
     "trainer.kl_beta=0.0",
@@ -305,29 +307,37 @@ def in_process_averaging(node: Node, boards: dict[str, InProcessBoard]) -> Outer
     return service
 
 
+def node_overrides(setting: str, arm: str, seed: int, node: int, args) -> list[str]:
+    """Node `node`'s config overrides in an arm, on top of the setting's config file: ARM_BASE first, so that what the
+    file ships for users (the gate, replay, imitation) never leaks into an arm that does not name it."""
+    arm_overrides = ARMS[arm]
+    own = own_specialty(setting, node)
+    if any(OWN in o for o in arm_overrides) and own is None:
+        raise SystemExit(f"arm {arm} names each node's own specialty: run it with --setting specialists or four")
+    overrides = [
+        *ARM_BASE,
+        *(o.replace(OWN, own or "") for o in arm_overrides),
+        *warm_start_overrides(setting, node, args.warmup_steps, args.sparse_warmup_steps),
+        *args.set,
+        "swarm.transport=dht",
+        "swarm.swarm_id=sharing-bench",
+        "checkpoint_every=1000000",
+        "eval_every=0",
+        "torch_threads=1",
+        f"seed={100 * seed + node}",
+        f"name=node-{node}",
+    ]
+    if setting == "sparse":
+        overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
+    return overrides
+
+
 async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> list[Node]:
     exchange = InProcessExchange()
     boards: dict[str, InProcessBoard] = {}
     nodes: list[Node] = []
-    arm_overrides = ARMS[arm]
-    if any(OWN in o for o in arm_overrides) and own_specialty(setting, 0) is None:
-        raise SystemExit(f"arm {arm} names each node's own specialty: run it with --setting specialists or four")
     for i in range(NODES):
-        overrides = [
-            *ARM_BASE,
-            *(o.replace(OWN, own_specialty(setting, i) or "") for o in arm_overrides),
-            *warm_start_overrides(setting, i, args.warmup_steps, args.sparse_warmup_steps),
-            *args.set,
-            "swarm.transport=dht",
-            "swarm.swarm_id=sharing-bench",
-            "checkpoint_every=1000000",
-            "eval_every=0",
-            "torch_threads=1",
-            f"seed={100 * seed + i}",
-            f"name=node-{i}",
-        ]
-        if setting == "sparse":
-            overrides.append("tasks.format_reward=0.0")  # binary reward: right or not
+        overrides = node_overrides(setting, arm, seed, i, args)
         if args.transport == "inprocess":
             # averaging windows pair peers over the DHT; in lockstep the exchange count pairs them (one per trigger)
             overrides.append("averaging.window_s=0.001")

@@ -1,19 +1,45 @@
-"""The sharing benchmark's report (benchmarks/sharing.py): its guard against comparing runs that started from different
-warm starts (each row's `warm_start_digests`, and the report's warning), and the equal nodes' ratios."""
+"""The sharing benchmark (benchmarks/sharing.py): its arms, whatever the config files ship; its report's guard against
+comparing runs that started from different warm starts (each row's `warm_start_digests`, and the report's warning), and
+the equal nodes' ratios."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
+import yaml
 
 from benchmarks.sharing import (
+    ARMS,
+    CONFIG,
+    FOUR_CONFIG,
     four_specialists,
     homogeneous_ratios,
+    node_overrides,
     own_gain_per_node,
     silo_twin_differences,
     warm_start_mismatches,
     weights_digest,
 )
+
+
+@pytest.mark.parametrize(("setting", "path"), [("specialists", CONFIG), ("four", FOUR_CONFIG)])
+def test_an_arm_means_the_same_whatever_the_config_file_ships(setting, path, tmp_path):
+    """Stored runs of an arm compare with today's only if what a config file ships for users (the gate, replay,
+    imitation) cannot leak into the arm: each arm's swarm and trainer settings resolve the same on the shipped file as
+    on that file without its swarm and trainer sections (the code's defaults)."""
+    from node.config import load_config
+
+    shipped = yaml.safe_load(path.read_text())
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump({k: v for k, v in shipped.items() if k not in ("swarm", "trainer")}))
+    args = argparse.Namespace(warmup_steps={"add": 1, "subtract": 1, "both": 1}, sparse_warmup_steps=1, set=[])
+    for arm in ARMS:
+        overrides = node_overrides(setting, arm, 0, 1, args)
+        on_file, on_defaults = load_config(path, overrides), load_config(bare, overrides)
+        assert on_file.swarm == on_defaults.swarm, arm
+        assert on_file.trainer == on_defaults.trainer, arm
 
 
 def test_the_digest_sees_one_changed_bit_and_nothing_else():
