@@ -52,11 +52,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -766,6 +767,29 @@ def base_arm(label: str) -> str:
     return label.split("[")[0]
 
 
+def arm_or_variant(value: str) -> str:
+    """--report-arms / --baseline: an arm (`sapo_balance_gated`) or one variant of it by its full label
+    (`sapo_balance_gated[own_replay=4]`, the label the report prints for a run with --set swarm.own_replay=4)."""
+    if base_arm(value) not in ARMS:
+        raise argparse.ArgumentTypeError(f"{value!r}: no such arm (arms: {', '.join(ARMS)})")
+    if value != base_arm(value) and not re.fullmatch(r"[^\[\]]+\[[^\[\]]+=[^\[\]]*\]", value):
+        raise argparse.ArgumentTypeError(f"{value!r}: a variant is ARM[key=value,...], as the report labels it")
+    return value
+
+
+def single_node_arm(value: str) -> str:
+    value = arm_or_variant(value)
+    if base_arm(value) in SWARM_ARMS:
+        raise argparse.ArgumentTypeError(f"{value!r} takes peers' groups: the baseline is a node alone")
+    return value
+
+
+def may_be_best(label: str, named: Collection[str]) -> bool:
+    """Whether the summary may name `label` its best swarm arm: a plain swarm arm, or a variant (an arm run with --set
+    overrides) that --report-arms named by its full label; a pilot variant stored beside them never is."""
+    return base_arm(label) in SWARM_ARMS and (label == base_arm(label) or label in named)
+
+
 def on_axis(run: dict) -> dict:
     """The run as the report reads it: `compute_s` and `budget_s` on the run's own axis (units runs: compute units)."""
     if run.get("axis", "cpu") != "units":
@@ -806,8 +830,9 @@ def report(args) -> None:
                 label = f"{arm_label(run)} seed {run['seed']}"
                 print(f"{label}: a run of {run['cut_from_budget']:g} read up to {args.report_budget:g}")
     # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
-    if args.report_arms:
-        runs = [run for run in runs if run["arm"] in args.report_arms]
+    named = args.report_arms or []
+    if named:
+        runs = [run for run in runs if run["arm"] in named or arm_label(run) in named]
     # the newest run of each (setting, arm and its --set overrides, seed) counts; the sparse setting's runs are
     # compared at one horizon (--rounds) at a time: a longer run is another figure, not a newer one
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
@@ -830,7 +855,7 @@ def report(args) -> None:
                     by_key[(setting, "silo_plain")] = plain
                 by_key[(setting, "silo")] = by_key.pop((setting, args.baseline))
         print(f"the silo below is {args.baseline!r} (plain SAPO-less silo: 'silo_plain')")
-    summary.update(four_specialists(by_key))
+    summary.update(four_specialists(by_key, named))
     four_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
     if args.plot_four and four_arms:
         plot_four(four_arms, args.plot_four, args.axis, args.baseline)
@@ -950,7 +975,7 @@ def report(args) -> None:
             )
         summary["specialists"] = table
         # an arm run with --set overrides is a variant (its label says which), never the shipped arm
-        swarm_rows = {arm: row for arm, row in table.items() if arm in SWARM_ARMS}
+        swarm_rows = {arm: row for arm, row in table.items() if may_be_best(arm, named)}
         # the best arm among those run on the most seeds: a 2-seed pilot must not outrank a 3-seed result
         swarm_rows = on_most_seeds(swarm_rows, lambda row: row["seeds"])
         if swarm_rows:
@@ -984,7 +1009,7 @@ def report(args) -> None:
     # homogeneous: never below the silo
     homo = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "homogeneous"}
     if "silo" in homo:
-        summary.update(homogeneous_ratios(homo, summary.get("best_arm")))
+        summary.update(homogeneous_ratios(homo, summary.get("best_arm"), named))
     # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours, at each horizon run; the summary's
     # per-seed fields keep the horizon with the most seeds of the paper's two arms (then the longest)
     horizons: dict[int, dict[str, list[float]]] = {}
@@ -1021,7 +1046,7 @@ def on_most_seeds(by_arm: dict, seeds_of: Callable[[object], list]) -> dict:
     return {arm: value for arm, value in by_arm.items() if len(seeds_of(value)) == most}
 
 
-def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
+def homogeneous_ratios(homo: dict, best_arm: str | None, named: Collection[str] = ()) -> dict:
     """Equal nodes: each arm's mean held-out over its 4 nodes divided by the silo's, per seed, at the smaller budget of
     the two; the summary's per-seed ratios are those of the specialists' best arm, or (a report of equal nodes alone)
     of the swarm arm with the highest mean ratio among those run on the most seeds."""
@@ -1038,7 +1063,7 @@ def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
             flush=True,
         )
     if best_arm is None:
-        swarm_ratios = {arm: r for arm, r in ratios.items() if base_arm(arm) in SWARM_ARMS and r}
+        swarm_ratios = {arm: r for arm, r in ratios.items() if may_be_best(arm, named) and r}
         swarm_ratios = on_most_seeds(swarm_ratios, lambda per_seed: per_seed)
         best_arm = max(swarm_ratios, key=lambda arm: statistics.fmean(swarm_ratios[arm]), default=None)
     return {
@@ -1048,7 +1073,7 @@ def homogeneous_ratios(homo: dict, best_arm: str | None) -> dict:
     }
 
 
-def four_specialists(by_key: dict) -> dict:
+def four_specialists(by_key: dict, named: Collection[str] = ()) -> dict:
     """--setting four: each node's mean held-out over the four specialties at the budget, against the silo's node of
     the same index and seed (the same warm start), and the worst specialty of each."""
     four = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
@@ -1091,7 +1116,7 @@ def four_specialists(by_key: dict) -> dict:
             f"the budget's last third, points per seed and node {out[arm]['own_gain_points_per_node_and_seed']}",
             flush=True,
         )
-    swarm = {arm: row for arm, row in out.items() if arm in SWARM_ARMS}
+    swarm = {arm: row for arm, row in out.items() if may_be_best(arm, named)}
     best = max(swarm, key=lambda arm: swarm[arm]["gain_points_mean"]) if swarm else None
     return {
         "four_specialists": out,
@@ -1278,14 +1303,19 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default="silo",
-        choices=[arm for arm in ARMS if arm not in SWARM_ARMS],
-        help="--report: the single-node arm every arm is measured against (the best single-node recipe)",
+        type=single_node_arm,
+        help="--report: the single-node arm (or variant, 'silo_imitate[own_replay=4]') every arm is measured against "
+        "(the best single-node recipe)",
     )
     parser.add_argument("--report", action="store_true", help="only summarize --results")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--plot-four", type=Path, default=None, help="--report: the four-specialist plot")
     parser.add_argument(
-        "--report-arms", nargs="+", choices=list(ARMS), help="--report: only these arms (the silo among them)"
+        "--report-arms",
+        nargs="+",
+        type=arm_or_variant,
+        help="--report: only these arms (the silo among them); an arm's variant named by its full label, "
+        "'sapo_balance_gated[own_replay=4]', is kept alone and may be the summary's best arm",
     )
     parser.add_argument(
         "--report-budget",

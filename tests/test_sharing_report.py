@@ -14,11 +14,15 @@ from benchmarks.sharing import (
     ARMS,
     CONFIG,
     FOUR_CONFIG,
+    FOUR_SPECIALTIES as FOUR,
+    arm_or_variant,
     four_specialists,
     homogeneous_ratios,
+    may_be_best,
     node_overrides,
     own_gain_per_node,
     silo_twin_differences,
+    single_node_arm,
     warm_start_mismatches,
     weights_digest,
 )
@@ -149,3 +153,38 @@ def test_four_specialists_compare_each_node_with_itself_alone_on_all_four_and_on
     # node's 0.6 against its 0.9 alone is -25 points, however high its mean of four
     assert out["four_specialists_own_gain_points_per_node_and_seed"] == {0: [0.0, -25.0, 25.0, 25.0]}
     assert out["four_specialists_best_arm"] == "sapo_balance_gated"
+
+
+def test_a_variant_named_by_its_full_label_may_be_the_best_arm_and_a_pilot_beside_it_may_not():
+    """Replay ships as an arm run with --set swarm.own_replay=4: the report must be able to name it (and a silo with
+    replay as the baseline), while other --set pilots stored in the same files stay out of the summary."""
+    shipped = "sapo_balance_gated[own_replay=4]"
+    assert arm_or_variant(shipped) == shipped
+    assert single_node_arm("silo_imitate[own_replay=4]") == "silo_imitate[own_replay=4]"
+    for bad in ("sapo_balance_gated[own_replay]", "no_such_arm[own_replay=4]", "sapo_balance_gated[a=1]]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            arm_or_variant(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="node alone"):
+        single_node_arm("sapo_balance_gated")
+    assert may_be_best("sapo_balance_gated", [])
+    assert not may_be_best(shipped, ["sapo_balance_gated"])
+    assert may_be_best(shipped, [shipped])
+    assert not may_be_best("silo_imitate[own_replay=4]", ["silo_imitate[own_replay=4]"])
+
+    def flat(level: float) -> dict:
+        curves = [[{"compute_s": 0.0, "all": level, **dict.fromkeys(FOUR, level)}] * 2 for _ in range(4)]
+        curves = [[{**p, "compute_s": x} for p, x in zip(curve, (0.0, 90.0))] for curve in curves]
+        return {"budget_s": 90.0, "weak": [None] * 4, "own": list(FOUR), "curves": curves, "rounds": [10] * 4}
+
+    by_key = {
+        ("four", "silo"): {0: flat(0.2)},
+        ("four", "sapo_balance_gated"): {0: flat(0.4)},
+        ("four", shipped): {0: flat(0.5)},
+        ("four", "sapo_balance_gated[kl_beta=0.04]"): {0: flat(0.9)},  # a pilot: never the summary's arm
+    }
+    assert four_specialists(by_key)["four_specialists_best_arm"] == "sapo_balance_gated"
+    named = ["silo", "sapo_balance_gated", shipped]
+    assert four_specialists(by_key, named)["four_specialists_best_arm"] == shipped
+    homo = {"silo": {0: flat(0.5)}, shipped: {0: flat(0.55)}, "sapo_balance_gated[kl_beta=0.04]": {0: flat(0.9)}}
+    assert homogeneous_ratios(homo, None, named)["homogeneous_arm"] == shipped
+    assert homogeneous_ratios(homo, None)["homogeneous_arm"] is None
