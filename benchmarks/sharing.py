@@ -607,13 +607,14 @@ async def round_cost(args) -> dict:
         "benchmark": "sharing_round_cost",
         "setting": args.setting,
         "seed": args.seeds[0],
+        "overrides": args.set,  # --set, on every arm alike
         "arms": table,
         "cpu_s_per_unit_fitted": k,
         "units_predict_cpu_r2": 1 - residual / total,
         "load_average_1min": os.getloadavg()[0],
     }
     # against --baseline (the best single-node recipe) where it ran, else the plain silo
-    silo = args.baseline if args.baseline in table else "silo"
+    silo = base_arm(args.baseline) if base_arm(args.baseline) in table else "silo"
     if silo in table:
         summary["round_cost_baseline"] = silo
         summary["round_cost_ratio_vs_silo"] = {
