@@ -1,12 +1,16 @@
-"""Does an isolated node learn? Held-out accuracy before/after a time budget, per seed.
+"""Does an isolated node learn? Held-out accuracy before/after a budget, per seed.
 
 From the warm-started default model (built once, shared by all seeds), each seed trains
-in isolation for --minutes of wall time; the seed sets the question stream and sampling.
+in isolation for --minutes of wall time, --rounds rounds, or --units compute units (the
+load-free axis of benchmarks/sharing.py: each round's counted work at the idle-machine costs
+of benchmarks/compute_costs.json); the seed sets the question stream and sampling.
 Held-out accuracy is greedy exact-match on the fixed held-out set (200 questions from a
-seed that training never draws). Prints a line per evaluation and ends with one JSON line.
+seed that training never draws). Prints a line per evaluation and ends with one JSON line
+(appended to --results too, with the --set overrides it ran with).
 
     .venv/bin/python benchmarks/isolated_learning.py --seeds 0 1 2 --minutes 10
     .venv/bin/python benchmarks/isolated_learning.py --rounds 300 --config configs/mix.yaml   # a fixed number of rounds
+    .venv/bin/python benchmarks/isolated_learning.py --units 100 --set swarm.own_replay=4     # at equal compute
 
 With a task mix of several specialties it also reports held-out accuracy per specialty, and
 per specialty how many distinct answers the greedy policy gives against how many are right
@@ -27,30 +31,55 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
+from benchmarks.sharing import unit_costs  # noqa: E402
+from node.compute import RoundWork, UnitCosts  # noqa: E402
+from node.files import append_json_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.tasks import SpecialtyScore  # noqa: E402
 
 
 async def train_for(
-    node: Node, seconds: float, eval_every_s: float, rounds: int | None = None
-) -> tuple[list[dict], list[tuple[float, float]]]:
-    """Train for `seconds` of wall time, or exactly `rounds` rounds when given (a loaded machine then changes times,
-    not results)."""
+    node: Node,
+    seconds: float,
+    eval_every_s: float,
+    rounds: int | None = None,
+    units: float | None = None,
+    costs: UnitCosts | None = None,
+    eval_every_units: float | None = None,
+) -> tuple[list[dict], list[tuple[float, float]], float]:
+    """Train for `seconds` of wall time, exactly `rounds` rounds, or until the rounds' work reaches `units` compute
+    units at `costs` (with rounds or units, a loaded machine changes times, not results). Held-out accuracy every
+    `eval_every_units` units on the units axis, else every `eval_every_s` seconds; returns the rounds' metrics rows,
+    the curve as (wall seconds or units, accuracy), and the units spent (0 without `costs`)."""
+    if units is not None and (costs is None or not eval_every_units):
+        raise ValueError("a budget in compute units needs the unit costs and an evaluation interval in units")
     rows, curve = [], []
     start = time.monotonic()
-    next_eval = eval_every_s
-    while (len(rows) < rounds) if rounds is not None else (time.monotonic() - start < seconds):
+    spent = 0.0
+    next_eval = eval_every_units if units is not None else eval_every_s
+
+    def more() -> bool:
+        if units is not None:
+            return spent < units
+        if rounds is not None:
+            return len(rows) < rounds
+        return time.monotonic() - start < seconds
+
+    while more():
         rows.append(await node.run_round())
+        if costs is not None:
+            spent += costs.units(RoundWork.from_dict(rows[-1]["work"]))
         elapsed = time.monotonic() - start
-        if elapsed >= next_eval:
-            curve.append((elapsed, node.evaluator.accuracy()))
+        at = spent if units is not None else elapsed
+        if at >= next_eval:
+            curve.append((at, node.evaluator.accuracy()))
             print(
-                f"  {elapsed:6.0f}s round {node.round:5d} heldout {curve[-1][1]:.3f} reward(last 50) "
-                f"{statistics.fmean(r['reward_mean'] for r in rows[-50:]):.3f}",
+                f"  {elapsed:6.0f}s {spent:7.1f} units round {node.round:5d} heldout {curve[-1][1]:.3f} "
+                f"reward(last 50) {statistics.fmean(r['reward_mean'] for r in rows[-50:]):.3f}",
                 flush=True,
             )
-            next_eval += eval_every_s
-    return rows, curve
+            next_eval += eval_every_units if units is not None else eval_every_s
+    return rows, curve, spent
 
 
 def main() -> None:
@@ -58,16 +87,26 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=None, help="train exactly this many rounds instead of --minutes")
+    parser.add_argument(
+        "--units", type=float, default=None, help="train until this many compute units instead of --minutes"
+    )
+    parser.add_argument("--eval-every-units", type=float, default=None, help="--units: default a tenth of the budget")
+    parser.add_argument("--costs", type=Path, default=Path(__file__).resolve().parent / "compute_costs.json")
+    parser.add_argument("--results", type=Path, default=None, help="also append the JSON line here")
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides, as for swarm-node train")
     parser.add_argument("--eval-every-s", type=float, default=60.0)
     args = parser.parse_args()
+    if args.units is not None and args.rounds is not None:
+        parser.error("--units and --rounds are two budgets: give one")
+    if args.units is not None and args.units <= 0:
+        parser.error("--units must be positive")
 
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    before, after, first_reward, last_reward, rounds, curves = [], [], [], [], [], []
+    before, after, first_reward, last_reward, rounds, curves, spent_units = [], [], [], [], [], [], []
     by_dataset_before, by_dataset_after = [], []
     distinct_before, distinct_after = [], []
     with tempfile.TemporaryDirectory() as scratch:
@@ -87,7 +126,18 @@ def main() -> None:
                 f"{_fmt_distinct(distinct_before[-1])}",
                 flush=True,
             )
-            rows, curve = asyncio.run(train_for(node, args.minutes * 60, args.eval_every_s, args.rounds))
+            rows, curve, spent = asyncio.run(
+                train_for(
+                    node,
+                    args.minutes * 60,
+                    args.eval_every_s,
+                    args.rounds,
+                    args.units,
+                    unit_costs(node, args.costs) if args.units is not None else None,
+                    args.eval_every_units or (args.units / 10 if args.units is not None else None),
+                )
+            )
+            spent_units.append(spent if args.units is not None else None)
             overall, scores = node.evaluator.report()
             after.append(overall)
             by_dataset_after.append({label: score.accuracy for label, score in scores.items()})
@@ -104,7 +154,8 @@ def main() -> None:
             rounds.append(len(rows))
             curves.append(curve)
             print(
-                f"seed {seed}: heldout {before[-1]:.3f} -> {after[-1]:.3f} ({len(rows)} rounds); reward first 10% "
+                f"seed {seed}: heldout {before[-1]:.3f} -> {after[-1]:.3f} ({len(rows)} rounds, {spent:.1f} units); "
+                f"reward first 10% "
                 f"{first_reward[-1]:.3f}, last 10% {last_reward[-1]:.3f}",
                 flush=True,
             )
@@ -113,26 +164,29 @@ def main() -> None:
         f"held-out gain (points): {[round(100 * g, 1) for g in gains]}; target >= 10 on every seed: "
         f"{'met' if min(gains) >= 0.10 else 'NOT met'}"
     )
-    print(
-        json.dumps(
-            {
-                "benchmark": "isolated_learning",
-                "seeds": args.seeds,
-                "minutes": args.minutes if args.rounds is None else None,
-                "rounds": rounds,
-                "heldout_accuracy_before": before,
-                "heldout_accuracy_after": after,
-                "heldout_gain_points": [round(100 * g, 1) for g in gains],
-                "reward_mean_first_10pct": first_reward,
-                "reward_mean_last_10pct": last_reward,
-                "heldout_curves": curves,
-                "heldout_by_dataset_before": by_dataset_before,
-                "heldout_by_dataset_after": by_dataset_after,
-                "distinct_greedy_answers_before": distinct_before,  # {specialty: [given, right]}
-                "distinct_greedy_answers_after": distinct_after,
-            }
-        )
-    )
+    line = {
+        "benchmark": "isolated_learning",
+        "config": Path(args.config).name,
+        "overrides": args.set,
+        "seeds": args.seeds,
+        "minutes": args.minutes if args.rounds is None and args.units is None else None,
+        "units_budget": args.units,
+        "units": spent_units,
+        "rounds": rounds,
+        "heldout_accuracy_before": before,
+        "heldout_accuracy_after": after,
+        "heldout_gain_points": [round(100 * g, 1) for g in gains],
+        "reward_mean_first_10pct": first_reward,
+        "reward_mean_last_10pct": last_reward,
+        "heldout_curves": curves,
+        "heldout_by_dataset_before": by_dataset_before,
+        "heldout_by_dataset_after": by_dataset_after,
+        "distinct_greedy_answers_before": distinct_before,  # {specialty: [given, right]}
+        "distinct_greedy_answers_after": distinct_after,
+    }
+    if args.results is not None:
+        append_json_line(args.results, line)
+    print(json.dumps(line))
 
 
 def _distinct(scores: dict[str, SpecialtyScore]) -> dict[str, tuple[int, int]]:
