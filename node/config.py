@@ -312,12 +312,12 @@ class SwarmConfig(_Section):
     answers keep weight 1: below 1, a peer's answers teach the specialty this node lacks more gently than its own
     answers hold the one it knows (peers' answers are off this policy's distribution, and how far training moves
     off it is what erases a held skill)."""
-    own_replay: int = Field(0, ge=0)
+    own_replay: int = Field(4, ge=0)
     """Right answers of the node's own from earlier rounds replayed each round as demonstrations of weight 1 (drawn at
     random from the last `OWN_REPLAY_CAPACITY`, node/sharing.py; 0: none): rehearsal, so that the answers of what it
     knew keep a share of the imitation term while peers' answers teach it what it lacks (ExGRPO replays a node's own
-    successes). Saved with each checkpoint, so a restarted node replays what it knew. Needs swarm.imitation other than
-    'none'."""
+    successes), and a node alone learns faster for the same compute. Saved with each checkpoint, so a restarted node
+    replays what it knew. With swarm.imitation 'none' (no imitation term) it does nothing."""
     external_use: Literal["policy", "demonstrations_only"] = "policy"
     """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
     own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only
@@ -403,6 +403,11 @@ class SwarmConfig(_Section):
         if rounds_done >= self.sharing_ramp_rounds:
             return self.external_questions
         return self.external_questions * rounds_done // self.sharing_ramp_rounds
+
+    @property
+    def replayed_per_round(self) -> int:
+        """The own right answers a round replays: `own_replay`, where an imitation term trains them."""
+        return self.own_replay if self.imitation != "none" else 0
 
     def own_quota(self, rounds_done: int, peers_taken: int | None = None) -> tuple[int, int]:
         """(questions of its own the node draws and answers, and trains on) in that round: I (or generated_questions)
@@ -600,10 +605,6 @@ class NodeConfig(_Section):
             raise ValueError(
                 f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
                 "weight)"
-            )
-        if self.swarm.own_replay and self.swarm.imitation == "none":
-            raise ValueError(
-                "swarm.own_replay replays the node's own right answers as demonstrations: set swarm.imitation"
             )
         if self.swarm.external_use == "demonstrations_only" and self.swarm.imitation != "own_and_stronger_peers":
             raise ValueError(

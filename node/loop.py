@@ -84,8 +84,8 @@ class Node:
         self.evaluator: HeldoutEvaluator | None = None  # built with the backend
         # swarm.own_replay: earlier right answers of its own, replayed as demonstrations (saved with each checkpoint)
         self.own_replay = (
-            OwnAnswerReplay(config.swarm.own_replay, seed=self.stream_seed ^ 0x4E91A7)
-            if config.swarm.own_replay
+            OwnAnswerReplay(config.swarm.replayed_per_round, seed=self.stream_seed ^ 0x4E91A7)
+            if config.swarm.replayed_per_round
             else None
         )
         self.telemetry = Telemetry(config, self.stats)

@@ -655,8 +655,9 @@ def test_own_replay_keeps_each_groups_distinct_right_answers_and_replays_them_as
     assert [list(c.completion_ids) for _, c in replay.answers] == [[4], [5], [6]]
     drawn = replay.draw()
     assert len(drawn) == 2 and len({tuple(g.completions[0].completion_ids) for g in drawn}) == 2
-    with pytest.raises(ValueError, match="own_replay"):
-        tiny_config("swarm.own_replay=4", "swarm.imitation=none")
+    # replay trains through the imitation term: without one (swarm.imitation none) a node replays nothing
+    assert tiny_config().swarm.replayed_per_round == 4  # the isolated default replays
+    assert tiny_config("swarm.own_replay=4", "swarm.imitation=none").swarm.replayed_per_round == 0
 
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
