@@ -172,8 +172,7 @@ def test_a_variant_named_by_its_full_label_may_be_the_best_arm_and_a_pilot_besid
     assert not may_be_best("silo_imitate[own_replay=4]", ["silo_imitate[own_replay=4]"])
 
     def flat(level: float) -> dict:
-        curves = [[{"compute_s": 0.0, "all": level, **dict.fromkeys(FOUR, level)}] * 2 for _ in range(4)]
-        curves = [[{**p, "compute_s": x} for p, x in zip(curve, (0.0, 90.0))] for curve in curves]
+        curves = [[{"compute_s": x, "all": level, **dict.fromkeys(FOUR, level)} for x in (0.0, 90.0)] for _ in range(4)]
         return {"budget_s": 90.0, "weak": [None] * 4, "own": list(FOUR), "curves": curves, "rounds": [10] * 4}
 
     by_key = {
