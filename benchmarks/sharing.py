@@ -83,6 +83,8 @@ SPECIALTIES = ("add", "subtract")
 # --setting four: node i warm-started on FOUR_SPECIALTIES[i] alone, every node measured on all four
 FOUR_SPECIALTIES = ("add", "subtract", "multiply", "lcm")
 HELDOUT_PER_SPECIALTY = 200
+# issue #33: a node's own specialty ends no more than this under the same node alone, or its gain elsewhere is a trade
+OWN_SKILL_TOLERANCE_POINTS = 2.0
 
 # Every sharing knob an arm does not set, pinned: an arm means the same whatever the config file ships
 # (configs/specialists.yaml turns imitation on for users).
@@ -860,10 +862,17 @@ def report(args) -> None:
     four_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
     if args.plot_four and four_arms:
         plot_four(four_arms, args.plot_four, args.axis, args.baseline)
-    if args.round_cost_results.exists():
-        costs = [json.loads(line) for line in args.round_cost_results.read_text().splitlines() if line.strip()]
-        if costs and "round_cost_ratio_vs_silo" in costs[-1]:
-            summary["round_cost_ratio_vs_silo"] = costs[-1]["round_cost_ratio_vs_silo"]
+    costs = [
+        json.loads(line)
+        for path in args.round_cost_results
+        if path.exists()
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    if ratios := round_cost_against(costs, args.baseline):
+        summary["round_cost_ratio_vs_silo"] = ratios
+    else:
+        print(f"no --round-cost line in {[str(p) for p in args.round_cost_results]} measured against {args.baseline!r}")
     silo_round_s = (
         statistics.fmean(
             c / r
@@ -980,8 +989,13 @@ def report(args) -> None:
         # the best arm among those run on the most seeds: a 2-seed pilot must not outrank a 3-seed result
         swarm_rows = on_most_seeds(swarm_rows, lambda row: row["seeds"])
         if swarm_rows:
-            # the swarm must add: the best arm is the one that ends highest on both specialties together
-            best = max(swarm_rows, key=lambda arm: swarm_rows[arm]["both_gain_points_vs_silo"]["mean"])
+            # the swarm must add: the best arm ends highest on both specialties together among the arms that keep the
+            # node's own specialty (a gain on both paid for by the own one is not the target met)
+            best = best_keeping_own(
+                swarm_rows,
+                gain=lambda row: row["both_gain_points_vs_silo"]["mean"],
+                keeps_own=lambda row: row["own_gain_points_vs_silo"]["mean"] >= -OWN_SKILL_TOLERANCE_POINTS,
+            )
             summary["best_arm"] = best
             summary["seeds"] = table[best]["seeds"]
             summary["both_gain_points_per_seed"] = table[best]["both_gain_points_vs_silo"]["per_seed"]
@@ -1039,6 +1053,32 @@ def report(args) -> None:
     if "silo" in spec_arms and args.axis == "cpu":  # compute units are load-free already
         summary["load_matched"] = load_matched(spec_arms)
     print(json.dumps(summary))
+
+
+def round_cost_against(lines: list[dict], baseline: str) -> dict | None:
+    """The round-cost ratios of the newest --round-cost line measured against `baseline` (an arm, or a variant by its
+    full label), keyed by the labels the report prints: a line run with --set swarm.own_replay=4 is a line of
+    `silo_imitate[own_replay=4]` and `sapo_balance_gated[own_replay=4]`, not of the arms without replay."""
+    for line in reversed(lines):
+        ratios = line.get("round_cost_ratio_vs_silo")
+        if not ratios:
+            continue
+        overrides = line.get("overrides") or []
+        # lines from before round_cost_baseline was recorded took their ratios against the plain silo
+        measured_against = arm_label({"arm": line.get("round_cost_baseline", "silo"), "overrides": overrides})
+        if measured_against == baseline:
+            return {arm_label({"arm": arm, "overrides": overrides}): ratio for arm, ratio in ratios.items()}
+    return None
+
+
+def best_keeping_own(rows: dict, gain: Callable[[dict], float], keeps_own: Callable[[dict], bool]) -> str | None:
+    """The arm with the highest `gain` among those that keep the node's own specialty, or among all of them where none
+    does (the report then says so)."""
+    keeping = {arm: row for arm, row in rows.items() if keeps_own(row)}
+    if rows and not keeping:
+        print(f"no arm keeps the own specialty within {OWN_SKILL_TOLERANCE_POINTS} points of the silo's", flush=True)
+    candidates = keeping or rows
+    return max(candidates, key=lambda arm: gain(candidates[arm]), default=None)
 
 
 def on_most_seeds(by_arm: dict, seeds_of: Callable[[object], list]) -> dict:
@@ -1118,7 +1158,15 @@ def four_specialists(by_key: dict, named: Collection[str] = ()) -> dict:
             flush=True,
         )
     swarm = {arm: row for arm, row in out.items() if may_be_best(arm, named)}
-    best = max(swarm, key=lambda arm: swarm[arm]["gain_points_mean"]) if swarm else None
+    best = best_keeping_own(
+        swarm,
+        gain=lambda row: row["gain_points_mean"],
+        # every node keeps its own specialty on the mean of its seeds
+        keeps_own=lambda row: all(
+            statistics.fmean(per_node) >= -OWN_SKILL_TOLERANCE_POINTS
+            for per_node in zip(*row["own_gain_points_per_node_and_seed"].values())
+        ),
+    )
     return {
         "four_specialists": out,
         "four_specialists_best_arm": best,
@@ -1298,8 +1346,10 @@ def main() -> None:
     parser.add_argument(
         "--round-cost-results",
         type=Path,
-        default=REPO / "benchmarks" / "results" / "sharing_round_cost.jsonl",
-        help="--round-cost appends its JSON line here; --report quotes the newest",
+        nargs="+",
+        default=[REPO / "benchmarks" / "results" / "sharing_round_cost.jsonl"],
+        help="--round-cost appends its JSON line to the first file; --report quotes the newest line of them all "
+        "measured against --baseline",
     )
     parser.add_argument(
         "--baseline",
@@ -1341,7 +1391,7 @@ def main() -> None:
         return
     if args.round_cost:
         result = asyncio.run(round_cost(args))
-        append_json_line(args.round_cost_results, result)
+        append_json_line(args.round_cost_results[0], result)
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as scratch:
