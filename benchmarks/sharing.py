@@ -1263,8 +1263,8 @@ def plot_panels(
     title: str,
     metric: Callable[[dict, float, str], float],
 ) -> None:
-    """One panel per (which, name) of `panels`: each arm's `metric(run, compute, which)`, the mean of its seeds, on 21
-    points of its first run's budget."""
+    """One panel per (which, name) of `panels`: each arm's `metric(run, compute, which)`, the mean of the seeds it
+    shares with the silo (those the report's table compares), on 21 points of its first run's budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1272,6 +1272,9 @@ def plot_panels(
 
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for arm, seeds in sorted(arms.items()):
+        seeds = {seed: run for seed, run in seeds.items() if seed in arms.get("silo", seeds)}
+        if not seeds:
+            continue
         label = f"{baseline} (the silo)" if arm == "silo" and baseline != "silo" else arm
         budget = next(iter(seeds.values()))["budget_s"]
         xs = [budget * k / 20 for k in range(21)]
