@@ -816,9 +816,13 @@ def cut_at(run: dict, budget: float) -> dict:
     return view
 
 
+def json_lines(paths: list[Path]) -> list[dict]:
+    """Every JSON line of the files, in order."""
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+
+
 def report(args) -> None:
-    paths = [args.results, *args.more_results]
-    runs = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    runs = json_lines([args.results, *args.more_results])
     runs.sort(key=lambda run: run.get("finished", 0))  # across files too, the newest run of a key counts
     # one axis at a time: a budget in units and one in CPU seconds are not the same work
     runs = [on_axis(run) for run in runs if run.get("axis", "cpu") == args.axis]
@@ -862,13 +866,7 @@ def report(args) -> None:
     four_arms = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "four"}
     if args.plot_four and four_arms:
         plot_four(four_arms, args.plot_four, args.axis, args.baseline)
-    costs = [
-        json.loads(line)
-        for path in args.round_cost_results
-        if path.exists()
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    costs = json_lines([path for path in args.round_cost_results if path.exists()])
     if ratios := round_cost_against(costs, args.baseline):
         summary["round_cost_ratio_vs_silo"] = ratios
     else:
