@@ -685,6 +685,7 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
                 "stall_s": stall,
                 "announce_ttl_s": config.pipeline.announce_ttl_s,
                 "announce_interval_s": config.pipeline.announce_interval_s,
+                "rebuild_poll_s": config.pipeline.rebuild_poll_s,
                 "spare_method": loaded[-1]["method"] if loaded else None,
                 "spare_load_s": loaded[-1]["seconds"] if loaded else None,
                 "driver_recovery": row.get("recovery"),
@@ -705,6 +706,28 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
         for servers in [group, *extra]:
             servers.close()
     return events
+
+
+def print_stalls(events: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Print and return the stalls by size, way and method: "size way" -> method -> mean, min, max, n."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    print("| size | way | method | stall s, mean (min-max, n) | spare's load s, mean |")
+    print("|---|---|---|---|---|")
+    for name, rows in events.items():
+        for way in dict.fromkeys(row["way"] for row in rows):
+            for method in dict.fromkeys(row["method"] for row in rows):
+                chosen = [row for row in rows if row["way"] == way and row["method"] == method]
+                if not chosen:
+                    continue
+                stalls = [row["stall_s"] for row in chosen]
+                loads = [row["spare_load_s"] for row in chosen if row["spare_load_s"] is not None]
+                figures = {"mean": statistics.mean(stalls), "min": min(stalls), "max": max(stalls), "n": len(stalls)}
+                table.setdefault(f"{name} {way}", {})[method] = figures
+                print(
+                    f"| {name} | {way} | {method} | {figures['mean']:.2f} ({figures['min']:.2f}-{figures['max']:.2f},"
+                    f" {len(stalls)}) | {statistics.mean(loads) if loads else 0:.2f} |"
+                )
+    return table
 
 
 def _recoveries(state_dir: Path) -> list[dict]:
@@ -1045,7 +1068,11 @@ def main() -> None:
         "--lab", nargs="+", type=float, metavar="MBIT", help="instead: the lab at these link rates (root), "
         "at S = max(--stages); a variant's `driver:KEY=VALUE` settings apply to the driver only",
     )  # fmt: skip
-    parser.add_argument("--recovery", action="store_true", help="instead: stall per recovery method (loopback)")
+    parser.add_argument(
+        "--recovery", action="store_true", help="instead: stall per recovery method (loopback), as shipped and with "
+        "each --variant's settings",
+    )  # fmt: skip
+    parser.add_argument("--recovery-repeats", type=int, default=1, help="--recovery: runs of each way, interleaved")
     parser.add_argument(
         "--transport-floor", action="store_true", help="instead: a framed echo of each --floor-bytes through two "
         "p2p daemons and through plain TCP on 127.0.0.1, no compute: what the wire alone costs a call",
@@ -1099,12 +1126,23 @@ def main() -> None:
         print(json.dumps(summary))
         return
     if args.recovery:
+        ways = {"plain": settings} | {name: settings + extra for name, extra in variants.items()}
+        events: dict[str, list[dict]] = {name: [] for name in sizes}
         with tempfile.TemporaryDirectory(prefix="pipeline-throughput-recovery-") as scratch:
-            events = {
-                name: asyncio.run(recovery_run(name, shape, settings, args.steps, Path(scratch)))
-                for name, shape in sizes.items()
-            }
-        summary.update(load_average=os.getloadavg(), settings=settings, recovery_s_by_method=events)
+            for repeat in range(args.recovery_repeats):  # the ways interleaved, so that they share the machine's load
+                for name, shape in sizes.items():
+                    for way, way_settings in ways.items():
+                        run = asyncio.run(
+                            recovery_run(f"{name}-{way}-{repeat}", shape, way_settings, args.steps, Path(scratch))
+                        )
+                        events[name] += [dict(event, way=way, repeat=repeat) for event in run]
+        summary.update(
+            load_average=os.getloadavg(),
+            settings=settings,
+            variants=variants,
+            recovery_s_by_method=events,
+            stall_s_by_way_and_method=print_stalls(events),
+        )
         print(json.dumps(summary))
         return
     if args.loss_check:

@@ -507,6 +507,10 @@ class PipelineConfig(_Section):
     """How often a stage server (or spare) publishes its signed stage announcement."""
     announce_ttl_s: float = Field(8.0, gt=0)
     """A server whose last announcement is older than this is considered gone."""
+    rebuild_poll_s: float = Field(0.25, gt=0)
+    """While a stage is lost: how often a driver waiting for it reads the stage map, and how often a spare reads the
+    drivers' lost reports (one small DHT key; its whole map is read every announce_interval_s / 2). Both waits are
+    part of a recovery's stall (benchmarks/RESULTS.md, pipeline_throughput `--recovery`)."""
     recovery: Literal["checkfree", "random"] = "checkfree"
     """How a stage with no live replica is rebuilt: 'checkfree' (neighbours' weighted average; CheckFree+ copy for
     the first and last stage) or 'random' (fresh initialisation: the benchmark's baseline)."""

@@ -10,6 +10,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.common import REPO
 
 # the tiny mode: micro-batch B = 2 sequences of T = 16 tokens, hidden H = 32, the char vocabulary V = 100;
@@ -168,3 +170,47 @@ def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attemp
         "backward_in": 0.0,
     }
     assert summary["calls"] == {"forward": 5, "backward": 2}
+
+
+def test_recovery_stalls_are_grouped_by_size_way_and_method():
+    from benchmarks.pipeline_throughput import print_stalls
+
+    def event(way: str, method: str, stall: float, load: float | None) -> dict:
+        return {"way": way, "method": method, "stall_s": stall, "spare_load_s": load}
+
+    events = {
+        "27M": [
+            event("plain", "checkfree", 1.0, 0.5),
+            event("plain", "replica failover", 0.1, None),
+            event("poll1", "checkfree", 3.0, 0.5),
+            event("plain", "checkfree", 2.0, 0.7),  # a second repeat of the same way and method
+        ]
+    }
+    table = print_stalls(events)
+    assert table == {
+        "27M plain": {
+            "checkfree": {"mean": 1.5, "min": 1.0, "max": 2.0, "n": 2},
+            "replica failover": {"mean": 0.1, "min": 0.1, "max": 0.1, "n": 1},
+        },
+        "27M poll1": {"checkfree": {"mean": 3.0, "min": 3.0, "max": 3.0, "n": 1}},
+    }
+
+
+@pytest.mark.slow
+def test_recovery_kills_each_way_s_servers_and_every_spare_rebuilds_its_stage():
+    """--recovery --tiny with a variant: both ways lose a replica, then stage 1 and stage 3 with a warm spare each,
+    and each spare rebuilds the stage by the method its place calls for, under that way's settings."""
+    summary = run_benchmark("--tiny", "--recovery", "--variant", "poll1:pipeline.rebuild_poll_s=1", timeout=1500)
+    events = summary["recovery_s_by_method"]["tiny"]
+    assert [(e["way"], e["method"], e["spare_method"]) for e in events] == [
+        (way, method, spare)
+        for way in ("plain", "poll1")
+        for method, spare in (
+            ("replica failover", None),
+            ("checkfree", "checkfree"),
+            ("checkfree_plus", "checkfree_plus"),
+        )
+    ]
+    assert {e["way"]: e["rebuild_poll_s"] for e in events} == {"plain": 0.25, "poll1": 1.0}
+    assert all(e["driver_recovery"] for e in events if e["spare_method"])  # the driver saw each stage lost and back
+    assert set(summary["stall_s_by_way_and_method"]) == {"tiny plain", "tiny poll1"}

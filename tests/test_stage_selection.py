@@ -3,6 +3,8 @@ which stage a newcomer or a spare takes, and when a serving replica moves — wi
 
 from __future__ import annotations
 
+import asyncio
+
 from node.pipeline.selection import (
     Move,
     choose_stage,
@@ -16,7 +18,7 @@ from node.pipeline.selection import (
     stages_to_report,
     update_empty_since,
 )
-from node.pipeline.stagemap import StageMap, latest_losses
+from node.pipeline.stagemap import StageMap, latest_losses, wait_for_lost_report
 from protocol import StageAnnouncement, StageLost
 
 NOW = 1_700_000_000.0
@@ -277,3 +279,21 @@ def test_readers_take_each_stage_from_when_it_was_found_lost():
     # the killed server of stage 2 stays hidden, the one that rebuilt it after the loss counts
     assert [s.node_id for s in view.servers[2]] == [rebuilt.node_id] and 2 not in view.lost
     assert holes(view) == [0, 3]
+
+
+def test_a_spare_wakes_on_a_new_lost_report_and_not_on_one_it_has_read():
+    known = {2: NOW - 4}
+    answers = [{2: NOW - 4}, {2: NOW - 4}, {2: NOW - 4, 1: NOW}]  # the report it read with the map, again, then stage 1
+    reads = []
+
+    async def read_losses():
+        reads.append(None)
+        return answers[min(len(reads), len(answers)) - 1]
+
+    # woken by the third read, long before the whole map's next read (60 s here) would have shown it
+    assert asyncio.run(wait_for_lost_report(read_losses, known, timeout_s=60, poll_s=0.01))
+    assert len(reads) == 3
+    # a stage reported again with the same time is old news: the wait runs out
+    answers[:], reads[:] = [{2: NOW - 4}], []
+    assert not asyncio.run(wait_for_lost_report(read_losses, known, timeout_s=0.05, poll_s=0.01))
+    assert reads

@@ -286,7 +286,7 @@ class PipelineRouter:
                     ", ".join(map(str, missing)),
                 )
                 said = now
-            await asyncio.sleep(min(1.0, self.pipeline.announce_interval_s))
+            await asyncio.sleep(self.pipeline.rebuild_poll_s)
 
     async def report_lost(self, lost_at: dict[int, float]) -> None:
         """Publish our signed report of the stages whose every server failed, and since when (protocol.StageLost)."""

@@ -57,7 +57,14 @@ from node.pipeline.selection import (
     update_empty_since,
 )
 from node.pipeline.stage_loading import StageLoader
-from node.pipeline.stagemap import Announcer, StageMap, read_stage_map
+from node.pipeline.stagemap import (
+    Announcer,
+    StageMap,
+    latest_losses,
+    read_lost_reports,
+    read_stage_map,
+    wait_for_lost_report,
+)
 from node.pipeline.stages import (
     PipelineStage,
     StagePart,
@@ -158,12 +165,20 @@ class StageServer:
         log.info("spare: waiting for a stage whose last server dies")
         while not self._stopping.is_set():
             await self.announce()
-            _, view = await self.read_view(strict=False)
+            stage_map, view = await self.read_view(strict=False)
             stage = spare_assignment(view, self.identity.node_id)
             if stage is not None:
                 return stage, "lost (a driver reported it)" if stage in view.lost else "no live server"
-            await asyncio.sleep(self.pipeline.announce_interval_s / 2)
+            # a driver's lost report wakes us within rebuild_poll_s; a silent death shows at the next whole read
+            await wait_for_lost_report(
+                self.read_losses, stage_map.lost, self.pipeline.announce_interval_s / 2, self.pipeline.rebuild_poll_s
+            )
         raise asyncio.CancelledError
+
+    async def read_losses(self) -> dict[int, float]:
+        """stage -> when a driver last reported it lost, for this server's pipeline (one DHT key, no announcements)."""
+        reports = await read_lost_reports(self.dht, self.config)
+        return latest_losses(reports, self.model_fingerprint, self.plan.num_stages)
 
     async def acquire(self, index: int, cause: str) -> RecoveryEvent:
         """Take up stage `index`: announce it "loading", load its weights from the live swarm (stage_loading.py; never

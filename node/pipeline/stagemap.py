@@ -17,10 +17,12 @@ within a couple of announce intervals and not older than a lost report of their 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from node.config import NodeConfig
 from node.transport.joining import key_prefix
@@ -174,6 +176,23 @@ def latest_losses(reports: list[tuple[StageLost, float]], model_fingerprint: str
             for stage, found in report.times(signed).items():
                 lost[stage] = max(lost.get(stage, 0.0), found)
     return lost
+
+
+async def wait_for_lost_report(
+    read_losses: Callable[[], Awaitable[dict[int, float]]], known: dict[int, float], timeout_s: float, poll_s: float
+) -> bool:
+    """Wait up to `timeout_s`, reading `read_losses()` (stage -> when a driver found it lost) every `poll_s`; True as
+    soon as it names a stage lost later than `known` says, False at the timeout. How a spare hears of a lost stage
+    within a poll of the report, while it reads the whole stage map far less often."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(poll_s, left))
+        if time.monotonic() >= deadline:
+            break
+        lost = await read_losses()
+        if any(found > known.get(stage, 0.0) for stage, found in lost.items()):
+            return True
+    return False
 
 
 async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> StageMap:
