@@ -95,6 +95,7 @@ import_hivemind_isolated()
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from node.aio import cancel_and_wait  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.files import append_json_line, fsync_dir  # noqa: E402
 from node.model import ensure_default_model, load_policy, model_fingerprint  # noqa: E402
@@ -448,8 +449,9 @@ class Bench:
         process = getattr(dht.p2p, "_child", None)
         if process is not None and process.returncode is None:
             process.kill()  # as kill -9: its peers' calls now fail
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        # cancel_and_wait: on Python 3.11 a cancel can be swallowed (node/aio.py), and a single one left a killed
+        # server's loop running and this wait hanging at a failure (2026-11-28, seed 4 at 10 %, random)
+        await cancel_and_wait([task], "a killed stage server")
         # Its DHT node is cleaned up off the clock: a killed server does not wait for anything.
         self.dead.append(asyncio.create_task(shutdown_dht(dht, timeout=5)))
 
@@ -499,8 +501,7 @@ class Bench:
         await asyncio.gather(*self.dead, return_exceptions=True)
         for stage in list(self.servers):
             server, task, dht = self.servers.pop(stage)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task], "a stage server")
             await shutdown_dht(dht, timeout=5)
         if hasattr(self, "bootstrap"):  # not when the run stopped while starting
             await shutdown_dht(self.bootstrap, timeout=5)
