@@ -689,6 +689,8 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
                 "spare_method": loaded[-1]["method"] if loaded else None,
                 "spare_load_s": loaded[-1]["seconds"] if loaded else None,
                 "driver_recovery": row.get("recovery"),
+                # the driver's wait: found the stage lost -> every stage served again (no step in it)
+                "waited_s": next((r["waited_s"] for r in row.get("recovery", []) if r["stage"] == stage), None),
                 "retries": row["retries"],
                 "normal_step_s": step_s,
             }
@@ -711,8 +713,10 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
 def print_stalls(events: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
     """Print and return the stalls by size, way and method: "size way" -> method -> mean, min, max, n."""
     table: dict[str, dict[str, dict[str, float]]] = {}
-    print("| size | way | method | stall s, mean (min-max, n) | spare's load s, mean |")
-    print("|---|---|---|---|---|")
+    print(
+        "| size | way | method | stall s, mean (min-max, n) | driver's wait s, mean (min-max) | spare's load s, mean |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, rows in events.items():
         for way in dict.fromkeys(row["way"] for row in rows):
             for method in dict.fromkeys(row["method"] for row in rows):
@@ -721,11 +725,19 @@ def print_stalls(events: dict[str, list[dict]]) -> dict[str, dict[str, dict[str,
                     continue
                 stalls = [row["stall_s"] for row in chosen]
                 loads = [row["spare_load_s"] for row in chosen if row["spare_load_s"] is not None]
+                waits = [row["waited_s"] for row in chosen if row.get("waited_s") is not None]
                 figures = {"mean": statistics.mean(stalls), "min": min(stalls), "max": max(stalls), "n": len(stalls)}
+                if waits:
+                    figures |= {
+                        "waited_mean": statistics.mean(waits),
+                        "waited_min": min(waits),
+                        "waited_max": max(waits),
+                    }
                 table.setdefault(f"{name} {way}", {})[method] = figures
+                waited = f"{statistics.mean(waits):.2f} ({min(waits):.2f}-{max(waits):.2f})" if waits else "-"
                 print(
                     f"| {name} | {way} | {method} | {figures['mean']:.2f} ({figures['min']:.2f}-{figures['max']:.2f},"
-                    f" {len(stalls)}) | {statistics.mean(loads) if loads else 0:.2f} |"
+                    f" {len(stalls)}) | {waited} | {statistics.mean(loads) if loads else 0:.2f} |"
                 )
     return table
 

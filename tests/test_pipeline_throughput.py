@@ -175,24 +175,42 @@ def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attemp
 def test_recovery_stalls_are_grouped_by_size_way_and_method():
     from benchmarks.pipeline_throughput import print_stalls
 
-    def event(way: str, method: str, stall: float, load: float | None) -> dict:
-        return {"way": way, "method": method, "stall_s": stall, "spare_load_s": load}
+    def event(way: str, method: str, stall: float, load: float | None, waited: float | None) -> dict:
+        return {"way": way, "method": method, "stall_s": stall, "spare_load_s": load, "waited_s": waited}
 
     events = {
         "27M": [
-            event("plain", "checkfree", 1.0, 0.5),
-            event("plain", "replica failover", 0.1, None),
-            event("poll1", "checkfree", 3.0, 0.5),
-            event("plain", "checkfree", 2.0, 0.7),  # a second repeat of the same way and method
+            event("plain", "checkfree", 1.0, 0.5, 0.5),
+            event("plain", "replica failover", 0.1, None, None),  # failover: the driver never waits
+            event("poll1", "checkfree", 3.0, 0.5, 2.0),
+            event("plain", "checkfree", 2.0, 0.7, 1.5),  # a second repeat of the same way and method
         ]
     }
     table = print_stalls(events)
     assert table == {
         "27M plain": {
-            "checkfree": {"mean": 1.5, "min": 1.0, "max": 2.0, "n": 2},
+            "checkfree": {
+                "mean": 1.5,
+                "min": 1.0,
+                "max": 2.0,
+                "n": 2,
+                "waited_mean": 1.0,
+                "waited_min": 0.5,
+                "waited_max": 1.5,
+            },
             "replica failover": {"mean": 0.1, "min": 0.1, "max": 0.1, "n": 1},
         },
-        "27M poll1": {"checkfree": {"mean": 3.0, "min": 3.0, "max": 3.0, "n": 1}},
+        "27M poll1": {
+            "checkfree": {
+                "mean": 3.0,
+                "min": 3.0,
+                "max": 3.0,
+                "n": 1,
+                "waited_mean": 2.0,
+                "waited_min": 2.0,
+                "waited_max": 2.0,
+            }
+        },
     }
 
 
@@ -212,5 +230,6 @@ def test_recovery_kills_each_way_s_servers_and_every_spare_rebuilds_its_stage():
         )
     ]
     assert {e["way"]: e["rebuild_poll_s"] for e in events} == {"plain": 0.25, "poll1": 1.0}
-    assert all(e["driver_recovery"] for e in events if e["spare_method"])  # the driver saw each stage lost and back
+    # the driver saw each rebuilt stage lost and back, and waited for it less than the stall's step took in all
+    assert all(e["driver_recovery"] and 0 < e["waited_s"] for e in events if e["spare_method"])
     assert set(summary["stall_s_by_way_and_method"]) == {"tiny plain", "tiny poll1"}

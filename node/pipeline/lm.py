@@ -59,6 +59,7 @@ class LMDriver:
         self.step = rows[-1]["step"] if rows else 0  # the driver keeps no weights: its only state is where it is
         # stage -> (monotonic time it was found lost, cause, the servers that served it last)
         self.lost_since: dict[int, tuple[float, str, frozenset[str]]] = {}
+        self.served_again_at = 0.0  # monotonic time the last wait for lost stages ended
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
@@ -161,6 +162,7 @@ class LMDriver:
             found_lost(stage)
         # a stage that dies while we wait (its neighbour killed a moment later) is recorded when it comes back too
         await self.router.wait_until_served(on_missing=found_lost)
+        self.served_again_at = time.monotonic()
 
     def _recovered(self) -> list[dict] | None:
         """Records of the stages lost since the last step: who serves them now, whether another server than the
@@ -177,6 +179,8 @@ class LMDriver:
                     "stage": stage,
                     "cause": cause,
                     "recovery_s": now - since,
+                    # found lost -> every stage served again: the rebuild as this driver saw it, without the step after
+                    "waited_s": self.served_again_at - since,
                     "replaced": replaced,
                     "servers": [s.node_id for s in servers],
                     "server_recoveries": sum(s.recoveries for s in servers),
