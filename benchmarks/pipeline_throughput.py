@@ -674,6 +674,8 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
                 while not any(a.node_id == spare_id for a in (await router.refresh(force=True)).spares):
                     await asyncio.sleep(0.5)  # a warm spare: announced before the kill, its start not in the stall
                 victim = group.procs[stage]
+            # a replica may have moved away by the throughput rule since the start: say how many served the stage
+            serving = len((await router.refresh(force=True)).live(stage))
             os.killpg(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
             row = await driver.train_step()
@@ -682,6 +684,7 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
             event = {
                 "method": method,
                 "stage": stage,
+                "servers_before_kill": serving,
                 "stall_s": stall,
                 "announce_ttl_s": config.pipeline.announce_ttl_s,
                 "announce_interval_s": config.pipeline.announce_interval_s,

@@ -230,6 +230,7 @@ def test_recovery_kills_each_way_s_servers_and_every_spare_rebuilds_its_stage():
         )
     ]
     assert {e["way"]: e["rebuild_poll_s"] for e in events} == {"plain": 0.25, "poll1": 1.0}
+    assert all(e["servers_before_kill"] >= 1 for e in events)  # the killed server was in the map
     # the driver saw each rebuilt stage lost and back, and waited for it less than the stall's step took in all
     assert all(e["driver_recovery"] and 0 < e["waited_s"] for e in events if e["spare_method"])
     assert set(summary["stall_s_by_way_and_method"]) == {"tiny plain", "tiny poll1"}
