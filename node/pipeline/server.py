@@ -57,14 +57,7 @@ from node.pipeline.selection import (
     update_empty_since,
 )
 from node.pipeline.stage_loading import StageLoader
-from node.pipeline.stagemap import (
-    Announcer,
-    StageMap,
-    latest_losses,
-    read_lost_reports,
-    read_stage_map,
-    wait_for_lost_report,
-)
+from node.pipeline.stagemap import Announcer, StageMap, read_losses, read_stage_map, wait_for_lost_report
 from node.pipeline.stages import (
     PipelineStage,
     StagePart,
@@ -171,14 +164,12 @@ class StageServer:
                 return stage, "lost (a driver reported it)" if stage in view.lost else "no live server"
             # a driver's lost report wakes us within rebuild_poll_s; a silent death shows at the next whole read
             await wait_for_lost_report(
-                self.read_losses, stage_map.lost, self.pipeline.announce_interval_s / 2, self.pipeline.rebuild_poll_s
+                lambda: read_losses(self.dht, self.config, self.model_fingerprint),
+                stage_map.lost,
+                self.pipeline.announce_interval_s / 2,
+                self.pipeline.rebuild_poll_s,
             )
         raise asyncio.CancelledError
-
-    async def read_losses(self) -> dict[int, float]:
-        """stage -> when a driver last reported it lost, for this server's pipeline (one DHT key, no announcements)."""
-        reports = await read_lost_reports(self.dht, self.config)
-        return latest_losses(reports, self.model_fingerprint, self.plan.num_stages)
 
     async def acquire(self, index: int, cause: str) -> RecoveryEvent:
         """Take up stage `index`: announce it "loading", load its weights from the live swarm (stage_loading.py; never

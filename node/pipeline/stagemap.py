@@ -178,6 +178,11 @@ def latest_losses(reports: list[tuple[StageLost, float]], model_fingerprint: str
     return lost
 
 
+async def read_losses(dht, config: NodeConfig, model_fingerprint: str) -> dict[int, float]:
+    """stage -> when a driver last reported it lost, for `model_fingerprint`'s pipeline (the lost key only)."""
+    return latest_losses(await read_lost_reports(dht, config), model_fingerprint, config.pipeline.num_stages)
+
+
 async def wait_for_lost_report(
     read_losses: Callable[[], Awaitable[dict[int, float]]], known: dict[int, float], timeout_s: float, poll_s: float
 ) -> bool:
@@ -200,7 +205,7 @@ async def read_stage_map(dht, config: NodeConfig, model_fingerprint: str) -> Sta
     announcements, refused = await read_announcements(dht, config)
     num_stages = config.pipeline.num_stages
     ours = [(a, t) for a, t in announcements if a.model_fingerprint == model_fingerprint and a.num_stages == num_stages]
-    lost = latest_losses(await read_lost_reports(dht, config), model_fingerprint, num_stages)
+    lost = await read_losses(dht, config, model_fingerprint)
     stage_map = StageMap.from_announcements(num_stages, [a for a, _ in ours], {a.node_id: t for a, t in ours}, lost)
     stage_map.refused = refused + sum(
         1 for a, _ in announcements if a.model_fingerprint == model_fingerprint and a.num_stages != num_stages
