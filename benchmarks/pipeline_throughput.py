@@ -266,19 +266,23 @@ class Servers:
         for setting in config_overrides:
             args += ["--set", setting]
         specs = [(str(i), None) for i in range(stages)] + list(more)
-        for index, (stage, peers) in enumerate(specs):
-            state_dir = root / f"server-{index}"
-            command = [sys.executable, "-m", "node.cli", "serve", *args, "--state-dir", str(state_dir)]
-            command += ["--stage", stage]
-            peers = peers or (self.addresses(0) if index else [])
-            if peers:
-                command += ["--initial-peers", *peers]
-            log = open(root / f"server-{index}.out", "w")
-            self.logs.append(log)
-            self.procs.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-            )
-            self.addresses(index)
+        try:
+            for index, (stage, peers) in enumerate(specs):
+                state_dir = root / f"server-{index}"
+                command = [sys.executable, "-m", "node.cli", "serve", *args, "--state-dir", str(state_dir)]
+                command += ["--stage", stage]
+                peers = peers or (self.addresses(0) if index else [])
+                if peers:
+                    command += ["--initial-peers", *peers]
+                log = open(root / f"server-{index}.out", "w")
+                self.logs.append(log)
+                self.procs.append(
+                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+                )
+                self.addresses(index)
+        except BaseException:  # a server that never joined, or Ctrl-C: the caller never gets this object to close
+            self.close()
+            raise
 
     def addresses(self, index: int) -> list[str]:
         path = self.root / f"server-{index}" / "addresses.txt"
@@ -668,8 +672,8 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
             spare = None
             if victim is None:
                 spare = Servers(_fresh(root / f"recovery-{name}-spare-{stage}"), sets, 0, more=[("spare", peers)])
-                spare.addresses(0)
                 extra.append(spare)
+                spare.addresses(0)
                 spare_id = NodeIdentity.load_or_create(spare.root / "server-0" / "identity.key").node_id
                 while not any(a.node_id == spare_id for a in (await router.refresh(force=True)).spares):
                     await asyncio.sleep(0.5)  # a warm spare: announced before the kill, its start not in the stall
@@ -1103,6 +1107,8 @@ def main() -> None:
     parser.add_argument("--floor-bytes", nargs="+", type=int, default=FLOOR_BYTES)
     parser.add_argument("--floor-calls", type=int, default=30, help="timed echoes per size and way")
     args = parser.parse_args()
+    # SIGTERM as Ctrl-C: the servers run in process groups of their own, which only our `finally` blocks end
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     sizes = TINY if args.tiny else {name: SIZES[name] for name in args.sizes}
     settings = list(args.set)
     variants = dict(parse_variant(v) for v in args.variant)
