@@ -371,6 +371,7 @@ class Bench:
             f"pipeline.corpus_seed={seed + 7}",
             "pipeline.rebalance_grace_s=3",
             "torch_threads=1",
+            *args.set,
         ]
         self.config = load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(scratch / "driver"))
         self.dhts: list = []
@@ -835,6 +836,10 @@ def main() -> None:
         default=0.8,
         help="target = the failure-free run's validation loss at this fraction of --max-steps",
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of every run, after the "
+        "benchmark's own (e.g. tasks.datasets=[...]: the corpus the model trains on); part of the runs' key",
+    )  # fmt: skip
     parser.add_argument("--size", choices=list(SIZES), help="a model size of pipeline_throughput (else --hidden)")
     parser.add_argument("--hidden", type=int, default=64, help="8 layers of this width, MLP twice as wide")
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -955,6 +960,7 @@ def config_key(args) -> dict:
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
         "lr": args.lr,
+        **({"settings": list(args.set)} if args.set else {}),
     }
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from node.files import append_json_line
 from benchmarks.lab import lab_unavailable
 from benchmarks.stage_recovery import (
     CheckpointStore,
+    config_key,
     load_stage_checkpoint,
     read_rows,
     recovery_seconds,
@@ -192,11 +194,30 @@ def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_check
     young = {"shape": [256, 8, 4, 512], "max_steps": 120, "checkpoint_every": "young"}
     every_25 = dict(young, checkpoint_every="25")
     path = tmp_path / "rows.jsonl"
-    for strategy, key in [("none", young), ("checkfree", young), ("checkpoint", every_25), ("none", {"shape": [64]})]:
+    other_corpus = dict(young, settings=['tasks.datasets=[{"name": "spell_backward"}]'])
+    for strategy, key in [
+        ("none", young),
+        ("checkfree", young),
+        ("checkpoint", every_25),
+        ("none", {"shape": [64]}),
+        ("none", other_corpus),
+    ]:
         append_json_line(path, {"strategy": strategy, "key": key})
     assert [r["strategy"] for r in read_rows(path, young)] == ["none", "checkfree"]
     assert [r["strategy"] for r in read_rows(path, every_25)] == ["none", "checkpoint"]
+    assert [r["key"] for r in read_rows(path, other_corpus)] == [other_corpus]
     assert read_rows(tmp_path / "absent.jsonl", young) == []
+
+
+def test_the_key_names_config_overrides_only_when_a_run_has_some():
+    args = SimpleNamespace(
+        size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
+        target_fraction=0.8, eval_every=10, micro_batch=8, lr=1e-3, set=[],
+    )  # fmt: skip
+    plain = config_key(args)
+    assert "settings" not in plain  # the rows written before --set existed stay comparable
+    args.set = ['tasks.datasets=[{"name": "spell_backward"}]']
+    assert config_key(args) == dict(plain, settings=args.set)
 
 
 def free_port() -> int:
