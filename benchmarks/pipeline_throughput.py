@@ -627,8 +627,9 @@ def print_size(name: str, result: dict) -> None:
 
 async def recovery_run(name: str, shape, settings: list[str], steps: int, root: Path) -> list[dict]:
     """From a server's death (SIGKILL) to the driver's next successful step, per recovery method, on loopback: 4
-    stages, stage 2 served twice (killing one replica: the driver fails over), and a warm spare (`serve --stage spare`,
-    already in the DHT) for each kill of a stage's only server: stage 1 (checkfree), then stage 3 (checkfree_plus).
+    stages and a fifth server (a replica of stage 2 at first; the throughput rule may move a replica), one of the two
+    servers of the stage that has two killed (the driver fails over), and a warm spare (`serve --stage spare`, already
+    in the DHT) for each kill of every server of a stage: stage 1 (checkfree), then stage 3 (checkfree_plus).
     The shipped announce interval and TTL (configs/pipeline.yaml). Stall = kill -> end of the first step after it,
     less the median normal step; the spare's load time is from its recoveries.jsonl."""
     shipped = load_config(REPO / "configs" / "pipeline.yaml")
@@ -664,23 +665,37 @@ async def recovery_run(name: str, shape, settings: list[str], steps: int, root: 
             await router.refresh(force=True)
             await asyncio.sleep(0.5)
         await router.wait_until_served()
+        processes = {  # node id -> the process serving under it
+            NodeIdentity.load_or_create(servers.root / f"server-{index}" / "identity.key").node_id: proc
+            for servers in [group, *extra]
+            for index, proc in enumerate(servers.procs)
+        }
         driver = _driver(config, router, corpus, state_dir / "run")
         normal = [(await driver.train_step())["step_s"] for _ in range(steps + 1)][1:]
         step_s = statistics.median(normal)
-        for stage, victim, method in ((2, extra[0].procs[0], "replica failover"), (1, None, "checkfree"),
-                                      (3, None, "checkfree_plus")):  # fmt: skip
+        for stage, method in ((None, "replica failover"), (1, "checkfree"), (3, "checkfree_plus")):
             spare = None
-            if victim is None:
+            if method != "replica failover":
                 spare = Servers(_fresh(root / f"recovery-{name}-spare-{stage}"), sets, 0, more=[("spare", peers)])
                 extra.append(spare)
                 spare.addresses(0)
                 spare_id = NodeIdentity.load_or_create(spare.root / "server-0" / "identity.key").node_id
+                processes[spare_id] = spare.procs[0]
                 while not any(a.node_id == spare_id for a in (await router.refresh(force=True)).spares):
                     await asyncio.sleep(0.5)  # a warm spare: announced before the kill, its start not in the stall
-                victim = group.procs[stage]
-            # a replica may have moved away by the throughput rule since the start: say how many served the stage
-            serving = len((await router.refresh(force=True)).live(stage))
-            os.killpg(victim.pid, signal.SIGKILL)
+            # Victims by the live map, not by the stage each server started on: the throughput rule moves replicas
+            # (2026-11-29: stage 2's first server had moved to another stage, so "killing one of its two replicas"
+            # killed its only server, and a replica moving back after rebalance_grace_s made a 10.9 s "failover").
+            stage_map = await router.refresh(force=True)
+            if stage is None:  # one of the two servers of the stage that has two (5 servers, 4 stages)
+                stage = max(range(4), key=lambda s: len(stage_map.live(s)))
+                victims = [processes[stage_map.live(stage)[0].node_id]]
+            else:  # every server of the stage: it is lost, and only the spare rebuilds it
+                victims = [processes[a.node_id] for a in stage_map.live(stage)]
+            serving = len(stage_map.live(stage))
+            for victim in victims:
+                if victim.poll() is None:  # not one killed before whose announcement has not expired yet
+                    os.killpg(victim.pid, signal.SIGKILL)
             killed = time.monotonic()
             row = await driver.train_step()
             stall = time.monotonic() - killed - step_s
