@@ -532,6 +532,7 @@ async def run(
         "eval_s": 0.0,
         "every": None,
         "retries": 0,
+        "repeated_calls": 0,
     }
     timed_out = False
     try:
@@ -561,6 +562,7 @@ async def run(
         "wall_s_to_target": reached["wall_s"] if reached else None,
         "eval_s": record["eval_s"],
         "retries": record["retries"],
+        "repeated_calls": record["repeated_calls"],  # sent again to the same server after a broken stream (answered)
         "recovery_s": [r["seconds"] for r in record["recoveries"]],
         "recoveries": record["recoveries"],
         "loss_spike": record["spikes"],
@@ -611,6 +613,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
         executed += 1
         # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
         record["retries"] += row["retries"] + row["backward_failures"] + sum(row["hop_failures"].values())
+        record["repeated_calls"] += sum(row["repeated_calls"].values())
         if failed is not None:
             failed.pop("at")
             failed["recovery_step_s"] = row["step_s"]
@@ -1028,7 +1031,8 @@ def describe(row: dict) -> str:
         )
     if row["strategy"] == "none":
         text += f", target val loss {row['target']}, normal step {row['normal_step_s']:.3f}s"
-    return text + f", calls retried or failed {row.get('retries')}" + (", TIMED OUT" if row["timed_out"] else "")
+    text += f", calls retried or failed {row.get('retries')}, repeated {row.get('repeated_calls')}"
+    return text + (", TIMED OUT" if row["timed_out"] else "")
 
 
 def run_children(args, runs: list[tuple[int, float, str]]) -> None:

@@ -233,6 +233,43 @@ def test_a_repeated_step_call_is_answered_without_being_applied_twice():
     asyncio.run(steps())
 
 
+def test_a_repeated_backward_call_is_answered_without_accumulating_twice_and_a_repeated_forward_runs_again():
+    """A driver whose stream broke inside the answer sends the same call again (PipelineRouter.call_until_answered):
+    a repeated backward gets the first answer and leaves the accumulated gradients as one backward left them; a
+    repeated forward runs again, replacing the graph the first one kept (one backward consumes it), even where the
+    server keeps no more graphs than that one."""
+    import asyncio
+
+    from node.pipeline.handler import StageHandler
+    from protocol.pipeline import DEFAULT_PIPELINE_LIMITS
+
+    _, chain = backends(PipelineConfig(max_pending_forwards=1))
+    handler = StageHandler(DEFAULT_PIPELINE_LIMITS)
+    handler.backend, handler.fingerprint, handler.state = chain[1], "fp", "serving"
+    hidden = torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(5))
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.clone() for p in chain[1].stage.parameters()]
+
+    async def calls():
+        forward = call("forward", 1, "m1", hidden=hidden, **inputs(hidden))
+        first_out = await handler.serve("driver", forward)
+        again_out = await handler.serve("driver", forward)  # its answer was lost: it runs again
+        assert again_out == first_out and chain[1].pending_forwards == 1
+        first = await handler.serve("driver", call("backward", 1, "m1", grad=grad))
+        once = grads()
+        again = await handler.serve("driver", call("backward", 1, "m1", grad=grad))
+        assert again == first and "grad" in first.tensors
+        assert all(torch.equal(a, b) for a, b in zip(once, grads()))  # not accumulated twice
+        # another caller's call of the same id is its own: it has no forward here, so it is refused
+        with pytest.raises(BackendRefused) as refused:
+            await handler.serve("another-driver", call("backward", 1, "m1", grad=grad))
+        assert refused.value.reason is PipelineRefusal.UNKNOWN_CALL
+
+    asyncio.run(calls())
+
+
 def test_a_served_call_reports_its_worker_threads_cpu_and_page_faults_within_its_wall_time():
     """`timing` gets what the torch work cost the worker thread that ran it (COMPUTE_WORK), beside its wall time: the
     thread's CPU seconds, which no single thread can spend faster than the wall clock runs, and its minor page faults

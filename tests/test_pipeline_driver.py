@@ -300,3 +300,49 @@ def test_a_step_call_whose_stream_broke_is_sent_again_and_a_dead_server_is_not_w
     router, row = asyncio.run(run_step(1, "timeout"))
     assert len([1 for stage, _ in router.step_calls if stage == 1]) == 1 and set(row["grad_norms"]) == {0}
     assert "n1" in router.avoid
+
+
+class LostAnswerRouter(FixedRouter):
+    """FixedRouter whose forward and backward calls to stage 1 lose their answer (the call ran: the server's work is
+    done) `breaks` times each, with `reason`; it notes every call as (op, stage, call id)."""
+
+    def __init__(self, cfg, breaks: int, reason: str) -> None:
+        super().__init__(cfg)
+        self.breaks = {"forward": breaks, "backward": breaks}
+        self.reason = reason
+        self.calls: list[tuple[str, int, str]] = []
+
+    async def call(self, server, call, timeout=None):
+        self.calls.append((call.op, server.stage, call.call_id))
+        result = await super().call(server, call, timeout)
+        if server.stage == 1 and self.breaks.get(call.op):
+            self.breaks[call.op] -= 1
+            raise HopFailed(server, self.reason, "scripted: the stream ended inside the answer")
+        return result
+
+
+def test_a_forward_or_backward_whose_stream_broke_is_sent_again_to_the_same_server(tmp_path):
+    """Under load a stream may end inside a live server's answer: the driver sends the same call to the same server
+    again (up to 3 tries) instead of routing the micro-batch anew (every earlier hop again) or, for a backward, leaving
+    the earlier stages without that micro-batch's gradient (the server answers a repeated backward from memory:
+    test_pipeline_backend). The repeats are counted apart from failures; a timeout is not repeated."""
+
+    async def run_step(breaks: int, reason: str) -> tuple[LostAnswerRouter, dict]:
+        cfg = config(tmp_path / f"{reason}{breaks}").model_copy(deep=True)
+        cfg.pipeline.checkfree_plus = False
+        router = LostAnswerRouter(cfg, breaks, reason)
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        row = await LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())).train_step()
+        return router, row
+
+    router, row = asyncio.run(run_step(2, "unreachable"))
+    for op in ("forward", "backward"):
+        to_stage_one = [call_id for called, stage, call_id in router.calls if called == op and stage == 1]
+        assert len(to_stage_one) == 3 and len(set(to_stage_one)) == 1  # the same call, three times
+    # stage 0 ran its forward once and got its backward: one route, nothing lost, nothing avoided
+    assert [op for op, stage, _ in router.calls if stage == 0] == ["forward", "backward", "step"]
+    assert row["retries"] == 0 and row["backward_failures"] == 0 and row["hop_failures"] == {}
+    assert row["repeated_calls"] == {"forward": 2, "backward": 2} and not router.avoid
+    router, row = asyncio.run(run_step(1, "timeout"))  # a timeout: another route, not the same call again
+    assert row["retries"] == 1 and row["repeated_calls"] == {}
+    assert len({call_id for op, stage, call_id in router.calls if op == "forward" and stage == 1}) == 2

@@ -118,6 +118,7 @@ class StageBackend:
         if not call.train:
             with torch.no_grad():
                 return {"output": self._for_wire(call.parts, self._run_parts(call.parts, x, positions, mask))}
+        self._pending.pop((caller, call.call_id), None)  # a repeat of a call whose answer was lost: run it again
         if len(self._pending) >= self.pipeline.max_pending_forwards:
             raise BackendRefused(PipelineRefusal.BUSY, f"{len(self._pending)} forwards await their backward")
         started = time.perf_counter()

@@ -4,9 +4,11 @@ Routing (SWARM parallelism, NoLoCo's random routing): every micro-batch picks on
 live server per stage, so replicas of a stage share the load and none is a fixed
 neighbour of another. The backward retraces the forward's route, hop by hop in reverse;
 each server accumulates its gradients, and at the end of the step the driver asks every
-server it used to apply them (`step`). A hop that fails (no answer within
-`call_timeout_s`, a broken stream, a refusal) puts its server on an avoid list for
-`avoid_s` and the micro-batch is tried again on a fresh route; a stage with no server
+server it used to apply them (`step`). A call whose stream broke is first sent again to the
+same server (`call_until_answered`: under load a stream may end inside a live server's answer).
+A hop that fails (no answer within `call_timeout_s`, a stream that broke on every try, a
+refusal) puts its server on an avoid list for `avoid_s` and the micro-batch is tried again on
+a fresh route; a stage with no server
 left to try is *lost*: the driver abandons the step (servers drop what they accumulated),
 waits until a server announces the stage again (a spare, a joining node or a moving replica
 that rebuilt it, see recovery.py and selection.py), and records the recovery: cause, the new
@@ -40,13 +42,15 @@ from node.pipeline.selection import lost_report, stages_to_report
 from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
-from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall
+from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall, StageResult
 from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
 STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
-STEP_ATTEMPTS = 3  # tries of a step call whose stream broke (the server answers a repeated step without applying it)
+# Tries of a forward, backward or step call whose stream broke: the server answers a repeated backward or step without
+# applying it twice (StageHandler), and a repeated forward replaces the graph the first one kept.
+BROKEN_STREAM_ATTEMPTS = 3
 WAIT_LOG_EVERY_S = 15.0  # a driver waiting for a lost stage says so this often
 
 
@@ -133,6 +137,7 @@ class PipelineRouter:
         self.lost_at: dict[int, float] = {}  # what our lost report names: stage -> unix time we found it lost
         self.strikes: BoundedDict[str, int] = BoundedDict(4096)  # node id -> hops failed in a row
         self.hop_failures: Counter[str] = Counter()
+        self.repeated: Counter[str] = Counter()  # op -> calls sent again after their stream broke
         self.wrong_fingerprint = 0
 
     async def refresh(self, force: bool = False) -> StageMap:
@@ -215,6 +220,24 @@ class PipelineRouter:
             self.dht.p2p, self.handler, server, call, self.limits, timeout or self.pipeline.call_timeout_s
         )
 
+    async def call_until_answered(self, server: StageAnnouncement, call: StageCall) -> StageResult:
+        """`call`, sent again while its stream breaks (reason 'unreachable'), up to BROKEN_STREAM_ATTEMPTS tries.
+
+        Under load a p2p stream sometimes ends inside the answer, with the server alive and the call done; sent to
+        another route, a forward cost every earlier hop again, and a lost backward answer cost the earlier stages that
+        micro-batch's gradient. A dead server fails every try at once (its daemon refuses the stream). A timeout is
+        not repeated (the server is presumed dead, and another try would cost another call_timeout_s), nor a
+        refusal."""
+        for _ in range(BROKEN_STREAM_ATTEMPTS - 1):
+            try:
+                return await self.call(server, call)
+            except HopFailed as failure:
+                if failure.reason != "unreachable":
+                    raise
+                self.repeated[call.op] += 1
+                log.info("%s call to stage %d broke (%s); sending it again", call.op, server.stage, failure.detail)
+        return await self.call(server, call)
+
     async def forward(
         self,
         route: dict[int, StageAnnouncement],
@@ -232,7 +255,7 @@ class PipelineRouter:
                 "position_ids": position_ids,
                 "attention_mask": attention_mask,
             }
-            result = await self.call(
+            result = await self.call_until_answered(
                 route[stage], self._call("forward", route[stage], f"{call_prefix}-{k}", parts, train, inputs)
             )
             if "output" not in result.tensors:
@@ -244,7 +267,7 @@ class PipelineRouter:
     async def backward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, grad: torch.Tensor) -> None:
         for k in reversed(range(len(hops))):
             stage, parts = hops[k]
-            result = await self.call(
+            result = await self.call_until_answered(
                 route[stage], self._call("backward", route[stage], f"{call_prefix}-{k}", parts, tensors={"grad": grad})
             )
             if parts[0] == "embed":
@@ -306,18 +329,7 @@ class PipelineRouter:
         A step call whose stream broke is sent again, the same call: a server that applied it answers without applying
         it twice (StageHandler.steps_answered), and one that never received it applies it now. Without that, a server
         whose answer was lost keeps this step's gradients and adds them to the next one's."""
-
-        async def step_call(server: StageAnnouncement):
-            call = self._call("step", server, step_id, scale=scale)
-            for attempt in range(STEP_ATTEMPTS):
-                try:
-                    return await self.call(server, call)
-                except HopFailed as failure:
-                    if failure.reason != "unreachable" or attempt == STEP_ATTEMPTS - 1:
-                        raise
-                    log.info("step call to stage %d broke (%s); asking again", server.stage, failure.detail)
-
-        calls = [step_call(s) for s in servers.values()]
+        calls = [self.call_until_answered(s, self._call("step", s, step_id, scale=scale)) for s in servers.values()]
         norms = {}
         for server, outcome in zip(servers.values(), await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(outcome, HopFailed):

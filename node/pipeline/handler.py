@@ -8,7 +8,8 @@ protocol `Refusal`) code, counted by reason and by peer; nothing raises out of t
 The torch work runs in one worker thread, one call at a time (`torch_lock`), so the event
 loop keeps answering the DHT and new streams while a step runs. A step call is applied once per
 caller and call id: a driver whose stream broke before the answer came asks again and gets the
-first answer (a step is not idempotent, and the driver cannot tell whether it was applied).
+first answer (a step is not idempotent, and the driver cannot tell whether it was applied); so is a
+backward call (its gradients accumulate), for the last few.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 30.0  # a caller that opens a stream must send its call within this
 STEPS_REMEMBERED = 64  # step answers kept for a caller's retry of the same call (each is a few numbers)
+# backward answers kept for a caller's retry of the same call: each holds the gradient of a micro-batch's hidden states
+# (1 MB at 27M parameters), and a driver sends a call again at once, so a few recent ones are enough
+BACKWARDS_REMEMBERED = 4
 REFUSAL_LOG_EVERY_S = 60.0
 # Where a served call's seconds go, summed by op in StageHandler.call_seconds: "read" from the stream's opening to the
 # call decoded (the caller's bytes arriving), "lock" waiting for the torch worker, "compute" the work under it, "checks"
@@ -74,6 +78,8 @@ class StageHandler:
         self.refusal_log_throttle = LogThrottle(REFUSAL_LOG_EVERY_S)
         # (caller, call id) -> the answer of a step applied: a retried step call is answered, not applied again
         self.steps_answered: BoundedDict[tuple[str, str], StageResult] = BoundedDict(STEPS_REMEMBERED)
+        # the same for backward calls: a repeat whose first answer was lost must not accumulate the gradients twice
+        self.backwards_answered: BoundedDict[tuple[str, str], StageResult] = BoundedDict(BACKWARDS_REMEMBERED)
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -168,9 +174,15 @@ class StageHandler:
                         self.after_step(backend.step)
                     self.steps_answered[(peer, call.call_id)] = result = self._result(backend, {})
                     return result
+                if call.op == "backward":
+                    answered = self.backwards_answered.get((peer, call.call_id))
+                    if answered is not None:
+                        return answered
+                    tensors = await asyncio.to_thread(_measured, work, backend.backward, peer, call)
+                    self.backwards_answered[(peer, call.call_id)] = result = self._result(backend, tensors)
+                    return result
                 run = {
                     "forward": backend.forward,
-                    "backward": backend.backward,
                     "infer": backend.infer,
                     "end_session": backend.end_session,
                 }[call.op]

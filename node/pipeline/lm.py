@@ -129,10 +129,12 @@ class LMDriver:
             "retries": report["retries"],
             "backward_failures": report["backward_failures"],
             "hop_failures": dict(self.router.hop_failures),
+            "repeated_calls": dict(self.router.repeated),  # sent again to the same server after a broken stream
             "servers": report["servers"],
             "grad_norms": norms,
         }
         self.router.hop_failures.clear()
+        self.router.repeated.clear()
         recovered = self._recovered()
         if recovered:
             row["recovery"] = recovered
@@ -241,6 +243,7 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s_mean": sum(r["step_s"] for r in rows) / len(rows),
         "retries": sum(r["retries"] for r in rows),
         "backward_failures": sum(r["backward_failures"] for r in rows),
+        "repeated_calls": sum(sum(r.get("repeated_calls", {}).values()) for r in rows),
         "stages_recovered": sum(1 for e in recoveries if e["replaced"]),
         "stalls": sum(1 for e in recoveries if not e["replaced"]),
         "recovery_s_mean": statistics.fmean(e["recovery_s"] for e in recoveries if e["replaced"])
