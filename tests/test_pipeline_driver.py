@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from node.config import load_config
-from node.pipeline.client import HopFailed
+from node.pipeline.client import HopFailed, until_answered
 from node.pipeline.driver import PipelineRouter
 from node.pipeline.lm import LMDriver
 from node.pipeline.stagemap import Announcer, LostReporter, read_stage_map
@@ -346,3 +346,37 @@ def test_a_forward_or_backward_whose_stream_broke_is_sent_again_to_the_same_serv
     router, row = asyncio.run(run_step(1, "timeout"))  # a timeout: another route, not the same call again
     assert row["retries"] == 1 and row["repeated_calls"] == {}
     assert len({call_id for op, stage, call_id in router.calls if op == "forward" and stage == 1}) == 2
+
+
+def test_until_answered_repeats_only_a_broken_stream_and_at_most_three_times():
+    """The repeat every idempotent call uses (forward, backward, step, and a new server's `weights` reads): a broken
+    stream ('unreachable') is sent again, up to 3 tries in all; a timeout or a refusal ends it at once."""
+    server = serving(1, "n1", "p", step=0, grad_norm=0.0)
+    answer = StageResult(v=PIPELINE_VERSION, tensors={}, weights=None, step=1, grad_norm=0.0, lr_scale=1.0)
+
+    def scripted(*reasons: str):
+        tries: list[str] = []
+        remaining = list(reasons)
+
+        async def send():
+            tries.append("try")
+            if remaining:
+                raise HopFailed(server, remaining.pop(0), "scripted")
+            return answer
+
+        return send, tries
+
+    async def outcome(*reasons: str):
+        send, tries = scripted(*reasons)
+        repeats: list[str] = []
+        try:
+            result = await until_answered(send, lambda failure: repeats.append(failure.reason))
+        except HopFailed as failure:
+            result = failure.reason
+        return result, len(tries), repeats
+
+    assert asyncio.run(outcome()) == (answer, 1, [])
+    assert asyncio.run(outcome("unreachable", "unreachable")) == (answer, 3, ["unreachable", "unreachable"])
+    assert asyncio.run(outcome("unreachable", "unreachable", "unreachable")) == ("unreachable", 3, ["unreachable"] * 2)
+    assert asyncio.run(outcome("timeout")) == ("timeout", 1, [])
+    assert asyncio.run(outcome("unreachable", "refused:busy")) == ("refused:busy", 2, ["unreachable"])

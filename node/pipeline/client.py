@@ -10,6 +10,7 @@ the caller's only decision is "try another replica of that stage".
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgpack
 
@@ -19,6 +20,8 @@ from protocol import ProtocolRejection, StageAnnouncement
 from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, parse_refusal
 
 CONTROL_MAX_BYTES = 64 * 1024
+# Tries of a call whose stream broke: under load a p2p stream sometimes ends inside a live server's answer
+BROKEN_STREAM_ATTEMPTS = 3
 
 
 class HopFailed(Exception):
@@ -92,3 +95,21 @@ async def call_stage(
         return StageResult.from_wire(decoded, limits)
     except ProtocolRejection as exc:
         raise HopFailed(server, "malformed", str(exc)) from None
+
+
+async def until_answered(
+    send: Callable[[], Awaitable[StageResult]], on_repeat: Callable[[HopFailed], None] = lambda failure: None
+) -> StageResult:
+    """`send()` again while its stream breaks (reason 'unreachable'), up to BROKEN_STREAM_ATTEMPTS tries, calling
+    `on_repeat` before each repeat. Only for calls a server may receive twice: a forward (it runs again), a backward or
+    a step (answered from memory: StageHandler), a `weights` read. A dead server fails every try at once (its daemon
+    refuses the stream). A timeout is not repeated (the server is presumed dead, and another try would cost another
+    call timeout), nor a refusal."""
+    for _ in range(BROKEN_STREAM_ATTEMPTS - 1):
+        try:
+            return await send()
+        except HopFailed as failure:
+            if failure.reason != "unreachable":
+                raise
+            on_repeat(failure)
+    return await send()

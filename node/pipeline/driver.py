@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from node.config import NodeConfig
-from node.pipeline.client import HopFailed, call_stage, handler_name
+from node.pipeline.client import HopFailed, call_stage, handler_name, until_answered
 from node.pipeline.selection import lost_report, stages_to_report
 from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
@@ -48,9 +48,6 @@ from protocol.bounded import BoundedDict
 log = logging.getLogger(__name__)
 
 STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
-# Tries of a forward, backward or step call whose stream broke: the server answers a repeated backward or step without
-# applying it twice (StageHandler), and a repeated forward replaces the graph the first one kept.
-BROKEN_STREAM_ATTEMPTS = 3
 WAIT_LOG_EVERY_S = 15.0  # a driver waiting for a lost stage says so this often
 
 
@@ -221,22 +218,15 @@ class PipelineRouter:
         )
 
     async def call_until_answered(self, server: StageAnnouncement, call: StageCall) -> StageResult:
-        """`call`, sent again while its stream breaks (reason 'unreachable'), up to BROKEN_STREAM_ATTEMPTS tries.
+        """`call`, sent again to the same server while its stream breaks (client.until_answered). Sent to another
+        route instead, a forward cost every earlier hop again, and a lost backward answer cost the earlier stages
+        that micro-batch's gradient."""
 
-        Under load a p2p stream sometimes ends inside the answer, with the server alive and the call done; sent to
-        another route, a forward cost every earlier hop again, and a lost backward answer cost the earlier stages that
-        micro-batch's gradient. A dead server fails every try at once (its daemon refuses the stream). A timeout is
-        not repeated (the server is presumed dead, and another try would cost another call_timeout_s), nor a
-        refusal."""
-        for _ in range(BROKEN_STREAM_ATTEMPTS - 1):
-            try:
-                return await self.call(server, call)
-            except HopFailed as failure:
-                if failure.reason != "unreachable":
-                    raise
-                self.repeated[call.op] += 1
-                log.info("%s call to stage %d broke (%s); sending it again", call.op, server.stage, failure.detail)
-        return await self.call(server, call)
+        def repeat(failure: HopFailed) -> None:
+            self.repeated[call.op] += 1
+            log.info("%s call to stage %d broke (%s); sending it again", call.op, server.stage, failure.detail)
+
+        return await until_answered(lambda: self.call(server, call), repeat)
 
     async def forward(
         self,

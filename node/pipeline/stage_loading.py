@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from node.pipeline.client import HopFailed, call_stage
+from node.pipeline.client import HopFailed, call_stage, until_answered
 from node.pipeline.driver import WAIT_LOG_EVERY_S
 from node.pipeline.recovery import MissingSource, RecoveryEvent, RecoveryImpossible, choose_method, load_stage
 from node.pipeline.stagemap import StageMap
@@ -120,8 +120,10 @@ class StageLoader:
             tensors={},
             scale=1.0,
         )
-        result = await call_stage(
-            self.session.dht.p2p, self.protocol, source, call, self.limits, self.pipeline.call_timeout_s * 3
+        result = await until_answered(
+            lambda: call_stage(
+                self.session.dht.p2p, self.protocol, source, call, self.limits, self.pipeline.call_timeout_s * 3
+            )
         )
         if result.weights is None:
             raise HopFailed(source, "malformed", "a weights result without weights")
