@@ -261,6 +261,17 @@ def test_micro_batches_in_flight_bounds_how_many_travel_at_once_and_keeps_the_lo
         assert set(row["grad_norms"]) == {0, 1}
 
 
+async def one_step(tmp_path, router_type, breaks: int, reason: str):
+    """One driver step of the two-stage model (no CheckFree+ swaps) through `router_type(cfg, breaks, reason)`; the
+    router and the step's row."""
+    cfg = config(tmp_path / f"{reason}{breaks}").model_copy(deep=True)
+    cfg.pipeline.checkfree_plus = False
+    router = router_type(cfg, breaks, reason)
+    corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+    row = await LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())).train_step()
+    return router, row
+
+
 class BrokenStepRouter(FixedRouter):
     """FixedRouter whose step calls to stage 1 fail `breaks` times first, with `reason`; it notes every step call."""
 
@@ -283,21 +294,16 @@ def test_a_step_call_whose_stream_broke_is_sent_again_and_a_dead_server_is_not_w
     the same call again, up to 3 tries (the server answers a repeat without applying it twice: test_pipeline_backend).
     A timeout is not retried (the server is presumed dead, and another try would cost another call_timeout_s)."""
 
-    async def run_step(breaks: int, reason: str) -> tuple[BrokenStepRouter, dict]:
-        cfg = config(tmp_path / f"{reason}{breaks}").model_copy(deep=True)
-        cfg.pipeline.checkfree_plus = False
-        router = BrokenStepRouter(cfg, breaks, reason)
-        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-        row = await LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())).train_step()
-        return router, row
+    def run_step(breaks: int, reason: str) -> tuple[BrokenStepRouter, dict]:
+        return asyncio.run(one_step(tmp_path, BrokenStepRouter, breaks, reason))
 
-    router, row = asyncio.run(run_step(2, "unreachable"))
+    router, row = run_step(2, "unreachable")
     stage_one = [call_id for stage, call_id in router.step_calls if stage == 1]
     assert len(stage_one) == 3 and len(set(stage_one)) == 1  # the same call, three times
     assert set(row["grad_norms"]) == {0, 1} and "n1" not in router.avoid
-    router, row = asyncio.run(run_step(3, "unreachable"))  # three broken streams: the stage's step failed
+    router, row = run_step(3, "unreachable")  # three broken streams: the stage's step failed
     assert len([1 for stage, _ in router.step_calls if stage == 1]) == 3 and set(row["grad_norms"]) == {0}
-    router, row = asyncio.run(run_step(1, "timeout"))
+    router, row = run_step(1, "timeout")
     assert len([1 for stage, _ in router.step_calls if stage == 1]) == 1 and set(row["grad_norms"]) == {0}
     assert "n1" in router.avoid
 
@@ -327,15 +333,10 @@ def test_a_forward_or_backward_whose_stream_broke_is_sent_again_to_the_same_serv
     the earlier stages without that micro-batch's gradient (the server answers a repeated backward from memory:
     test_pipeline_backend). The repeats are counted apart from failures; a timeout is not repeated."""
 
-    async def run_step(breaks: int, reason: str) -> tuple[LostAnswerRouter, dict]:
-        cfg = config(tmp_path / f"{reason}{breaks}").model_copy(deep=True)
-        cfg.pipeline.checkfree_plus = False
-        router = LostAnswerRouter(cfg, breaks, reason)
-        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
-        row = await LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir())).train_step()
-        return router, row
+    def run_step(breaks: int, reason: str) -> tuple[LostAnswerRouter, dict]:
+        return asyncio.run(one_step(tmp_path, LostAnswerRouter, breaks, reason))
 
-    router, row = asyncio.run(run_step(2, "unreachable"))
+    router, row = run_step(2, "unreachable")
     for op in ("forward", "backward"):
         to_stage_one = [call_id for called, stage, call_id in router.calls if called == op and stage == 1]
         assert len(to_stage_one) == 3 and len(set(to_stage_one)) == 1  # the same call, three times
@@ -343,7 +344,7 @@ def test_a_forward_or_backward_whose_stream_broke_is_sent_again_to_the_same_serv
     assert [op for op, stage, _ in router.calls if stage == 0] == ["forward", "backward", "step"]
     assert row["retries"] == 0 and row["backward_failures"] == 0 and row["hop_failures"] == {}
     assert row["repeated_calls"] == {"forward": 2, "backward": 2} and not router.avoid
-    router, row = asyncio.run(run_step(1, "timeout"))  # a timeout: another route, not the same call again
+    router, row = run_step(1, "timeout")  # a timeout: another route, not the same call again
     assert row["retries"] == 1 and row["repeated_calls"] == {}
     assert len({call_id for op, stage, call_id in router.calls if op == "forward" and stage == 1}) == 2
 
