@@ -31,7 +31,8 @@ compares the losses; `--lab MBIT ...` runs every process in its own namespace of
 (root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
 method (replica failover, a warm spare's checkfree and checkfree_plus); `--transport-floor` echoes
 payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute (the wire's
-own cost per call, and the CPU it takes in this process and in the daemons); `--check-cost` times a
+own cost per call, and the CPU it takes in this process and in the daemons; with `--lab`, across two namespaces on
+shaped links: what a call costs beyond its payload at the link's rate); `--check-cost` times a
 server's check of one received tensor of each of those sizes against the torch check it replaced;
 `--protobuf-cost` times a DHT answer and a stream-open request in protobuf's upb and pure-Python implementations.
 
@@ -41,6 +42,7 @@ server's check of one received tensor of each of those sizes against the torch c
         --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
     .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor
+    sudo .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor --lab 100 20 --floor-calls 10
     .venv/bin/python benchmarks/pipeline_throughput.py --check-cost
     .venv/bin/python benchmarks/pipeline_throughput.py --protobuf-cost --floor-calls 3000
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --set pipeline.keep_freed_memory=false
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import json
 import math
 import os
@@ -307,12 +310,7 @@ class Servers:
     def served(self, after: float) -> list[dict]:
         """Each server's `call_seconds` (node/pipeline/handler.py: op -> phase -> seconds) from a stage.json it wrote
         after the unix time `after` (a server rewrites it every announce interval)."""
-        snapshots = []
-        for index in range(len(self.procs)):
-            path = self.root / f"server-{index}" / "stage.json"
-            self._wait(lambda: path.exists() and path.stat().st_mtime > after, index, "to write its counters")
-            snapshots.append(json.loads(path.read_text())["call_seconds"])
-        return snapshots
+        return served_since([self.root / f"server-{i}" for i in range(len(self.procs))], after, self._wait)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -326,6 +324,17 @@ class Servers:
                 proc.wait(timeout=30)
         for log in self.logs:
             log.close()
+
+
+def served_since(state_dirs: list[Path], after: float, wait) -> list[dict]:
+    """Each server's `call_seconds` from the stage.json it wrote after the unix time `after`; `wait(ready, index,
+    what)` waits until `ready()` or fails when server `index` is gone."""
+    snapshots = []
+    for index, state_dir in enumerate(state_dirs):
+        path = state_dir / "stage.json"
+        wait(lambda: path.exists() and path.stat().st_mtime > after, index, "to write its counters")
+        snapshots.append(json.loads(path.read_text())["call_seconds"])
+    return snapshots
 
 
 def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
@@ -820,18 +829,26 @@ def lab_run(
                 bootstrap = bootstrap or (state / "addresses.txt").read_text().split()[:1]
             for index in range(stages):
                 _wait_path(scratch / f"server-{index}" / "recoveries.jsonl", lab, index)
+            server_dirs = [scratch / f"server-{index}" for index in range(stages)]
+
+            def wait(ready, index: int, what: str) -> None:
+                _wait_lab_node(ready, lab, index, what, scratch / f"server-{index}.out")
+
             for rate in rates:
                 for index in range(stages + 1):
                     lab.shape(index, Link(mbit=rate))
                 for variant, driver_sets in drivers:
                     state = scratch / f"driver-{rate}-{variant}"
                     extra = [a for s in driver_sets for a in ("--set", s)]
+                    served_before = served_since(server_dirs, time.time(), wait)
                     command(stages, ["drive", "--steps", str(steps + 1), *extra], state, bootstrap)
                     deadline = time.monotonic() + 1800
                     while lab.alive(stages) and time.monotonic() < deadline:
                         time.sleep(1)
                     if lab.alive(stages):
                         lab.kill(stages)
+                    # every step's calls, the untimed first step's too: the phases are per call, not per step
+                    server_ms = server_ms_per_call(served_before, served_since(server_dirs, time.time(), wait))
                     rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
                     step_s = statistics.median(row["step_s"] for row in rows[1:])
                     run = {
@@ -843,6 +860,7 @@ def lab_run(
                         "vs_one_process": one_s / step_s,
                         "loss_last": rows[-1]["loss"],
                         "steps": len(rows) - 1,
+                        "server_ms_per_call": server_ms,
                     }
                     result["runs"].append(run)
                     print(
@@ -850,21 +868,61 @@ def lab_run(
                         f"{run['tokens_per_s']:.0f} tokens/s, {run['vs_one_process']:.2f}x one process",
                         flush=True,
                     )
+                    for op, split in server_ms.items():
+                        phases = ", ".join(f"{phase} {split[phase]:.1f}" for phase in CALL_PHASES)
+                        print(
+                            f"  on the servers, a {op} call (ms): {phases}; compute's CPU {split['compute_cpu']:.1f}",
+                            flush=True,
+                        )
     return result
 
 
 def _wait_path(path: Path, lab, index: int) -> None:
+    _wait_lab_node(path.exists, lab, index, f"to write {path.name}", path.parent.parent / (path.parent.name + ".out"))
+
+
+def _wait_lab_node(ready, lab, index: int, what: str, log: Path) -> None:
     deadline = time.monotonic() + START_S
-    while not path.exists():
+    while not ready():
         if not lab.alive(index):
-            raise RuntimeError(f"lab node {index} exited: {(path.parent.parent / (path.parent.name + '.out'))}")
+            raise RuntimeError(f"lab node {index} exited while waiting {what}: {log}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear in {START_S}s")
-        time.sleep(0.5)
+            raise TimeoutError(f"lab node {index} did not manage {what} in {START_S}s")
+        time.sleep(0.2)
 
 
 FLOOR_BYTES = [4_096, 65_536, 262_144, 1_048_576, 4_194_304]  # a 4 KB control call to 4 MB (27M's hidden states of a
 # micro-batch are 1 MB in float32, its logits' gradient 0.2 MB)
+
+
+class FloorFrame(enum.IntEnum):
+    DATA = 1
+
+
+def _floor_limit(sizes: list[int]):
+    return lambda kind: max(sizes) + 1
+
+
+async def _floor_echo(reader, writer, sizes: list[int]) -> None:
+    from node.transport.framing import read_frame, write_frame
+
+    try:
+        _, body = await read_frame(reader, FloorFrame, _floor_limit(sizes))
+        await write_frame(writer, FloorFrame.DATA, body)
+    finally:
+        writer.close()
+
+
+async def _floor_round_trip(reader, writer, body: bytes, sizes: list[int]) -> None:
+    from node.transport.framing import read_frame, write_frame
+
+    try:
+        await write_frame(writer, FloorFrame.DATA, body)
+        _, back = await read_frame(reader, FloorFrame, _floor_limit(sizes))
+    finally:
+        writer.close()
+    if back != body:  # the figures are only worth something if the bytes came back whole
+        raise RuntimeError(f"the echo of {len(body)} bytes came back as {len(back)} different bytes")
 
 
 async def transport_floor(sizes: list[int], calls: int) -> dict:
@@ -873,34 +931,14 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
     as call_stage opens one) and through a plain TCP connection on 127.0.0.1 (a connection per call), interleaved call
     by call. Round trip medians, and the CPU seconds per call of this process (both ends' Python) and of the two p2p
     daemons (for the TCP way that is their background work: the DHT's upkeep)."""
-    import enum
-
     import psutil
     from hivemind.p2p import P2P
 
-    from node.transport.framing import read_frame, write_frame
+    def echo(reader, writer):
+        return _floor_echo(reader, writer, sizes)
 
-    class Echo(enum.IntEnum):
-        DATA = 1
-
-    def limit(kind) -> int:
-        return max(sizes) + 1
-
-    async def echo(reader, writer) -> None:
-        try:
-            _, body = await read_frame(reader, Echo, limit)
-            await write_frame(writer, Echo.DATA, body)
-        finally:
-            writer.close()
-
-    async def round_trip(reader, writer, body: bytes) -> None:
-        try:
-            await write_frame(writer, Echo.DATA, body)
-            _, back = await read_frame(reader, Echo, limit)
-        finally:
-            writer.close()
-        if back != body:  # the figures are only worth something if the bytes came back whole
-            raise RuntimeError(f"the echo of {len(body)} bytes came back as {len(back)} different bytes")
+    def round_trip(reader, writer, body: bytes):
+        return _floor_round_trip(reader, writer, body, sizes)
 
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
@@ -956,6 +994,105 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
         await client.shutdown()
         await server.shutdown()
     return {"calls": calls, "bytes": rows}
+
+
+async def floor_peer(role: str, ip: str, addresses: Path, sizes: list[int], calls: int, gap_s: float) -> None:
+    """One end of `lab_floor`, run inside a lab namespace. `serve`: a p2p daemon and a TCP server at `ip`, both
+    echoing (their addresses written to `addresses`), until killed. `call`: each size `calls` + 1 times (the first
+    warms up) through both, interleaved, after `gap_s` of quiet each time (a pipeline call follows a stage's compute,
+    and TCP restarts its congestion window after an idle gap); prints one JSON line: size -> way -> seconds."""
+    from hivemind.p2p import P2P, PeerID
+
+    if role == "serve":
+        server = await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"])
+        await server.add_binary_stream_handler("floor", lambda info, reader, writer: _floor_echo(reader, writer, sizes))
+        tcp = await asyncio.start_server(lambda reader, writer: _floor_echo(reader, writer, sizes), ip, 0)
+        maddrs = [str(m) for m in await server.get_visible_maddrs()]
+        ready = {"maddrs": maddrs, "peer_id": server.peer_id.to_base58(), "tcp_port": tcp.sockets[0].getsockname()[1]}
+        addresses.with_suffix(".tmp").write_text(json.dumps(ready))
+        addresses.with_suffix(".tmp").rename(addresses)
+        await asyncio.Event().wait()
+    ready = json.loads(addresses.read_text())
+    client = await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=ready["maddrs"])
+    server_id = PeerID.from_base58(ready["peer_id"])
+    server_ip = ready["maddrs"][0].split("/")[2]
+    times: dict[int, dict[str, list[float]]] = {}
+    try:
+        for size in sizes:
+            body = os.urandom(size)
+            times[size] = {"p2p": [], "tcp": []}
+            for call in range(calls + 1):
+                for way in ("p2p", "tcp"):
+                    await asyncio.sleep(gap_s)
+                    started = time.perf_counter()
+                    if way == "p2p":
+                        _, reader, writer = await client.call_binary_stream_handler(server_id, "floor")
+                    else:
+                        reader, writer = await asyncio.open_connection(server_ip, ready["tcp_port"])
+                    await _floor_round_trip(reader, writer, body, sizes)
+                    if call:
+                        times[size][way].append(time.perf_counter() - started)
+    finally:
+        await client.shutdown()
+    print(json.dumps(times), flush=True)
+
+
+TCP_TROUBLE = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes")
+
+
+def _tcp_counters(namespace: str) -> Counter:
+    """This namespace's TCP counters of trouble (nstat, absolute): a shaped link that drops would show here."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, "nstat", "-az", *TCP_TROUBLE], capture_output=True, text=True, check=True
+    ).stdout
+    return Counter({f[0]: int(f[1]) for f in (line.split() for line in out.splitlines()) if f and f[0] in TCP_TROUBLE})
+
+
+def lab_floor(rates: list[float], sizes: list[int], calls: int, gap_s: float, root: Path) -> dict:
+    """The transport floor across the lab (benchmarks/lab.py, root): the same framed echo as `transport_floor`,
+    from one namespace to another over links shaped to each of `rates` Mbit/s both ways (each byte crosses the
+    caller's upload and the server's download, as a pipeline call crosses the driver's link and a server's), through
+    p2p daemons and through plain TCP. Against the payload at the link's rate (2 x size x 8 / rate): what the way
+    adds a call (TCP: its headers, and whatever the shaped queue costs it; p2p beyond TCP: the daemons), and the TCP
+    retransmissions and timeouts both namespaces counted meanwhile."""
+    from lab import Lab, Link
+
+    script = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--floor-calls", str(calls), "--floor-gap-s", str(gap_s), "--floor-bytes", *map(str, sizes)]
+    result: dict = {"calls": calls, "gap_s": gap_s, "rates": {}}
+    with Lab(2, host_link=False) as lab:
+        addresses = root / "floor-server.json"
+        lab.run(1, [*script, "--floor-peer", "serve", lab.ip(1), str(addresses), *common], root / "floor-server.out")
+        _wait_lab_node(addresses.exists, lab, 1, "to start its echoes", root / "floor-server.out")
+        for rate in rates:
+            for index in range(2):
+                lab.shape(index, Link(mbit=rate))
+            before = [_tcp_counters(lab.ns(i)) for i in range(2)]
+            log = root / f"floor-call-{rate:g}.out"
+            caller = lab.run(0, [*script, "--floor-peer", "call", lab.ip(0), str(addresses), *common], log)
+            if caller.wait(timeout=1800) != 0:
+                raise RuntimeError(f"the lab floor's caller failed at {rate:g} Mbit/s: {log.read_text()[-3000:]}")
+            trouble = sum(((_tcp_counters(lab.ns(i)) - before[i]) for i in range(2)), Counter())
+            times = json.loads(log.read_text().strip().splitlines()[-1])
+            rows = {}
+            for size in sizes:
+                payload_ms = 1000 * 2 * size * 8 / (rate * 1e6)
+                row = {way: 1000 * statistics.median(t) for way, t in times[str(size)].items()}
+                row.update(
+                    payload_at_rate_ms=payload_ms,
+                    tcp_beyond_payload_ms=row["tcp"] - payload_ms,
+                    p2p_beyond_tcp_ms=row["p2p"] - row["tcp"],
+                )
+                rows[size] = row
+                print(
+                    f"lab floor {rate:g} Mbit/s {size:>9} B: payload at the rate {payload_ms:8.1f} ms, tcp "
+                    f"{row['tcp']:8.1f} ms (+{row['tcp_beyond_payload_ms']:5.1f}), p2p {row['p2p']:8.1f} ms "
+                    f"(+{row['p2p_beyond_tcp_ms']:5.1f} beyond tcp)",
+                    flush=True,
+                )
+            print(f"lab floor {rate:g} Mbit/s: TCP trouble in both namespaces {dict(trouble) or 'none'}", flush=True)
+            result["rates"][rate] = {"bytes": rows, "tcp_trouble": {k: trouble.get(k, 0) for k in TCP_TROUBLE}}
+    return result
 
 
 def check_cost(sizes: list[int], repeats: int) -> dict:
@@ -1109,7 +1246,8 @@ def main() -> None:
     parser.add_argument("--recovery-repeats", type=int, default=1, help="--recovery: runs of each way, interleaved")
     parser.add_argument(
         "--transport-floor", action="store_true", help="instead: a framed echo of each --floor-bytes through two "
-        "p2p daemons and through plain TCP on 127.0.0.1, no compute: what the wire alone costs a call",
+        "p2p daemons and through plain TCP on 127.0.0.1, no compute: what the wire alone costs a call; with --lab, "
+        "between two lab namespaces on links shaped to each rate (root)",
     )  # fmt: skip
     parser.add_argument(
         "--check-cost", action="store_true", help="instead: what checking one received tensor of each --floor-bytes "
@@ -1121,6 +1259,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--floor-bytes", nargs="+", type=int, default=FLOOR_BYTES)
     parser.add_argument("--floor-calls", type=int, default=30, help="timed echoes per size and way")
+    parser.add_argument(
+        "--floor-gap-s", type=float, default=0.1, help="--transport-floor --lab: quiet before each echo, as a call "
+        "follows a stage's compute",
+    )  # fmt: skip
+    # one end of the lab's floor, started by `lab_floor` inside a namespace: ROLE IP ADDRESSES_FILE
+    parser.add_argument("--floor-peer", nargs=3, metavar=("ROLE", "IP", "ADDRESSES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     # SIGTERM as Ctrl-C: the servers run in process groups of their own, which only our `finally` blocks end
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -1138,6 +1282,18 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(started)),
         "freed_memory_kept": kept,  # node/host_memory.py, in this process and (the same setting) its servers
     }
+    if args.floor_peer:
+        role, ip, addresses = args.floor_peer
+        gap_s = args.floor_gap_s
+        asyncio.run(floor_peer(role, ip, Path(addresses), args.floor_bytes, args.floor_calls, gap_s))
+        return
+    if args.lab and args.transport_floor:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        with tempfile.TemporaryDirectory(prefix="pipeline-throughput-lab-floor-") as scratch:
+            floor = lab_floor(args.lab, args.floor_bytes, args.floor_calls, args.floor_gap_s, Path(scratch))
+        summary.update(load_average=os.getloadavg(), lab_transport_floor=floor)
+        print(json.dumps(summary))
+        return
     if args.lab:
         sys.path.insert(0, str(REPO / "benchmarks"))
         with tempfile.TemporaryDirectory(prefix="pipeline-throughput-lab-") as scratch:

@@ -14,6 +14,9 @@ import pytest
 
 from tests.helpers.common import REPO
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from lab import lab_unavailable  # noqa: E402
+
 # the tiny mode: micro-batch B = 2 sequences of T = 16 tokens, hidden H = 32, the char vocabulary V = 100;
 # 2 micro-batches per step (one straight, one with CheckFree+'s swapped order), 1 timed step
 B, T, H, V = 2, 16, 32, 100
@@ -111,6 +114,29 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
             assert figures["round_trip_ms"] > 0 and figures["python_cpu_ms"] >= 0 and figures["daemons_cpu_ms"] >= 0
             assert math.isclose(figures["mb_per_s_each_way"], int(size) / figures["round_trip_ms"] * 1000 / 1e6)
         assert math.isclose(row["p2p_excess_ms"], row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"])
+
+
+@pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
+def test_lab_transport_floor_echoes_across_two_namespaces_and_charges_each_way_against_the_link_rate():
+    """--transport-floor --lab: the echo from one lab namespace to another, through p2p daemons and plain TCP, on a
+    shaped link; each echo is checked byte for byte (the benchmark exits non-zero otherwise), and the figures are
+    the round trips against the payload at the rate, with both namespaces' TCP trouble counted."""
+    sizes = [4096, 70_000]
+    floor = run_benchmark(
+        "--transport-floor", "--lab", "50", "--floor-calls", "2", "--floor-gap-s", "0.05",
+        "--floor-bytes", *map(str, sizes), timeout=600,
+    )["lab_transport_floor"]  # fmt: skip
+    assert floor["calls"] == 2 and floor["gap_s"] == 0.05
+    assert list(floor["rates"]) == ["50.0"]
+    rate = floor["rates"]["50.0"]
+    assert sorted(map(int, rate["bytes"])) == sizes
+    for size, row in rate["bytes"].items():
+        assert row["p2p"] > 0 and row["tcp"] > 0
+        assert math.isclose(row["payload_at_rate_ms"], 1000 * 2 * int(size) * 8 / 50e6)
+        assert math.isclose(row["tcp_beyond_payload_ms"], row["tcp"] - row["payload_at_rate_ms"])
+        assert math.isclose(row["p2p_beyond_tcp_ms"], row["p2p"] - row["tcp"])
+    assert set(rate["tcp_trouble"]) == {"TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes"}
+    assert all(isinstance(n, int) and n >= 0 for n in rate["tcp_trouble"].values())
 
 
 def test_check_cost_times_both_checks_of_every_size_and_dtype():
