@@ -117,6 +117,26 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
 
 
 @pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
+def test_lab_run_reports_its_step_and_the_servers_phases_of_every_call_it_made():
+    """--lab: two `serve` processes and a `drive` in namespaces of their own on shaped links. The step comes from the
+    driver's metrics, and the servers' phases per call from their stage.json before and after the driver, which ran
+    2 steps (one untimed) of 2 micro-batches through S = 2: 6 forward and 6 backward calls a step (see the tiny run's
+    hops above), more if a broken stream made the driver send a call again."""
+    lab = run_benchmark("--tiny", "--stages", "2", "--lab", "50", timeout=900)["lab"]["tiny"]
+    assert lab["one_process_step_s"] > 0 and lab["tokens_per_step"] == 2 * B * T
+    (run,) = lab["runs"]
+    assert run["variant"] == "plain" and run["mbit"] == 50.0 and run["steps"] == 1
+    assert math.isclose(run["tokens_per_s"], 2 * B * T / run["step_s"])
+    served = run["server_ms_per_call"]
+    assert set(served) == {"forward", "backward"}
+    for split in served.values():
+        assert split["calls"] >= 12
+        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "reply"))
+        assert math.isclose(split["total"], sum(split[p] for p in ("read", "lock", "compute", "checks", "reply")))
+        assert 0 < split["compute_cpu"] <= split["compute"]
+
+
+@pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 def test_lab_transport_floor_echoes_across_two_namespaces_and_charges_each_way_against_the_link_rate():
     """--transport-floor --lab: the echo from one lab namespace to another, through p2p daemons and plain TCP, on a
     shaped link; each echo is checked byte for byte (the benchmark exits non-zero otherwise), and the figures are
