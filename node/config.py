@@ -545,6 +545,12 @@ class PipelineConfig(_Section):
     """The dtype hidden states and their gradients leave a stage server in (logits stay in the stage's own); a
     receiver accepts any of these and casts to its own. bfloat16 halves the bytes per hop (benchmarks/RESULTS.md,
     pipeline_throughput)."""
+    direct_hops: bool = False
+    """The driver sends each micro-batch's forward and backward as one chained call: every stage server passes its
+    output (or its input's gradient) to the next stage's server itself, as SWARM's servers do, instead of returning it
+    to the driver, so a hidden state crosses one link per hop rather than the driver's link twice. Should a chain fail
+    where the same route hop by hop succeeds (servers that cannot reach each other), the driver goes hop by hop for a
+    minute. Servers always accept chained calls; this is the driver's choice."""
     micro_batches_in_flight: int = Field(1, ge=1)
     """Micro-batches of one lm step the driver sends through the pipeline at once (GPipe's fill: stage i works on one
     while stage i+1 works on the one before); 1: one after the other."""

@@ -30,6 +30,21 @@ Operations (`StageCall.op`):
     weights   the stage's current weights for `parts` (codec bytes in "weights"), with its step
               and last gradient norm: how a new replica copies a live one and how CheckFree
               reads a lost stage's neighbours.
+    collect   the output of the last hop of a chained forward `call_id` (below), once, to the
+              peer that the chain named as its `origin`. Returns {"output"}.
+
+Chained calls (version 2; SWARM's servers pass activations to the next stage themselves).
+A forward or backward may carry `origin` (the driver's p2p peer id) and `route`, the hops
+after this one. The server runs its own call, then calls the first hop of `route` with its
+output ("hidden") or its input's gradient ("grad") and the rest of the route, and answers
+its caller once that onward call has answered: an empty result, or REFUSE `onward_failed`
+when any later hop failed (the driver then sends the micro-batch hop by hop, which finds
+the server at fault). The last hop of a forward keeps its output for `collect`. So a hidden
+state crosses one link per hop instead of the driver's link twice. A server dials only
+servers it finds in its own read of the signed stage announcements, by their peer id: a
+caller cannot make it open a stream to an address of its choosing. Forwards of a chain are
+kept for their backward under (origin, call id), not the stream's peer, because the
+backward reaches each stage from the opposite neighbour; call ids carry a random part.
 """
 
 from __future__ import annotations
@@ -42,13 +57,18 @@ from typing import Any, Self
 from protocol.refusals import PipelineRefusal, ProtocolRejection, Refusal
 from protocol.validation import check_fields, check_float, check_int, check_list, check_str, reject
 
-PIPELINE_VERSION = 1
-OPS = ("forward", "backward", "step", "infer", "end_session", "weights")
+# 2: chained forward/backward calls (StageCall.origin and .route) and the `collect` op
+PIPELINE_VERSION = 2
+OPS = ("forward", "backward", "step", "infer", "end_session", "weights", "collect")
+CHAINED_OPS = ("forward", "backward")
 PARTS = ("embed", "layers", "head")
 # Element types a tensor may declare on the wire, with their sizes in bytes.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 MAX_CALL_ID_CHARS = 64
 MAX_FINGERPRINT_CHARS = 64
+MAX_PEER_ID_CHARS = 64  # a base58 libp2p peer id (46-52 characters for the keys p2pd makes)
+# a pass is at most num_stages + 2 hops (embed and head apart when CheckFree+ swaps), and num_stages <= 64
+MAX_ROUTE_HOPS = 72
 
 
 class PipelineFrame(enum.IntEnum):
@@ -110,6 +130,48 @@ class WireTensor:
         return cls(dtype=dtype, shape=shape, data=data)
 
 
+def _parts_from_wire(obj: Any, name: str) -> list[str]:
+    parts = check_list(obj, name, len(PARTS))
+    for part in parts:
+        if check_str(part, "part", 16) not in PARTS:
+            reject(Refusal.BAD_VALUE, f"part {part!r} is not one of {PARTS}")
+    if len(set(parts)) != len(parts):
+        reject(Refusal.BAD_VALUE, f"{name} {parts} repeat a part")
+    return parts
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One hop after this one in a chained call: which server (by its p2p peer id, looked up by the receiving server in
+    its own read of the stage announcements) and the call it gets."""
+
+    stage: int
+    stage_fingerprint: str
+    peer_id: str
+    call_id: str
+    parts: list[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "stage_fingerprint": self.stage_fingerprint,
+            "peer_id": self.peer_id,
+            "call_id": self.call_id,
+            "parts": list(self.parts),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        f = check_fields(obj, cls, minor=0)
+        return cls(
+            stage=check_int(f["stage"], "route.stage", hi=4096),
+            stage_fingerprint=check_str(f["stage_fingerprint"], "route.stage_fingerprint", MAX_FINGERPRINT_CHARS),
+            peer_id=check_str(f["peer_id"], "route.peer_id", MAX_PEER_ID_CHARS),
+            call_id=check_str(f["call_id"], "route.call_id", MAX_CALL_ID_CHARS),
+            parts=_parts_from_wire(f["parts"], "route.parts"),
+        )
+
+
 def _tensors_from_wire(obj: Any, limits: PipelineLimits) -> dict[str, WireTensor]:
     if type(obj) is not dict:
         reject(Refusal.BAD_STRUCTURE, "tensors must be a map of name -> tensor")
@@ -134,7 +196,9 @@ class StageCall:
     tensors: dict[str, WireTensor]  # the op's inputs (see the module docstring)
     scale: float  # step: factor applied to the accumulated gradients before clipping (1.0 otherwise)
     lr_scale: float = 1.0  # step: factor on the server's configured learning rate (1.0: unchanged)
-    extra: dict[str, Any] = field(default_factory=dict)  # reserved; must be empty in version 1
+    origin: str = ""  # a chained forward/backward: the p2p peer id of the driver that started the chain ("": none)
+    route: list[RouteHop] = field(default_factory=list)  # a chained forward/backward: the hops after this one
+    extra: dict[str, Any] = field(default_factory=dict)  # reserved; must be empty in version 2
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -148,6 +212,8 @@ class StageCall:
             "tensors": {k: t.to_wire() for k, t in self.tensors.items()},
             "scale": self.scale,
             "lr_scale": self.lr_scale,
+            "origin": self.origin,
+            "route": [hop.to_wire() for hop in self.route],
             "extra": dict(self.extra),
         }
 
@@ -158,16 +224,17 @@ class StageCall:
             reject(Refusal.UNKNOWN_VERSION, f"pipeline call version {f['v']}, this node speaks {PIPELINE_VERSION}")
         if check_str(f["op"], "op", 16) not in OPS:
             reject(Refusal.BAD_VALUE, f"op {f['op']!r} is not one of {OPS}")
-        parts = check_list(f["parts"], "parts", len(PARTS))
-        for part in parts:
-            if check_str(part, "part", 16) not in PARTS:
-                reject(Refusal.BAD_VALUE, f"part {part!r} is not one of {PARTS}")
-        if len(set(parts)) != len(parts):
-            reject(Refusal.BAD_VALUE, f"parts {parts} repeat a part")
+        parts = _parts_from_wire(f["parts"], "parts")
         if type(f["train"]) is not bool:
             reject(Refusal.BAD_STRUCTURE, "train must be a boolean")
         if type(f["extra"]) is not dict or f["extra"]:
-            reject(Refusal.BAD_STRUCTURE, "extra must be an empty map in pipeline version 1")
+            reject(Refusal.BAD_STRUCTURE, f"extra must be an empty map in pipeline version {PIPELINE_VERSION}")
+        origin = check_str(f["origin"], "origin", MAX_PEER_ID_CHARS)
+        route = [RouteHop.from_wire(hop) for hop in check_list(f["route"], "route", MAX_ROUTE_HOPS)]
+        if (origin or route) and f["op"] not in CHAINED_OPS:
+            reject(Refusal.BAD_VALUE, f"only {CHAINED_OPS} calls are chained, not {f['op']!r}")
+        if route and not origin:
+            reject(Refusal.BAD_VALUE, "a route without an origin: its last hop would not know whom its output is for")
         return cls(
             v=f["v"],
             op=f["op"],
@@ -179,8 +246,14 @@ class StageCall:
             tensors=_tensors_from_wire(f["tensors"], limits),
             scale=check_float(f["scale"], "scale", lo=0.0, hi=1e6),
             lr_scale=check_float(f["lr_scale"], "lr_scale", lo=0.0, hi=100.0),
+            origin=origin,
+            route=route,
             extra={},
         )
+
+    @property
+    def chained(self) -> bool:
+        return bool(self.origin)
 
 
 @dataclass(frozen=True)
@@ -237,6 +310,7 @@ def parse_refusal(obj: Any) -> tuple[str, str]:
 
 
 __all__ = [
+    "CHAINED_OPS",
     "DEFAULT_PIPELINE_LIMITS",
     "DTYPE_BYTES",
     "OPS",
@@ -245,6 +319,7 @@ __all__ = [
     "PipelineFrame",
     "PipelineLimits",
     "ProtocolRejection",
+    "RouteHop",
     "StageCall",
     "StageResult",
     "WireTensor",

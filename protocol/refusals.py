@@ -115,3 +115,7 @@ class PipelineRefusal(SentencedEnum):
     UNKNOWN_SESSION = ("unknown_session", "An inference step for a session this server does not hold.")
     BUSY = ("busy", "The server holds as many pending forwards or sessions as it allows.")
     FAILED = ("failed", "The server could not compute the call (its own error, logged there).")
+    ONWARD_FAILED = (
+        "onward_failed",
+        "A later hop of a chained call failed, or its server is not among the stage announcements this server reads.",
+    )

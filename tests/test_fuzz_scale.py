@@ -12,6 +12,7 @@ dropped or added), which reach the checks behind a successful unpack far more of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from protocol import (
     decode_message,
     encode_message,
 )
-from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PipelineFrame, StageCall, StageResult
+from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PIPELINE_VERSION, PipelineFrame, RouteHop, StageCall, StageResult
 from tests.helpers.messages import IDENTITY, SWARM, T0, make_batch, make_stats, signed
 
 Decode = Callable[[bytes], str]
@@ -282,7 +283,7 @@ def _call_seeds() -> list[bytes]:
     from node.pipeline.tensors import to_wire
 
     call = StageCall(
-        v=1,
+        v=PIPELINE_VERSION,
         op="forward",
         stage=1,
         stage_fingerprint="a" * 16,
@@ -295,7 +296,12 @@ def _call_seeds() -> list[bytes]:
         },
         scale=1.0,
     )
-    return [msgpack.packb(call.to_wire(), use_bin_type=True)]
+    chained = dataclasses.replace(  # a chained forward: the route every server it passes through decodes
+        call,
+        origin="Qm" + "a" * 44,
+        route=[RouteHop(stage=2, stage_fingerprint="b" * 16, peer_id="Qm" + "b" * 44, call_id="c2", parts=["layers"])],
+    )
+    return [msgpack.packb(c.to_wire(), use_bin_type=True) for c in (call, chained)]
 
 
 @fuzzed("pipeline_call")

@@ -135,3 +135,42 @@ def test_a_pipeline_cut_in_two_steps_again_after_the_heal(pipeline_yaml, tmp_pat
 def test_four_stages_with_the_upper_half_cut_off_for_60s_step_again_after_the_heal(pipeline_yaml, tmp_path, cli_env):
     """Issue #36's scenario: 4 stage servers and a driver, stages 2 and 3 cut off for 60 s."""
     check(cut_and_heal(tmp_path, pipeline_yaml, cli_env, stages=4, cut_s=60), stages=4)
+
+
+@pytest.mark.timeout(900)
+def test_chained_calls_go_from_server_to_server_across_namespaces(pipeline_yaml, tmp_path, cli_env):
+    """pipeline.direct_hops between hosts: each server dials the next by the addresses it announced (a 0.0.0.0 or
+    loopback address passes every loopback test and fails here). Three stages on three namespaces and a driver on a
+    fourth; every chain must reach its end: no chain falls back to hop by hop, and the last server hands the driver
+    the outputs."""
+    stages = 3
+    sets = ["--set", f"pipeline.num_stages={stages}", "--set", "pipeline.direct_hops=true"]
+    driver = stages
+    with Lab(stages + 1, host_link=False) as lab:
+
+        def running(index: int) -> None:
+            assert lab.alive(index), f"node {index} exited: " + (tmp_path / f"n{index}.out").read_text()[-3000:]
+
+        bootstrap = start_command(lab, 0, tmp_path, pipeline_yaml, cli_env, "serve", extra=["--stage", "0", *sets])
+        for index in range(1, stages):
+            extra = ["--stage", str(index), *sets]
+            start_command(lab, index, tmp_path, pipeline_yaml, cli_env, "serve", [bootstrap], extra)
+        for index in range(stages):
+            wait_for(lambda: running(index) or recoveries(tmp_path / f"n{index}"), 180, f"server {index}", interval=1)
+        start_command(lab, driver, tmp_path, pipeline_yaml, cli_env, "drive", [bootstrap], sets)
+        rows = wait_for(
+            lambda: running(driver) or (rows if len(rows := read_rows(tmp_path / f"n{driver}")) >= 3 else None),
+            300,
+            "the driver's first 3 steps",
+            interval=1,
+        )
+        assert_trains(rows)
+        assert [row["chain_fallbacks"] for row in rows] == [0] * len(rows), rows
+        last = tmp_path / f"n{stages - 1}" / "stage.json"
+        collected = wait_for(
+            lambda: json.loads(last.read_text())["calls"].get("collect", 0) if last.exists() else None,
+            60,
+            "the last server's stage.json to show its calls",
+            interval=1,
+        )
+        assert collected >= len(rows), collected  # a step's micro-batches (2 and more) each collected once

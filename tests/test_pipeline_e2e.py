@@ -17,7 +17,9 @@ from tests.helpers.swarm import read_rows, wait_for
 
 
 def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
-    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs)
+    """With chained calls (pipeline.direct_hops): the servers pass hidden states to each other, and a chain through a
+    killed server goes hop by hop, which finds it."""
+    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs, settings=["pipeline.direct_hops=true"])
     servers, acquired = pipe.serve_every_stage()
     assert [event["method"] for event in acquired] == ["initial"] * 4
     spare = pipe.serve("spare")
@@ -51,6 +53,10 @@ def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, 
     rows = pipe.steps(driver, 2)
     assert_trains(rows)
     assert rows[-1]["loss"] < first_loss  # it kept learning through two losses
+    # the last stage's server, alive throughout, gave the driver the chains' outputs
+    last = json.loads((servers[3].state_dir / "stage.json").read_text())
+    assert last["calls"].get("collect", 0) >= len(rows), last["calls"]
+    assert sum(row["chain_fallbacks"] for row in read_rows(driver.state_dir)) >= 1  # the chains through a dead server
 
 
 def test_last_stage_and_replicas(pipeline_yaml, tmp_path, cli_env, procs):

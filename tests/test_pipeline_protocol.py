@@ -1,10 +1,12 @@
-"""The pipeline's DHT report `StageLost`: pinned bytes, and every malformed report refused by its one validator."""
+"""The pipeline's DHT report `StageLost`: pinned bytes, and every malformed report refused by its one validator; and
+the chained stage calls' fields, each malformed one refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from protocol import NodeIdentity, ProtocolRejection, Refusal, StageLost
+from protocol.pipeline import MAX_ROUTE_HOPS, PIPELINE_VERSION, RouteHop, StageCall
 from tests.helpers.messages import IDENTITY, decode, encode, signed
 
 GOLDEN_STAGE_LOST_1_4 = (  # as a 1.4 sender encoded it (minor 5 changed no field of a report)
@@ -114,3 +116,57 @@ def test_a_report_is_signed_by_the_driver_it_names():
 
 def test_an_empty_report_withdraws():
     assert decode(encode(make_report(stages=[], lost_at=[]))).message.stages == []
+
+
+# chained pipeline calls (protocol/pipeline.py "Chained calls") ----------------------------------------------------
+
+
+def chained_call(**overrides) -> dict:
+    hop = RouteHop(stage=2, stage_fingerprint="f2", peer_id="Qm" + "b" * 44, call_id="c-2", parts=["layers", "head"])
+    call = StageCall(
+        v=PIPELINE_VERSION,
+        op="forward",
+        stage=1,
+        stage_fingerprint="f1",
+        call_id="c-1",
+        parts=["layers"],
+        train=True,
+        tensors={},
+        scale=1.0,
+        origin="Qm" + "a" * 44,
+        route=[hop],
+    ).to_wire()
+    call.update(overrides)
+    return call
+
+
+def test_a_chained_call_round_trips():
+    decoded = StageCall.from_wire(chained_call())
+    assert decoded.chained and decoded.origin == "Qm" + "a" * 44
+    assert decoded.route[0].peer_id == "Qm" + "b" * 44 and decoded.route[0].parts == ["layers", "head"]
+    assert decoded.to_wire() == chained_call()
+    assert not StageCall.from_wire(chained_call(origin="", route=[])).chained
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        ({"v": 1}, Refusal.UNKNOWN_VERSION),  # a version-1 caller knows no chains and no collect
+        ({"op": "step"}, Refusal.BAD_VALUE),  # only forwards and backwards are chained
+        ({"op": "collect"}, Refusal.BAD_VALUE),
+        ({"origin": ""}, Refusal.BAD_VALUE),  # a route without an origin
+        ({"origin": "Q" * 65}, Refusal.STRING_TOO_LONG),
+        ({"route": [{"stage": 2}]}, Refusal.BAD_STRUCTURE),
+        ({"route": "Qm"}, Refusal.BAD_STRUCTURE),
+        ({"route": [chained_call()["route"][0]] * (MAX_ROUTE_HOPS + 1)}, Refusal.TOO_MANY_ITEMS),
+        ({"route": [dict(chained_call()["route"][0], parts=["tail"])]}, Refusal.BAD_VALUE),
+        ({"route": [dict(chained_call()["route"][0], parts=["head", "head"])]}, Refusal.BAD_VALUE),
+        ({"route": [dict(chained_call()["route"][0], peer_id="Q" * 65)]}, Refusal.STRING_TOO_LONG),
+        ({"route": [dict(chained_call()["route"][0], stage=-1)]}, Refusal.BAD_VALUE),
+        ({"route": [dict(chained_call()["route"][0], extra=1)]}, Refusal.BAD_STRUCTURE),
+    ],
+)
+def test_malformed_chained_calls_are_refused(overrides, reason):
+    with pytest.raises(ProtocolRejection) as refused:
+        StageCall.from_wire(chained_call(**overrides))
+    assert refused.value.reason is reason

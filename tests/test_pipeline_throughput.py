@@ -88,8 +88,10 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
     for op, split in served.items():
         answered = ways["wire 2"]["calls"][op]  # every answered call of the timed steps, broken attempts' included
         assert split["calls"] >= answered
-        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "reply"))
-        assert math.isclose(split["total"], sum(split[p] for p in ("read", "lock", "compute", "checks", "reply")))
+        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "onward", "reply"))
+        phases = ("read", "lock", "compute", "checks", "onward", "reply")
+        assert math.isclose(split["total"], sum(split[p] for p in phases))
+        assert split["onward"] < 1, "hop by hop, no call waits for another server"
     # what the torch work cost its worker thread, on the servers and in this process alike: CPU no more than the wall
     # time it ran in (one thread), page faults counted
     local = ways["local 2"]["compute_per_call"]
@@ -131,8 +133,10 @@ def test_lab_run_reports_its_step_and_the_servers_phases_of_every_call_it_made()
     assert set(served) == {"forward", "backward"}
     for split in served.values():
         assert split["calls"] >= 12
-        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "reply"))
-        assert math.isclose(split["total"], sum(split[p] for p in ("read", "lock", "compute", "checks", "reply")))
+        assert all(split[phase] >= 0 for phase in ("read", "lock", "compute", "onward", "reply"))
+        phases = ("read", "lock", "compute", "checks", "onward", "reply")
+        assert math.isclose(split["total"], sum(split[p] for p in phases))
+        assert split["onward"] < 1, "hop by hop, no call waits for another server"
         assert 0 < split["compute_cpu"] <= split["compute"]
 
 

@@ -17,6 +17,16 @@ publishes a signed `StageLost` report of the stages it misses (choosers then sto
 their dead servers' last announcements, and `peers --stages` marks them lost) and logs which
 stages it waits for, every `WAIT_LOG_EVERY_S`.
 
+Direct hops (pipeline.direct_hops, SWARM's way): a forward goes out as one chained call to the
+first hop's server, which passes its output on to the next and so on (protocol/pipeline.py,
+"Chained calls"); the driver then collects the last hop's output from its server, and the
+backward goes the same way in reverse. A chain that fails is sent again hop by hop on the same
+route, which finds the server at fault as above; when hop by hop succeeds where chains broke between
+servers (twice in a row), the servers cannot reach each other, and the driver goes hop by hop for
+`CHAIN_PAUSE_S`. A backward
+is not sent twice (its gradients accumulate): a chained backward that fails counts as a failed
+backward, as a hop-by-hop one does.
+
 CheckFree+ (pipeline.checkfree_plus): on odd micro-batches the first two and the last two
 stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
 stage 0 and stage S-2 for stage S-1; the embedding still runs first (on stage 0) and the
@@ -29,6 +39,7 @@ import asyncio
 import logging
 import math
 import random
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,13 +53,15 @@ from node.pipeline.selection import lost_report, stages_to_report
 from node.pipeline.stagemap import LostReporter, StageMap, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from protocol import StageAnnouncement
-from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, StageCall, StageResult
+from protocol.pipeline import PIPELINE_VERSION, PipelineLimits, RouteHop, StageCall, StageResult
 from protocol.bounded import BoundedDict
 
 log = logging.getLogger(__name__)
 
 STRIKES = 2  # failed hops in a row before a server is avoided: a single reset stream is not a dead server
 WAIT_LOG_EVERY_S = 15.0  # a driver waiting for a lost stage says so this often
+CHAIN_PAUSE_S = 60.0  # hop by hop for this long after a chain failed where the same route hop by hop did not
+ONWARD_FAILED = "refused:onward_failed"  # HopFailed.reason of a chain that broke after its first hop
 
 
 def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
@@ -136,6 +149,12 @@ class PipelineRouter:
         self.hop_failures: Counter[str] = Counter()
         self.repeated: Counter[str] = Counter()  # op -> calls sent again after their stream broke
         self.wrong_fingerprint = 0
+        # call prefix -> the random part of a chained forward's call ids, until its backward (which must go chained too:
+        # its servers keep the forward under the chain's origin)
+        self.chained: BoundedDict[str, str] = BoundedDict(4096)
+        self.chain_fallbacks = 0  # chains that failed and were sent hop by hop
+        self.chain_paused_until = 0.0  # monotonic time until which forwards go hop by hop
+        self.chain_strikes = 0  # chains in a row that broke between servers that all answered hop by hop
 
     async def refresh(self, force: bool = False) -> StageMap:
         now = time.monotonic()
@@ -162,9 +181,12 @@ class PipelineRouter:
 
     def fail(self, failure: HopFailed) -> None:
         """Count a failed hop; leave its server out of routes after STRIKES failures in a row (one may be a reset
-        stream)."""
+        stream). A chain that broke further on is not its first server's fault."""
         node_id = failure.server.node_id
         self.hop_failures[failure.reason] += 1
+        if failure.reason == ONWARD_FAILED:
+            log.info("chained call failed further on: %s", failure)
+            return
         self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
         if self.strikes[node_id] >= STRIKES or failure.reason == "timeout":
             self.avoid[node_id] = time.monotonic() + self.pipeline.avoid_s
@@ -199,7 +221,9 @@ class PipelineRouter:
         train: bool = False,
         tensors: dict | None = None,
         scale: float = 1.0,
+        route: list[RouteHop] | None = None,
     ) -> StageCall:
+        """One call to `server`; with a `route` (empty for a chain of one hop), a chained one from this driver."""
         return StageCall(
             v=PIPELINE_VERSION,
             op=op,
@@ -210,6 +234,8 @@ class PipelineRouter:
             train=train,
             tensors={k: to_wire(v) for k, v in (tensors or {}).items()},
             scale=scale,
+            origin=self.dht.peer_id.to_base58() if route is not None else "",
+            route=list(route or []),
         )
 
     async def call(self, server: StageAnnouncement, call: StageCall, timeout: float | None = None):
@@ -217,7 +243,9 @@ class PipelineRouter:
             self.dht.p2p, self.handler, server, call, self.limits, timeout or self.pipeline.call_timeout_s
         )
 
-    async def call_until_answered(self, server: StageAnnouncement, call: StageCall) -> StageResult:
+    async def call_until_answered(
+        self, server: StageAnnouncement, call: StageCall, timeout: float | None = None
+    ) -> StageResult:
         """`call`, sent again to the same server while its stream breaks (client.until_answered). Sent to another
         route instead, a forward cost every earlier hop again, and a lost backward answer cost the earlier stages
         that micro-batch's gradient."""
@@ -226,9 +254,80 @@ class PipelineRouter:
             self.repeated[call.op] += 1
             log.info("%s call to stage %d broke (%s); sending it again", call.op, server.stage, failure.detail)
 
-        return await until_answered(lambda: self.call(server, call), repeat)
+        return await until_answered(lambda: self.call(server, call, timeout), repeat)
+
+    def chaining(self) -> bool:
+        return self.pipeline.direct_hops and time.monotonic() >= self.chain_paused_until
+
+    def _onward(self, route, hops, ids: list[str], order) -> list[RouteHop]:
+        return [
+            RouteHop(
+                stage=hops[k][0],
+                stage_fingerprint=self.fingerprints[hops[k][0]],
+                peer_id=route[hops[k][0]].p2p_peer_id,
+                call_id=ids[k],
+                parts=list(hops[k][1]),
+            )
+            for k in order
+        ]
 
     async def forward(
+        self,
+        route: dict[int, StageAnnouncement],
+        hops,
+        call_prefix: str,
+        input_ids,
+        position_ids,
+        attention_mask,
+        train: bool,
+    ) -> torch.Tensor:
+        """The output of the last hop (logits): chained when `chaining()`, else (or when the chain failed) hop by
+        hop."""
+        if not self.chaining():
+            return await self._forward_hops(route, hops, call_prefix, input_ids, position_ids, attention_mask, train)
+        nonce = secrets.token_hex(6)
+        try:
+            output = await self._forward_chained(
+                route, hops, f"{call_prefix}-{nonce}", input_ids, position_ids, attention_mask, train
+            )
+        except HopFailed as failure:
+            self.chain_fallbacks += 1
+            log.info("chained forward failed (%s); sending it hop by hop", failure)
+            output = await self._forward_hops(route, hops, call_prefix, input_ids, position_ids, attention_mask, train)
+            # every server answered hop by hop, so a chain that broke after its first hop broke between them; twice in
+            # a row, and they are taken not to reach each other (not a stream that broke once)
+            self.chain_strikes = self.chain_strikes + 1 if failure.reason == ONWARD_FAILED else 0
+            if self.chain_strikes >= STRIKES:
+                self.chain_strikes = 0
+                self.chain_paused_until = time.monotonic() + CHAIN_PAUSE_S
+                log.warning(
+                    "chained forwards failed where the same routes hop by hop did not (%s): hop by hop for %.0fs",
+                    failure,
+                    CHAIN_PAUSE_S,
+                )
+            return output
+        self.chain_strikes = 0
+        if train:
+            self.chained[call_prefix] = nonce
+        return output
+
+    async def _forward_chained(
+        self, route, hops, ids_prefix: str, input_ids, position_ids, attention_mask, train: bool
+    ) -> torch.Tensor:
+        ids = [f"{ids_prefix}-{k}" for k in range(len(hops))]
+        first, parts = hops[0]
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
+        onward = self._onward(route, hops, ids, range(1, len(hops)))
+        call = self._call("forward", route[first], ids[0], parts, train, inputs, route=onward)
+        await self.call_until_answered(route[first], call, timeout=self.pipeline.call_timeout_s * len(hops))
+        last = route[hops[-1][0]]
+        result = await self.call_until_answered(last, self._call("collect", last, ids[-1]))
+        if "output" not in result.tensors:
+            raise HopFailed(last, "malformed", "a collect result without output")
+        self.succeeded(route.values())
+        return from_wire(result.tensors["output"])
+
+    async def _forward_hops(
         self,
         route: dict[int, StageAnnouncement],
         hops,
@@ -255,6 +354,22 @@ class PipelineRouter:
         return x
 
     async def backward(self, route: dict[int, StageAnnouncement], hops, call_prefix: str, grad: torch.Tensor) -> None:
+        """The gradient of the last hop's output back through the route: chained if its forward was."""
+        nonce = self.chained.pop(call_prefix, None)
+        if nonce is not None:
+            ids = [f"{call_prefix}-{nonce}-{k}" for k in range(len(hops))]
+            last = len(hops) - 1
+            stage, parts = hops[last]
+            call = self._call(
+                "backward",
+                route[stage],
+                ids[last],
+                parts,
+                tensors={"grad": grad},
+                route=self._onward(route, hops, ids, reversed(range(last))),
+            )
+            await self.call_until_answered(route[stage], call, timeout=self.pipeline.call_timeout_s * len(hops))
+            return
         for k in reversed(range(len(hops))):
             stage, parts = hops[k]
             result = await self.call_until_answered(

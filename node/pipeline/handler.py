@@ -10,6 +10,12 @@ loop keeps answering the DHT and new streams while a step runs. A step call is a
 caller and call id: a driver whose stream broke before the answer came asks again and gets the
 first answer (a step is not idempotent, and the driver cannot tell whether it was applied); so is a
 backward call (its gradients accumulate), for the last few.
+
+A chained forward or backward (protocol/pipeline.py, "Chained calls") is served the same way, under
+the chain's origin instead of the stream's peer, and then passed on to the next hop of its route
+(`onward`, which the server provides: it finds that hop's server in the stage announcements and calls
+it) before the caller gets its answer; the last hop of a forward keeps its output until its origin
+collects it. The torch worker is free while the onward call runs.
 """
 
 from __future__ import annotations
@@ -19,18 +25,28 @@ import logging
 import resource
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable
 from typing import Callable
 
 import msgpack
 
 from node.pipeline.backend import BackendRefused, StageBackend
-from node.pipeline.client import CONTROL_MAX_BYTES, unpack
+from node.pipeline.client import CONTROL_MAX_BYTES, HopFailed, unpack
 from node.pipeline.tensors import to_wire
 from node.stats import LogThrottle, SwarmStats
 from node.transport.framing import FramingError, OversizedFrame, read_frame, write_frame
 from protocol import ProtocolRejection
 from protocol.bounded import BoundedDict
-from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, PipelineLimits, StageCall, StageResult, refusal_body
+from protocol.pipeline import (
+    PIPELINE_VERSION,
+    PipelineFrame,
+    PipelineLimits,
+    RouteHop,
+    StageCall,
+    StageResult,
+    WireTensor,
+    refusal_body,
+)
 from protocol.refusals import PipelineRefusal, Refusal
 
 log = logging.getLogger(__name__)
@@ -40,11 +56,15 @@ STEPS_REMEMBERED = 64  # step answers kept for a caller's retry of the same call
 # backward answers kept for a caller's retry of the same call: each holds the gradient of a micro-batch's hidden states
 # (1 MB at 27M parameters), and a driver sends a call again at once, so a few recent ones are enough
 BACKWARDS_REMEMBERED = 4
+# outputs of chains' last hops waiting for their driver's `collect`, which follows at once: a few drivers' micro-batches
+# in flight (logits: vocabulary x tokens each, so not many)
+OUTPUTS_KEPT = 8
 REFUSAL_LOG_EVERY_S = 60.0
 # Where a served call's seconds go, summed by op in StageHandler.call_seconds: "read" from the stream's opening to the
 # call decoded (the caller's bytes arriving), "lock" waiting for the torch worker, "compute" the work under it, "checks"
-# the rest of serving (the call's checks, the result's tensors to bytes), "reply" packing and writing the result.
-CALL_PHASES = ("read", "lock", "compute", "checks", "reply")
+# the rest of serving (the call's checks, the result's tensors to bytes), "onward" a chained call's wait for the rest
+# of its route, "reply" packing and writing the result.
+CALL_PHASES = ("read", "lock", "compute", "checks", "onward", "reply")
 # Beside the phases, what the torch work did on its worker thread: "compute_cpu" its CPU seconds (below "compute" when
 # the thread waits: for a core, for the GIL) and "compute_faults" its minor page faults (memory touched for the first
 # time since the allocator took it from the system): a slow call is told apart from a call kept waiting.
@@ -80,6 +100,11 @@ class StageHandler:
         self.steps_answered: BoundedDict[tuple[str, str], StageResult] = BoundedDict(STEPS_REMEMBERED)
         # the same for backward calls: a repeat whose first answer was lost must not accumulate the gradients twice
         self.backwards_answered: BoundedDict[tuple[str, str], StageResult] = BoundedDict(BACKWARDS_REMEMBERED)
+        # calls the next hop of a chained call (the server sets it: it reads the stage announcements, it has the p2p
+        # daemon); None: chained calls with a route onward are refused
+        self.onward: Callable[[RouteHop, StageCall], Awaitable[StageResult]] | None = None
+        # (origin, call id) -> the output of a chain's last hop, until the origin collects it
+        self.outputs: BoundedDict[tuple[str, str], WireTensor] = BoundedDict(OUTPUTS_KEPT)
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -105,6 +130,10 @@ class StageHandler:
                 decoded = time.perf_counter()
                 timing: dict[str, float] = {}
                 result = await self.serve(peer, call, timing)
+                onward_started = time.perf_counter()
+                if call.chained:
+                    result = await self.pass_on(call, result)
+                timing["onward"] = time.perf_counter() - onward_started
             except OversizedFrame as exc:
                 raise BackendRefused(Refusal.TOO_LARGE, str(exc)) from None
             except FramingError as exc:
@@ -118,11 +147,15 @@ class StageHandler:
             seconds["compute"] += timing.get("compute", 0.0)
             for key in COMPUTE_WORK:
                 seconds[key] += timing.get(key, 0)
-            seconds["checks"] += served - decoded - timing.get("lock", 0.0) - timing.get("compute", 0.0)
+            seconds["onward"] += timing["onward"]
+            seconds["checks"] += (
+                served - decoded - timing.get("lock", 0.0) - timing.get("compute", 0.0) - timing["onward"]
+            )
             seconds["reply"] += time.perf_counter() - served
             seconds["calls"] += 1  # the calls these seconds are of (a call whose reply broke is in `calls` alone)
         except BackendRefused as refused:
-            self.stats.refusals.record(peer, refused.reason)
+            if refused.reason is not PipelineRefusal.ONWARD_FAILED:  # another server failed, not this caller
+                self.stats.refusals.record(peer, refused.reason)
             self._log_refusal(peer, refused)
             try:
                 await write_frame(
@@ -139,7 +172,8 @@ class StageHandler:
     async def serve(self, peer: str, call: StageCall, timing: dict[str, float] | None = None) -> StageResult:
         """Run one checked call on the backend; BackendRefused for a call this server does not serve. `timing`, if
         given, gets the seconds spent waiting for the torch worker ("lock") and working under it ("compute"), and what
-        the work cost its worker thread (COMPUTE_WORK)."""
+        the work cost its worker thread (COMPUTE_WORK). A chained call runs under its origin (`chain_caller`)."""
+        caller = chain_caller(peer, call)
         backend = self.backend
         if backend is None or call.stage != backend.index or call.stage_fingerprint != self.fingerprint:
             raise BackendRefused(
@@ -152,6 +186,11 @@ class StageHandler:
         missing = [p for p in call.parts if p not in held]
         if missing:
             raise BackendRefused(PipelineRefusal.MISSING_PART, f"this server holds {sorted(held)}, not {missing}")
+        if call.op == "collect":
+            output = self.outputs.pop((peer, call.call_id), None)
+            if output is None:
+                raise BackendRefused(PipelineRefusal.UNKNOWN_CALL, f"no output {call.call_id!r} kept for this caller")
+            return self._result(backend, {}, wire_tensors={"output": output})
         backend.expire()
         waiting = time.perf_counter()
         async with self.torch_lock:
@@ -175,18 +214,18 @@ class StageHandler:
                     self.steps_answered[(peer, call.call_id)] = result = self._result(backend, {})
                     return result
                 if call.op == "backward":
-                    answered = self.backwards_answered.get((peer, call.call_id))
+                    answered = self.backwards_answered.get((caller, call.call_id))
                     if answered is not None:
                         return answered
-                    tensors = await asyncio.to_thread(_measured, work, backend.backward, peer, call)
-                    self.backwards_answered[(peer, call.call_id)] = result = self._result(backend, tensors)
+                    tensors = await asyncio.to_thread(_measured, work, backend.backward, caller, call)
+                    self.backwards_answered[(caller, call.call_id)] = result = self._result(backend, tensors)
                     return result
                 run = {
                     "forward": backend.forward,
                     "infer": backend.infer,
                     "end_session": backend.end_session,
                 }[call.op]
-                tensors = await asyncio.to_thread(_measured, work, run, peer, call)
+                tensors = await asyncio.to_thread(_measured, work, run, caller, call)
             except BackendRefused:
                 raise
             except Exception as exc:  # noqa: BLE001 - a compute error is refused to the caller, logged here, and the server lives on
@@ -197,11 +236,57 @@ class StageHandler:
                     timing["compute"] = time.perf_counter() - locked
         return self._result(backend, tensors)
 
+    async def pass_on(self, call: StageCall, result: StageResult) -> StageResult:
+        """The rest of a chained call, once this hop ran: keep a last forward's output for its origin, or call the next
+        hop with this one's output (forward) or input gradient (backward) and the rest of the route. The caller gets
+        this hop's result without its tensors (they went on), or ONWARD_FAILED."""
+        bare = StageResult(
+            v=result.v, tensors={}, weights=None, step=result.step, grad_norm=result.grad_norm, lr_scale=result.lr_scale
+        )
+        if call.op == "forward":
+            if not call.route:
+                self.outputs[(call.origin, call.call_id)] = result.tensors["output"]
+                return bare
+            tensors = {
+                "hidden": result.tensors["output"],
+                "position_ids": call.tensors["position_ids"],
+                "attention_mask": call.tensors["attention_mask"],
+            }
+        else:
+            if not call.route:
+                return result
+            if "grad" not in result.tensors:
+                raise BackendRefused(Refusal.BAD_VALUE, "a backward route goes on past the hop that took token ids")
+            tensors = {"grad": result.tensors["grad"]}
+        if self.onward is None:
+            raise BackendRefused(PipelineRefusal.ONWARD_FAILED, "this server does not pass calls on")
+        hop = call.route[0]
+        onward = StageCall(
+            v=PIPELINE_VERSION,
+            op=call.op,
+            stage=hop.stage,
+            stage_fingerprint=hop.stage_fingerprint,
+            call_id=hop.call_id,
+            parts=list(hop.parts),
+            train=call.train,
+            tensors=tensors,
+            scale=1.0,
+            origin=call.origin,
+            route=list(call.route[1:]),
+        )
+        try:
+            await self.onward(hop, onward)
+        except HopFailed as failure:
+            raise BackendRefused(PipelineRefusal.ONWARD_FAILED, str(failure)) from None
+        return bare
+
     @staticmethod
-    def _result(backend: StageBackend, tensors: dict, weights: bytes | None = None) -> StageResult:
+    def _result(
+        backend: StageBackend, tensors: dict, weights: bytes | None = None, wire_tensors: dict | None = None
+    ) -> StageResult:
         return StageResult(
             v=PIPELINE_VERSION,
-            tensors={k: to_wire(t) for k, t in tensors.items()},
+            tensors=wire_tensors if wire_tensors is not None else {k: to_wire(t) for k, t in tensors.items()},
             weights=weights,
             step=backend.step,
             grad_norm=float(backend.grad_norm),
@@ -212,6 +297,12 @@ class StageHandler:
         """At most one log line per peer and reason a minute: a flood of bad calls must not flood the log."""
         if self.refusal_log_throttle.due(peer, refused.reason.value):
             log.info("refused a pipeline call from %s: %s: %s", peer[:12], refused.reason.value, refused.detail)
+
+
+def chain_caller(peer: str, call: StageCall) -> str:
+    """Whom a call's forward is kept for: the stream's peer, or for a chained call its origin (its backward comes from
+    the other neighbour). The prefix keeps a chain's entries apart from any peer's direct calls."""
+    return f"chain:{call.origin}" if call.chained else peer
 
 
 def _measured(work: dict, run: Callable, *args):

@@ -130,11 +130,14 @@ class LMDriver:
             "backward_failures": report["backward_failures"],
             "hop_failures": dict(self.router.hop_failures),
             "repeated_calls": dict(self.router.repeated),  # sent again to the same server after a broken stream
+            # pipeline.direct_hops: chained forwards that failed and went hop by hop (driver.py)
+            "chain_fallbacks": self.router.chain_fallbacks,
             "servers": report["servers"],
             "grad_norms": norms,
         }
         self.router.hop_failures.clear()
         self.router.repeated.clear()
+        self.router.chain_fallbacks = 0
         recovered = self._recovered()
         if recovered:
             row["recovery"] = recovered
@@ -244,6 +247,7 @@ def summarize_steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "retries": sum(r["retries"] for r in rows),
         "backward_failures": sum(r["backward_failures"] for r in rows),
         "repeated_calls": sum(sum(r.get("repeated_calls", {}).values()) for r in rows),
+        "chain_fallbacks": sum(r.get("chain_fallbacks", 0) for r in rows),
         "stages_recovered": sum(1 for e in recoveries if e["replaced"]),
         "stalls": sum(1 for e in recoveries if not e["replaced"]),
         "recovery_s_mean": statistics.fmean(e["recovery_s"] for e in recoveries if e["replaced"])

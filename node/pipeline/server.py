@@ -21,7 +21,8 @@ that ties them together (`run`):
 2. get the stage's weights from live nodes only (`stage_loading.py`): a replica's copy, else
    CheckFree from the neighbours, CheckFree+ for an end stage, else the initial model
    if the pipeline has not trained yet; announce "loading" meanwhile;
-3. serve the calls (`handler.py`), keep its CheckFree+ replica (stage 1: the embedding;
+3. serve the calls (`handler.py`; a chained call goes on to the next hop's server, which this server
+   finds in its own read of the announcements: `call_onward`), keep its CheckFree+ replica (stage 1: the embedding;
    stage S-2: the head) fresh by copying it from its owner every `replica_sync_every` steps,
    and average its weights with other replicas of its stage (NoLoCo/DiLoCo, keyed by the
    stage fingerprint) when averaging is on;
@@ -43,8 +44,8 @@ import time
 
 from node.aio import cancel_and_wait
 from node.device import resolve_device
-from node.pipeline.backend import StageBackend
-from node.pipeline.client import HopFailed, handler_name
+from node.pipeline.backend import BackendRefused, StageBackend
+from node.pipeline.client import HopFailed, call_stage, handler_name, until_answered
 from node.pipeline.handler import StageHandler
 from node.pipeline.recovery import RecoveryEvent
 from node.pipeline.selection import (
@@ -71,6 +72,8 @@ from node.files import append_json_line, atomic_write_text
 from node.stats import prometheus_text
 from node.transport.session import SwarmSession
 from protocol import DEFAULT_LIMITS, StageAnnouncement
+from protocol.pipeline import RouteHop, StageCall, StageResult
+from protocol.refusals import PipelineRefusal
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class StageServer:
         self.protocol = handler_name(config.swarm.swarm_id, model_fingerprint)
         self.limits = pipeline_limits(config, self.hf_config, sum(p.numel() for p in initial_model.parameters()))
         self.handler = StageHandler(self.limits)
+        self.handler.onward = self.call_onward
         self.announcer = Announcer(session)
         self._rng = random.Random(identity.node_id)
         self.loader = StageLoader(session, self.protocol, self.limits, lambda: self.read_view(strict=False), self._rng)
@@ -111,6 +115,9 @@ class StageServer:
         self._last_replica_sync = -1
         self._empty_since: dict[int, float] = {}  # stage -> when this server first saw it without a live server
         self._latest_map: StageMap | None = None  # the announce loop's last read of the stage map
+        # chained calls' own read, when a hop names a server the announce loop's read does not have yet
+        self._onward_map: StageMap | None = None
+        self._onward_map_read_at = -1e9
 
     @property
     def state(self) -> str:
@@ -248,6 +255,30 @@ class StageServer:
         await self._start_averaging()
         return event
 
+    async def call_onward(self, hop: RouteHop, call: StageCall) -> StageResult:
+        """Send the next hop of a chained call to its server, found by peer id in the signed stage announcements (the
+        announce loop's read, or one of our own at most once an announce interval): never an address the caller gave.
+        The deadline covers the hops after it. HopFailed as any call, BackendRefused when the server is not found."""
+        server = self._announced(self._latest_map, hop) or self._announced(self._onward_map, hop)
+        if server is None and time.monotonic() - self._onward_map_read_at >= self.pipeline.announce_interval_s:
+            self._onward_map_read_at = time.monotonic()
+            self._onward_map = await self.read_map()
+            server = self._announced(self._onward_map, hop)
+        if server is None:
+            raise BackendRefused(
+                PipelineRefusal.ONWARD_FAILED,
+                f"stage {hop.stage} server {hop.peer_id[:12]} is not among the announcements this server reads",
+            )
+        timeout = self.pipeline.call_timeout_s * (1 + len(call.route))
+        return await until_answered(lambda: call_stage(self.dht.p2p, self.protocol, server, call, self.limits, timeout))
+
+    @staticmethod
+    def _announced(stage_map: StageMap | None, hop: RouteHop) -> StageAnnouncement | None:
+        servers = stage_map.servers.get(hop.stage, []) if stage_map is not None else []
+        return next(
+            (s for s in servers if s.p2p_peer_id == hop.peer_id and s.stage_fingerprint == hop.stage_fingerprint), None
+        )
+
     # lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -364,19 +395,21 @@ class StageServer:
             and self._last_replica_sync >= 0
         ):
             return
-        owner = 0 if StagePart.EMBED in replica_parts else self.plan.num_stages - 1
-        source = (await self.read_map()).pick(owner, self._rng)
-        if source is None:
-            return
-        try:
-            weights, _ = await self.loader.fetch(source, [p.value for p in replica_parts], backend.stage)
-        except HopFailed as exc:
-            log.info("CheckFree+ replica refresh from stage %d failed: %s", owner, exc)
-            return
-        async with self.handler.torch_lock:
-            if self.backend is backend:
-                for part, tensors in split_parts(weights).items():
-                    await asyncio.to_thread(backend.stage.load_part_state_dict, StagePart(part), tensors)
+        # with three stages the middle one holds both copies: each comes from its own owner
+        owners = {0 if part is StagePart.EMBED else self.plan.num_stages - 1: part for part in replica_parts}
+        for owner, part in owners.items():
+            source = (await self.read_map()).pick(owner, self._rng)
+            if source is None:
+                return
+            try:
+                weights, _ = await self.loader.fetch(source, [part.value], backend.stage)
+            except HopFailed as exc:
+                log.info("CheckFree+ replica refresh from stage %d failed: %s", owner, exc)
+                return
+            async with self.handler.torch_lock:
+                if self.backend is backend:
+                    for name, tensors in split_parts(weights).items():
+                        await asyncio.to_thread(backend.stage.load_part_state_dict, StagePart(name), tensors)
         self._last_replica_sync = self.step
 
     # what it shows -------------------------------------------------------------------------
