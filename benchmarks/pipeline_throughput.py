@@ -16,8 +16,10 @@ weighs on every way alike:
 Per way: step time, tokens/s (micro_batches x micro_batch_size x sequence_length per step);
 per call of the wire ways, its round trip less the same call's time in the local way of the
 same S (`overhead_ms`, by op: forward, backward, step); bytes of tensor payload per
-micro-batch, each way (driver -> servers, servers -> driver: every hop goes through the
-driver, see node/pipeline/driver.py); and where each wire way's forward and backward calls spent their time
+micro-batch, each way (driver -> servers, servers -> driver: hop by hop, every hop goes through the
+driver, see node/pipeline/driver.py; with `pipeline.direct_hops` a micro-batch is one chained forward, the collect
+of its output and one chained backward, and a chained call has no `overhead_ms`: its round trip holds the hops after
+it); and where each wire way's forward and backward calls spent their time
 on their servers' own clocks (`server_ms_per_call`: the phases of node/pipeline/handler.py's CALL_PHASES, read
 from every server's stage.json), beside the driver's time for the same calls; and what a call's torch work cost
 its worker thread, on the servers and in the local way alike (`compute_cpu`, `compute_faults`: CPU ms and minor
@@ -337,6 +339,9 @@ def served_since(state_dirs: list[Path], after: float, wait) -> list[dict]:
     return snapshots
 
 
+PASS_OF_OP = {"forward": "forward", "collect": "forward", "backward": "backward"}
+
+
 def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
     """Mean seconds by op, and tensor payload bytes per micro-batch, each way (forward and backward calls): those of
     each micro-batch's last attempt (what the shapes imply), and apart those of attempts whose route broke and were
@@ -352,8 +357,9 @@ def summarize_calls(rows: list[dict], micro_batches: int) -> dict:
     retried = [r for r in rows if r["attempt"] != last_attempt[r["micro_batch"]]]
 
     def per_micro_batch(chosen: list[dict]) -> dict[str, float]:
+        # a chained forward's output comes back by the driver's `collect` of it (pipeline.direct_hops)
         return {
-            f"{op}_{way}": sum(r[way] for r in chosen if r["op"] == op) / passes
+            f"{op}_{way}": sum(r[way] for r in chosen if PASS_OF_OP.get(r["op"]) == op) / passes
             for op in ("forward", "backward")
             for way in ("out", "in")
         }
@@ -517,6 +523,7 @@ async def measure_size(
         "ways": {},
     }
     one = statistics.median(steps_s["one_process"])
+    chained_ways = {f"wire {s}" + (f" {v}" if v else "") for s, v in keys[1:] if configs[(s, v)].pipeline.direct_hops}
     for way, times in steps_s.items():
         median = statistics.median(times)
         entry = {
@@ -529,8 +536,10 @@ async def measure_size(
             entry.update(summarize_calls(calls[way].rows, base.pipeline.micro_batches * rounds * steps))
         if way in local_routers:
             entry["compute_per_call"] = compute_per_call(local_routers[way].work)
-        if way.startswith("wire"):
+        if way.startswith("wire") and way not in chained_ways:
+            # a chained call's round trip holds every hop after it: no one call of the local way compares
             entry["overhead_ms"] = hop_overhead_ms(calls[way].rows, calls["local " + way.split()[1]].rows)
+        if way.startswith("wire"):
             entry["server_ms_per_call"] = server_ms[way]
         result["ways"][way] = entry
     return result
