@@ -259,6 +259,11 @@ class PipelineRouter:
     def chaining(self) -> bool:
         return self.pipeline.direct_hops and time.monotonic() >= self.chain_paused_until
 
+    @staticmethod
+    def _chain_ids(call_prefix: str, nonce: str, hops) -> list[str]:
+        """A chain's call ids, one a hop: its forward's and, the same, its backward's."""
+        return [f"{call_prefix}-{nonce}-{k}" for k in range(len(hops))]
+
     def _onward(self, route, hops, ids: list[str], order) -> list[RouteHop]:
         return [
             RouteHop(
@@ -288,7 +293,7 @@ class PipelineRouter:
         nonce = secrets.token_hex(6)
         try:
             output = await self._forward_chained(
-                route, hops, f"{call_prefix}-{nonce}", input_ids, position_ids, attention_mask, train
+                route, hops, self._chain_ids(call_prefix, nonce, hops), input_ids, position_ids, attention_mask, train
             )
         except HopFailed as failure:
             self.chain_fallbacks += 1
@@ -312,9 +317,8 @@ class PipelineRouter:
         return output
 
     async def _forward_chained(
-        self, route, hops, ids_prefix: str, input_ids, position_ids, attention_mask, train: bool
+        self, route, hops, ids: list[str], input_ids, position_ids, attention_mask, train: bool
     ) -> torch.Tensor:
-        ids = [f"{ids_prefix}-{k}" for k in range(len(hops))]
         first, parts = hops[0]
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask}
         onward = self._onward(route, hops, ids, range(1, len(hops)))
@@ -357,7 +361,7 @@ class PipelineRouter:
         """The gradient of the last hop's output back through the route: chained if its forward was."""
         nonce = self.chained.pop(call_prefix, None)
         if nonce is not None:
-            ids = [f"{call_prefix}-{nonce}-{k}" for k in range(len(hops))]
+            ids = self._chain_ids(call_prefix, nonce, hops)
             last = len(hops) - 1
             stage, parts = hops[last]
             call = self._call(

@@ -21,6 +21,7 @@ collects it. The torch worker is free while the onward call runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import time
@@ -240,9 +241,7 @@ class StageHandler:
         """The rest of a chained call, once this hop ran: keep a last forward's output for its origin, or call the next
         hop with this one's output (forward) or input gradient (backward) and the rest of the route. The caller gets
         this hop's result without its tensors (they went on), or ONWARD_FAILED."""
-        bare = StageResult(
-            v=result.v, tensors={}, weights=None, step=result.step, grad_norm=result.grad_norm, lr_scale=result.lr_scale
-        )
+        bare = dataclasses.replace(result, tensors={})
         if call.op == "forward":
             if not call.route:
                 self.outputs[(call.origin, call.call_id)] = result.tensors["output"]

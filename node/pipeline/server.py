@@ -397,8 +397,9 @@ class StageServer:
             return
         # with three stages the middle one holds both copies: each comes from its own owner
         owners = {0 if part is StagePart.EMBED else self.plan.num_stages - 1: part for part in replica_parts}
+        stage_map = await self.read_map()
         for owner, part in owners.items():
-            source = (await self.read_map()).pick(owner, self._rng)
+            source = stage_map.pick(owner, self._rng)
             if source is None:
                 return
             try:
