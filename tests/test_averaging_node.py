@@ -30,8 +30,10 @@ async def _scenario(tmp_path):
         "averaging.method=noloco",
         "averaging.every_steps=2",
         "averaging.transfer_dtype=fp32",
-        "averaging.window_s=600",
-        "averaging.timeout_s=90",
+        # Peers pair only within one wall-clock window (int(time // window_s)). With 600 s windows a boundary fell
+        # between the two nodes' starts now and then (both outcomes "skipped"): one window until 2065 instead.
+        "averaging.window_s=3e9",
+        "averaging.timeout_s=300",  # the first node in flight waits while the second still trains to its outer step
         "trainer.lr=1e-3",
     ]
     pair: list[Node] = []
