@@ -24,7 +24,10 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                --checkpoint-store-mbit R (root) a checkpoint is not done until it is also uploaded to
                a store on another host (a network namespace behind a link of R Mbit/s, which fsyncs
                it), and a replacement server downloads its stage's checkpoint from there: a
-               checkpoint kept only on the host that dies is lost with it;
+               checkpoint kept only on the host that dies is lost with it. The stages share that
+               one link, one after the other, unless --checkpoint-uplinks per-stage: then each
+               stage's host has an uplink of R of its own and all stages save and upload at once
+               (Checkpoints);
 - random:      the new server initialises the stage randomly (fresh optimizer).
 
 Failure schedule: each stage fails independently with probability rate / steps_per_hour
@@ -61,6 +64,8 @@ the last checkpoint) on the same schedule.
     .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --report
     sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
         --checkpoint-store-mbit 100
+    sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
+        --checkpoint-store-mbit 20 --checkpoint-uplinks per-stage
     .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
@@ -70,7 +75,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -79,7 +83,6 @@ import random
 import shutil
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -110,6 +113,7 @@ from node.transport.joining import shutdown_dht  # noqa: E402
 from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
+from benchmarks.checkpoint_store import CheckpointStore, store_get, store_put  # noqa: E402
 from benchmarks.pipeline_throughput import SIZES  # noqa: E402  (one list of model sizes for both benchmarks)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,162 +185,66 @@ def young_interval(checkpoint_s: float, step_s: float, rate: float, steps_per_ho
     return max(1, round(math.sqrt(2 * checkpoint_s * mtbf_s) / step_s))
 
 
-# A checkpoint store on another host (--checkpoint-store-mbit): in a swarm a checkpoint kept only on the node that dies
-# is lost with it, so a deployment uploads each stage's checkpoint to storage elsewhere and a replacement server
-# downloads it. The store is a process in a network namespace of its own (CheckpointStore), behind a link shaped to
-# the rate; it writes what it receives to a temporary file, fsyncs it and renames it over the last one before it
-# answers. One request per connection: PUT (b"P", name, length, bytes) -> b"K"; GET (b"G", name) -> length, bytes.
-STORE_PORT = 7311
-STORE_HEADER = ">cH"  # op, name length
-STORE_LENGTH = ">Q"
+class Checkpoints:
+    """Checkpoint-restart's files: every stage's checkpoint in `folder` on this host, and with stores, uploaded too.
 
+    `stores` is empty (checkpoints stay on this host's disk), one store whose link all stages share (the stages save
+    and upload one after the other: a store behind one link of the rate), or one store per stage (each stage's host
+    has an uplink of the rate of its own, so the stages save and upload at once). A save is done only when every
+    upload is: a checkpoint kept only on the host that dies is lost with it."""
 
-async def store_serve(folder: Path, host: str, port: int) -> None:
-    """The store's side (`--store-serve FOLDER HOST PORT`), until killed."""
+    def __init__(self, folder: Path, stores: list[CheckpointStore]) -> None:
+        if len(stores) not in (0, 1, STAGES):
+            raise ValueError(f"no store, one shared, or one per stage ({STAGES}), not {len(stores)}")
+        self.folder, self.stores = folder, stores
+        self.step: int | None = None  # the driver's step of the last checkpoint (None before the first)
+        self.paths: dict[int, Path] = {}
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            op, size = struct.unpack(STORE_HEADER, await reader.readexactly(struct.calcsize(STORE_HEADER)))
-            name = (await reader.readexactly(size)).decode()
-            if "/" in name or name.startswith("."):
-                raise ValueError(f"bad name {name!r}")
-            path = folder / name
-            if op == b"P":
-                (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
-                partial = path.with_name(name + ".partial")
-                with open(partial, "wb") as handle:
-                    left = length
-                    while left:
-                        chunk = await reader.read(min(left, 1 << 20))
-                        if not chunk:
-                            raise ConnectionError("the upload ended early")
-                        handle.write(chunk)
-                        left -= len(chunk)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(partial, path)
-                fsync_dir(folder)
-                writer.write(b"K")
-            elif op == b"G":
-                data = path.read_bytes()
-                writer.write(struct.pack(STORE_LENGTH, len(data)) + data)
-            await writer.drain()
-        finally:
-            writer.close()
+    def store_of(self, index: int) -> CheckpointStore | None:
+        return self.stores[index % len(self.stores)] if self.stores else None
 
-    folder.mkdir(parents=True, exist_ok=True)
-    server = await asyncio.start_server(handle, host, port)
-    async with server:
-        await server.serve_forever()
+    async def save(self, backends: dict[int, object], step: int) -> int:
+        """Write (and upload) every stage's checkpoint, `backends` by stage index; returns the bytes written."""
+        self.folder.mkdir(parents=True, exist_ok=True)
 
+        async def save_stage(index: int, backend) -> Path:
+            path = self.folder / f"stage-{index}.pt"
+            await asyncio.to_thread(save_stage_checkpoint, backend, path)
+            store = self.store_of(index)
+            if store is not None:
+                await store_put(store.host, store.port, path)
+            return path
 
-async def store_put(host: str, port: int, path: Path) -> None:
-    """Upload the file at `path` to the store under its name; returns once the store has it on disk."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        name = path.name.encode()
-        data = await asyncio.to_thread(path.read_bytes)
-        writer.write(struct.pack(STORE_HEADER, b"P", len(name)) + name + struct.pack(STORE_LENGTH, len(data)))
-        writer.write(data)
-        await writer.drain()
-        if await reader.readexactly(1) != b"K":
-            raise RuntimeError(f"the store did not acknowledge {path.name}")
-    finally:
-        writer.close()
+        if len(self.stores) == STAGES:  # each host saves to its own disk and uploads over its own uplink
+            paths = await asyncio.gather(*(save_stage(index, backend) for index, backend in backends.items()))
+            self.paths = dict(zip(backends, paths, strict=True))
+        else:  # one disk (this host's) or one link (the store's): one stage after the other
+            self.paths = {index: await save_stage(index, backend) for index, backend in backends.items()}
+        self.step = step
+        return sum(path.stat().st_size for path in self.paths.values())
 
+    async def load(self, backends: dict[int, object], replaced: list[int] = ()) -> int:
+        """Every stage reads its last checkpoint back; the `replaced` stages' new hosts first download theirs from
+        their store (the dead host's disk is gone with it), each over its own link where stages have one. Returns the
+        step to go back to."""
+        if self.step is None:
+            raise RuntimeError("no checkpoint to restore yet")
 
-async def store_get(host: str, port: int, path: Path) -> None:
-    """Download the file named like `path` from the store and write it there."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        name = path.name.encode()
-        writer.write(struct.pack(STORE_HEADER, b"G", len(name)) + name)
-        await writer.drain()
-        (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
-        data = await reader.readexactly(length)
-    finally:
-        writer.close()
-    await asyncio.to_thread(path.write_bytes, data)
+        async def download(index: int) -> None:
+            path = self.paths[index]
+            path.unlink(missing_ok=True)
+            store = self.store_of(index)
+            await store_get(store.host, store.port, path)
 
-
-STORE_NET = "198.19"  # the other half of RFC 2544's benchmarking range (the lab uses 198.18 and 198.20)
-STORE_INDEX = itertools.count()  # stores of one process: each its own names and addresses
-
-
-class CheckpointStore:
-    """The store in a network namespace of its own, joined to this host by a veth pair whose two ends are shaped to
-    `mbit` (tbf; root). Its names and its /30 come from this process's id, so it runs beside a lab, another store or a
-    test's (no bridge, no shared host address); a store whose owner died is removed by the next one (by that id)."""
-
-    def __init__(self, mbit: float, scratch: Path) -> None:
-        from benchmarks.lab import _run, _tbf, lab_unavailable
-
-        why = lab_unavailable()
-        if why:
-            raise RuntimeError(f"--checkpoint-store-mbit: {why}")
-        remove_stale_stores()
-        pid, index = os.getpid(), next(STORE_INDEX)
-        self.ns = f"ckst{pid}x{index}"  # with "h"/"s", within the 15 characters of an interface name
-        base = 4 * ((8 * pid + index) % 16384)
-        host_ip = f"{STORE_NET}.{base // 256}.{base % 256 + 1}"
-        self.host, self.port = f"{STORE_NET}.{base // 256}.{base % 256 + 2}", STORE_PORT
-        self.process: subprocess.Popen | None = None
-        try:
-            _run("ip", "netns", "add", self.ns)
-            _run("ip", "link", "add", f"{self.ns}h", "type", "veth", "peer", "name", f"{self.ns}s")
-            _run("ip", "link", "set", f"{self.ns}s", "netns", self.ns)
-            _run("ip", "addr", "add", f"{host_ip}/30", "dev", f"{self.ns}h")
-            _run("ip", "link", "set", f"{self.ns}h", "up")
-            _run("ip", "-n", self.ns, "addr", "add", f"{self.host}/30", "dev", f"{self.ns}s")
-            _run("ip", "-n", self.ns, "link", "set", f"{self.ns}s", "up")
-            _run("ip", "-n", self.ns, "link", "set", "lo", "up")
-            _run("tc", "qdisc", "add", "dev", f"{self.ns}h", "root", *_tbf(mbit))  # uploads
-            _run("tc", "-n", self.ns, "qdisc", "add", "dev", f"{self.ns}s", "root", *_tbf(mbit))  # downloads
-            with open(scratch / "store.log", "ab") as log:
-                self.process = subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns, sys.executable, str(Path(__file__).resolve()), "--store-serve"]
-                    + [str(scratch / "store"), self.host, str(self.port)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        except BaseException:
-            self.close()
-            raise
-
-    async def ready(self) -> None:
-        for _ in range(600):
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection(self.host, self.port)
-                writer.close()
-                return
-            await asyncio.sleep(0.1)
-        raise RuntimeError("the checkpoint store never listened")
-
-    def close(self) -> None:
-        """Stop the store's process (by its process group) and delete its namespace, which takes the veth pair along."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-
-
-def remove_stale_stores() -> list[str]:
-    """Delete the namespaces of checkpoint stores whose owner process is gone (and stop what still runs in them)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    removed = []
-    for name in listed:
-        owner = name.removeprefix("ckst").split("x")[0]
-        if not name.startswith("ckst") or not owner.isdigit() or Path(f"/proc/{owner}").exists():
-            continue
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        removed.append(name)
-    return removed
+        fetched = [index for index in replaced if self.store_of(index) is not None]
+        if len(self.stores) == STAGES:
+            await asyncio.gather(*(download(index) for index in fetched))
+        else:
+            for index in fetched:
+                await download(index)
+        for index, backend in backends.items():
+            await asyncio.to_thread(load_stage_checkpoint, backend, self.paths[index])
+        return self.step
 
 
 class Bench:
@@ -376,21 +284,27 @@ class Bench:
         self.config = load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(scratch / "driver"))
         self.dhts: list = []
         self.servers: dict[int, tuple[StageServer, asyncio.Task, object]] = {}
-        self.checkpoint: dict | None = None
         self.dead: list[asyncio.Task] = []
         self.io_s = 0.0
         self.saves_s: list[float] = []  # each checkpoint of all stages, seconds
         self.loads_s: list[float] = []  # each restore of all stages, seconds
         self.last_bytes = 0
-        self.store: CheckpointStore | None = None
+        stores: list[CheckpointStore] = []
         if strategy == "checkpoint" and args.checkpoint_store_mbit:
-            self.store = CheckpointStore(args.checkpoint_store_mbit, scratch)
+            try:
+                for index in range(STAGES if args.checkpoint_uplinks == "per-stage" else 1):
+                    stores.append(CheckpointStore(args.checkpoint_store_mbit, scratch, name=f"store-{index}"))
+            except BaseException:
+                for store in stores:
+                    store.close()
+                raise
+        self.checkpoints = Checkpoints(scratch / "checkpoints", stores)
 
     async def start(self) -> None:
         from hivemind.dht.node import DHTNode
 
-        if self.store is not None:
-            await self.store.ready()
+        for store in self.checkpoints.stores:
+            await store.ready()
         path = ensure_default_model(self.config, progress=False)
         self.model, self.tokenizer = load_policy(path)
         self.fingerprint = model_fingerprint(self.model, self.tokenizer)
@@ -457,37 +371,23 @@ class Bench:
         self.dead.append(asyncio.create_task(shutdown_dht(dht, timeout=5)))
 
     async def save_checkpoint(self) -> None:
-        """Every stage writes its checkpoint (save_stage_checkpoint), one after the other on this machine's one disk,
-        off the event loop so that the servers keep announcing; the training loop waits for all of them, so the time
-        is charged to this strategy's wall clock."""
+        """Every stage writes (and uploads) its checkpoint (Checkpoints.save), off the event loop so that the servers
+        keep announcing; the training loop waits for all of them, so the time is charged to this strategy's wall
+        clock."""
         started = time.perf_counter()
-        state = {"step": self.driver.step, "stages": {}}
-        folder = self.scratch / "checkpoints"
-        folder.mkdir(exist_ok=True)
-        # one file per stage (servers are kept by stage, or by arrival in churn mode)
-        for server, _, _ in self.servers.values():
-            path = folder / f"stage-{server.index}.pt"
-            await asyncio.to_thread(save_stage_checkpoint, server.backend, path)
-            if self.store is not None:  # not safe until it is off this host: the upload is part of the save
-                await store_put(self.store.host, self.store.port, path)
-            state["stages"][server.index] = path
-        self.checkpoint = state
+        # servers are kept by stage, or by arrival in churn mode: one file per stage
+        backends = {server.index: server.backend for server, _, _ in self.servers.values()}
+        self.last_bytes = await self.checkpoints.save(backends, self.driver.step)
         seconds = time.perf_counter() - started
-        self.last_bytes = sum(path.stat().st_size for path in state["stages"].values())
         self.saves_s.append(seconds)
         self.io_s += seconds
 
     async def load_checkpoint(self, replaced: list[int] = ()) -> None:
-        """Every stage, the new one too, reads its last checkpoint back from disk; the driver goes back to its step.
-        With a store, the servers of the `replaced` stages (new hosts) first download theirs from it."""
+        """Every stage, the new one too, reads its last checkpoint back; the driver goes back to its step. With
+        stores, the servers of the `replaced` stages (new hosts) first download theirs."""
         started = time.perf_counter()
-        for server, _, _ in self.servers.values():
-            path = self.checkpoint["stages"][server.index]
-            if self.store is not None and server.index in replaced:
-                path.unlink(missing_ok=True)  # the dead host's disk is gone with it
-                await store_get(self.store.host, self.store.port, path)
-            await asyncio.to_thread(load_stage_checkpoint, server.backend, path)
-        self.driver.step = self.checkpoint["step"]
+        backends = {server.index: server.backend for server, _, _ in self.servers.values()}
+        self.driver.step = await self.checkpoints.load(backends, replaced)
         seconds = time.perf_counter() - started
         self.loads_s.append(seconds)
         self.io_s += seconds
@@ -497,8 +397,8 @@ class Bench:
         return self.last_bytes
 
     async def stop(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        for store in self.checkpoints.stores:
+            store.close()
         await asyncio.gather(*self.dead, return_exceptions=True)
         for stage in list(self.servers):
             server, task, dht = self.servers.pop(stage)
@@ -605,7 +505,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 await bench.wait_serving(stage)
                 failed["methods"].append("checkpoint" if strategy == "checkpoint" else last_method(server))
             if strategy == "checkpoint":
-                failed["replayed"] = bench.driver.step - bench.checkpoint["step"]
+                failed["replayed"] = bench.driver.step - bench.checkpoints.step
                 await bench.load_checkpoint(schedule[step])
                 failed["load_s"] = bench.loads_s[-1]
             failed["to_serving_s"] = time.perf_counter() - failed["at"]
@@ -736,7 +636,7 @@ async def run_churn(args, scratch: Path, seed: int, strategy: str) -> dict:
                     next_key += 1
                     if strategy == "checkpoint":  # the stage comes back from the checkpoint, with every other stage
                         await joiners[-1]
-                        rolled_back += bench.driver.step - bench.checkpoint["step"]
+                        rolled_back += bench.driver.step - bench.checkpoints.step
                         await bench.load_checkpoint()
                 row = await bench.driver.train_step()
                 done = time.perf_counter()
@@ -831,7 +731,12 @@ def main() -> None:
         "store on another host (a network namespace) over a link of this rate, and a replacement server downloads "
         "its stage's from there (root); default: checkpoints stay on this host's disk",
     )  # fmt: skip
-    parser.add_argument("--store-serve", nargs=3, metavar=("FOLDER", "HOST", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--checkpoint-uplinks", choices=["shared", "per-stage"], default="shared", help="with a store: `shared`, one "
+        "link of the rate to the store that the stages' uploads cross one after the other; `per-stage`, each stage's "
+        "host its own uplink of the rate, so the stages upload at once (four home hosts and a store that is not the "
+        "bottleneck)",
+    )  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
         "--target-fraction",
@@ -871,12 +776,10 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only the figures from --results, for this configuration")
     parser.add_argument("--one", nargs=3, metavar=("SEED", "RATE", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.store_serve:
-        folder, host, port = args.store_serve
-        asyncio.run(store_serve(Path(folder), host, int(port)))
-        return
     if args.churn and args.checkpoint_store_mbit:
         parser.error("--checkpoint-store-mbit is for the failure-rate mode, not --churn")
+    if args.checkpoint_uplinks != "shared" and not args.checkpoint_store_mbit:
+        parser.error("--checkpoint-uplinks needs --checkpoint-store-mbit (without a store, checkpoints stay on disk)")
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -953,12 +856,15 @@ def main() -> None:
 
 def config_key(args) -> dict:
     """What makes two runs comparable: a report mixes only rows with the same key."""
+    per_stage_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks == "per-stage"
     return {
         "shape": list(model_shape(args)),
         "max_steps": args.max_steps,
         "steps_per_hour": args.steps_per_hour,
         "checkpoint_every": str(args.checkpoint_every),
         **({"checkpoint_store_mbit": args.checkpoint_store_mbit} if args.checkpoint_store_mbit else {}),
+        # only where it is not the first setting's: the rows from before it keep their key
+        **({"checkpoint_uplinks": args.checkpoint_uplinks} if per_stage_uplinks else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -981,7 +887,11 @@ def read_rows(path: Path, key: dict) -> list[dict]:
 
 def baseline_key(key: dict) -> dict:
     """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings."""
-    return {name: value for name, value in key.items() if name not in ("checkpoint_every", "checkpoint_store_mbit")}
+    return {
+        name: value
+        for name, value in key.items()
+        if name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks")
+    }
 
 
 def none_row(rows: list[dict], seed: int) -> dict | None:

@@ -18,17 +18,16 @@ import torch
 
 from node.files import append_json_line
 from benchmarks.lab import lab_unavailable
+from benchmarks.checkpoint_store import CheckpointStore, store_get, store_put, store_serve
 from benchmarks.stage_recovery import (
-    CheckpointStore,
+    STAGES,
+    Checkpoints,
     config_key,
     load_stage_checkpoint,
     read_rows,
     recovery_seconds,
     report,
     save_stage_checkpoint,
-    store_get,
-    store_put,
-    store_serve,
     young_interval,
 )
 
@@ -209,15 +208,20 @@ def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_check
     assert read_rows(tmp_path / "absent.jsonl", young) == []
 
 
-def test_the_key_names_config_overrides_only_when_a_run_has_some():
+def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
-        target_fraction=0.8, eval_every=10, micro_batch=8, lr=1e-3, set=[],
+        checkpoint_uplinks="shared", target_fraction=0.8, eval_every=10, micro_batch=8, lr=1e-3, set=[],
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
     args.set = ['tasks.datasets=[{"name": "spell_backward"}]']
     assert config_key(args) == dict(plain, settings=args.set)
+    args.checkpoint_store_mbit = 20.0
+    shared = config_key(args)
+    assert "checkpoint_uplinks" not in shared  # rows from before per-stage uplinks are the shared link's
+    args.checkpoint_uplinks = "per-stage"
+    assert config_key(args) == dict(shared, checkpoint_uplinks="per-stage")
 
 
 def free_port() -> int:
@@ -303,3 +307,50 @@ def test_a_store_whose_owner_died_is_removed_by_the_next_one(tmp_path):
         assert stale not in namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+@needs_lab
+@pytest.mark.parametrize("links", [1, STAGES])
+def test_checkpoints_go_to_the_store_of_their_stage_and_a_new_host_downloads_its_own(tmp_path, links):
+    """With one shared store every stage's file lands there; with a store per stage (each host's own uplink) each
+    stage's file lands in its own and nowhere else. A replaced stage's new host has no local file: it downloads its
+    stage's checkpoint, and every stage is back at the saved weights and step."""
+    stores = [CheckpointStore(mbit=200, scratch=tmp_path, name=f"store-{i}") for i in range(links)]
+    try:
+        checkpoints = Checkpoints(tmp_path / "local", stores)
+
+        async def scenario() -> None:
+            for store in stores:
+                await store.ready()
+            saved = {index: FakeBackend(seed=index) for index in range(STAGES)}
+            for index, backend in saved.items():
+                backend.train([torch.randn(3, 4) for _ in range(index + 1)])
+            written = await checkpoints.save(saved, step=7)
+            assert written == sum((tmp_path / "local" / f"stage-{i}.pt").stat().st_size for i in range(STAGES))
+            at_checkpoint = {i: {k: v.clone() for k, v in b.stage.state_dict().items()} for i, b in saved.items()}
+            for backend in saved.values():  # training goes on past the checkpoint
+                backend.train([torch.randn(3, 4)])
+            (tmp_path / "local" / "stage-2.pt").write_bytes(b"the dead host's disk")  # never read: it is gone
+            fresh = {index: FakeBackend(seed=100 + index) for index in range(STAGES)}
+            assert await checkpoints.load(fresh, replaced=[2]) == 7
+            assert [fresh[i].step for i in range(STAGES)] == [1, 2, 3, 4]
+            for index, backend in fresh.items():
+                state = backend.stage.state_dict()
+                assert all(torch.equal(state[k], v) for k, v in at_checkpoint[index].items()), index
+
+        asyncio.run(scenario())
+        held = [sorted(p.name for p in (tmp_path / f"store-{i}").iterdir()) for i in range(links)]
+        if links == 1:
+            assert held == [[f"stage-{i}.pt" for i in range(STAGES)]]
+        else:
+            assert held == [[f"stage-{i}.pt"] for i in range(STAGES)]
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_checkpoints_refuse_a_number_of_stores_that_is_neither_one_nor_one_per_stage(tmp_path):
+    with pytest.raises(ValueError, match="one per stage"):
+        Checkpoints(tmp_path, [object(), object()])
+    with pytest.raises(RuntimeError, match="no checkpoint"):
+        asyncio.run(Checkpoints(tmp_path, []).load({}))

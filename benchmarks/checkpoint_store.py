@@ -1,0 +1,182 @@
+"""A checkpoint store on another host, for stage_recovery's checkpoint-restart (--checkpoint-store-mbit).
+
+In a swarm a checkpoint kept only on the node that dies is lost with it, so a deployment uploads each stage's
+checkpoint to storage elsewhere and a replacement server downloads it. The store is a process in a network namespace
+of its own (CheckpointStore), behind a link shaped to the rate; it writes what it receives to a temporary file, fsyncs
+it and renames it over the last one before it answers. This module imports no torch, so that a store starts in well
+under a second on a loaded machine: `python benchmarks/checkpoint_store.py FOLDER HOST PORT` serves until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.files import fsync_dir  # noqa: E402
+
+# One request per connection: PUT (b"P", name, length, bytes) -> b"K"; GET (b"G", name) -> length, bytes.
+STORE_PORT = 7311
+STORE_HEADER = ">cH"  # op, name length
+STORE_LENGTH = ">Q"
+
+
+async def store_serve(folder: Path, host: str, port: int) -> None:
+    """The store's side, until killed."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            op, size = struct.unpack(STORE_HEADER, await reader.readexactly(struct.calcsize(STORE_HEADER)))
+            name = (await reader.readexactly(size)).decode()
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"bad name {name!r}")
+            path = folder / name
+            if op == b"P":
+                (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
+                partial = path.with_name(name + ".partial")
+                with open(partial, "wb") as handle:
+                    left = length
+                    while left:
+                        chunk = await reader.read(min(left, 1 << 20))
+                        if not chunk:
+                            raise ConnectionError("the upload ended early")
+                        handle.write(chunk)
+                        left -= len(chunk)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(partial, path)
+                fsync_dir(folder)
+                writer.write(b"K")
+            elif op == b"G":
+                data = path.read_bytes()
+                writer.write(struct.pack(STORE_LENGTH, len(data)) + data)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    folder.mkdir(parents=True, exist_ok=True)
+    server = await asyncio.start_server(handle, host, port)
+    async with server:
+        await server.serve_forever()
+
+
+async def store_put(host: str, port: int, path: Path) -> None:
+    """Upload the file at `path` to the store under its name; returns once the store has it on disk."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        name = path.name.encode()
+        data = await asyncio.to_thread(path.read_bytes)
+        writer.write(struct.pack(STORE_HEADER, b"P", len(name)) + name + struct.pack(STORE_LENGTH, len(data)))
+        writer.write(data)
+        await writer.drain()
+        if await reader.readexactly(1) != b"K":
+            raise RuntimeError(f"the store did not acknowledge {path.name}")
+    finally:
+        writer.close()
+
+
+async def store_get(host: str, port: int, path: Path) -> None:
+    """Download the file named like `path` from the store and write it there."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        name = path.name.encode()
+        writer.write(struct.pack(STORE_HEADER, b"G", len(name)) + name)
+        await writer.drain()
+        (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
+        data = await reader.readexactly(length)
+    finally:
+        writer.close()
+    await asyncio.to_thread(path.write_bytes, data)
+
+
+STORE_NET = "198.19"  # the other half of RFC 2544's benchmarking range (the lab uses 198.18 and 198.20)
+STORE_INDEX = itertools.count()  # stores of one process: each its own names and addresses
+
+
+class CheckpointStore:
+    """The store in a network namespace of its own, joined to this host by a veth pair whose two ends are shaped to
+    `mbit` (tbf; root). Its names and its /30 come from this process's id, so it runs beside a lab, another store or a
+    test's (no bridge, no shared host address); a store whose owner died is removed by the next one (by that id)."""
+
+    def __init__(self, mbit: float, scratch: Path, name: str = "store") -> None:
+        from benchmarks.lab import _run, _tbf, lab_unavailable
+
+        why = lab_unavailable()
+        if why:
+            raise RuntimeError(f"--checkpoint-store-mbit: {why}")
+        remove_stale_stores()
+        pid, index = os.getpid(), next(STORE_INDEX)
+        self.ns = f"ckst{pid}x{index}"  # with "h"/"s", within the 15 characters of an interface name
+        base = 4 * ((8 * pid + index) % 16384)
+        host_ip = f"{STORE_NET}.{base // 256}.{base % 256 + 1}"
+        self.host, self.port = f"{STORE_NET}.{base // 256}.{base % 256 + 2}", STORE_PORT
+        self.process: subprocess.Popen | None = None
+        try:
+            _run("ip", "netns", "add", self.ns)
+            _run("ip", "link", "add", f"{self.ns}h", "type", "veth", "peer", "name", f"{self.ns}s")
+            _run("ip", "link", "set", f"{self.ns}s", "netns", self.ns)
+            _run("ip", "addr", "add", f"{host_ip}/30", "dev", f"{self.ns}h")
+            _run("ip", "link", "set", f"{self.ns}h", "up")
+            _run("ip", "-n", self.ns, "addr", "add", f"{self.host}/30", "dev", f"{self.ns}s")
+            _run("ip", "-n", self.ns, "link", "set", f"{self.ns}s", "up")
+            _run("ip", "-n", self.ns, "link", "set", "lo", "up")
+            _run("tc", "qdisc", "add", "dev", f"{self.ns}h", "root", *_tbf(mbit))  # uploads
+            _run("tc", "-n", self.ns, "qdisc", "add", "dev", f"{self.ns}s", "root", *_tbf(mbit))  # downloads
+            with open(scratch / f"{name}.log", "ab") as log:
+                self.process = subprocess.Popen(
+                    ["ip", "netns", "exec", self.ns, sys.executable, str(Path(__file__).resolve())]
+                    + [str(scratch / name), self.host, str(self.port)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    async def ready(self) -> None:
+        for _ in range(600):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection(self.host, self.port)
+                writer.close()
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("the checkpoint store never listened")
+
+    def close(self) -> None:
+        """Stop the store's process (by its process group) and delete its namespace, which takes the veth pair along."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+def remove_stale_stores() -> list[str]:
+    """Delete the namespaces of checkpoint stores whose owner process is gone (and stop what still runs in them)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    removed = []
+    for name in listed:
+        owner = name.removeprefix("ckst").split("x")[0]
+        if not name.startswith("ckst") or not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        removed.append(name)
+    return removed
+
+
+if __name__ == "__main__":
+    folder, host, port = sys.argv[1:4]
+    asyncio.run(store_serve(Path(folder), host, int(port)))
