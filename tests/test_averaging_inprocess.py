@@ -91,6 +91,9 @@ def test_nodes_given_in_process_averaging_average_through_their_own_loop(tiny_co
         "averaging.method=noloco",
         "averaging.every_steps=1",
         "averaging.window_s=0.001",  # one exchange per update
+        # a node waits for its partner while the partner runs its round: on a loaded machine that took more than the
+        # default 20 s, the waiting node skipped its last exchange and kept its own weights while its partner averaged
+        "averaging.timeout_s=300",
         "averaging.outer_lr=1.0",
         "averaging.outer_momentum=0.0",
         "trainer.drop_uniform_groups=false",  # an update every round, so an exchange every round
@@ -117,6 +120,7 @@ def test_nodes_given_in_process_averaging_average_through_their_own_loop(tiny_co
     asyncio.run(run())
     a, b = nodes
     assert a.averaging.stats.succeeded >= 2 and b.averaging.stats.succeeded >= 2
+    assert (a.averaging.stats.skipped, b.averaging.stats.skipped) == (0, 0)
     assert a.averaging.stats.last_partners == ["b"] and b.averaging.stats.last_partners == ["a"]
     # outer lr 1 without momentum: the last step set both models to the pair's mean, and no update came after it
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
