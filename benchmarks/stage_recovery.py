@@ -203,23 +203,26 @@ class Checkpoints:
     def store_of(self, index: int) -> CheckpointStore | None:
         return self.stores[index % len(self.stores)] if self.stores else None
 
+    async def for_each_stage(self, work, indices) -> list:
+        """`work(index)` for every index: at once where each stage's host has its own uplink, else one after the other
+        (one disk, this host's, or one link, the store's)."""
+        if len(self.stores) == STAGES:
+            return list(await asyncio.gather(*(work(index) for index in indices)))
+        return [await work(index) for index in indices]
+
     async def save(self, backends: dict[int, object], step: int) -> int:
         """Write (and upload) every stage's checkpoint, `backends` by stage index; returns the bytes written."""
         self.folder.mkdir(parents=True, exist_ok=True)
 
-        async def save_stage(index: int, backend) -> Path:
+        async def save_stage(index: int) -> Path:
             path = self.folder / f"stage-{index}.pt"
-            await asyncio.to_thread(save_stage_checkpoint, backend, path)
+            await asyncio.to_thread(save_stage_checkpoint, backends[index], path)
             store = self.store_of(index)
             if store is not None:
                 await store_put(store.host, store.port, path)
             return path
 
-        if len(self.stores) == STAGES:  # each host saves to its own disk and uploads over its own uplink
-            paths = await asyncio.gather(*(save_stage(index, backend) for index, backend in backends.items()))
-            self.paths = dict(zip(backends, paths, strict=True))
-        else:  # one disk (this host's) or one link (the store's): one stage after the other
-            self.paths = {index: await save_stage(index, backend) for index, backend in backends.items()}
+        self.paths = dict(zip(backends, await self.for_each_stage(save_stage, backends), strict=True))
         self.step = step
         return sum(path.stat().st_size for path in self.paths.values())
 
@@ -236,12 +239,7 @@ class Checkpoints:
             store = self.store_of(index)
             await store_get(store.host, store.port, path)
 
-        fetched = [index for index in replaced if self.store_of(index) is not None]
-        if len(self.stores) == STAGES:
-            await asyncio.gather(*(download(index) for index in fetched))
-        else:
-            for index in fetched:
-                await download(index)
+        await self.for_each_stage(download, [index for index in replaced if self.store_of(index) is not None])
         for index, backend in backends.items():
             await asyncio.to_thread(load_stage_checkpoint, backend, self.paths[index])
         return self.step
