@@ -2,9 +2,10 @@
 
 In a swarm a checkpoint kept only on the node that dies is lost with it, so a deployment uploads each stage's
 checkpoint to storage elsewhere and a replacement server downloads it. The store is a process in a network namespace
-of its own (CheckpointStore), behind a link shaped to the rate; it writes what it receives to a temporary file, fsyncs
-it and renames it over the last one before it answers. This module imports no torch, so that a store starts in well
-under a second on a loaded machine: `python benchmarks/checkpoint_store.py FOLDER HOST PORT` serves until killed.
+of its own (CheckpointStore), behind a link shaped to the rate; it writes what it receives to a temporary file of that
+upload's own, fsyncs it and renames it over the last one before it answers (an upload cut short leaves the last one
+whole). This module imports no torch, so that a store starts in well under a second on a loaded machine:
+`python benchmarks/checkpoint_store.py FOLDER HOST PORT` serves until killed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from node.files import fsync_dir  # noqa: E402
 STORE_PORT = 7311
 STORE_HEADER = ">cH"  # op, name length
 STORE_LENGTH = ">Q"
+UPLOADS = itertools.count()
 
 
 async def store_serve(folder: Path, host: str, port: int) -> None:
@@ -41,18 +43,22 @@ async def store_serve(folder: Path, host: str, port: int) -> None:
             path = folder / name
             if op == b"P":
                 (length,) = struct.unpack(STORE_LENGTH, await reader.readexactly(struct.calcsize(STORE_LENGTH)))
-                partial = path.with_name(name + ".partial")
-                with open(partial, "wb") as handle:
-                    left = length
-                    while left:
-                        chunk = await reader.read(min(left, 1 << 20))
-                        if not chunk:
-                            raise ConnectionError("the upload ended early")
-                        handle.write(chunk)
-                        left -= len(chunk)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.replace(partial, path)
+                # a file of this upload's own: an upload cut by its host's loss never mixes with the next of the name
+                partial = path.with_name(f"{name}.{next(UPLOADS)}.partial")
+                try:
+                    with open(partial, "wb") as handle:
+                        left = length
+                        while left:
+                            chunk = await reader.read(min(left, 1 << 20))
+                            if not chunk:
+                                raise ConnectionError("the upload ended early")
+                            handle.write(chunk)
+                            left -= len(chunk)
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.replace(partial, path)
+                finally:
+                    partial.unlink(missing_ok=True)
                 fsync_dir(folder)
                 writer.write(b"K")
             elif op == b"G":

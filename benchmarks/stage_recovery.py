@@ -27,7 +27,10 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                checkpoint kept only on the host that dies is lost with it. The stages share that
                one link, one after the other, unless --checkpoint-uplinks per-stage: then each
                stage's host has an uplink of R of its own and all stages save and upload at once
-               (Checkpoints);
+               (Checkpoints). With --checkpoint-uploads background training goes on once every
+               stage has written its checkpoint to its own disk; the uploads run meanwhile and the
+               checkpoint is the restore point once they have all ended (a failure before that cuts
+               them and rolls back to the checkpoint before);
 - random:      the new server initialises the stage randomly (fresh optimizer).
 
 Failure schedule: each stage fails independently with probability rate / steps_per_hour
@@ -66,6 +69,8 @@ the last checkpoint) on the same schedule.
         --checkpoint-store-mbit 100
     sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
         --checkpoint-store-mbit 20 --checkpoint-uplinks per-stage
+    sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
+        --checkpoint-store-mbit 20 --checkpoint-uplinks per-stage --checkpoint-uploads background
     .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
@@ -190,15 +195,29 @@ class Checkpoints:
 
     `stores` is empty (checkpoints stay on this host's disk), one store whose link all stages share (the stages save
     and upload one after the other: a store behind one link of the rate), or one store per stage (each stage's host
-    has an uplink of the rate of its own, so the stages save and upload at once). A save is done only when every
-    upload is: a checkpoint kept only on the host that dies is lost with it."""
+    has an uplink of the rate of its own, so the stages save and upload at once). A checkpoint is a restore point only
+    once every stage's upload is done: a checkpoint kept only on the host that dies is lost with it.
 
-    def __init__(self, folder: Path, stores: list[CheckpointStore]) -> None:
+    With `background` uploads a save returns once every stage has its checkpoint on its own disk; the uploads go on
+    while training does, and the checkpoint becomes the restore point when the last of them ends. Until then the
+    restore point is the one before, whose files stay whole: checkpoints alternate between two slots, on the hosts'
+    disks and in the stores. A save that finds the last checkpoint's uploads still going waits for them (a deployment
+    would not start a second upload of a stage beside the first), and a lost host cuts its own upload, which leaves
+    the others' uploads of that checkpoint useless (`drop_pending`)."""
+
+    def __init__(self, folder: Path, stores: list[CheckpointStore], background: bool = False) -> None:
         if len(stores) not in (0, 1, STAGES):
             raise ValueError(f"no store, one shared, or one per stage ({STAGES}), not {len(stores)}")
-        self.folder, self.stores = folder, stores
-        self.step: int | None = None  # the driver's step of the last checkpoint (None before the first)
-        self.paths: dict[int, Path] = {}
+        if background and not stores:
+            raise ValueError("uploads in the background need a store to upload to")
+        self.folder, self.stores, self.background = folder, stores, background
+        self.step: int | None = None  # the restore point: the driver's step of the last whole checkpoint (None before)
+        self.slot = 1  # the restore point's slot; the first checkpoint goes to slot 0
+        self.paths: dict[int, Path] = {}  # the restore point's files on this host, by stage index
+        self.pending: asyncio.Task | None = None  # background: the uploads of the newest checkpoint
+        self.uploads_s: list[float] = []  # background: each checkpoint's uploads, from its save's end to the last's
+        self.upload_waits_s: list[float] = []  # background: each save's wait for the last checkpoint's uploads
+        self.uploads_dropped = 0  # background: checkpoints whose uploads a lost host cut
 
     def store_of(self, index: int) -> CheckpointStore | None:
         return self.stores[index % len(self.stores)] if self.stores else None
@@ -211,25 +230,60 @@ class Checkpoints:
         return [await work(index) for index in indices]
 
     async def save(self, backends: dict[int, object], step: int) -> int:
-        """Write (and upload) every stage's checkpoint, `backends` by stage index; returns the bytes written."""
+        """Write every stage's checkpoint, `backends` by stage index, and upload it (or start uploading it, in the
+        background); returns the bytes written."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self.pending is not None:
+            waited = time.perf_counter()
+            await self.pending
+            self.upload_waits_s.append(time.perf_counter() - waited)
+        slot = 1 - self.slot
+        paths = {index: self.folder / f"stage-{index}-{slot}.pt" for index in backends}
 
-        async def save_stage(index: int) -> Path:
-            path = self.folder / f"stage-{index}.pt"
-            await asyncio.to_thread(save_stage_checkpoint, backends[index], path)
+        async def write(index: int) -> None:
+            await asyncio.to_thread(save_stage_checkpoint, backends[index], paths[index])
+
+        async def upload(index: int) -> None:
             store = self.store_of(index)
             if store is not None:
-                await store_put(store.host, store.port, path)
-            return path
+                await store_put(store.host, store.port, paths[index])
 
-        self.paths = dict(zip(backends, await self.for_each_stage(save_stage, backends), strict=True))
-        self.step = step
-        return sum(path.stat().st_size for path in self.paths.values())
+        async def upload_all() -> None:
+            started = time.perf_counter()
+            await self.for_each_stage(upload, paths)
+            self.uploads_s.append(time.perf_counter() - started)
+            self.step, self.slot, self.paths = step, slot, paths
+
+        if self.background:
+            await self.for_each_stage(write, paths)
+            self.pending = asyncio.create_task(upload_all())
+        else:
+
+            async def write_and_upload(index: int) -> None:
+                await write(index)
+                await upload(index)
+
+            await self.for_each_stage(write_and_upload, paths)
+            self.step, self.slot, self.paths = step, slot, paths
+        return sum(path.stat().st_size for path in paths.values())
+
+    async def drop_pending(self) -> bool:
+        """A host is lost: the newest checkpoint's uploads, if still going, can no longer all end (that host's is cut),
+        so they are stopped and the restore point stays the one before. Returns whether there were any."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.done():
+            if pending is not None:
+                pending.result()  # an upload that failed is news
+            return False
+        await cancel_and_wait([pending], "checkpoint uploads cut by a lost host")
+        self.uploads_dropped += 1
+        return True
 
     async def load(self, backends: dict[int, object], replaced: list[int] = ()) -> int:
-        """Every stage reads its last checkpoint back; the `replaced` stages' new hosts first download theirs from
+        """Every stage reads the restore point back; the `replaced` stages' new hosts first download theirs from
         their store (the dead host's disk is gone with it), each over its own link where stages have one. Returns the
         step to go back to."""
+        await self.drop_pending()
         if self.step is None:
             raise RuntimeError("no checkpoint to restore yet")
 
@@ -243,6 +297,12 @@ class Checkpoints:
         for index, backend in backends.items():
             await asyncio.to_thread(load_stage_checkpoint, backend, self.paths[index])
         return self.step
+
+    async def close(self) -> None:
+        """Stop uploads still going when the run ends (their checkpoint is never needed)."""
+        if self.pending is not None and not self.pending.done():
+            await cancel_and_wait([self.pending], "checkpoint uploads at the end of a run")
+        self.pending = None
 
 
 class Bench:
@@ -285,6 +345,7 @@ class Bench:
         self.dead: list[asyncio.Task] = []
         self.io_s = 0.0
         self.saves_s: list[float] = []  # each checkpoint of all stages, seconds
+        self.save_cost_s = 0.0  # the last save, less any wait for the uploads before it (Young's rule prices this)
         self.loads_s: list[float] = []  # each restore of all stages, seconds
         self.last_bytes = 0
         stores: list[CheckpointStore] = []
@@ -296,7 +357,8 @@ class Bench:
                 for store in stores:
                     store.close()
                 raise
-        self.checkpoints = Checkpoints(scratch / "checkpoints", stores)
+        background = args.checkpoint_uploads == "background"
+        self.checkpoints = Checkpoints(scratch / "checkpoints", stores, background=background and bool(stores))
 
     async def start(self) -> None:
         from hivemind.dht.node import DHTNode
@@ -357,7 +419,9 @@ class Bench:
             await asyncio.sleep(0.01)
         raise RuntimeError("a stage server never started serving")
 
-    async def kill(self, stage: int) -> None:
+    async def kill(self, stage: int) -> bool:
+        """Kill a stage's server as kill -9 would. Returns whether that cut checkpoint uploads still going (its host's
+        among them)."""
         server, task, dht = self.servers.pop(stage)
         process = getattr(dht.p2p, "_child", None)
         if process is not None and process.returncode is None:
@@ -367,18 +431,22 @@ class Bench:
         await cancel_and_wait([task], "a killed stage server")
         # Its DHT node is cleaned up off the clock: a killed server does not wait for anything.
         self.dead.append(asyncio.create_task(shutdown_dht(dht, timeout=5)))
+        return await self.checkpoints.drop_pending()
 
     async def save_checkpoint(self) -> None:
-        """Every stage writes (and uploads) its checkpoint (Checkpoints.save), off the event loop so that the servers
-        keep announcing; the training loop waits for all of them, so the time is charged to this strategy's wall
-        clock."""
+        """Every stage writes (and uploads, or starts uploading) its checkpoint (Checkpoints.save), off the event loop
+        so that the servers keep announcing; the training loop waits for all of them, so the time is charged to this
+        strategy's wall clock, a wait for the last checkpoint's uploads in the background included."""
         started = time.perf_counter()
         # servers are kept by stage, or by arrival in churn mode: one file per stage
         backends = {server.index: server.backend for server, _, _ in self.servers.values()}
+        waits = len(self.checkpoints.upload_waits_s)
         self.last_bytes = await self.checkpoints.save(backends, self.driver.step)
         seconds = time.perf_counter() - started
         self.saves_s.append(seconds)
         self.io_s += seconds
+        # what the save itself blocks training for, without a wait for the last checkpoint's uploads: Young's price
+        self.save_cost_s = seconds - sum(self.checkpoints.upload_waits_s[waits:])
 
     async def load_checkpoint(self, replaced: list[int] = ()) -> None:
         """Every stage, the new one too, reads its last checkpoint back; the driver goes back to its step. With
@@ -395,6 +463,7 @@ class Bench:
         return self.last_bytes
 
     async def stop(self) -> None:
+        await self.checkpoints.close()
         for store in self.checkpoints.stores:
             store.close()
         await asyncio.gather(*self.dead, return_exceptions=True)
@@ -470,6 +539,10 @@ async def run(
         "checkpoint_loads_s": bench.loads_s,
         "checkpoint_bytes": bench.checkpoint_bytes(),
         "checkpoint_io_s": bench.io_s,
+        # uploads in the background: each checkpoint's (seconds), each save's wait for the last one's, those cut
+        "checkpoint_uploads_s": bench.checkpoints.uploads_s,
+        "checkpoint_upload_waits_s": bench.checkpoints.upload_waits_s,
+        "checkpoint_uploads_dropped": bench.checkpoints.uploads_dropped,
         "timed_out": timed_out,
     }
 
@@ -498,7 +571,8 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
             fired.add(step)
             failed = {"at": time.perf_counter(), "step": step, "stages": schedule[step], "methods": []}
             for stage in schedule[step]:
-                await bench.kill(stage)
+                if await bench.kill(stage):
+                    failed["uploads_cut"] = True
                 server = await bench.start_server(stage)
                 await bench.wait_serving(stage)
                 failed["methods"].append("checkpoint" if strategy == "checkpoint" else last_method(server))
@@ -529,9 +603,9 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
             # The checkpoint after step 1 sets the interval: the one before it holds no AdamW moments yet (a third of
             # the bytes), this one is the size of every later one.
             await bench.save_checkpoint()
-            record["every"] = checkpoint_every(args, bench.saves_s[-1], step_s, rate)
+            record["every"] = checkpoint_every(args, bench.save_cost_s, step_s, rate)
             print(
-                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.saves_s[-1]:.2f}s for "
+                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.save_cost_s:.2f}s for "
                 f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
                 flush=True,
             )
@@ -735,6 +809,11 @@ def main() -> None:
         "host its own uplink of the rate, so the stages upload at once (four home hosts and a store that is not the "
         "bottleneck)",
     )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-uploads", choices=["blocking", "background"], default="blocking", help="with a store: "
+        "`blocking`, training waits until every stage's upload is done; `background`, training goes on once every "
+        "stage has its checkpoint on its own disk, and the checkpoint is the restore point once its uploads end",
+    )  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
         "--target-fraction",
@@ -778,6 +857,8 @@ def main() -> None:
         parser.error("--checkpoint-store-mbit is for the failure-rate mode, not --churn")
     if args.checkpoint_uplinks != "shared" and not args.checkpoint_store_mbit:
         parser.error("--checkpoint-uplinks needs --checkpoint-store-mbit (without a store, checkpoints stay on disk)")
+    if args.checkpoint_uploads != "blocking" and not args.checkpoint_store_mbit:
+        parser.error("--checkpoint-uploads needs --checkpoint-store-mbit (without a store nothing is uploaded)")
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -855,6 +936,7 @@ def main() -> None:
 def config_key(args) -> dict:
     """What makes two runs comparable: a report mixes only rows with the same key."""
     per_stage_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks == "per-stage"
+    background_uploads = bool(args.checkpoint_store_mbit) and args.checkpoint_uploads == "background"
     return {
         "shape": list(model_shape(args)),
         "max_steps": args.max_steps,
@@ -863,6 +945,7 @@ def config_key(args) -> dict:
         **({"checkpoint_store_mbit": args.checkpoint_store_mbit} if args.checkpoint_store_mbit else {}),
         # only where it is not the first setting's: the rows from before it keep their key
         **({"checkpoint_uplinks": args.checkpoint_uplinks} if per_stage_uplinks else {}),
+        **({"checkpoint_uploads": args.checkpoint_uploads} if background_uploads else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -888,7 +971,7 @@ def baseline_key(key: dict) -> dict:
     return {
         name: value
         for name, value in key.items()
-        if name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks")
+        if name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads")
     }
 
 
@@ -1099,6 +1182,13 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "checkpoint_every_by_rate": {
             f"{rate:.2f}": sorted({r["checkpoint_every"] for r in rows_of("checkpoint", rate)}) for rate in rates
         },
+        # uploads in the background (empty otherwise): how long a checkpoint took to become the restore point, what
+        # saves waited for the uploads before them, and the failures that cut uploads still going
+        "checkpoint_upload_s": spread([s for r in checkpoints for s in r.get("checkpoint_uploads_s", [])]),
+        "checkpoint_upload_wait_s": spread([s for r in checkpoints for s in r.get("checkpoint_upload_waits_s", [])]),
+        "checkpoint_failures_that_cut_uploads": [
+            sum(bool(f.get("uploads_cut")) for f in r["recoveries"]) for r in checkpoints
+        ],
         "missed_target": sorted(
             f"{r['strategy']}@{r['rate']:.2f} seed {r['seed']}" for r in rows if r["steps_to_target"] is None
         ),
@@ -1185,6 +1275,12 @@ def print_report(summary: dict) -> None:
         f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "
         f"{summary['checkpoint_replayed_steps']}; share of wall s in checkpoint I/O {summary['checkpoint_io_share']}"
     )
+    if summary["checkpoint_upload_s"]:
+        print(
+            f"uploads in the background: s to a restore point {summary['checkpoint_upload_s']}, saves' wait for the "
+            f"last uploads {summary['checkpoint_upload_wait_s']}, failures that cut uploads per run "
+            f"{summary['checkpoint_failures_that_cut_uploads']}"
+        )
     print(json.dumps(summary))
 
 

@@ -9,6 +9,7 @@ import asyncio
 import math
 import os
 import socket
+import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,10 +19,18 @@ import torch
 
 from node.files import append_json_line
 from benchmarks.lab import lab_unavailable
-from benchmarks.checkpoint_store import CheckpointStore, store_get, store_put, store_serve
+from benchmarks.checkpoint_store import (
+    STORE_HEADER,
+    STORE_LENGTH,
+    CheckpointStore,
+    store_get,
+    store_put,
+    store_serve,
+)
 from benchmarks.stage_recovery import (
     STAGES,
     Checkpoints,
+    baseline_key,
     config_key,
     load_stage_checkpoint,
     read_rows,
@@ -211,7 +220,8 @@ def test_rows_are_read_by_their_settings_and_failure_free_runs_serve_every_check
 def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
-        checkpoint_uplinks="shared", target_fraction=0.8, eval_every=10, micro_batch=8, lr=1e-3, set=[],
+        checkpoint_uplinks="shared", checkpoint_uploads="blocking", target_fraction=0.8, eval_every=10, micro_batch=8,
+        lr=1e-3, set=[],
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
@@ -222,6 +232,11 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     assert "checkpoint_uplinks" not in shared  # rows from before per-stage uplinks are the shared link's
     args.checkpoint_uplinks = "per-stage"
     assert config_key(args) == dict(shared, checkpoint_uplinks="per-stage")
+    args.checkpoint_uploads = "background"
+    background = config_key(args)
+    assert background == dict(shared, checkpoint_uplinks="per-stage", checkpoint_uploads="background")
+    # one failure-free run serves every checkpoint rule, uploads in the background too
+    assert baseline_key(background) == baseline_key(shared) == baseline_key(plain | {"settings": args.set})
 
 
 def free_port() -> int:
@@ -326,11 +341,11 @@ def test_checkpoints_go_to_the_store_of_their_stage_and_a_new_host_downloads_its
             for index, backend in saved.items():
                 backend.train([torch.randn(3, 4) for _ in range(index + 1)])
             written = await checkpoints.save(saved, step=7)
-            assert written == sum((tmp_path / "local" / f"stage-{i}.pt").stat().st_size for i in range(STAGES))
+            assert written == sum((tmp_path / "local" / f"stage-{i}-0.pt").stat().st_size for i in range(STAGES))
             at_checkpoint = {i: {k: v.clone() for k, v in b.stage.state_dict().items()} for i, b in saved.items()}
             for backend in saved.values():  # training goes on past the checkpoint
                 backend.train([torch.randn(3, 4)])
-            (tmp_path / "local" / "stage-2.pt").write_bytes(b"the dead host's disk")  # never read: it is gone
+            (tmp_path / "local" / "stage-2-0.pt").write_bytes(b"the dead host's disk")  # never read: it is gone
             fresh = {index: FakeBackend(seed=100 + index) for index in range(STAGES)}
             assert await checkpoints.load(fresh, replaced=[2]) == 7
             assert [fresh[i].step for i in range(STAGES)] == [1, 2, 3, 4]
@@ -341,9 +356,9 @@ def test_checkpoints_go_to_the_store_of_their_stage_and_a_new_host_downloads_its
         asyncio.run(scenario())
         held = [sorted(p.name for p in (tmp_path / f"store-{i}").iterdir()) for i in range(links)]
         if links == 1:
-            assert held == [[f"stage-{i}.pt" for i in range(STAGES)]]
+            assert held == [[f"stage-{i}-0.pt" for i in range(STAGES)]]
         else:
-            assert held == [[f"stage-{i}.pt"] for i in range(STAGES)]
+            assert held == [[f"stage-{i}-0.pt"] for i in range(STAGES)]
     finally:
         for store in stores:
             store.close()
@@ -354,3 +369,118 @@ def test_checkpoints_refuse_a_number_of_stores_that_is_neither_one_nor_one_per_s
         Checkpoints(tmp_path, [object(), object()])
     with pytest.raises(RuntimeError, match="no checkpoint"):
         asyncio.run(Checkpoints(tmp_path, []).load({}))
+
+
+async def gated_store(store_port: int, gate: asyncio.Event) -> asyncio.Server:
+    """A store's link that the test opens and shuts: a PUT arriving while `gate` is clear is held (its bytes read, not
+    passed on, no answer) until the gate opens, and dropped if the uploader goes away first, as an upload cut
+    by a lost host never reaches the store. GETs pass at once."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readexactly(struct.calcsize(STORE_HEADER))
+            op, size = struct.unpack(STORE_HEADER, head)
+            request = head + await reader.readexactly(size)
+            if op == b"P":
+                length = await reader.readexactly(struct.calcsize(STORE_LENGTH))
+                request += length + await reader.readexactly(struct.unpack(STORE_LENGTH, length)[0])
+                uploader_gone = asyncio.create_task(reader.read(1))  # b"" once the uploader closes
+                opened = asyncio.create_task(gate.wait())
+                await asyncio.wait([uploader_gone, opened], return_when=asyncio.FIRST_COMPLETED)
+                uploader_gone.cancel()
+                opened.cancel()
+                if not gate.is_set():
+                    return
+            store_reader, store_writer = await asyncio.open_connection("127.0.0.1", store_port)
+            store_writer.write(request)
+            await store_writer.drain()
+            writer.write(await store_reader.read())
+            await writer.drain()
+            store_writer.close()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_uploads_in_the_background_make_a_restore_point_only_once_they_all_end(tmp_path):
+    """`background`: a save returns with every stage's checkpoint on its own disk and the uploads still going; the
+    restore point stays the checkpoint before until they all end. A host lost meanwhile cuts them, and the restore
+    brings every stage, the replaced one from its store, back to the checkpoint before, whose files the newer one did
+    not touch (two slots). A save waits for the uploads before it. Real stores on 127.0.0.1, one per stage, each
+    behind a link the test opens and shuts."""
+    checkpoints_seen: dict[str, object] = {}
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        servers, stores = [], []
+        for index in range(STAGES):
+            port = free_port()
+            servers.append(asyncio.create_task(store_serve(tmp_path / f"store-{index}", "127.0.0.1", port)))
+            link = await gated_store(port, gate)
+            stores.append(SimpleNamespace(host="127.0.0.1", port=link.sockets[0].getsockname()[1], link=link))
+        for _ in range(100):  # until the stores listen
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        checkpoints = Checkpoints(tmp_path / "local", stores, background=True)
+        try:
+            backends = {index: FakeBackend(seed=index) for index in range(STAGES)}
+            for backend in backends.values():
+                backend.train([torch.randn(3, 4)])
+            await checkpoints.save(backends, step=3)
+            assert checkpoints.step is None and not checkpoints.pending.done()  # on every disk, not yet uploaded
+            assert all((tmp_path / "local" / f"stage-{i}-0.pt").exists() for i in range(STAGES))
+            gate.set()
+            await checkpoints.pending
+            assert checkpoints.step == 3
+            at_3 = {i: {k: v.clone() for k, v in b.stage.state_dict().items()} for i, b in backends.items()}
+
+            gate.clear()
+            for backend in backends.values():
+                backend.train([torch.randn(3, 4)])
+            await checkpoints.save(backends, step=5)
+            assert checkpoints.step == 3  # its uploads are held at the link
+            assert await checkpoints.drop_pending()  # a host is lost: the checkpoint of step 5 never completes
+            fresh = {index: FakeBackend(seed=100 + index) for index in range(STAGES)}
+            assert await checkpoints.load(fresh, replaced=[2]) == 3
+            assert [fresh[i].step for i in range(STAGES)] == [1, 1, 1, 1]
+            for index, backend in fresh.items():
+                state = backend.stage.state_dict()
+                assert all(torch.equal(state[k], v) for k, v in at_3[index].items()), index
+
+            saving = asyncio.create_task(checkpoints.save(fresh, step=6))
+            await saving
+            later = asyncio.create_task(checkpoints.save(fresh, step=7))
+            await asyncio.sleep(0.2)
+            assert not later.done()  # it waits for step 6's uploads, held at the shut link
+            gate.set()
+            await later
+            await checkpoints.pending
+            assert checkpoints.step == 7 and checkpoints.uploads_dropped == 1
+            # uploads of steps 3, 6 and 7; the saves of 5 and 7 found uploads before them (after 5 they were cut)
+            assert len(checkpoints.uploads_s) == 3 and len(checkpoints.upload_waits_s) == 2
+            checkpoints_seen["held"] = [
+                sorted(p.name for p in (tmp_path / f"store-{i}").iterdir()) for i in range(STAGES)
+            ]
+        finally:
+            await checkpoints.close()
+            for store in stores:
+                store.link.close()
+            for server in servers:
+                server.cancel()
+            await asyncio.gather(*servers, return_exceptions=True)
+
+    asyncio.run(scenario())
+    # step 3 in slot 0, step 5 cut at the link, steps 6 and 7 in slots 1 and 0: no partial file left
+    assert checkpoints_seen["held"] == [[f"stage-{i}-0.pt", f"stage-{i}-1.pt"] for i in range(STAGES)]
+
+
+def test_uploads_in_the_background_need_a_store():
+    with pytest.raises(ValueError, match="need a store"):
+        Checkpoints(Path("unused"), [], background=True)
