@@ -74,6 +74,17 @@ async def store_serve(folder: Path, host: str, port: int) -> None:
         await server.serve_forever()
 
 
+async def until_listening(host: str, port: int, tries: int = 600, every_s: float = 0.1) -> None:
+    """Return once a store accepts connections at host:port (a store process or task takes a moment to listen)."""
+    for _ in range(tries):
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            return
+        await asyncio.sleep(every_s)
+    raise RuntimeError(f"the checkpoint store at {host}:{port} never listened")
+
+
 async def store_put(host: str, port: int, path: Path) -> None:
     """Upload the file at `path` to the store under its name; returns once the store has it on disk."""
     reader, writer = await asyncio.open_connection(host, port)
@@ -149,13 +160,7 @@ class CheckpointStore:
             raise
 
     async def ready(self) -> None:
-        for _ in range(600):
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection(self.host, self.port)
-                writer.close()
-                return
-            await asyncio.sleep(0.1)
-        raise RuntimeError("the checkpoint store never listened")
+        await until_listening(self.host, self.port)
 
     def close(self) -> None:
         """Stop the store's process (by its process group) and delete its namespace, which takes the veth pair along."""

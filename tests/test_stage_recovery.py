@@ -26,6 +26,7 @@ from benchmarks.checkpoint_store import (
     store_get,
     store_put,
     store_serve,
+    until_listening,
 )
 from benchmarks.stage_recovery import (
     STAGES,
@@ -267,13 +268,7 @@ def test_the_checkpoint_store_keeps_the_last_upload_of_each_name_whole(tmp_path)
     async def scenario() -> None:
         server = asyncio.create_task(store_serve(folder, "127.0.0.1", port))
         try:
-            for _ in range(100):  # until it listens
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", port)
-                    writer.close()
-                    break
-                except OSError:
-                    await asyncio.sleep(0.05)
+            await until_listening("127.0.0.1", port, tries=100, every_s=0.05)
             await store_round_trip("127.0.0.1", port, tmp_path, [3_000_000, 10])
         finally:
             server.cancel()
@@ -419,15 +414,9 @@ def test_uploads_in_the_background_make_a_restore_point_only_once_they_all_end(t
         for index in range(STAGES):
             port = free_port()
             servers.append(asyncio.create_task(store_serve(tmp_path / f"store-{index}", "127.0.0.1", port)))
+            await until_listening("127.0.0.1", port, tries=100, every_s=0.05)
             link = await gated_store(port, gate)
             stores.append(SimpleNamespace(host="127.0.0.1", port=link.sockets[0].getsockname()[1], link=link))
-        for _ in range(100):  # until the stores listen
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
         checkpoints = Checkpoints(tmp_path / "local", stores, background=True)
         try:
             backends = {index: FakeBackend(seed=index) for index in range(STAGES)}
