@@ -106,13 +106,26 @@ import torch  # noqa: E402
 from node.aio import cancel_and_wait  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.files import append_json_line, fsync_dir  # noqa: E402
-from node.model import ensure_default_model, load_policy, model_fingerprint  # noqa: E402
+from node.model import (  # noqa: E402
+    build_char_tokenizer,
+    build_default_model,
+    ensure_default_model,
+    load_policy,
+    model_fingerprint,
+)
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
 from node.pipeline.lm import LMDriver  # noqa: E402
 from node.pipeline.server import StageServer  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
-from node.pipeline.stages import expected_fingerprints, pipeline_limits  # noqa: E402
+from node.pipeline.recovery import tensor_bytes  # noqa: E402
+from node.pipeline.stages import (  # noqa: E402
+    checkfree_plus_extra_parts,
+    expected_fingerprints,
+    part_tensors,
+    pipeline_limits,
+    split_model,
+)
 from node.state import StateStore  # noqa: E402
 from node.transport.joining import shutdown_dht  # noqa: E402
 from node.transport.session import SwarmSession  # noqa: E402
@@ -132,6 +145,19 @@ def model_shape(args) -> tuple[int, int, int, int]:
     if args.size:
         return SIZES[args.size]
     return args.hidden, 8, max(2, args.hidden // 32), args.hidden * 2
+
+
+def shape_overrides(shape: tuple[int, int, int, int], seed: int) -> list[str]:
+    hidden, layers, heads, intermediate = shape
+    return [
+        f"model.default.hidden_size={hidden}",
+        f"model.default.num_layers={layers}",
+        f"model.default.num_heads={heads}",
+        f"model.default.intermediate_size={intermediate}",
+        "model.default.max_position_embeddings=128",
+        "model.default.warmup_steps=0",
+        f"model.default.seed={seed}",
+    ]
 
 
 def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) -> dict[int, list[int]]:
@@ -308,15 +334,8 @@ class Checkpoints:
 class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
-        hidden, layers, heads, intermediate = model_shape(args)
         overrides = [
-            f"model.default.hidden_size={hidden}",
-            f"model.default.num_layers={layers}",
-            f"model.default.num_heads={heads}",
-            f"model.default.intermediate_size={intermediate}",
-            "model.default.max_position_embeddings=128",
-            "model.default.warmup_steps=0",
-            f"model.default.seed={seed}",
+            *shape_overrides(model_shape(args), seed),
             'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
             "swarm.swarm_id=stage-bench",
             f"pipeline.num_stages={STAGES}",
@@ -569,13 +588,22 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
         # each scheduled failure happens once, even when a rollback replays its step
         if step in schedule and step not in fired:
             fired.add(step)
-            failed = {"at": time.perf_counter(), "step": step, "stages": schedule[step], "methods": []}
+            failed = {
+                "at": time.perf_counter(),
+                "step": step,
+                "stages": schedule[step],
+                "methods": [],
+                "fetched_bytes": [],
+            }
             for stage in schedule[step]:
                 if await bench.kill(stage):
                     failed["uploads_cut"] = True
                 server = await bench.start_server(stage)
                 await bench.wait_serving(stage)
-                failed["methods"].append("checkpoint" if strategy == "checkpoint" else last_method(server))
+                event = last_recovery(server)
+                failed["methods"].append("checkpoint" if strategy == "checkpoint" else event.get("method", "unknown"))
+                # what the new server read from live neighbours (here over loopback; between hosts, over their links)
+                failed["fetched_bytes"].append(event.get("bytes_fetched", 0))
             if strategy == "checkpoint":
                 failed["replayed"] = bench.driver.step - bench.checkpoints.step
                 await bench.load_checkpoint(schedule[step])
@@ -644,11 +672,12 @@ def recovery_seconds(to_serving_s: float, recovery_step_s: float, normal_step_s:
     return to_serving_s + max(0.0, recovery_step_s - normal_step_s)
 
 
-def last_method(server: StageServer) -> str:
-    """How a new server got its stage's weights (checkfree, checkfree_plus, random, ...), from its recovery log."""
+def last_recovery(server: StageServer) -> dict:
+    """How a new server got its stage's weights (method: checkfree, checkfree_plus, random, ...; bytes_fetched), from
+    its recovery log; {} if it wrote none."""
     log_file = server.state_dir / "recoveries.jsonl"
     lines = log_file.read_text().splitlines() if log_file.exists() else []
-    return json.loads(lines[-1])["method"] if lines else "unknown"
+    return json.loads(lines[-1]) if lines else {}
 
 
 def churn_schedule(seed: int, steps: int, failures: int) -> tuple[list[int], random.Random]:
@@ -1134,16 +1163,7 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     checkpoints = rows_of("checkpoint")
     saves = [s for r in checkpoints for s in r["checkpoint_saves_s"]]
     loads = [s for r in checkpoints for s in r["checkpoint_loads_s"]]
-    wall_means = {}
-    for rate in rates:
-        # over the seeds where every strategy reached the target, so that each mean is of the same seeds
-        reached = {
-            s: {r["seed"]: r["wall_s_to_target"] for r in rows_of(s, rate) if r["wall_s_to_target"]} for s in strategies
-        }
-        common = set.intersection(*(set(v) for v in reached.values())) if reached else set()
-        wall_means[f"{rate:.2f}"] = (
-            {s: statistics.fmean(reached[s][seed] for seed in common) for s in strategies} if common else {}
-        )
+    wall_means = {f"{rate:.2f}": common_seed_wall_means(rows, rate, strategies) for rate in rates}
     return {
         "benchmark": "stage_recovery",
         "parameters": next((r.get("parameters") for r in rows if r.get("parameters")), None),
@@ -1192,7 +1212,116 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "missed_target": sorted(
             f"{r['strategy']}@{r['rate']:.2f} seed {r['seed']}" for r in rows if r["steps_to_target"] is None
         ),
+        **neighbour_fetch_over_links(rows, rates, strategies),
     }
+
+
+def common_seed_wall_means(
+    rows: list[dict], rate: float, strategies: list[str], added_s: dict[tuple[str, int], float] | None = None
+) -> dict[str, float]:
+    """Each strategy's mean wall seconds to the target at `rate`, over the seeds where every strategy reached it (so
+    that each mean is of the same seeds); `added_s` {(strategy, seed): s} is added to those runs first."""
+    added_s = added_s or {}
+    reached = {
+        s: {
+            r["seed"]: r["wall_s_to_target"] + added_s.get((s, r["seed"]), 0.0)
+            for r in rows
+            if r["strategy"] == s and abs(r["rate"] - rate) < 1e-9 and r["wall_s_to_target"]
+        }
+        for s in strategies
+    }
+    common = set.intersection(*(set(v) for v in reached.values())) if reached else set()
+    return {s: statistics.fmean(reached[s][seed] for seed in common) for s in strategies} if common else {}
+
+
+def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
+    """Where each stage's host has an uplink of its own (--checkpoint-uplinks per-stage), a CheckFree(+) rebuild reads
+    its neighbours' weights across hosts too, but this benchmark's stages talk over loopback. So the report also
+    charges each CheckFree(+) recovery its bytes at the rate the same key's checkpoint-restart replacements got for
+    their downloads (a stage's checkpoint over its link, then every stage's read from disk: a little slower than the
+    link, so CheckFree is charged a little more than the bytes would take), and gives the ratios with that charge.
+    Empty in every other setting: with one shared link the stages sit behind it together, and reach each other as
+    fast as the loopback here. The order of the strategies is given again with the charge (random re-initialisation
+    reads nothing, checkpoint-restart's download is in its runs already)."""
+    key = next((r["key"] for r in rows if r["strategy"] != "none"), None)
+    if not key or key.get("checkpoint_uplinks") != "per-stage":
+        return {}
+    downloads = [
+        (r["checkpoint_bytes"] / STAGES, f["load_s"])
+        for r in rows
+        if r["strategy"] == "checkpoint"
+        for f in r["recoveries"]
+        if f.get("load_s")
+    ]
+    if not downloads:
+        return {}
+    mb_per_s = statistics.fmean(size / seconds for size, seconds in downloads) / 1e6
+    from_model = None  # rows from before recoveries recorded their bytes: the same count, from the key's model
+    charged: dict[tuple[int, float], float] = {}
+    fetched: dict[str, list[int]] = {}
+    for row in rows:
+        if row["strategy"] != "checkfree":
+            continue
+        seconds = 0.0
+        for recovery in row["recoveries"]:
+            counts = recovery.get("fetched_bytes") or [None] * len(recovery["stages"])
+            for stage, method, count in zip(recovery["stages"], recovery["methods"], counts):
+                if count is None:
+                    from_model = from_model or rebuild_bytes(tuple(key["shape"]))
+                    count = from_model[stage]
+                fetched.setdefault(method, []).append(count)
+                seconds += count / 1e6 / mb_per_s
+        charged[(row["seed"], row["rate"])] = seconds
+    speedup, ordering = {}, {}
+    for rate in rates:
+        means = common_seed_wall_means(
+            rows, rate, strategies, {("checkfree", seed): s for (seed, r), s in charged.items() if abs(r - rate) < 1e-9}
+        )
+        ordering[f"{rate:.2f}"] = sorted(means, key=means.get)
+        pairs = [
+            (ours["wall_s_to_target"] + charged[(ours["seed"], ours["rate"])], theirs["wall_s_to_target"])
+            for ours in rows
+            if ours["strategy"] == "checkfree" and abs(ours["rate"] - rate) < 1e-9 and ours["wall_s_to_target"]
+            for theirs in rows
+            if theirs["strategy"] == "checkpoint"
+            and theirs["seed"] == ours["seed"]
+            and abs(theirs["rate"] - rate) < 1e-9
+            and theirs["wall_s_to_target"]
+        ]
+        if pairs:
+            speedup[f"{rate:.2f}"] = statistics.fmean(t for _, t in pairs) / statistics.fmean(o for o, _ in pairs)
+    return {
+        "neighbour_fetch_mb_by_method": {m: spread([b / 1e6 for b in v]) for m, v in sorted(fetched.items())},
+        "checkpoint_download_mb_per_s": mb_per_s,
+        "neighbour_fetch_charged_s_by_rate_and_seed": {
+            f"{rate:.2f}": {str(seed): s for (seed, r), s in sorted(charged.items()) if abs(r - rate) < 1e-9}
+            for rate in rates
+        },
+        "wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged": speedup,
+        "ordering_by_wall_s_neighbour_fetch_charged": ordering,
+    }
+
+
+def rebuild_bytes(shape: tuple[int, int, int, int]) -> dict[int, int]:
+    """By stage: the bytes a CheckFree(+) rebuild of it reads (node/pipeline/recovery.py: an intermediate stage both
+    neighbours' layers, an end stage its neighbour's layers and that neighbour's copy of its embedding or head), from
+    a model of `shape`: the same count a recovery records, for rows written before recoveries recorded it."""
+    config = load_config(
+        REPO / "configs" / "pipeline.yaml", [*shape_overrides(shape, 0), f"pipeline.num_stages={STAGES}"]
+    )
+    tokenizer = build_char_tokenizer()
+    model = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    extra = checkfree_plus_extra_parts(STAGES)
+    stages = split_model(model, STAGES, extra)
+
+    def read_from(neighbour: int) -> int:
+        parts = ["layers"] + [p.value for p in extra.get(neighbour, ())]
+        return tensor_bytes(part_tensors(stages[neighbour], parts))
+
+    rebuilt = {0: read_from(1), STAGES - 1: read_from(STAGES - 2)}  # CheckFree+
+    for index in range(1, STAGES - 1):  # CheckFree: the layers of both neighbours
+        rebuilt[index] = sum(tensor_bytes(part_tensors(stages[n], ["layers"])) for n in (index - 1, index + 1))
+    return rebuilt
 
 
 def paired_ratio_of_means(pairs: list[tuple[dict, dict]], key: str) -> float | None:
@@ -1275,6 +1404,15 @@ def print_report(summary: dict) -> None:
         f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "
         f"{summary['checkpoint_replayed_steps']}; share of wall s in checkpoint I/O {summary['checkpoint_io_share']}"
     )
+    if summary.get("wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged"):
+        print(
+            "CheckFree's neighbour fetches charged at the checkpoint downloads' "
+            f"{summary['checkpoint_download_mb_per_s']:.2f} MB/s: MB by method "
+            f"{summary['neighbour_fetch_mb_by_method']}"
+            f", s by seed {summary['neighbour_fetch_charged_s_by_rate_and_seed']}; checkpoint-restart wall s / "
+            f"CheckFree's with them {summary['wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged']}, "
+            f"order by wall s {summary['ordering_by_wall_s_neighbour_fetch_charged']}"
+        )
     if summary["checkpoint_upload_s"]:
         print(
             f"uploads in the background: s to a restore point {summary['checkpoint_upload_s']}, saves' wait for the "

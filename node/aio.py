@@ -43,6 +43,21 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: flo
             log.debug("%s: a task ended with %r", what, task.exception())
 
 
+async def gather_or_cancel(*works: Awaitable[T], what: str) -> list[T]:
+    """Run `works` at once and return their results in order. The first to raise cancels the others and its
+    exception is raised as it is (asyncio.gather would leave the others running; a TaskGroup would wrap the
+    exception in an ExceptionGroup that callers expecting it by type would not catch)."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        await cancel_and_wait([task for task in tasks if not task.done()], what)
+
+
 async def run_supervised(work: Awaitable[T], services: Iterable[asyncio.Task], what: str) -> T:
     """Await `work` while the background `services` run. If one of them dies of an exception first, `work` is
     cancelled and a RuntimeError raised from that exception: a dead service stops the process loudly instead of

@@ -4,7 +4,7 @@ import asyncio
 import functools
 import logging
 
-from node.aio import cancel_and_wait, run_supervised
+from node.aio import cancel_and_wait, gather_or_cancel, run_supervised
 
 
 def test_a_loop_that_swallows_a_cancellation_still_ends():
@@ -122,5 +122,37 @@ def test_supervised_work_returns_its_result_and_is_cancelled_with_its_caller():
             pass
         assert cancelled and caller.cancelled()
         await cancel_and_wait([task], "test")
+
+    asyncio.run(scenario())
+
+
+def test_gather_or_cancel_returns_in_order_and_the_first_failure_cancels_the_rest():
+    async def scenario():
+        never = asyncio.Event()
+        cancelled = []
+
+        async def slow(value):
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return value
+
+        async def waits_for_ever():
+            try:
+                await never.wait()
+            finally:
+                cancelled.append(True)
+
+        async def fails():
+            await asyncio.sleep(0)
+            raise LookupError("no such source")
+
+        assert await gather_or_cancel(slow("a"), slow("b"), what="test") == ["a", "b"]
+        try:
+            await gather_or_cancel(waits_for_ever(), fails(), what="test")
+        except LookupError as exc:  # the exception itself, not wrapped
+            assert str(exc) == "no such source"
+        else:
+            raise AssertionError("the failure was not raised")
+        assert cancelled == [True]
 
     asyncio.run(scenario())

@@ -10,7 +10,14 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from node.pipeline.recovery import MissingSource, RecoveryImpossible, checkfree_weights, choose_method, load_stage
+from node.pipeline.recovery import (
+    MissingSource,
+    RecoveryImpossible,
+    checkfree_weights,
+    choose_method,
+    load_stage,
+    tensor_bytes,
+)
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import (
     PipelineStage,
@@ -133,9 +140,15 @@ class LiveStages:
 
     def __init__(self, stages: list[PipelineStage], grad_norms: dict[int, float]) -> None:
         self.stages, self.grad_norms, self.calls = stages, grad_norms, []
+        self.in_flight = self.most_in_flight = 0
 
     async def fetch(self, source: StageAnnouncement, parts: list[str]):
         self.calls.append((source.stage, parts))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        for _ in range(3):  # a call over the network yields to the loop while its bytes come
+            await asyncio.sleep(0)
+        self.in_flight -= 1
         result = StageResult(
             v=PIPELINE_VERSION,
             tensors={},
@@ -168,6 +181,9 @@ def test_load_stage_by_checkfree_averages_the_nearest_live_neighbours():
     assert [s["stage"] for s in event.sources] == [0, 3] and event.lr_scale == 1.1 and event.step == 7
     assert sum(s["weight"] for s in event.sources) == pytest.approx(1.0)
     assert live.calls == [(0, ["layers"]), (3, ["layers"])]
+    assert live.most_in_flight == 2  # both neighbours at once, each from its own host
+    layer_bytes = [tensor_bytes(stages[i].part_state_dict(StagePart.LAYERS)) for i in (0, 3)]
+    assert event.bytes_fetched == sum(layer_bytes) > 0
 
 
 def test_load_stage_by_checkfree_plus_copies_the_partner_and_its_embedding_copy():
@@ -182,6 +198,7 @@ def test_load_stage_by_checkfree_plus_copies_the_partner_and_its_embedding_copy(
     for name, tensor in target.part_state_dict(StagePart.LAYERS).items():
         torch.testing.assert_close(tensor, stages[1].part_state_dict(StagePart.LAYERS)[name])
     assert event.method == "checkfree_plus" and [s["stage"] for s in event.sources] == [1]
+    assert event.bytes_fetched == tensor_bytes(part_tensors(stages[1], ["layers", "embed"]))
 
 
 def test_load_stage_waits_for_a_source_that_is_not_live():
@@ -189,3 +206,29 @@ def test_load_stage_waits_for_a_source_that_is_not_live():
     view = StageMap.from_announcements(4, [announce(0, "a", ["embed", "layers"])])
     with pytest.raises(MissingSource, match="neighbour stage 3"):
         load("checkfree", [0, 3], PipelineStage.from_model(model(), StagePlan(4, 4), 2), view, LiveStages(stages, {}))
+
+
+def test_the_stage_recovery_report_counts_a_rebuild_s_bytes_as_load_stage_reads_them():
+    """benchmarks/stage_recovery.py charges CheckFree(+) its neighbours' bytes; for rows from before recoveries recorded
+    them it counts them from the model (rebuild_bytes). That count must be what load_stage reads, stage by stage."""
+    from benchmarks.stage_recovery import STAGES, rebuild_bytes, shape_overrides
+    from node.config import load_config
+    from node.model import build_char_tokenizer, build_default_model
+    from tests.helpers.common import REPO
+
+    shape = (64, 8, 2, 128)
+    config = load_config(REPO / "configs" / "pipeline.yaml", shape_overrides(shape, 0))
+    tokenizer = build_char_tokenizer()
+    whole = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    extra = checkfree_plus_extra_parts(STAGES)
+    stages = split_model(whole, STAGES, extra)
+    counted = rebuild_bytes(shape)
+    for lost in range(STAGES):
+        method, sources = choose_method(lost, STAGES, False, True, "checkfree", True)
+        view = StageMap.from_announcements(
+            STAGES, [announce(i, "abcd"[i], [p.value for p in stages[i].parts]) for i in range(STAGES) if i != lost]
+        )
+        target = PipelineStage.from_model(whole, StagePlan(8, STAGES), lost, extra.get(lost, ()))
+        event = load(method, sources, target, view, LiveStages(stages, {}))
+        assert event.method == ("checkfree" if 0 < lost < STAGES - 1 else "checkfree_plus")
+        assert event.bytes_fetched == counted[lost] > 0, lost

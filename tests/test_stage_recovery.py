@@ -35,6 +35,7 @@ from benchmarks.stage_recovery import (
     config_key,
     load_stage_checkpoint,
     read_rows,
+    rebuild_bytes,
     recovery_seconds,
     report,
     save_stage_checkpoint,
@@ -155,6 +156,58 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["missed_target"] == ["random@0.10 seed 1"]
     assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
     assert summary["parameters"] == 42
+
+
+def test_with_an_uplink_per_host_checkfree_is_charged_its_neighbours_bytes_at_the_checkpoint_downloads_rate():
+    uplinks = {"shape": [64, 8, 2, 128], "checkpoint_store_mbit": 20.0, "checkpoint_uplinks": "per-stage"}
+
+    def failed(stage, method, fetched=None, load_s=None):
+        recovery = {"stages": [stage], "methods": [method], "seconds": 1.0, "replayed": 2}
+        if fetched is not None:
+            recovery["fetched_bytes"] = [fetched]
+        if load_s is not None:
+            recovery["load_s"] = load_s
+        return recovery
+
+    rows = [
+        dict(
+            row("checkfree", 0.1, 0, 100, 100.0),
+            recoveries=[failed(1, "checkfree", 6e6), failed(0, "checkfree_plus", 2e6)],
+        ),
+        # a row from before recoveries recorded their bytes: counted from the key's model
+        dict(row("checkfree", 0.1, 1, 100, 200.0), recoveries=[failed(2, "checkfree")]),
+        # 1,000 bytes a stage's checkpoint (4,000 in all) in 0.5 s and 1.5 s: 2,000 and ~667 B/s, 1,333 B/s on the mean
+        dict(
+            row("checkpoint", 0.1, 0, 120, 150.0),
+            recoveries=[failed(3, "checkpoint", load_s=0.5)],
+            checkpoint_bytes=4000,
+        ),
+        dict(
+            row("checkpoint", 0.1, 1, 120, 300.0),
+            recoveries=[failed(1, "checkpoint", load_s=1.5)],
+            checkpoint_bytes=4000,
+        ),
+    ]
+    for r in rows:
+        r["key"] = uplinks
+    summary = report(rows, [0.1], ["checkfree", "checkpoint"])
+    rate = (2000 + 1000 / 1.5) / 2  # bytes per second
+    assert summary["checkpoint_download_mb_per_s"] == pytest.approx(rate / 1e6)
+    from_model = rebuild_bytes((64, 8, 2, 128))[2]
+    charged = summary["neighbour_fetch_charged_s_by_rate_and_seed"]["0.10"]
+    assert charged == pytest.approx({"0": 8e6 / rate, "1": from_model / rate})
+    assert summary["neighbour_fetch_mb_by_method"]["checkfree_plus"]["mean"] == pytest.approx(2.0)
+    assert summary["neighbour_fetch_mb_by_method"]["checkfree"]["n"] == 2
+    expected = (150 + 300) / (100 + 8e6 / rate + 200 + from_model / rate)
+    assert summary["wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged"]["0.10"] == pytest.approx(expected)
+    assert summary["wallclock_speedup_vs_checkpoint_by_rate"]["0.10"] == pytest.approx(450 / 300)  # unchanged
+    # thousands of seconds at these rates: the charge puts CheckFree behind checkpoint-restart
+    assert summary["ordering_by_wall_s"]["0.10"] == ["checkfree", "checkpoint"]
+    assert summary["ordering_by_wall_s_neighbour_fetch_charged"]["0.10"] == ["checkpoint", "checkfree"]
+    # one shared link (the stages behind it together) or no store: nothing charged
+    for r in rows:
+        r["key"] = {"shape": [64, 8, 2, 128], "checkpoint_store_mbit": 20.0}
+    assert "wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged" not in report(rows, [0.1], ["checkfree"])
 
 
 def test_each_seed_is_compared_at_the_wall_clock_where_its_first_run_reached_the_target():

@@ -34,6 +34,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from node.aio import gather_or_cancel
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import PipelineStage, StagePart, split_parts
 from protocol import StageAnnouncement
@@ -57,10 +58,15 @@ class RecoveryEvent:
     step: int = 0  # the step count the stage continues from
     lr_scale: float = 1.0
     seconds: float = 0.0  # from the decision to the weights loaded
+    bytes_fetched: int = 0  # the tensors read from live servers (what crossed their uplinks)
     time: float = field(default_factory=time.time)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def tensor_bytes(tensors: Named) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
 def checkfree_weights(
@@ -155,23 +161,32 @@ async def load_stage(
     if method == "replica_copy":
         source = rng.choice(replicas)
         weights, result = await fetch(source, [p.value for p in stage.parts])
+        event.bytes_fetched = tensor_bytes(weights)
         for part, tensors in split_parts(weights).items():
             stage.load_part_state_dict(StagePart(part), tensors)
         event.sources = [_source(stage.index, source, result, 1.0)]
         event.step, event.lr_scale = result.step, result.lr_scale
         return event
-    fetched = {}
+    chosen = {}
     for neighbour in sources:
         candidates = view.live(neighbour)
         if not candidates:
             raise MissingSource(f"no live server of neighbour stage {neighbour}")
-        source = rng.choice(candidates)
+        chosen[neighbour] = rng.choice(candidates)
+
+    async def fetch_from(source: StageAnnouncement) -> tuple[StageAnnouncement, Named, StageResult]:
         wanted = ["layers"] + [
             p
             for p in ("embed", "head")
             if p in source.parts and StagePart(p) in stage.parts and method == "checkfree_plus"
         ]
-        fetched[neighbour] = (source, *await fetch(source, wanted))
+        return (source, *await fetch(source, wanted))
+
+    # both neighbours at once: on real links each sends from its own host, so the rebuild waits for the slower one
+    # instead of for the two one after the other
+    answers = await gather_or_cancel(*(fetch_from(chosen[n]) for n in sources), what=f"stage {stage.index}'s fetches")
+    fetched = dict(zip(sources, answers))
+    event.bytes_fetched = sum(tensor_bytes(weights) for _, weights, _ in answers)
     if method == "checkfree":
         (prev_src, prev_w, prev_r), (next_src, next_w, next_r) = fetched[sources[0]], fetched[sources[1]]
         if sources != [stage.index - 1, stage.index + 1]:

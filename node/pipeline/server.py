@@ -207,11 +207,12 @@ class StageServer:
 
     def _log_event(self, event: RecoveryEvent) -> None:
         log.info(
-            "stage %d: weights by %s (%s) in %.2fs from %s; continuing at step %d, lr x%.2f",
+            "stage %d: weights by %s (%s) in %.2fs, %.1f MB, from %s; continuing at step %d, lr x%.2f",
             event.stage,
             event.method,
             event.cause,
             event.seconds,
+            event.bytes_fetched / 1e6,
             ", ".join(f"stage {s['stage']} {s['node_id'][:12]} (weight {s['weight']:.3f})" for s in event.sources)
             or "no source",
             event.step,
