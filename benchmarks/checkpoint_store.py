@@ -5,7 +5,8 @@ checkpoint to storage elsewhere and a replacement server downloads it. The store
 of its own (CheckpointStore), behind a link shaped to the rate; it writes what it receives to a temporary file of that
 upload's own, fsyncs it and renames it over the last one before it answers (an upload cut short leaves the last one
 whole). This module imports no torch, so that a store starts in well under a second on a loaded machine:
-`python benchmarks/checkpoint_store.py FOLDER HOST PORT` serves until killed.
+`python benchmarks/checkpoint_store.py FOLDER HOST PORT` serves until killed; `python benchmarks/checkpoint_store.py
+--upload-loop FILE HOST PORT LOG` uploads FILE to a store until killed (pipeline_throughput's --lab-uploads).
 """
 
 from __future__ import annotations
@@ -188,6 +189,22 @@ def remove_stale_stores() -> list[str]:
     return removed
 
 
+async def upload_loop(path: Path, host: str, port: int, log: Path) -> None:
+    """Upload `path` to the store again and again until killed, appending each upload's seconds to `log`: a host whose
+    uplink always carries a checkpoint, as uploads in the background keep it when they take longer than the steps
+    between saves (stage_recovery at 27M: 36 s an upload, a save every 4-6 steps of 5-15 s)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await store_put(host, port, path)
+        with open(log, "a") as out:
+            out.write(f"{loop.time() - started:.3f}\n")
+
+
 if __name__ == "__main__":
-    folder, host, port = sys.argv[1:4]
-    asyncio.run(store_serve(Path(folder), host, int(port)))
+    if sys.argv[1] == "--upload-loop":  # FILE HOST PORT LOG
+        path, host, port, log = sys.argv[2:6]
+        asyncio.run(upload_loop(Path(path), host, int(port), Path(log)))
+    else:  # FOLDER HOST PORT
+        folder, host, port = sys.argv[1:4]
+        asyncio.run(store_serve(Path(folder), host, int(port)))

@@ -30,12 +30,13 @@ with one JSON line.
 Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
 servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
 compares the losses; `--lab MBIT ...` runs every process in its own namespace of benchmarks/lab.py
-(root) on links shaped to each rate; `--recovery` kills servers and measures the stall per recovery
-method (replica failover, a warm spare's checkfree and checkfree_plus); `--transport-floor` echoes
-payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute (the wire's
-own cost per call, and the CPU it takes in this process and in the daemons; with `--lab`, across two namespaces on
-shaped links: what a call costs beyond its payload at the link's rate); `--check-cost` times a
-server's check of one received tensor of each of those sizes against the torch check it replaced;
+(root) on links shaped to each rate (with `--lab-uploads MB`, each way again while every server's host uploads MB
+to a store over its own link: checkpoints in the background beside the hidden states); `--recovery` kills servers
+and measures the stall per recovery method (replica failover, a warm spare's checkfree and checkfree_plus);
+`--transport-floor` echoes payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute
+(the wire's own cost per call, and the CPU it takes in this process and in the daemons; with `--lab`, across two
+namespaces on shaped links: what a call costs beyond its payload at the link's rate); `--check-cost` times a server's
+check of one received tensor of each of those sizes against the torch check it replaced;
 `--protobuf-cost` times a DHT answer and a stream-open request in protobuf's upb and pure-Python implementations.
 
     .venv/bin/python benchmarks/pipeline_throughput.py                 # the three sizes, S = 2 and 4
@@ -50,17 +51,22 @@ server's check of one received tensor of each of those sizes against the torch c
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --set pipeline.keep_freed_memory=false
     sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 100 20 \
         --variant "bf16+inflight2:pipeline.wire_dtype=bfloat16,driver:pipeline.micro_batches_in_flight=2"
+    sudo .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 --lab 20 --lab-uploads 82 \
+        --set pipeline.direct_hops=true --set pipeline.wire_dtype=bfloat16 \
+        --set pipeline.micro_batches_in_flight=2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import enum
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -100,6 +106,8 @@ from node.pipeline.stages import (  # noqa: E402
 from node.state import StateStore  # noqa: E402
 from node.transport.session import join_swarm  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
+
+from benchmarks.checkpoint_store import STORE_PORT  # noqa: E402
 
 # name -> (hidden, decoder layers, heads, MLP width); parameters counted at run time (the char vocabulary is 100)
 SIZES = {
@@ -796,11 +804,18 @@ def lab_run(
     rates: list[float],
     steps: int,
     root: Path,
+    upload_mb: float = 0.0,
 ) -> dict:
     """The size through `stages` servers and a `swarm-node drive`, each process in its own namespace of the lab
     (benchmarks/lab.py, root) with every link shaped to each of `rates` Mbit/s both ways; for the plain settings and
     each variant. A variant's server settings (those not starting with `driver:`) start servers of their own.
-    The driver's step_s from its metrics, its first step left out; the one-process baseline measured here before."""
+    The driver's step_s from its metrics, its first step left out; the one-process baseline measured here before.
+
+    With `upload_mb`, every way runs a second time while each server's host uploads a file of that size to a store
+    (a lab node of its own, its link unshaped: storage in a data centre) again and again, over the same uplink as
+    its hidden states: checkpoint uploads in the background, which stage_recovery gives links of their own. Before
+    the pipeline starts at each rate, the hosts upload once at the same time with nothing else on their links, for
+    the time an upload takes alone."""
     from lab import Lab, Link
 
     config = load_config(REPO / "configs" / "pipeline.yaml", overrides(shape, 1, "lab-baseline", settings))
@@ -820,7 +835,7 @@ def lab_run(
         sets = overrides(shape, stages, f"lab-{_slug(name)}-{group}-{os.getpid()}", settings + list(server_side))
         sets = [s for s in sets if not s.startswith("swarm.host_maddrs")]
         args = ["--config", str(REPO / "configs" / "pipeline.yaml")] + [a for s in sets for a in ("--set", s)]
-        with Lab(stages + 1, host_link=False) as lab:
+        with Lab(stages + (2 if upload_mb else 1), host_link=False) as lab, Uploads(lab, stages, upload_mb) as uploads:
             scratch = _fresh(root / f"lab-{name}-{group}")
 
             def command(index: int, what: list[str], state: Path, peers: list[str]) -> subprocess.Popen:
@@ -843,47 +858,164 @@ def lab_run(
             def wait(ready, index: int, what: str) -> None:
                 _wait_lab_node(ready, lab, index, what, scratch / f"server-{index}.out")
 
+            def drive(rate: float, variant: str, driver_sets: list[str], uploading: bool) -> dict:
+                state = scratch / (f"driver-{rate}-{variant}" + ("-uploading" if uploading else ""))
+                extra = [a for s in driver_sets for a in ("--set", s)]
+                served_before = served_since(server_dirs, time.time(), wait)
+                command(stages, ["drive", "--steps", str(steps + 1), *extra], state, bootstrap)
+                deadline = time.monotonic() + 1800
+                while lab.alive(stages) and time.monotonic() < deadline:
+                    time.sleep(1)
+                if lab.alive(stages):
+                    lab.kill(stages)
+                # every step's calls, the untimed first step's too: the phases are per call, not per step
+                server_ms = server_ms_per_call(served_before, served_since(server_dirs, time.time(), wait))
+                rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+                step_s = statistics.median(row["step_s"] for row in rows[1:])
+                return {
+                    "variant": variant,
+                    "settings": list(server_side) + driver_sets,
+                    "mbit": rate,
+                    "uploading": uploading,
+                    "step_s": step_s,
+                    "tokens_per_s": tokens_per_step(config) / step_s,
+                    "vs_one_process": one_s / step_s,
+                    "loss_last": rows[-1]["loss"],
+                    "steps": len(rows) - 1,
+                    "server_ms_per_call": server_ms,
+                }
+
             for rate in rates:
                 for index in range(stages + 1):
                     lab.shape(index, Link(mbit=rate))
-                for variant, driver_sets in drivers:
-                    state = scratch / f"driver-{rate}-{variant}"
-                    extra = [a for s in driver_sets for a in ("--set", s)]
-                    served_before = served_since(server_dirs, time.time(), wait)
-                    command(stages, ["drive", "--steps", str(steps + 1), *extra], state, bootstrap)
-                    deadline = time.monotonic() + 1800
-                    while lab.alive(stages) and time.monotonic() < deadline:
-                        time.sleep(1)
-                    if lab.alive(stages):
-                        lab.kill(stages)
-                    # every step's calls, the untimed first step's too: the phases are per call, not per step
-                    server_ms = server_ms_per_call(served_before, served_since(server_dirs, time.time(), wait))
-                    rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
-                    step_s = statistics.median(row["step_s"] for row in rows[1:])
-                    run = {
-                        "variant": variant,
-                        "settings": list(server_side) + driver_sets,
-                        "mbit": rate,
-                        "step_s": step_s,
-                        "tokens_per_s": tokens_per_step(config) / step_s,
-                        "vs_one_process": one_s / step_s,
-                        "loss_last": rows[-1]["loss"],
-                        "steps": len(rows) - 1,
-                        "server_ms_per_call": server_ms,
-                    }
-                    result["runs"].append(run)
+                if upload_mb and group == 0:
+                    result.setdefault("upload_alone_s", {})[f"{rate:g}"] = uploads.once()
                     print(
-                        f"lab {name} S={stages} {rate:g} Mbit/s {variant:<10}: {step_s:.2f} s a step, "
-                        f"{run['tokens_per_s']:.0f} tokens/s, {run['vs_one_process']:.2f}x one process",
+                        f"lab {name} {rate:g} Mbit/s: {upload_mb:g} MB uploaded from each of {stages} hosts at once, "
+                        f"alone on their links: {_seconds(result['upload_alone_s'][f'{rate:g}'])}",
                         flush=True,
                     )
-                    for op, split in server_ms.items():
-                        phases = ", ".join(f"{phase} {split[phase]:.1f}" for phase in CALL_PHASES)
+                for variant, driver_sets in drivers:
+                    for uploading in (False, True) if upload_mb else (False,):
+                        if uploading:
+                            uploads.start()
+                        try:
+                            run = drive(rate, variant, driver_sets, uploading)
+                        finally:
+                            if uploading:
+                                run_uploads = uploads.stop()
+                        if uploading:
+                            plain = next(
+                                r
+                                for r in result["runs"]
+                                if r["variant"] == variant and r["mbit"] == rate and not r["uploading"]
+                            )
+                            run.update(upload_s=run_uploads, step_vs_without_uploads=run["step_s"] / plain["step_s"])
+                        result["runs"].append(run)
+                        label = variant + (" +uploads" if uploading else "")
                         print(
-                            f"  on the servers, a {op} call (ms): {phases}; compute's CPU {split['compute_cpu']:.1f}",
+                            f"lab {name} S={stages} {rate:g} Mbit/s {label:<18}: "
+                            f"{run['step_s']:.2f} s a step, {run['tokens_per_s']:.0f} tokens/s, "
+                            f"{run['vs_one_process']:.2f}x one process"
+                            + (
+                                f", {run['step_vs_without_uploads']:.2f}x the step without uploads; uploads beside "
+                                f"it {_seconds(run['upload_s'])}"
+                                if uploading
+                                else ""
+                            ),
                             flush=True,
                         )
+                        for op, split in run["server_ms_per_call"].items():
+                            phases = ", ".join(f"{phase} {split[phase]:.1f}" for phase in CALL_PHASES)
+                            print(
+                                f"  on the servers, a {op} call (ms): {phases}; compute's CPU "
+                                f"{split['compute_cpu']:.1f}",
+                                flush=True,
+                            )
     return result
+
+
+def _seconds(values: list[float]) -> str:
+    if not values:
+        return "none finished"
+    return f"{statistics.fmean(values):.1f} s on the mean ({min(values):.1f}-{max(values):.1f}, {len(values)} uploads)"
+
+
+class Uploads:
+    """--lab-uploads: each server host's uploads of a file of `mb` MB to a store on lab node `stages + 1`, by processes
+    in the hosts' namespaces (benchmarks/checkpoint_store.py --upload-loop), stopped by their process groups."""
+
+    def __init__(self, lab, stages: int, mb: float) -> None:
+        self.lab, self.stages, self.mb = lab, stages, mb
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.round = 0
+
+    def __enter__(self) -> "Uploads":
+        if not self.mb:
+            return self
+        self.scratch = Path(tempfile.mkdtemp(prefix="lab-uploads-"))
+        self.file = self.scratch / "checkpoint.pt"
+        self.file.write_bytes(os.urandom(int(self.mb * 1e6)))
+        self.store_ip = self.lab.ip(self.stages + 1)
+        self.lab.run(
+            self.stages + 1,
+            [sys.executable, str(REPO / "benchmarks" / "checkpoint_store.py"), str(self.scratch / "store"),
+             self.store_ip, str(STORE_PORT)],
+            self.scratch / "store.out",
+        )  # fmt: skip
+        for _ in range(600):
+            if self.lab.dial(0, self.store_ip, STORE_PORT):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"the lab's checkpoint store never listened: {self.scratch / 'store.out'}")
+
+    def start(self) -> None:
+        self.round += 1
+        self.logs = [self.scratch / f"uploads-{self.round}-{index}.log" for index in range(self.stages)]
+        for index, log in enumerate(self.logs):
+            argv = [sys.executable, str(REPO / "benchmarks" / "checkpoint_store.py"), "--upload-loop", str(self.file)]
+            argv += [self.store_ip, str(STORE_PORT), str(log)]
+            with open(self.scratch / f"uploader-{index}.out", "ab") as out:
+                self.processes.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.lab.ns(index), *argv],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=REPO,
+                        start_new_session=True,
+                    )
+                )
+
+    def stop(self) -> list[float]:
+        """Stop every uploader; the seconds of each upload that ended (one cut by the stop is not counted)."""
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        self.processes = []
+        return [float(line) for log in self.logs if log.exists() for line in log.read_text().split()]
+
+    def once(self) -> list[float]:
+        """Every host uploads once, at the same time, with nothing else on its link: each host's seconds."""
+        self.start()
+        try:
+            deadline = time.monotonic() + 1800
+            while time.monotonic() < deadline and not all(
+                log.exists() and log.read_text().strip() for log in self.logs
+            ):
+                if any(process.poll() is not None for process in self.processes):
+                    raise RuntimeError(f"an uploader exited: {self.scratch}")
+                time.sleep(0.5)
+        finally:
+            self.stop()
+        return [float(log.read_text().split()[0]) for log in self.logs if log.exists() and log.read_text().strip()]
+
+    def __exit__(self, *exc) -> None:
+        if self.processes:
+            self.stop()
+        if self.mb:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _wait_path(path: Path, lab, index: int) -> None:
@@ -1249,6 +1381,10 @@ def main() -> None:
         "at S = max(--stages); a variant's `driver:KEY=VALUE` settings apply to the driver only",
     )  # fmt: skip
     parser.add_argument(
+        "--lab-uploads", type=float, default=0.0, metavar="MB", help="--lab: every way again while each server's host "
+        "uploads a file of MB to a store over its own link, again and again (checkpoints in the background)",
+    )  # fmt: skip
+    parser.add_argument(
         "--recovery", action="store_true", help="instead: stall per recovery method (loopback), as shipped and with "
         "each --variant's settings",
     )  # fmt: skip
@@ -1307,7 +1443,17 @@ def main() -> None:
         sys.path.insert(0, str(REPO / "benchmarks"))
         with tempfile.TemporaryDirectory(prefix="pipeline-throughput-lab-") as scratch:
             runs = {
-                name: lab_run(name, shape, max(args.stages), settings, variants, args.lab, args.steps, Path(scratch))
+                name: lab_run(
+                    name,
+                    shape,
+                    max(args.stages),
+                    settings,
+                    variants,
+                    args.lab,
+                    args.steps,
+                    Path(scratch),
+                    args.lab_uploads,
+                )
                 for name, shape in sizes.items()
             }
         summary.update(load_average=os.getloadavg(), settings=settings, stages=max(args.stages), lab=runs)

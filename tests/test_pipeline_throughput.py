@@ -123,11 +123,17 @@ def test_lab_run_reports_its_step_and_the_servers_phases_of_every_call_it_made()
     """--lab: two `serve` processes and a `drive` in namespaces of their own on shaped links. The step comes from the
     driver's metrics, and the servers' phases per call from their stage.json before and after the driver, which ran
     2 steps (one untimed) of 2 micro-batches through S = 2: 6 forward and 6 backward calls a step (see the tiny run's
-    hops above), more if a broken stream made the driver send a call again."""
-    lab = run_benchmark("--tiny", "--stages", "2", "--lab", "50", timeout=900)["lab"]["tiny"]
+    hops above), more if a broken stream made the driver send a call again. With --lab-uploads the run is made again
+    while each server's host uploads to a store on a lab node of its own, after one upload from each host alone."""
+    lab = run_benchmark("--tiny", "--stages", "2", "--lab", "50", "--lab-uploads", "0.2", timeout=900)["lab"]["tiny"]
     assert lab["one_process_step_s"] > 0 and lab["tokens_per_step"] == 2 * B * T
-    (run,) = lab["runs"]
-    assert run["variant"] == "plain" and run["mbit"] == 50.0 and run["steps"] == 1
+    run, uploading = lab["runs"]
+    assert run["variant"] == "plain" and run["mbit"] == 50.0 and run["steps"] == 1 and not run["uploading"]
+    assert uploading["variant"] == "plain" and uploading["uploading"] and uploading["steps"] == 1
+    assert math.isclose(uploading["step_vs_without_uploads"], uploading["step_s"] / run["step_s"])
+    assert all(seconds > 0 for seconds in uploading["upload_s"])
+    alone = lab["upload_alone_s"]["50"]
+    assert len(alone) == 2 and all(seconds > 0 for seconds in alone)  # one upload from each server's host
     assert math.isclose(run["tokens_per_s"], 2 * B * T / run["step_s"])
     served = run["server_ms_per_call"]
     assert set(served) == {"forward", "backward"}
