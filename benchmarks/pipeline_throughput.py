@@ -955,20 +955,24 @@ class Uploads:
         if not self.mb:
             return self
         self.scratch = Path(tempfile.mkdtemp(prefix="lab-uploads-"))
-        self.file = self.scratch / "checkpoint.pt"
-        self.file.write_bytes(os.urandom(int(self.mb * 1e6)))
-        self.store_ip = self.lab.ip(self.stages + 1)
-        self.lab.run(
-            self.stages + 1,
-            [sys.executable, str(REPO / "benchmarks" / "checkpoint_store.py"), str(self.scratch / "store"),
-             self.store_ip, str(STORE_PORT)],
-            self.scratch / "store.out",
-        )  # fmt: skip
-        for _ in range(600):
-            if self.lab.dial(0, self.store_ip, STORE_PORT):
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"the lab's checkpoint store never listened: {self.scratch / 'store.out'}")
+        try:
+            self.file = self.scratch / "checkpoint.pt"
+            self.file.write_bytes(os.urandom(int(self.mb * 1e6)))
+            self.store_ip = self.lab.ip(self.stages + 1)
+            self.lab.run(
+                self.stages + 1,
+                [sys.executable, str(REPO / "benchmarks" / "checkpoint_store.py"), str(self.scratch / "store"),
+                 self.store_ip, str(STORE_PORT)],
+                self.scratch / "store.out",
+            )  # fmt: skip
+            for _ in range(600):
+                if self.lab.dial(0, self.store_ip, STORE_PORT):
+                    return self
+                time.sleep(0.1)
+            raise RuntimeError(f"the lab's checkpoint store never listened: {self.scratch / 'store.out'}")
+        except BaseException:
+            self.__exit__()
+            raise
 
     def start(self) -> None:
         self.round += 1
@@ -992,7 +996,8 @@ class Uploads:
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL: it goes; a stuck wait must not hide why
+                process.wait(timeout=30)
         self.processes = []
         return [float(line) for log in self.logs if log.exists() for line in log.read_text().split()]
 
@@ -1001,20 +1006,22 @@ class Uploads:
         self.start()
         try:
             deadline = time.monotonic() + 1800
-            while time.monotonic() < deadline and not all(
-                log.exists() and log.read_text().strip() for log in self.logs
-            ):
+            while not all(log.exists() and log.read_text().strip() for log in self.logs):
                 if any(process.poll() is not None for process in self.processes):
                     raise RuntimeError(f"an uploader exited: {self.scratch}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"an upload of {self.mb:g} MB took over 1800 s: {self.scratch}")
                 time.sleep(0.5)
         finally:
             self.stop()
-        return [float(log.read_text().split()[0]) for log in self.logs if log.exists() and log.read_text().strip()]
+        return [float(log.read_text().split()[0]) for log in self.logs]
 
     def __exit__(self, *exc) -> None:
         if self.processes:
             self.stop()
         if self.mb:
+            if self.lab.alive(self.stages + 1):
+                self.lab.kill(self.stages + 1)  # the store, before its folder goes
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 

@@ -1125,13 +1125,7 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     speedup, speedup_by_seed, steps_ratio = {}, {}, {}
     for rate in rates:
         name = f"{rate:.2f}"
-        # the ratios of the means are taken over the seeds where both strategies reached the target: a seed one of
-        # them has no row for must not enter one mean and not the other
-        pairs = []
-        for ours in rows_of("checkfree", rate):
-            theirs = next((r for r in rows_of("checkpoint", rate) if r["seed"] == ours["seed"]), None)
-            if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
-                pairs.append((ours, theirs))
+        pairs = checkfree_checkpoint_pairs(rows, rate)
         speedup_by_seed[name] = {
             str(ours["seed"]): theirs["wall_s_to_target"] / ours["wall_s_to_target"] for ours, theirs in pairs
         }
@@ -1235,14 +1229,15 @@ def common_seed_wall_means(
 
 
 def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
-    """Where each stage's host has an uplink of its own (--checkpoint-uplinks per-stage), a CheckFree(+) rebuild reads
+    """Where each stage's host has a link of its own (--checkpoint-uplinks per-stage), a CheckFree(+) rebuild reads
     its neighbours' weights across hosts too, but this benchmark's stages talk over loopback. So the report also
     charges each CheckFree(+) recovery its bytes at the rate the same key's checkpoint-restart replacements got for
-    their downloads (a stage's checkpoint over its link, then every stage's read from disk: a little slower than the
-    link, so CheckFree is charged a little more than the bytes would take), and gives the ratios with that charge.
-    Empty in every other setting: with one shared link the stages sit behind it together, and reach each other as
-    fast as the loopback here. The order of the strategies is given again with the charge (random re-initialisation
-    reads nothing, checkpoint-restart's download is in its runs already)."""
+    their downloads, and gives the ratios and the order with that charge (random re-initialisation reads nothing;
+    checkpoint-restart's downloads are in its runs already). The downloads set the model: a replacement's link
+    carries the rate each way, so a rebuild's bytes from both neighbours come in through it one after the other, in
+    their sum / the rate; a download includes every stage's read from disk after it, so the rate is a little under
+    the link's and CheckFree a little over-charged. Empty in every other setting: with one shared link the stages sit
+    behind it together, and reach each other as fast as the loopback here."""
     key = next((r["key"] for r in rows if r["strategy"] != "none"), None)
     if not key or key.get("checkpoint_uplinks") != "per-stage":
         return {}
@@ -1255,7 +1250,7 @@ def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies:
     ]
     if not downloads:
         return {}
-    mb_per_s = statistics.fmean(size / seconds for size, seconds in downloads) / 1e6
+    mb_per_s = sum(size for size, _ in downloads) / sum(seconds for _, seconds in downloads) / 1e6
     from_model = None  # rows from before recoveries recorded their bytes: the same count, from the key's model
     charged: dict[tuple[int, float], float] = {}
     fetched: dict[str, list[int]] = {}
@@ -1266,6 +1261,8 @@ def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies:
         for recovery in row["recoveries"]:
             counts = recovery.get("fetched_bytes") or [None] * len(recovery["stages"])
             for stage, method, count in zip(recovery["stages"], recovery["methods"], counts):
+                if method not in ("checkfree", "checkfree_plus"):
+                    continue
                 if count is None:
                     from_model = from_model or rebuild_bytes(tuple(key["shape"]))
                     count = from_model[stage]
@@ -1274,22 +1271,13 @@ def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies:
         charged[(row["seed"], row["rate"])] = seconds
     speedup, ordering = {}, {}
     for rate in rates:
-        means = common_seed_wall_means(
-            rows, rate, strategies, {("checkfree", seed): s for (seed, r), s in charged.items() if abs(r - rate) < 1e-9}
-        )
+        added = {("checkfree", seed): s for (seed, r), s in charged.items() if abs(r - rate) < 1e-9}
+        means = common_seed_wall_means(rows, rate, strategies, added)
         ordering[f"{rate:.2f}"] = sorted(means, key=means.get)
-        pairs = [
-            (ours["wall_s_to_target"] + charged[(ours["seed"], ours["rate"])], theirs["wall_s_to_target"])
-            for ours in rows
-            if ours["strategy"] == "checkfree" and abs(ours["rate"] - rate) < 1e-9 and ours["wall_s_to_target"]
-            for theirs in rows
-            if theirs["strategy"] == "checkpoint"
-            and theirs["seed"] == ours["seed"]
-            and abs(theirs["rate"] - rate) < 1e-9
-            and theirs["wall_s_to_target"]
-        ]
+        pairs = checkfree_checkpoint_pairs(rows, rate)
         if pairs:
-            speedup[f"{rate:.2f}"] = statistics.fmean(t for _, t in pairs) / statistics.fmean(o for o, _ in pairs)
+            ours = statistics.fmean(o["wall_s_to_target"] + added[("checkfree", o["seed"])] for o, _ in pairs)
+            speedup[f"{rate:.2f}"] = statistics.fmean(t["wall_s_to_target"] for _, t in pairs) / ours
     return {
         "neighbour_fetch_mb_by_method": {m: spread([b / 1e6 for b in v]) for m, v in sorted(fetched.items())},
         "checkpoint_download_mb_per_s": mb_per_s,
@@ -1322,6 +1310,22 @@ def rebuild_bytes(shape: tuple[int, int, int, int]) -> dict[int, int]:
     for index in range(1, STAGES - 1):  # CheckFree: the layers of both neighbours
         rebuilt[index] = sum(tensor_bytes(part_tensors(stages[n], ["layers"])) for n in (index - 1, index + 1))
     return rebuilt
+
+
+def checkfree_checkpoint_pairs(rows: list[dict], rate: float) -> list[tuple[dict, dict]]:
+    """(CheckFree's run, checkpoint-restart's run) of each seed at `rate` where both reached the target: the ratios of
+    the means are taken over these, since a seed one of them has no row for must not enter one mean and not the
+    other."""
+
+    def at_rate(strategy: str) -> list[dict]:
+        return [r for r in rows if r["strategy"] == strategy and abs(r["rate"] - rate) < 1e-9]
+
+    pairs = []
+    for ours in at_rate("checkfree"):
+        theirs = next((r for r in at_rate("checkpoint") if r["seed"] == ours["seed"]), None)
+        if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
+            pairs.append((ours, theirs))
+    return pairs
 
 
 def paired_ratio_of_means(pairs: list[tuple[dict, dict]], key: str) -> float | None:

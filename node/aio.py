@@ -44,18 +44,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: flo
 
 
 async def gather_or_cancel(*works: Awaitable[T], what: str) -> list[T]:
-    """Run `works` at once and return their results in order. The first to raise cancels the others and its
-    exception is raised as it is (asyncio.gather would leave the others running; a TaskGroup would wrap the
-    exception in an ExceptionGroup that callers expecting it by type would not catch)."""
+    """Run `works` at once and return their results in order. The first to fail (an exception, or a cancellation from
+    elsewhere) cancels the others and its exception is raised as it is: asyncio.gather would leave the others running,
+    and a TaskGroup would wrap the exception in an ExceptionGroup that callers catching it by type would miss."""
     tasks = [asyncio.ensure_future(work) for work in works]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in (t for t in tasks if t in done):
+                if task.cancelled():
+                    raise asyncio.CancelledError(f"{what}: one was cancelled")
+                if task.exception() is not None:
+                    raise task.exception()
         return [task.result() for task in tasks]
     finally:
-        await cancel_and_wait([task for task in tasks if not task.done()], what)
+        # every task, finished ones included: a second failure in the same turn is retrieved, not logged as lost
+        await cancel_and_wait(tasks, what)
 
 
 async def run_supervised(work: Awaitable[T], services: Iterable[asyncio.Task], what: str) -> T:

@@ -4,6 +4,8 @@ import asyncio
 import functools
 import logging
 
+import pytest
+
 from node.aio import cancel_and_wait, gather_or_cancel, run_supervised
 
 
@@ -131,8 +133,8 @@ def test_gather_or_cancel_returns_in_order_and_the_first_failure_cancels_the_res
         never = asyncio.Event()
         cancelled = []
 
-        async def slow(value):
-            for _ in range(3):
+        async def slow(value, turns):
+            for _ in range(turns):
                 await asyncio.sleep(0)
             return value
 
@@ -146,13 +148,18 @@ def test_gather_or_cancel_returns_in_order_and_the_first_failure_cancels_the_res
             await asyncio.sleep(0)
             raise LookupError("no such source")
 
-        assert await gather_or_cancel(slow("a"), slow("b"), what="test") == ["a", "b"]
-        try:
+        # the first finishes last: results come in the order of the works, not of their ends
+        assert await gather_or_cancel(slow("a", 5), slow("b", 1), what="test") == ["a", "b"]
+        assert await gather_or_cancel(what="test") == []
+        with pytest.raises(LookupError, match="no such source"):  # the exception itself, not wrapped
             await gather_or_cancel(waits_for_ever(), fails(), what="test")
-        except LookupError as exc:  # the exception itself, not wrapped
-            assert str(exc) == "no such source"
-        else:
-            raise AssertionError("the failure was not raised")
         assert cancelled == [True]
+
+        # a work cancelled from elsewhere ends the wait too, and the others with it
+        victim = asyncio.ensure_future(waits_for_ever())
+        asyncio.get_running_loop().call_soon(victim.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await gather_or_cancel(victim, waits_for_ever(), what="test")
+        assert cancelled == [True, True, True]
 
     asyncio.run(scenario())

@@ -3,8 +3,6 @@ CheckFree's weighted average, and loading from stand-in sources."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ from node.pipeline.recovery import (
     RecoveryImpossible,
     checkfree_weights,
     choose_method,
-    load_stage,
     tensor_bytes,
 )
 from node.pipeline.stagemap import StageMap
@@ -27,8 +24,7 @@ from node.pipeline.stages import (
     part_tensors,
     split_model,
 )
-from protocol import StageAnnouncement
-from protocol.pipeline import PIPELINE_VERSION, StageResult
+from tests.helpers.stages import LiveStages, announce, load
 
 
 @pytest.mark.parametrize(
@@ -114,59 +110,6 @@ def model():
     return Qwen2ForCausalLM(config).eval()
 
 
-def announce(stage: int, name: str, parts: list[str]) -> StageAnnouncement:
-    return StageAnnouncement(
-        node_id=name * 40,
-        p2p_peer_id=name,
-        model_fingerprint="m",
-        num_stages=4,
-        stage=stage,
-        stage_fingerprint=f"fp{stage}",
-        layer_start=stage,
-        layer_end=stage + 1,
-        parts=parts,
-        state="serving",
-        step=7,
-        grad_norm=0.5,
-        samples_per_s=1.0,
-        recoveries=0,
-        replicas=[],
-    )
-
-
-class LiveStages:
-    """Stand-ins for live servers: `fetch` answers a weights call from a stage in memory, with its step and grad
-    norm."""
-
-    def __init__(self, stages: list[PipelineStage], grad_norms: dict[int, float]) -> None:
-        self.stages, self.grad_norms, self.calls = stages, grad_norms, []
-        self.in_flight = self.most_in_flight = 0
-
-    async def fetch(self, source: StageAnnouncement, parts: list[str]):
-        self.calls.append((source.stage, parts))
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        for _ in range(3):  # a call over the network yields to the loop while its bytes come
-            await asyncio.sleep(0)
-        self.in_flight -= 1
-        result = StageResult(
-            v=PIPELINE_VERSION,
-            tensors={},
-            weights=b"",
-            step=7,
-            grad_norm=self.grad_norms.get(source.stage, 0.0),
-            lr_scale=1.0,
-        )
-        return part_tensors(self.stages[source.stage], parts), result
-
-
-def load(method, sources, target, view, live):
-    fresh = lambda: PipelineStage.from_config(target.config, target.plan, target.index)  # noqa: E731
-    return asyncio.run(
-        load_stage(target, method, sources, [], view, live.fetch, random.Random(0), fresh, recovered_lr_scale=1.1)
-    )
-
-
 def test_load_stage_by_checkfree_averages_the_nearest_live_neighbours():
     stages = split_model(model(), 4, checkfree_plus_extra_parts(4))
     live = LiveStages(stages, {0: 0.2, 3: 0.6})
@@ -204,31 +147,7 @@ def test_load_stage_by_checkfree_plus_copies_the_partner_and_its_embedding_copy(
 def test_load_stage_waits_for_a_source_that_is_not_live():
     stages = split_model(model(), 4, checkfree_plus_extra_parts(4))
     view = StageMap.from_announcements(4, [announce(0, "a", ["embed", "layers"])])
+    live = LiveStages(stages, {})
     with pytest.raises(MissingSource, match="neighbour stage 3"):
-        load("checkfree", [0, 3], PipelineStage.from_model(model(), StagePlan(4, 4), 2), view, LiveStages(stages, {}))
-
-
-def test_the_stage_recovery_report_counts_a_rebuild_s_bytes_as_load_stage_reads_them():
-    """benchmarks/stage_recovery.py charges CheckFree(+) its neighbours' bytes; for rows from before recoveries recorded
-    them it counts them from the model (rebuild_bytes). That count must be what load_stage reads, stage by stage."""
-    from benchmarks.stage_recovery import STAGES, rebuild_bytes, shape_overrides
-    from node.config import load_config
-    from node.model import build_char_tokenizer, build_default_model
-    from tests.helpers.common import REPO
-
-    shape = (64, 8, 2, 128)
-    config = load_config(REPO / "configs" / "pipeline.yaml", shape_overrides(shape, 0))
-    tokenizer = build_char_tokenizer()
-    whole = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    extra = checkfree_plus_extra_parts(STAGES)
-    stages = split_model(whole, STAGES, extra)
-    counted = rebuild_bytes(shape)
-    for lost in range(STAGES):
-        method, sources = choose_method(lost, STAGES, False, True, "checkfree", True)
-        view = StageMap.from_announcements(
-            STAGES, [announce(i, "abcd"[i], [p.value for p in stages[i].parts]) for i in range(STAGES) if i != lost]
-        )
-        target = PipelineStage.from_model(whole, StagePlan(8, STAGES), lost, extra.get(lost, ()))
-        event = load(method, sources, target, view, LiveStages(stages, {}))
-        assert event.method == ("checkfree" if 0 < lost < STAGES - 1 else "checkfree_plus")
-        assert event.bytes_fetched == counted[lost] > 0, lost
+        load("checkfree", [0, 3], PipelineStage.from_model(model(), StagePlan(4, 4), 2), view, live)
+    assert live.calls == []  # found missing before anything was read

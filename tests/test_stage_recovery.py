@@ -39,8 +39,16 @@ from benchmarks.stage_recovery import (
     recovery_seconds,
     report,
     save_stage_checkpoint,
+    shape_overrides,
     young_interval,
 )
+from node.config import load_config
+from node.model import build_char_tokenizer, build_default_model
+from node.pipeline.recovery import choose_method
+from node.pipeline.stagemap import StageMap
+from node.pipeline.stages import PipelineStage, StagePlan, checkfree_plus_extra_parts, split_model
+from tests.helpers.common import REPO
+from tests.helpers.stages import LiveStages, announce, load
 
 needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
@@ -176,7 +184,7 @@ def test_with_an_uplink_per_host_checkfree_is_charged_its_neighbours_bytes_at_th
         ),
         # a row from before recoveries recorded their bytes: counted from the key's model
         dict(row("checkfree", 0.1, 1, 100, 200.0), recoveries=[failed(2, "checkfree")]),
-        # 1,000 bytes a stage's checkpoint (4,000 in all) in 0.5 s and 1.5 s: 2,000 and ~667 B/s, 1,333 B/s on the mean
+        # 1,000 bytes a stage's checkpoint (4,000 in all), downloaded in 0.5 s and in 1.5 s
         dict(
             row("checkpoint", 0.1, 0, 120, 150.0),
             recoveries=[failed(3, "checkpoint", load_s=0.5)],
@@ -191,7 +199,7 @@ def test_with_an_uplink_per_host_checkfree_is_charged_its_neighbours_bytes_at_th
     for r in rows:
         r["key"] = uplinks
     summary = report(rows, [0.1], ["checkfree", "checkpoint"])
-    rate = (2000 + 1000 / 1.5) / 2  # bytes per second
+    rate = (1000 + 1000) / (0.5 + 1.5)  # bytes per second, over every download
     assert summary["checkpoint_download_mb_per_s"] == pytest.approx(rate / 1e6)
     from_model = rebuild_bytes((64, 8, 2, 128))[2]
     charged = summary["neighbour_fetch_charged_s_by_rate_and_seed"]["0.10"]
@@ -526,3 +534,24 @@ def test_uploads_in_the_background_make_a_restore_point_only_once_they_all_end(t
 def test_uploads_in_the_background_need_a_store():
     with pytest.raises(ValueError, match="need a store"):
         Checkpoints(Path("unused"), [], background=True)
+
+
+def test_the_stage_recovery_report_counts_a_rebuild_s_bytes_as_load_stage_reads_them():
+    """benchmarks/stage_recovery.py charges CheckFree(+) its neighbours' bytes; for rows from before recoveries recorded
+    them it counts them from the model (rebuild_bytes). That count must be what load_stage reads, stage by stage."""
+    shape = (64, 8, 2, 128)
+    config = load_config(REPO / "configs" / "pipeline.yaml", shape_overrides(shape, 0))
+    tokenizer = build_char_tokenizer()
+    whole = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    extra = checkfree_plus_extra_parts(STAGES)
+    stages = split_model(whole, STAGES, extra)
+    counted = rebuild_bytes(shape)
+    for lost in range(STAGES):
+        method, sources = choose_method(lost, STAGES, False, True, "checkfree", True)
+        view = StageMap.from_announcements(
+            STAGES, [announce(i, "abcd"[i], [p.value for p in stages[i].parts]) for i in range(STAGES) if i != lost]
+        )
+        target = PipelineStage.from_model(whole, StagePlan(8, STAGES), lost, extra.get(lost, ()))
+        event = load(method, sources, target, view, LiveStages(stages, {}))
+        assert event.method == ("checkfree" if 0 < lost < STAGES - 1 else "checkfree_plus")
+        assert event.bytes_fetched == counted[lost] > 0, lost

@@ -182,8 +182,8 @@ async def load_stage(
         ]
         return (source, *await fetch(source, wanted))
 
-    # both neighbours at once: on real links each sends from its own host, so the rebuild waits for the slower one
-    # instead of for the two one after the other
+    # both neighbours at once: each sends from its own host, so where the newcomer's downlink is faster than their
+    # uplinks the rebuild waits for the slower of the two instead of for both in turn
     answers = await gather_or_cancel(*(fetch_from(chosen[n]) for n in sources), what=f"stage {stage.index}'s fetches")
     fetched = dict(zip(sources, answers))
     event.bytes_fetched = sum(tensor_bytes(weights) for _, weights, _ in answers)
