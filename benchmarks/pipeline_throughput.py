@@ -119,7 +119,8 @@ TINY = {"tiny": (32, 4, 2, 64)}
 START_S = 300  # a server imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
 
 
-def overrides(shape: tuple[int, int, int, int], stages: int, swarm_id: str, settings: list[str]) -> list[str]:
+def shape_overrides(shape: tuple[int, int, int, int]) -> list[str]:
+    """The default model at `shape` (a SIZES value), untrained: the settings both pipeline benchmarks build it with."""
     hidden, layers, heads, intermediate = shape
     return [
         f"model.default.hidden_size={hidden}",
@@ -127,6 +128,12 @@ def overrides(shape: tuple[int, int, int, int], stages: int, swarm_id: str, sett
         f"model.default.num_heads={heads}",
         f"model.default.intermediate_size={intermediate}",
         "model.default.warmup_steps=0",
+    ]
+
+
+def overrides(shape: tuple[int, int, int, int], stages: int, swarm_id: str, settings: list[str]) -> list[str]:
+    return [
+        *shape_overrides(shape),
         f"pipeline.num_stages={stages}",
         f"swarm.swarm_id={swarm_id}",
         'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',

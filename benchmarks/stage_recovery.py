@@ -132,7 +132,7 @@ from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
 from benchmarks.checkpoint_store import CheckpointStore, store_get, store_put  # noqa: E402
-from benchmarks.pipeline_throughput import SIZES  # noqa: E402  (one list of model sizes for both benchmarks)
+from benchmarks.pipeline_throughput import SIZES, shape_overrides  # noqa: E402  (one set of model sizes for both)
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = 4
@@ -147,17 +147,9 @@ def model_shape(args) -> tuple[int, int, int, int]:
     return args.hidden, 8, max(2, args.hidden // 32), args.hidden * 2
 
 
-def shape_overrides(shape: tuple[int, int, int, int], seed: int) -> list[str]:
-    hidden, layers, heads, intermediate = shape
-    return [
-        f"model.default.hidden_size={hidden}",
-        f"model.default.num_layers={layers}",
-        f"model.default.num_heads={heads}",
-        f"model.default.intermediate_size={intermediate}",
-        "model.default.max_position_embeddings=128",
-        "model.default.warmup_steps=0",
-        f"model.default.seed={seed}",
-    ]
+def seeded_shape_overrides(shape: tuple[int, int, int, int], seed: int) -> list[str]:
+    """pipeline_throughput's model at `shape`, drawn from `seed`, for the 64-token sequences of these runs."""
+    return [*shape_overrides(shape), "model.default.max_position_embeddings=128", f"model.default.seed={seed}"]
 
 
 def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) -> dict[int, list[int]]:
@@ -335,7 +327,7 @@ class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
         overrides = [
-            *shape_overrides(model_shape(args), seed),
+            *seeded_shape_overrides(model_shape(args), seed),
             'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
             "swarm.swarm_id=stage-bench",
             f"pipeline.num_stages={STAGES}",
@@ -1295,7 +1287,7 @@ def rebuild_bytes(shape: tuple[int, int, int, int]) -> dict[int, int]:
     neighbours' layers, an end stage its neighbour's layers and that neighbour's copy of its embedding or head), from
     a model of `shape`: the same count a recovery records, for rows written before recoveries recorded it."""
     config = load_config(
-        REPO / "configs" / "pipeline.yaml", [*shape_overrides(shape, 0), f"pipeline.num_stages={STAGES}"]
+        REPO / "configs" / "pipeline.yaml", [*seeded_shape_overrides(shape, 0), f"pipeline.num_stages={STAGES}"]
     )
     tokenizer = build_char_tokenizer()
     model = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -39,7 +39,7 @@ from benchmarks.stage_recovery import (
     recovery_seconds,
     report,
     save_stage_checkpoint,
-    shape_overrides,
+    seeded_shape_overrides,
     young_interval,
 )
 from node.config import load_config
@@ -540,7 +540,7 @@ def test_the_stage_recovery_report_counts_a_rebuild_s_bytes_as_load_stage_reads_
     """benchmarks/stage_recovery.py charges CheckFree(+) its neighbours' bytes; for rows from before recoveries recorded
     them it counts them from the model (rebuild_bytes). That count must be what load_stage reads, stage by stage."""
     shape = (64, 8, 2, 128)
-    config = load_config(REPO / "configs" / "pipeline.yaml", shape_overrides(shape, 0))
+    config = load_config(REPO / "configs" / "pipeline.yaml", seeded_shape_overrides(shape, 0))
     tokenizer = build_char_tokenizer()
     whole = build_default_model(config.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     extra = checkfree_plus_extra_parts(STAGES)
