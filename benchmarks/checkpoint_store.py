@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -116,7 +117,26 @@ async def store_get(host: str, port: int, path: Path) -> None:
 
 
 STORE_NET = "198.19"  # the other half of RFC 2544's benchmarking range (the lab uses 198.18 and 198.20)
+STORE_PREFIX = "ckst"  # then the owner's process id, "x" and an index: remove_stale_stores finds the dead owners'
 STORE_INDEX = itertools.count()  # stores of one process: each its own names and addresses
+
+
+def start_store(prefix: list[str], scratch: Path, name: str, host: str, port: int) -> subprocess.Popen:
+    """The store's process (`prefix` + this file), in a process group of its own, logging to scratch/<name>.log."""
+    with open(scratch / f"{name}.log", "ab") as log:
+        return subprocess.Popen(
+            [*prefix, sys.executable, str(Path(__file__).resolve()), str(scratch / name), host, str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_store(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
 
 
 class CheckpointStore:
@@ -132,7 +152,7 @@ class CheckpointStore:
             raise RuntimeError(f"--checkpoint-store-mbit: {why}")
         remove_stale_stores()
         pid, index = os.getpid(), next(STORE_INDEX)
-        self.ns = f"ckst{pid}x{index}"  # with "h"/"s", within the 15 characters of an interface name
+        self.ns = f"{STORE_PREFIX}{pid}x{index}"  # with "h"/"s", within the 15 characters of an interface name
         base = 4 * ((8 * pid + index) % 16384)
         host_ip = f"{STORE_NET}.{base // 256}.{base % 256 + 1}"
         self.host, self.port = f"{STORE_NET}.{base // 256}.{base % 256 + 2}", STORE_PORT
@@ -148,14 +168,7 @@ class CheckpointStore:
             _run("ip", "-n", self.ns, "link", "set", "lo", "up")
             _run("tc", "qdisc", "add", "dev", f"{self.ns}h", "root", *_tbf(mbit))  # uploads
             _run("tc", "-n", self.ns, "qdisc", "add", "dev", f"{self.ns}s", "root", *_tbf(mbit))  # downloads
-            with open(scratch / f"{name}.log", "ab") as log:
-                self.process = subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns, sys.executable, str(Path(__file__).resolve())]
-                    + [str(scratch / name), self.host, str(self.port)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.process = start_store(["ip", "netns", "exec", self.ns], scratch, name, self.host, self.port)
         except BaseException:
             self.close()
             raise
@@ -165,28 +178,33 @@ class CheckpointStore:
 
     def close(self) -> None:
         """Stop the store's process (by its process group) and delete its namespace, which takes the veth pair along."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        stop_store(self.process)
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+class LoopbackStore:
+    """A store on this network namespace's loopback, at a port of its own: where the namespace is a run's own and its
+    loopback is shaped per host (host_uplinks.HostUplinks), the store is a host there and the shaping is its link."""
+
+    def __init__(self, scratch: Path, name: str = "store") -> None:
+        self.host = "127.0.0.1"
+        with socket.socket() as probe:  # a free port; the store binds it a moment later (nothing else in the namespace
+            probe.bind((self.host, 0))  # takes ports but the run's p2p daemons, at ports of their own choice)
+            self.port = probe.getsockname()[1]
+        self.process: subprocess.Popen | None = start_store([], scratch, name, self.host, self.port)
+
+    async def ready(self) -> None:
+        await until_listening(self.host, self.port)
+
+    def close(self) -> None:
+        stop_store(self.process)
 
 
 def remove_stale_stores() -> list[str]:
     """Delete the namespaces of checkpoint stores whose owner process is gone (and stop what still runs in them)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    removed = []
-    for name in listed:
-        owner = name.removeprefix("ckst").split("x")[0]
-        if not name.startswith("ckst") or not owner.isdigit() or Path(f"/proc/{owner}").exists():
-            continue
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        removed.append(name)
-    return removed
+    from benchmarks.lab import remove_stale_namespaces
+
+    return remove_stale_namespaces(STORE_PREFIX)
 
 
 async def upload_loop(path: Path, host: str, port: int, log: Path) -> None:

@@ -136,6 +136,25 @@ def _tbf(rate_mbit: float) -> list[str]:
     return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "400ms"]
 
 
+def remove_stale_namespaces(prefix: str) -> list[str]:
+    """Delete the network namespaces named `prefix`<owner's process id>x... whose owner is gone, after killing what
+    still runs in them. For namespaces of a benchmark's own (a checkpoint store, a run's shaped loopback) that a
+    SIGKILL left behind."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    removed = []
+    for name in listed:
+        owner = name.removeprefix(prefix).split("x")[0]
+        if not name.startswith(prefix) or not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        removed.append(name)
+    return removed
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(argv), capture_output=True, text=True)
     if check and result.returncode != 0:

@@ -27,7 +27,12 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                checkpoint kept only on the host that dies is lost with it. The stages share that
                one link, one after the other, unless --checkpoint-uplinks per-stage: then each
                stage's host has an uplink of R of its own and all stages save and upload at once
-               (Checkpoints). With --checkpoint-uploads background training goes on once every
+               (Checkpoints). --checkpoint-uplinks per-host goes further: every run, each
+               strategy's and the failure-free one's, happens in a network namespace of its own,
+               whose loopback gives every host (the driver, each stage server, each store) an
+               uplink of R (host_uplinks.py), so that a stage host's hidden states, gradients,
+               what CheckFree reads from it and its checkpoint uploads share its one link.
+               With --checkpoint-uploads background training goes on once every
                stage has written its checkpoint to its own disk; the uploads run meanwhile and the
                checkpoint is the restore point once they have all ended (a failure before that cuts
                them and rolls back to the checkpoint before);
@@ -71,6 +76,8 @@ the last checkpoint) on the same schedule.
         --checkpoint-store-mbit 20 --checkpoint-uplinks per-stage
     sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
         --checkpoint-store-mbit 20 --checkpoint-uplinks per-stage --checkpoint-uploads background
+    sudo .venv/bin/python benchmarks/stage_recovery.py --size 5M --max-steps 120 --rates 0.10 --side-by-side \
+        --checkpoint-store-mbit 20 --checkpoint-uplinks per-host --checkpoint-uploads background
     .venv/bin/python benchmarks/stage_recovery.py --churn --seeds 3
 Ends with one JSON line.
 """
@@ -131,7 +138,8 @@ from node.transport.joining import shutdown_dht  # noqa: E402
 from node.transport.session import SwarmSession  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
-from benchmarks.checkpoint_store import CheckpointStore, store_get, store_put  # noqa: E402
+from benchmarks.checkpoint_store import CheckpointStore, LoopbackStore, store_get, store_put  # noqa: E402
+from benchmarks.host_uplinks import HostUplinks, RunNamespace, in_own_namespace, port_of  # noqa: E402
 from benchmarks.pipeline_throughput import SIZES, shape_overrides  # noqa: E402  (one set of model sizes for both)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,11 +367,20 @@ class Bench:
         self.save_cost_s = 0.0  # the last save, less any wait for the uploads before it (Young's rule prices this)
         self.loads_s: list[float] = []  # each restore of all stages, seconds
         self.last_bytes = 0
-        stores: list[CheckpointStore] = []
+        per_host = uplink_per_host(args)
+        # every host's uplink, on the loopback of this run's own namespace (main starts the run there)
+        self.uplinks = HostUplinks(args.checkpoint_store_mbit) if per_host else None
+        stores: list[CheckpointStore | LoopbackStore] = []
         if strategy == "checkpoint" and args.checkpoint_store_mbit:
             try:
-                for index in range(STAGES if args.checkpoint_uplinks == "per-stage" else 1):
-                    stores.append(CheckpointStore(args.checkpoint_store_mbit, scratch, name=f"store-{index}"))
+                for index in range(STAGES if args.checkpoint_uplinks != "shared" else 1):
+                    if per_host:  # a host of the run's namespace: its link is the loopback's shaping
+                        stores.append(LoopbackStore(scratch, name=f"store-{index}"))
+                        self.uplinks.add(f"store-{index}", sends_from=(stores[-1].port,))
+                        # only stage `index`'s host uploads to this store: an upload goes over that host's uplink
+                        self.uplinks.add(f"stage-{index}", sends_to=(stores[-1].port,))
+                    else:
+                        stores.append(CheckpointStore(args.checkpoint_store_mbit, scratch, name=f"store-{index}"))
             except BaseException:
                 for store in stores:
                     store.close()
@@ -381,6 +398,8 @@ class Bench:
         self.fingerprint = model_fingerprint(self.model, self.tokenizer)
         self.bootstrap = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         self.addresses = [str(a) for a in await self.bootstrap.get_visible_maddrs()]
+        if self.uplinks is not None:  # the bootstrap node is the driver's: the driver's host
+            self.uplinks.add("driver", sends_from=(port_of(self.addresses),))
         for stage in range(STAGES):
             if self.args.churn:  # every server chooses its stage: each takes the next one left without a server
                 await self.start_server("auto", key=stage)
@@ -414,6 +433,8 @@ class Bench:
         from hivemind.dht.node import DHTNode
 
         dht = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=self.addresses)
+        if self.uplinks is not None:  # a stage's host (a replacement: a new one behind a link of the same rate)
+            self.uplinks.add(f"stage-{stage}", sends_from=(port_of(await dht.get_visible_maddrs()),))
         config = self.config.model_copy(update={"pipeline": self.config.pipeline.model_copy(update={"stage": stage})})
         session = SwarmSession(
             config, dht, "direct", NodeIdentity.generate(), self.scratch / f"server-{stage}-{time.time_ns()}"
@@ -527,6 +548,9 @@ async def run(
     finally:
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+    uplink_mb = None
+    if bench.uplinks is not None:
+        uplink_mb = {host: round(sent / 1e6, 3) for host, sent in sorted(bench.uplinks.sent_bytes().items())}
     curve = record["curve"]
     reached = next((point for point in curve if target is not None and point["val_loss"] <= target), None)
     return {
@@ -554,6 +578,8 @@ async def run(
         "checkpoint_uploads_s": bench.checkpoints.uploads_s,
         "checkpoint_upload_waits_s": bench.checkpoints.upload_waits_s,
         "checkpoint_uploads_dropped": bench.checkpoints.uploads_dropped,
+        # --checkpoint-uplinks per-host: what each host sent over its uplink in the whole run (MB)
+        "uplink_mb_by_host": uplink_mb,
         "timed_out": timed_out,
     }
 
@@ -825,10 +851,12 @@ def main() -> None:
         "its stage's from there (root); default: checkpoints stay on this host's disk",
     )  # fmt: skip
     parser.add_argument(
-        "--checkpoint-uplinks", choices=["shared", "per-stage"], default="shared", help="with a store: `shared`, one "
-        "link of the rate to the store that the stages' uploads cross one after the other; `per-stage`, each stage's "
-        "host its own uplink of the rate, so the stages upload at once (four home hosts and a store that is not the "
-        "bottleneck)",
+        "--checkpoint-uplinks", choices=["shared", "per-stage", "per-host"], default="shared", help="with a store: "
+        "`shared`, one link of the rate to the store that the stages' uploads cross one after the other; `per-stage`, "
+        "each stage's host its own uplink of the rate, so the stages upload at once (four home hosts and a store that "
+        "is not the bottleneck); `per-host`, as per-stage, and every host's uplink (the driver's, each stage "
+        "server's, each store's) carries all it sends: hidden states, gradients and CheckFree's reads share it with "
+        "the uploads, in every strategy's runs and the failure-free ones (each run in a network namespace of its own)",
     )  # fmt: skip
     parser.add_argument(
         "--checkpoint-uploads", choices=["blocking", "background"], default="blocking", help="with a store: "
@@ -876,6 +904,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.churn and args.checkpoint_store_mbit:
         parser.error("--checkpoint-store-mbit is for the failure-rate mode, not --churn")
+    if uplink_per_host(args) and args.one and not in_own_namespace():
+        parser.error("--checkpoint-uplinks per-host: a run goes in a network namespace of its own (main starts it)")
     if args.checkpoint_uplinks != "shared" and not args.checkpoint_store_mbit:
         parser.error("--checkpoint-uplinks needs --checkpoint-store-mbit (without a store, checkpoints stay on disk)")
     if args.checkpoint_uploads != "blocking" and not args.checkpoint_store_mbit:
@@ -937,26 +967,35 @@ def main() -> None:
         return
     seeds = [seed for seed in range(args.seeds) if args.only_seeds is None or seed in args.only_seeds]
     baselines = [seed for seed in seeds if none_row(read_rows(args.results, config_key(args)), seed) is None]
-    if args.side_by_side:
-        run_children(args, [(seed, 0.0, "none") for seed in baselines])
-    else:
-        for seed in baselines:
-            run_one(args, seed, 0.0, "none")
+    launch(args, [(seed, 0.0, "none") for seed in baselines])
     for rate in args.rates:  # in the order given: the one that matters most first, in case time runs out
         for seed in seeds:
             done = {(r["seed"], r["rate"], r["strategy"]) for r in read_rows(args.results, config_key(args))}
-            todo = [strategy for strategy in args.strategies if (seed, rate, strategy) not in done]
-            if args.side_by_side:  # the strategies of one (rate, seed) at once: they share the machine's load
-                run_children(args, [(seed, rate, strategy) for strategy in todo])
-            else:
-                for strategy in todo:
-                    run_one(args, seed, rate, strategy)
+            launch(args, [(seed, rate, strategy) for strategy in args.strategies if (seed, rate, strategy) not in done])
     print_report(report(read_rows(args.results, config_key(args)), args.rates, args.strategies))
+
+
+def uplink_per_host(args) -> bool:
+    return bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks == "per-host"
+
+
+def launch(args, runs: list[tuple[int, float, str]]) -> None:
+    """The runs, each (seed, rate, strategy): with --side-by-side all at once, each in its own process (they share
+    the machine's load); else one after the other, in this process, or in processes of their own where each must
+    be in a network namespace of its own (per-host uplinks)."""
+    if args.side_by_side:
+        run_children(args, runs)
+    elif uplink_per_host(args):
+        for spec in runs:
+            run_children(args, [spec])
+    else:
+        for seed, rate, strategy in runs:
+            run_one(args, seed, rate, strategy)
 
 
 def config_key(args) -> dict:
     """What makes two runs comparable: a report mixes only rows with the same key."""
-    per_stage_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks == "per-stage"
+    per_stage_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks != "shared"
     background_uploads = bool(args.checkpoint_store_mbit) and args.checkpoint_uploads == "background"
     return {
         "shape": list(model_shape(args)),
@@ -988,11 +1027,14 @@ def read_rows(path: Path, key: dict) -> list[dict]:
 
 
 def baseline_key(key: dict) -> dict:
-    """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings."""
+    """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings. Where
+    every host has an uplink of the rate (per-host), the rate shapes its steps too: it serves only that rate's."""
+    kept = ("checkpoint_store_mbit", "checkpoint_uplinks") if key.get("checkpoint_uplinks") == "per-host" else ()
     return {
         name: value
         for name, value in key.items()
-        if name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads")
+        if name in kept
+        or name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads")
     }
 
 
@@ -1051,21 +1093,31 @@ def run_children(args, runs: list[tuple[int, float, str]]) -> None:
     """Each run in its own process, all at once, and wait for them all; a child still running well past
     --run-timeout-s (it stops itself at that limit) is stopped here."""
     passthrough = [a for a in sys.argv[1:] if a != "--side-by-side"]
-    children = [
-        subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *passthrough, "--one", str(seed), str(rate), strategy]
-        )
-        for seed, rate, strategy in runs
-    ]
-    deadline = time.monotonic() + args.run_timeout_s + CHILD_GRACE_S
-    for child, spec in zip(children, runs, strict=True):
-        try:
-            child.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"run {spec} still going {CHILD_GRACE_S:.0f}s past its limit: stopped, no row", flush=True)
-            stop_child(child)
-        if child.returncode != 0:
-            print(f"run {spec} ended with exit status {child.returncode}", flush=True)
+    namespaces: list[RunNamespace] = []
+    children = []
+    try:
+        for seed, rate, strategy in runs:
+            command = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--one", str(seed), str(rate)]
+            command.append(strategy)
+            if uplink_per_host(args):  # `ip netns exec` execs the run: the child is the run's process itself
+                namespaces.append(RunNamespace())
+                command = namespaces[-1].command(command)
+            children.append(subprocess.Popen(command))
+        deadline = time.monotonic() + args.run_timeout_s + CHILD_GRACE_S
+        for child, spec in zip(children, runs, strict=True):
+            try:
+                child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"run {spec} still going {CHILD_GRACE_S:.0f}s past its limit: stopped, no row", flush=True)
+                stop_child(child)
+            if child.returncode != 0:
+                print(f"run {spec} ended with exit status {child.returncode}", flush=True)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                stop_child(child)
+        for namespace in namespaces:
+            namespace.close()
 
 
 def stop_child(child: subprocess.Popen) -> None:

@@ -23,6 +23,7 @@ from benchmarks.checkpoint_store import (
     STORE_HEADER,
     STORE_LENGTH,
     CheckpointStore,
+    LoopbackStore,
     store_get,
     store_put,
     store_serve,
@@ -299,6 +300,17 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     assert background == dict(shared, checkpoint_uplinks="per-stage", checkpoint_uploads="background")
     # one failure-free run serves every checkpoint rule, uploads in the background too
     assert baseline_key(background) == baseline_key(shared) == baseline_key(plain | {"settings": args.set})
+    # where every host's uplink has the rate, the failure-free run's steps cross it too: it serves that rate only
+    args.checkpoint_uplinks = "per-host"
+    per_host = config_key(args)
+    assert per_host == dict(shared, checkpoint_uplinks="per-host", checkpoint_uploads="background")
+    assert baseline_key(per_host) == dict(
+        baseline_key(shared), checkpoint_store_mbit=20.0, checkpoint_uplinks="per-host"
+    )
+    args.checkpoint_uploads = "blocking"
+    assert baseline_key(config_key(args)) == baseline_key(per_host)
+    args.checkpoint_store_mbit = 100.0
+    assert baseline_key(config_key(args)) != baseline_key(per_host)
 
 
 def free_port() -> int:
@@ -364,6 +376,20 @@ def test_two_checkpoint_stores_serve_side_by_side_from_their_own_namespaces_and_
         for store in stores:
             store.close()
     assert not {store.ns for store in stores} & set(namespaces())
+
+
+def test_a_store_on_the_loopback_serves_from_a_port_of_its_own_until_closed(tmp_path):
+    """Per-host uplinks put the stores on the run's namespace's loopback (its shaping is their link)."""
+    stores = [LoopbackStore(tmp_path, name=f"store-{i}") for i in range(2)]
+    try:
+        assert len({store.port for store in stores}) == 2
+        asyncio.run(stores[1].ready())
+        asyncio.run(store_round_trip(stores[1].host, stores[1].port, tmp_path, [300_000, 5]))
+        assert (tmp_path / "store-1" / "stage-2.pt").stat().st_size == 5
+    finally:
+        for store in stores:
+            store.close()
+    assert all(store.process.poll() is not None for store in stores)
 
 
 @needs_lab
