@@ -1250,7 +1250,47 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "missed_target": sorted(
             f"{r['strategy']}@{r['rate']:.2f} seed {r['seed']}" for r in rows if r["steps_to_target"] is None
         ),
+        # a step without a failure in it (each run's median): what uploads in the background cost the steps beside them
+        "normal_step_s_by_strategy_and_rate": {
+            strategy: {
+                f"{rate:.2f}": spread([r.get("normal_step_s") for r in rows_of(strategy, rate)]) for rate in rates
+            }
+            for strategy in strategies
+        },
+        **uplink_traffic(rows, rates, strategies),
         **neighbour_fetch_over_links(rows, rates, strategies),
+    }
+
+
+def uplink_traffic(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
+    """Per-host uplinks (rows with `uplink_mb_by_host`): what a stage's host sent over its uplink per step executed,
+    validation included (the mean over the four stage hosts; over seeds: spread), and the driver's."""
+    shaped = [r for r in rows if r.get("uplink_mb_by_host")]
+    if not shaped:
+        return {}
+
+    def per_step(row: dict, hosts: list[str]) -> float | None:
+        executed = row["curve"][-1]["executed"] if row.get("curve") else 0
+        sent = [row["uplink_mb_by_host"].get(host) for host in hosts]
+        return statistics.mean(sent) / executed if executed and None not in sent else None
+
+    stage_hosts = [f"stage-{index}" for index in range(STAGES)]
+    by_strategy = {"none": {"0.00": [r for r in shaped if r["strategy"] == "none"]}} | {
+        strategy: {
+            f"{rate:.2f}": [r for r in shaped if r["strategy"] == strategy and abs(r["rate"] - rate) < 1e-9]
+            for rate in rates
+        }
+        for strategy in strategies
+    }
+    return {
+        "uplink_mb_per_step_stage_host_by_strategy_and_rate": {
+            strategy: {rate: spread([per_step(r, stage_hosts) for r in runs]) for rate, runs in by_rate.items()}
+            for strategy, by_rate in by_strategy.items()
+        },
+        "uplink_mb_per_step_driver_by_strategy_and_rate": {
+            strategy: {rate: spread([per_step(r, ["driver"]) for r in runs]) for rate, runs in by_rate.items()}
+            for strategy, by_rate in by_strategy.items()
+        },
     }
 
 
@@ -1466,6 +1506,13 @@ def print_report(summary: dict) -> None:
             f"uploads in the background: s to a restore point {summary['checkpoint_upload_s']}, saves' wait for the "
             f"last uploads {summary['checkpoint_upload_wait_s']}, failures that cut uploads per run "
             f"{summary['checkpoint_failures_that_cut_uploads']}"
+        )
+    print(f"a step without a failure in it, s: {summary['normal_step_s_by_strategy_and_rate']}")
+    if summary.get("uplink_mb_per_step_stage_host_by_strategy_and_rate"):
+        print(
+            "sent over its uplink per step executed, MB: a stage's host "
+            f"{summary['uplink_mb_per_step_stage_host_by_strategy_and_rate']}, the driver "
+            f"{summary['uplink_mb_per_step_driver_by_strategy_and_rate']}"
         )
     print(json.dumps(summary))
 

@@ -167,6 +167,33 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["parameters"] == 42
 
 
+def test_with_every_host_s_uplink_shaped_the_report_gives_what_each_sent_per_step_and_the_steps_beside_uploads():
+    def shaped(strategy, rate, seed, executed, stage_mb, driver_mb, step_s):
+        run = row(strategy, rate, seed, executed, 10.0 * executed, curve=[(executed, 0.5)])
+        run["curve"][-1]["executed"] = executed
+        run["uplink_mb_by_host"] = {f"stage-{i}": mb for i, mb in enumerate(stage_mb)} | {"driver": driver_mb}
+        run["normal_step_s"] = step_s
+        return run
+
+    rows = [
+        shaped("none", 0.0, 1, 10, [10, 10, 10, 10], 1.0, 5.0),
+        shaped("checkfree", 0.1, 1, 10, [10, 12, 12, 10], 2.0, 5.0),
+        shaped("checkpoint", 0.1, 1, 20, [100, 100, 100, 100], 2.0, 9.0),
+        shaped("checkpoint", 0.1, 2, 10, [30, 30, 30, 30], 1.0, 7.0),
+    ]
+    summary = report(rows, [0.1], ["checkfree", "checkpoint"])
+    stage_host = summary["uplink_mb_per_step_stage_host_by_strategy_and_rate"]
+    assert stage_host["none"]["0.00"]["mean"] == pytest.approx(1.0)
+    assert stage_host["checkfree"]["0.10"]["mean"] == pytest.approx(1.1)  # mean over the stages' hosts, per step
+    assert stage_host["checkpoint"]["0.10"] == {"mean": pytest.approx(4.0), "min": 3.0, "max": 5.0, "n": 2}
+    assert summary["uplink_mb_per_step_driver_by_strategy_and_rate"]["checkpoint"]["0.10"]["mean"] == 0.1
+    assert summary["normal_step_s_by_strategy_and_rate"]["checkpoint"]["0.10"]["mean"] == 8.0
+    # rows of other uplinks have no such figures
+    for run in rows:
+        del run["uplink_mb_by_host"]
+    assert "uplink_mb_per_step_stage_host_by_strategy_and_rate" not in report(rows, [0.1], ["checkfree"])
+
+
 def test_with_an_uplink_per_host_checkfree_is_charged_its_neighbours_bytes_at_the_checkpoint_downloads_rate():
     uplinks = {"shape": [64, 8, 2, 128], "checkpoint_store_mbit": 20.0, "checkpoint_uplinks": "per-stage"}
 
