@@ -20,7 +20,9 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                from disk and the driver goes back to its step. Saves and loads are timed and in
                the strategy's wall clock. The interval is by default Young's rule,
                sqrt(2 x checkpoint cost x the pipeline's MTBF), from the first checkpoint's
-               measured cost and the failure-free run's normal step (young_interval). With
+               measured cost and the failure-free run's normal step (young_interval); with
+               young-with-uploads, that cost includes what the steps beside the first checkpoint's
+               background uploads took beyond normal steps (cost_with_uploads). With
                --checkpoint-store-mbit R (root) a checkpoint is not done until it is also uploaded to
                a store on another host (a network namespace behind a link of R Mbit/s, which fsyncs
                it), and a replacement server downloads its stage's checkpoint from there: a
@@ -570,6 +572,8 @@ async def run(
         "loss_spike": record["spikes"],
         "normal_step_s": statistics.median(record["normal_step_s"]) if record["normal_step_s"] else None,
         "checkpoint_every": record["every"],
+        # what the interval was priced at: the save, and with young-with-uploads the steps beside its uploads too
+        "checkpoint_cost_s": record.get("checkpoint_cost_s"),
         "checkpoint_saves_s": bench.saves_s,
         "checkpoint_loads_s": bench.loads_s,
         "checkpoint_bytes": bench.checkpoint_bytes(),
@@ -585,12 +589,12 @@ async def run(
 
 
 def checkpoint_every(args, first_save_s: float, step_s: float | None, rate: float) -> int:
-    """--checkpoint-every: a number of steps, or `young` (Young's rule on the measured cost of the first checkpoint and
-    the failure-free run's normal step)."""
-    if args.checkpoint_every != "young":
+    """--checkpoint-every: a number of steps, or `young` / `young-with-uploads` (Young's rule on the measured cost of
+    the first checkpoint, `first_save_s`, and the failure-free run's normal step)."""
+    if args.checkpoint_every not in ("young", "young-with-uploads"):
         return int(args.checkpoint_every)
     if not step_s:
-        raise ValueError("--checkpoint-every young needs the failure-free run's step time")
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs the failure-free run's step time")
     return young_interval(first_save_s, step_s, rate, args.steps_per_hour)
 
 
@@ -599,6 +603,8 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
     evaluate twice); checkpoint saves and loads, recoveries and replayed steps are all in them."""
     executed, fired, failed, last_loss = 0, set(), None, None
     normal_step_s = record["normal_step_s"]
+    # young-with-uploads: the steps beside the first checkpoint's uploads, until they end (None: not pricing)
+    beside_uploads: list[float] | None = None
     if strategy == "checkpoint":
         await bench.save_checkpoint()  # the restore point before step 1
     while executed < args.max_steps * 3:
@@ -629,6 +635,8 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
             failed["to_serving_s"] = time.perf_counter() - failed["at"]
         row = await bench.driver.train_step()
         executed += 1
+        if beside_uploads is not None and failed is None:  # the first step after a failure is the recovery's
+            beside_uploads.append(row["step_s"])
         # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
         record["retries"] += row["retries"] + row["backward_failures"] + sum(row["hop_failures"].values())
         record["repeated_calls"] += sum(row["repeated_calls"].values())
@@ -645,17 +653,31 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
         else:
             normal_step_s.append(row["step_s"])
         last_loss = row["loss"]
-        if strategy == "checkpoint" and record["every"] is None:
+        if beside_uploads is not None and (bench.checkpoints.pending is None or bench.checkpoints.pending.done()):
+            # the first checkpoint's uploads ended (or a failure cut them: priced on the steps they had)
+            record["checkpoint_cost_s"] = cost_with_uploads(bench.save_cost_s, beside_uploads, step_s or 0.0)
+            record["every"] = checkpoint_every(args, record["checkpoint_cost_s"], step_s, rate)
+            print(
+                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {record['checkpoint_cost_s']:.2f}s "
+                f"with the {len(beside_uploads)} steps beside its uploads; every {record['every']} steps",
+                flush=True,
+            )
+            beside_uploads = None
+        elif strategy == "checkpoint" and record["every"] is None and "checkpoint_cost_s" not in record:
             # The checkpoint after step 1 sets the interval: the one before it holds no AdamW moments yet (a third of
             # the bytes), this one is the size of every later one.
             await bench.save_checkpoint()
-            record["every"] = checkpoint_every(args, bench.save_cost_s, step_s, rate)
-            print(
-                f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.save_cost_s:.2f}s for "
-                f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
-                flush=True,
-            )
-        elif strategy == "checkpoint" and bench.driver.step % record["every"] == 0:
+            record["checkpoint_cost_s"] = bench.save_cost_s
+            if args.checkpoint_every == "young-with-uploads" and bench.checkpoints.background:
+                beside_uploads = []  # priced once its uploads end; no checkpoint until then
+            else:
+                record["every"] = checkpoint_every(args, bench.save_cost_s, step_s, rate)
+                print(
+                    f"seed {bench.seed} rate {rate:.2f} checkpoint: a checkpoint costs {bench.save_cost_s:.2f}s for "
+                    f"{bench.checkpoint_bytes() / 1e6:.1f} MB; every {record['every']} steps",
+                    flush=True,
+                )
+        elif strategy == "checkpoint" and record["every"] and bench.driver.step % record["every"] == 0:
             await bench.save_checkpoint()
         if bench.driver.step % args.eval_every == 0:
             evaluated = time.perf_counter()
@@ -679,6 +701,13 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 break
         if bench.driver.step >= (args.max_steps if target is None else 2 * args.max_steps):
             break
+
+
+def cost_with_uploads(save_s: float, steps_beside_uploads_s: list[float], normal_step_s: float) -> float:
+    """What a checkpoint whose uploads run in the background costs the training: the save itself, plus what the steps
+    taken while its uploads ran took beyond normal steps (where uploads share a host's uplink with the hidden states,
+    those steps are slower)."""
+    return save_s + max(0.0, sum(steps_beside_uploads_s) - len(steps_beside_uploads_s) * normal_step_s)
 
 
 def recovery_seconds(to_serving_s: float, recovery_step_s: float, normal_step_s: float) -> float:
@@ -843,7 +872,9 @@ def main() -> None:
         "--checkpoint-every",
         default="young",
         help="steps between checkpoint-restart's checkpoints, or `young`: sqrt(2 x checkpoint cost x the pipeline's "
-        "MTBF), from the first checkpoint's measured cost and the failure-free run's step (churn mode: a number)",
+        "MTBF), from the first checkpoint's measured cost and the failure-free run's step (churn mode: a number), or "
+        "`young-with-uploads` (uploads in the background): the same rule, the cost being the save plus what the steps "
+        "beside the first checkpoint's uploads took beyond normal steps, no checkpoint until those uploads end",
     )
     parser.add_argument(
         "--checkpoint-store-mbit", type=float, default=None, help="checkpoint-restart uploads every checkpoint to a "
@@ -908,6 +939,8 @@ def main() -> None:
         parser.error("--checkpoint-uplinks per-host: a run goes in a network namespace of its own (main starts it)")
     if args.checkpoint_uplinks != "shared" and not args.checkpoint_store_mbit:
         parser.error("--checkpoint-uplinks needs --checkpoint-store-mbit (without a store, checkpoints stay on disk)")
+    if args.checkpoint_every == "young-with-uploads" and args.checkpoint_uploads != "background":
+        parser.error("--checkpoint-every young-with-uploads prices uploads in the background (--checkpoint-uploads)")
     if args.checkpoint_uploads != "blocking" and not args.checkpoint_store_mbit:
         parser.error("--checkpoint-uploads needs --checkpoint-store-mbit (without a store nothing is uploaded)")
     if args.churn and not args.checkpoint_every.isdigit():
