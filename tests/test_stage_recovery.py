@@ -33,7 +33,9 @@ from benchmarks.stage_recovery import (
     STAGES,
     Checkpoints,
     baseline_key,
+    checkpoint_every,
     config_key,
+    cost_with_uploads,
     load_stage_checkpoint,
     read_rows,
     rebuild_bytes,
@@ -280,6 +282,18 @@ def test_each_seed_is_compared_at_the_wall_clock_where_its_first_run_reached_the
         {"checkfree": 4 / 3, "checkpoint": 8 / 3, "random": 2.0}
     )
     assert summary["ordering_by_rank_at_equal_wall_s"]["0.16"] == ["checkfree", "random", "checkpoint"]
+
+
+def test_a_checkpoint_uploaded_in_the_background_costs_its_save_and_what_the_steps_beside_its_uploads_lost():
+    # a 1 s save; three steps of 9, 10 and 8 s while its uploads ran, where a step takes 5 s: 12 s lost
+    assert cost_with_uploads(1.0, [9.0, 10.0, 8.0], 5.0) == pytest.approx(13.0)
+    # steps no slower than normal (uploads that do not share the hidden states' link) leave the save's cost
+    assert cost_with_uploads(1.0, [4.0, 5.0], 5.0) == 1.0
+    assert cost_with_uploads(1.0, [], 5.0) == 1.0
+    args = SimpleNamespace(checkpoint_every="young-with-uploads", steps_per_hour=25)
+    assert checkpoint_every(args, 13.0, 5.0, 0.10) == young_interval(13.0, 5.0, 0.10, 25)
+    args.checkpoint_every = "7"
+    assert checkpoint_every(args, 13.0, 5.0, 0.10) == 7
 
 
 def test_a_recovery_is_the_time_to_a_serving_stage_plus_what_the_next_step_took_beyond_a_normal_one():
