@@ -1028,7 +1028,7 @@ def launch(args, runs: list[tuple[int, float, str]]) -> None:
 
 def config_key(args) -> dict:
     """What makes two runs comparable: a report mixes only rows with the same key."""
-    per_stage_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks != "shared"
+    own_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks != "shared"  # per stage or host
     background_uploads = bool(args.checkpoint_store_mbit) and args.checkpoint_uploads == "background"
     return {
         "shape": list(model_shape(args)),
@@ -1037,7 +1037,7 @@ def config_key(args) -> dict:
         "checkpoint_every": str(args.checkpoint_every),
         **({"checkpoint_store_mbit": args.checkpoint_store_mbit} if args.checkpoint_store_mbit else {}),
         # only where it is not the first setting's: the rows from before it keep their key
-        **({"checkpoint_uplinks": args.checkpoint_uplinks} if per_stage_uplinks else {}),
+        **({"checkpoint_uplinks": args.checkpoint_uplinks} if own_uplinks else {}),
         **({"checkpoint_uploads": args.checkpoint_uploads} if background_uploads else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
