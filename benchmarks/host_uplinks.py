@@ -21,9 +21,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 
-from benchmarks.lab import _run, lab_unavailable, remove_stale_namespaces
+from benchmarks.lab import _run, kill_and_delete_namespace, lab_unavailable, remove_stale_namespaces
 
 NAMESPACE_PREFIX = "uplk"  # then the owner's process id, "x" and an index
 NAMESPACES = itertools.count()
@@ -56,13 +55,7 @@ class RunNamespace:
         return ["ip", "netns", "exec", self.name, "env", f"{NAMESPACE_ENV}={self.name}", *argv]
 
     def close(self) -> None:
-        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), 9)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+        kill_and_delete_namespace(self.name)
 
     def __enter__(self) -> RunNamespace:
         return self

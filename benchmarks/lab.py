@@ -146,13 +146,18 @@ def remove_stale_namespaces(prefix: str) -> list[str]:
         owner = name.removeprefix(prefix).split("x")[0]
         if not name.startswith(prefix) or not owner.isdigit() or Path(f"/proc/{owner}").exists():
             continue
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        kill_and_delete_namespace(name)
         removed.append(name)
     return removed
+
+
+def kill_and_delete_namespace(name: str) -> None:
+    """SIGKILL whatever still runs in the network namespace `name`, then delete it (gone already: nothing happens)."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
