@@ -92,6 +92,13 @@ async def sync_rounds(
 # one peer per process, in the lab -------------------------------------------------------------
 
 
+# Written once every worker has ended its last round: a worker stays in the swarm until then. One that left as
+# soon as it had averaged took its daemon and DHT node with it, and a slower peer still shown it "free" (a stale
+# replica) dialed a closed port, lost the DHT replicas it held, and ended the round alone (6/8 in a CI run): a
+# departure mid-round, which this benchmark does not measure (tests/test_averaging_faults.py does).
+FINISHED = "finished"
+
+
 def sleep_until(wall_time: float) -> None:
     time.sleep(max(0.0, wall_time - time.time()))
 
@@ -128,6 +135,7 @@ async def worker_ours(args, scratch: Path, tensor) -> None:
             }
             append_json_line(scratch / f"result-{args.index}.jsonl", row)
             write_atomic(scratch / f"done-{round_id}-{args.index}", "")
+        await asyncio.to_thread(wait_file, scratch / FINISHED)
     finally:
         await averager.stop()
         await node.shutdown()
@@ -197,6 +205,7 @@ def worker_hivemind(args, scratch: Path, tensor) -> None:
             }
             append_json_line(scratch / f"result-{args.index}.jsonl", row)
             write_atomic(scratch / f"done-{round_id}-{args.index}", "")
+        wait_file(scratch / FINISHED)
     finally:
         averager.shutdown()
         dht.shutdown()
@@ -270,6 +279,7 @@ def lab_sizes(args) -> dict:
                             scratch / f"done-{round_id}-{index}",
                             f"finishing {method} round {round_id} (N={size})",
                         )
+                write_atomic(scratch / FINISHED, "")
             rows = [
                 json.loads(line)
                 for index in range(size)

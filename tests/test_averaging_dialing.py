@@ -175,3 +175,30 @@ def test_a_failed_dial_keeps_what_the_first_stream_request_was_told():
         assert "dial backoff" in line and "before the dial, p2pd said: Connect failed. msg=routing: not found" in line
     else:
         raise AssertionError("open_stream reached a peer it cannot reach")
+
+
+def test_a_partner_that_has_not_started_the_round_is_called_once_per_poll(tmp_path):
+    """A partner announced "free" for the round but not in it yet answers NOT_READY. The caller tries it again
+    at most about once per poll interval: before, each refused call woke the matchmaker, which called again at
+    once (226 calls in 2 s on loopback), a p2p stream each. The bound is counted against the time measured
+    around the round, so a slow machine can only make fewer calls."""
+
+    poll_s = 0.2
+
+    async def scenario():
+        async with (
+            swarm(2, ordered_identities(tmp_path, 2)) as nodes,
+            averagers(nodes[:1], poll_interval=poll_s) as (caller,),
+            averagers(nodes[1:]) as (partner,),
+        ):
+            assert caller.peer_id < partner.peer_id  # the lower id calls
+            await partner.matchmaker.announce(7, "free")  # announced, but its average() for round 7 never runs
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            assert await caller.average(weights(0), 7, timeout=3) is None
+            elapsed = loop.time() - began
+            calls = caller.failures["call_refused:not_ready"]
+            # retries come 0.5-1.5 poll intervals apart (jittered)
+            assert 1 <= calls <= elapsed / (0.5 * poll_s) + 1, (calls, elapsed, dict(caller.failures))
+
+    asyncio.run(scenario())

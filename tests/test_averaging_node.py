@@ -97,12 +97,16 @@ def _spread(nodes) -> float:
     return sum(relative_distance(a, b) for a, b in pairs) / len(pairs)
 
 
-async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int = 0) -> tuple[float, int, int]:
-    """(replica spread, outer steps that averaged, rounds run): `rounds` rounds, or fewer once `min_outer_steps`
-    averaged.
+async def _four_nodes(
+    method: str, tmp_path, rounds: int, min_averaged_per_node: int = 0
+) -> tuple[float, list[int], int]:
+    """(replica spread, outer steps each node averaged, rounds run): `rounds` rounds, or fewer once every node
+    averaged `min_averaged_per_node` times.
 
     Pairing needs both partners' exchanges to meet inside one window: on a loaded machine that
-    takes more rounds, so the loop runs until enough outer steps happened (bounded), not a fixed count."""
+    takes more rounds, so the loop runs until enough outer steps happened (bounded), not a fixed count. The count
+    is every node's: with a total of 8 a CI run stopped while some nodes had averaged little (ratio 0.84, over the
+    0.8 bar), an idle one measured 0.41."""
     overrides = [
         *SWARM_OVERRIDES,
         "swarm.gossip=dht",
@@ -133,22 +137,28 @@ async def _four_nodes(method: str, tmp_path, rounds: int, min_outer_steps: int =
             for node in nodes:
                 await node.run_round()
             await asyncio.sleep(0.1)  # the exchanges get loop time between rounds, as beside real rounds
-            if min_outer_steps and done >= 24 and sum(n.averaging.stats.succeeded for n in nodes) >= min_outer_steps:
+            if (
+                min_averaged_per_node
+                and done >= 24
+                and min(n.averaging.stats.succeeded for n in nodes) >= min_averaged_per_node
+            ):
                 break
         if method != "none":
             await asyncio.gather(*(n.averaging.wait_exchange() for n in nodes))
             for node in nodes:
                 node.averaging.apply_if_done()
-        succeeded = sum(n.averaging.stats.succeeded for n in nodes) if method != "none" else 0
-        return _spread(nodes), succeeded, done
+        averaged = [n.averaging.stats.succeeded if method != "none" else 0 for n in nodes]
+        return _spread(nodes), averaged, done
     finally:
         for node in nodes:
             await node.stop_services()
 
 
 def test_four_nodes_pair_up_and_stay_closer_than_without_averaging(model_cache, tmp_path):
-    spread_noloco, outer_steps, rounds = asyncio.run(_four_nodes("noloco", tmp_path, rounds=96, min_outer_steps=8))
-    assert outer_steps >= 4  # pairs formed in several outer steps
+    spread_noloco, averaged, rounds = asyncio.run(
+        _four_nodes("noloco", tmp_path, rounds=120, min_averaged_per_node=3)
+    )
+    assert min(averaged) >= 2, averaged  # pairs formed in several outer steps, for every node
     spread_alone, _, _ = asyncio.run(_four_nodes("none", tmp_path, rounds=rounds))  # as many rounds, no averaging
-    print(f"spread without averaging {spread_alone:.4f}, with NoLoCo {spread_noloco:.4f}, outer steps {outer_steps}")
-    assert spread_noloco < 0.8 * spread_alone, (spread_noloco, spread_alone)
+    print(f"spread without averaging {spread_alone:.4f}, with NoLoCo {spread_noloco:.4f}, averaged {averaged}")
+    assert spread_noloco < 0.8 * spread_alone, (spread_noloco, spread_alone, averaged, rounds)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 from collections import Counter
 
 import msgpack
@@ -160,6 +161,7 @@ class WeightExchange:
         refusals: Counter[str],
         failures: Counter[str],
         dial_backoff_s: float = DIAL_BACKOFF_S,
+        busy_retry_s: float = 0.2,
     ) -> None:
         self.p2p = p2p  # the node's p2p daemon (its DHT node's), which carries the streams
         self.prefix = prefix
@@ -169,6 +171,9 @@ class WeightExchange:
         self.refusals = refusals  # the averager's: partners' weights we refused, by WeightsRefusal code
         self.failures = failures  # the averager's: everything else that kept an exchange from averaging
         self.dial_backoff_s = dial_backoff_s  # how long p2pd refuses to redial a peer after a failed dial
+        # about how long before we call again a peer that was not ready or busy (jittered: two peers that called each
+        # other at once and were both refused BUSY must not call each other at once again)
+        self.busy_retry_s = busy_retry_s
         self.round: Round | None = None  # the round open to incoming exchanges
         self.latest_round_id: int | None = None  # rounds up to this one are over for us once it is closed
 
@@ -236,7 +241,12 @@ class WeightExchange:
             if kind is Frame.REFUSE:
                 reason = _parse_refusal(body)
                 self.failures[f"call_refused:{reason}"] += 1
-                if reason not in RETRYABLE:
+                if reason in RETRYABLE:
+                    # Without a wait the matchmaker, woken by this call's end, called again at once: a partner that
+                    # had not started the round took ~100 calls a second (226 in a loopback run's 2 s).
+                    delay = self.busy_retry_s * random.uniform(0.5, 1.5)
+                    rnd.retry_at[peer] = asyncio.get_running_loop().time() + delay
+                else:
                     rnd.given_up.add(peer)
                 return False
             if kind is not Frame.ACCEPT:

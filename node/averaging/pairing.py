@@ -136,6 +136,7 @@ class PairAverager:
             refusals=self.refusals,
             failures=self.failures,
             dial_backoff_s=dial_backoff_s,
+            busy_retry_s=poll_interval,
         )
         self._addresses = addresses
         self.matchmaker = Matchmaker(
