@@ -155,9 +155,7 @@ async def _four_nodes(
 
 
 def test_four_nodes_pair_up_and_stay_closer_than_without_averaging(model_cache, tmp_path):
-    spread_noloco, averaged, rounds = asyncio.run(
-        _four_nodes("noloco", tmp_path, rounds=120, min_averaged_per_node=3)
-    )
+    spread_noloco, averaged, rounds = asyncio.run(_four_nodes("noloco", tmp_path, rounds=120, min_averaged_per_node=3))
     assert min(averaged) >= 2, averaged  # pairs formed in several outer steps, for every node
     spread_alone, _, _ = asyncio.run(_four_nodes("none", tmp_path, rounds=rounds))  # as many rounds, no averaging
     print(f"spread without averaging {spread_alone:.4f}, with NoLoCo {spread_noloco:.4f}, averaged {averaged}")
