@@ -22,7 +22,9 @@ recovery time). Strategies, same seeds and the same failure schedule for each:
                sqrt(2 x checkpoint cost x the pipeline's MTBF), from the first checkpoint's
                measured cost and the failure-free run's normal step (young_interval); with
                young-with-uploads, that cost includes what the steps beside the first checkpoint's
-               background uploads took beyond normal steps (cost_with_uploads). With
+               background uploads took beyond normal steps (cost_with_uploads); young-own-steps
+               prices the same against the run's own normal step (own_normal_step) instead of the
+               failure-free run's, which ran at another load. With
                --checkpoint-store-mbit R (root) a checkpoint is not done until it is also uploaded to
                a store on another host (a network namespace behind a link of R Mbit/s, which fsyncs
                it), and a replacement server downloads its stage's checkpoint from there: a
@@ -574,6 +576,8 @@ async def run(
         "checkpoint_every": record["every"],
         # what the interval was priced at: the save, and with young-with-uploads the steps beside its uploads too
         "checkpoint_cost_s": record.get("checkpoint_cost_s"),
+        # young-own-steps: the normal step it was priced against, the run's own
+        "priced_step_s": record.get("priced_step_s"),
         "checkpoint_saves_s": bench.saves_s,
         "checkpoint_loads_s": bench.loads_s,
         "checkpoint_bytes": bench.checkpoint_bytes(),
@@ -588,10 +592,22 @@ async def run(
     }
 
 
+YOUNG_RULES = ("young", "young-with-uploads", "young-own-steps")
+# young-own-steps: the normal steps a run takes (after its first) before its first priced checkpoint, whose median is
+# the normal step it is priced against
+OWN_STEPS = 3
+
+
+def own_normal_step(normal_step_s: list[float]) -> float | None:
+    """young-own-steps: the run's normal step, the median of its last OWN_STEPS normal steps once it has taken more
+    than that (its first, which warms up, is left out); None before."""
+    return statistics.median(normal_step_s[-OWN_STEPS:]) if len(normal_step_s) > OWN_STEPS else None
+
+
 def checkpoint_every(args, first_save_s: float, step_s: float | None, rate: float) -> int:
-    """--checkpoint-every: a number of steps, or `young` / `young-with-uploads` (Young's rule on the measured cost of
-    the first checkpoint, `first_save_s`, and the failure-free run's normal step)."""
-    if args.checkpoint_every not in ("young", "young-with-uploads"):
+    """--checkpoint-every: a number of steps, or one of YOUNG_RULES (Young's rule on the measured cost of the first
+    checkpoint, `first_save_s`, and a normal step: the failure-free run's, or with young-own-steps this run's own)."""
+    if args.checkpoint_every not in YOUNG_RULES:
         return int(args.checkpoint_every)
     if not step_s:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs the failure-free run's step time")
@@ -603,8 +619,10 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
     evaluate twice); checkpoint saves and loads, recoveries and replayed steps are all in them."""
     executed, fired, failed, last_loss = 0, set(), None, None
     normal_step_s = record["normal_step_s"]
-    # young-with-uploads: the steps beside the first checkpoint's uploads, until they end (None: not pricing)
+    # young-with-uploads, young-own-steps: the steps beside the first checkpoint's uploads, until they end (None: not
+    # pricing)
     beside_uploads: list[float] | None = None
+    own_steps = args.checkpoint_every == "young-own-steps"
     if strategy == "checkpoint":
         await bench.save_checkpoint()  # the restore point before step 1
     while executed < args.max_steps * 3:
@@ -663,12 +681,21 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 flush=True,
             )
             beside_uploads = None
-        elif strategy == "checkpoint" and record["every"] is None and "checkpoint_cost_s" not in record:
+        elif (
+            strategy == "checkpoint"
+            and record["every"] is None
+            and "checkpoint_cost_s" not in record
+            and (not own_steps or own_normal_step(normal_step_s) is not None)
+        ):
             # The checkpoint after step 1 sets the interval: the one before it holds no AdamW moments yet (a third of
-            # the bytes), this one is the size of every later one.
+            # the bytes), this one is the size of every later one. With young-own-steps it comes after OWN_STEPS more
+            # normal steps, and this run's own normal step prices it: the failure-free run's, taken at another load
+            # (4.3 s alone against 10.4 s for the run, seed 0 at 16 %), made the interval twice Young's.
+            if own_steps:
+                step_s = record["priced_step_s"] = own_normal_step(normal_step_s)
             await bench.save_checkpoint()
             record["checkpoint_cost_s"] = bench.save_cost_s
-            if args.checkpoint_every == "young-with-uploads" and bench.checkpoints.background:
+            if args.checkpoint_every in ("young-with-uploads", "young-own-steps") and bench.checkpoints.background:
                 beside_uploads = []  # priced once its uploads end; no checkpoint until then
             else:
                 record["every"] = checkpoint_every(args, bench.save_cost_s, step_s, rate)
@@ -874,7 +901,9 @@ def main() -> None:
         help="steps between checkpoint-restart's checkpoints, or `young`: sqrt(2 x checkpoint cost x the pipeline's "
         "MTBF), from the first checkpoint's measured cost and the failure-free run's step (churn mode: a number), or "
         "`young-with-uploads` (uploads in the background): the same rule, the cost being the save plus what the steps "
-        "beside the first checkpoint's uploads took beyond normal steps, no checkpoint until those uploads end",
+        "beside the first checkpoint's uploads took beyond normal steps, no checkpoint until those uploads end, or "
+        f"`young-own-steps`: the same, priced after {OWN_STEPS} normal steps of the run itself against their median "
+        "(the failure-free run's step was taken at another load)",
     )
     parser.add_argument(
         "--checkpoint-store-mbit", type=float, default=None, help="checkpoint-restart uploads every checkpoint to a "

@@ -30,6 +30,7 @@ from benchmarks.checkpoint_store import (
     until_listening,
 )
 from benchmarks.stage_recovery import (
+    OWN_STEPS,
     STAGES,
     Checkpoints,
     baseline_key,
@@ -37,6 +38,7 @@ from benchmarks.stage_recovery import (
     config_key,
     cost_with_uploads,
     load_stage_checkpoint,
+    own_normal_step,
     read_rows,
     rebuild_bytes,
     recovery_seconds,
@@ -294,6 +296,15 @@ def test_a_checkpoint_uploaded_in_the_background_costs_its_save_and_what_the_ste
     assert checkpoint_every(args, 13.0, 5.0, 0.10) == young_interval(13.0, 5.0, 0.10, 25)
     args.checkpoint_every = "7"
     assert checkpoint_every(args, 13.0, 5.0, 0.10) == 7
+
+
+def test_young_own_steps_prices_a_checkpoint_against_the_runs_own_normal_steps_after_its_first():
+    # no price until the run has taken OWN_STEPS normal steps after its first (a warm-up: 30 s here)
+    assert own_normal_step([30.0] + [10.0] * (OWN_STEPS - 1)) is None
+    assert own_normal_step([30.0, 9.0, 11.0, 10.0][: OWN_STEPS + 1]) == pytest.approx(10.0)
+    assert own_normal_step([30.0, 12.0, 12.0, 9.0, 10.0, 11.0]) == pytest.approx(10.0)  # the last OWN_STEPS
+    args = SimpleNamespace(checkpoint_every="young-own-steps", steps_per_hour=25)
+    assert checkpoint_every(args, 13.0, 10.0, 0.16) == young_interval(13.0, 10.0, 0.16, 25)
 
 
 def test_a_recovery_is_the_time_to_a_serving_stage_plus_what_the_next_step_took_beyond_a_normal_one():
