@@ -92,10 +92,10 @@ async def sync_rounds(
 # one peer per process, in the lab -------------------------------------------------------------
 
 
-# Written once every worker has ended its last round: a worker stays in the swarm until then. One that left as
-# soon as it had averaged took its daemon and DHT node with it, and a slower peer still shown it "free" (a stale
-# replica) dialed a closed port, lost the DHT replicas it held, and ended the round alone (6/8 in a CI run): a
-# departure mid-round, which this benchmark does not measure (tests/test_averaging_faults.py does).
+# Written once every worker has ended its last round: a worker stays in the swarm until then. Two that left as soon
+# as they had averaged took their daemons and DHT nodes with them; a slower peer that still saw one of them "free"
+# dialed a closed port, and neither slower peer found the other before the round ended (6/8 in a CI run). Peers
+# leaving mid-round is not what this benchmark measures.
 FINISHED = "finished"
 
 
