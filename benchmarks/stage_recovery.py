@@ -593,6 +593,8 @@ async def run(
 
 
 YOUNG_RULES = ("young", "young-with-uploads", "young-own-steps")
+# the rules that price the first checkpoint with what the steps beside its background uploads lost (cost_with_uploads)
+PRICED_WITH_UPLOADS = ("young-with-uploads", "young-own-steps")
 # young-own-steps: the normal steps a run takes (after its first) before its first priced checkpoint, whose median is
 # the normal step it is priced against
 OWN_STEPS = 3
@@ -695,7 +697,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
                 step_s = record["priced_step_s"] = own_normal_step(normal_step_s)
             await bench.save_checkpoint()
             record["checkpoint_cost_s"] = bench.save_cost_s
-            if args.checkpoint_every in ("young-with-uploads", "young-own-steps") and bench.checkpoints.background:
+            if args.checkpoint_every in PRICED_WITH_UPLOADS and bench.checkpoints.background:
                 beside_uploads = []  # priced once its uploads end; no checkpoint until then
             else:
                 record["every"] = checkpoint_every(args, bench.save_cost_s, step_s, rate)
