@@ -57,8 +57,10 @@ Every run appends its row to --results (benchmarks/results/stage_recovery.jsonl)
 a key of the settings that make runs comparable; a run already there is not run again, and
 --report computes the figures from the file alone. --side-by-side runs the strategies of one
 (rate, seed) at once, each in its own process, so that they share the machine's load; the
-failure-free runs of all seeds go first, side by side too. --size takes pipeline_throughput's
-model sizes.
+failure-free runs of all seeds go first, side by side too. With --keep-load a run that reached its
+target (its row written) goes on training until every run beside it has reached its own or ended:
+else the fastest strategy's end frees the CPU for the slower ones, which then run their last
+minutes at a lower load than it ran under. --size takes pipeline_throughput's model sizes.
 
 Churn mode (--churn, issue #24): no spares; before each of --churn-failures seeded steps a
 random stage's only server is killed, and a newcomer joins with `--stage auto` a random 0 to
@@ -149,6 +151,7 @@ from benchmarks.pipeline_throughput import SIZES, shape_overrides  # noqa: E402 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = 4
 RESULTS = REPO / "benchmarks" / "results" / "stage_recovery.jsonl"
+HOLD_POLL_S = 2.0  # --keep-load: how often the parent looks whether every run has reached its target or ended
 CHILD_GRACE_S = 180.0  # a side-by-side run stops itself at --run-timeout-s; this long after, it is stopped from outside
 
 
@@ -520,10 +523,19 @@ def quiet_killed_daemons(loop, context) -> None:
 
 
 async def run(
-    args, scratch: Path, seed: int, strategy: str, rate: float, target: float | None, step_s: float | None = None
+    args,
+    scratch: Path,
+    seed: int,
+    strategy: str,
+    rate: float,
+    target: float | None,
+    step_s: float | None = None,
+    on_result=None,
+    hold: LoadHold | None = None,
 ) -> dict:
     """One training run to the target (or, for `none`, --max-steps steps). `step_s`, a normal step of the failure-free
-    run, sets checkpoint-restart's interval under Young's rule."""
+    run, sets checkpoint-restart's interval under Young's rule. With `hold` (--keep-load), once it has its result it
+    hands it to `on_result` and keeps training until `hold` is released; the result is what it was at the target."""
     asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
     bench = Bench(args, scratch, seed, strategy)
     schedule = failure_schedule(seed, rate, args.max_steps, args.steps_per_hour) if strategy != "none" else {}
@@ -538,24 +550,90 @@ async def run(
         "repeated_calls": 0,
     }
     timed_out = False
+    result = None
     try:
-        async with asyncio.timeout(args.run_timeout_s):
-            await bench.start()
-            started = time.perf_counter()
-            await train(bench, args, strategy, schedule, target, record, started, rate, step_s)
-    except (
-        TimeoutError,
-        RuntimeError,
-    ) as exc:  # too slow, or a stage server that never came up: a missed target, said so
-        timed_out = True
-        print(f"seed {seed} rate {rate:.2f} {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
+        try:
+            async with asyncio.timeout(args.run_timeout_s):
+                await bench.start()
+                started = time.perf_counter()
+                await train(bench, args, strategy, schedule, target, record, started, rate, step_s)
+        except (
+            TimeoutError,
+            RuntimeError,
+        ) as exc:  # too slow, or a stage server that never came up: a missed target, said so
+            timed_out = True
+            print(f"seed {seed} rate {rate:.2f} {strategy}: run stopped: {type(exc).__name__}: {exc}", flush=True)
+        result = run_result(bench, record, schedule, seed, strategy, rate, target, timed_out)
+        if on_result is not None:
+            on_result(result)
+        if hold is not None:
+            hold.mark_reached(seed, rate, strategy)
+            if not timed_out:
+                await keep_training(bench, hold, args.run_timeout_s, f"seed {seed} rate {rate:.2f} {strategy}")
     finally:
+        if hold is not None:
+            hold.mark_reached(seed, rate, strategy)  # ended, even by an error: nothing beside it waits for it any more
         await bench.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+async def keep_training(bench, hold: LoadHold, limit_s: float, name: str) -> None:
+    """--keep-load: training steps (no failures, checkpoints or evaluation) until every run beside this one has
+    reached its target or ended, so that they keep the load they ran under; at most `limit_s` (each of them stops
+    itself at that limit too). A step that fails ends it: the row is already written."""
+    steps = 0
+    try:
+        async with asyncio.timeout(limit_s):
+            while not hold.released():
+                await bench.driver.train_step()
+                steps += 1
+    except Exception as exc:  # noqa: BLE001 - the load it kept ends here; the figures were taken before
+        print(f"{name}: stopped keeping the load after {steps} steps: {type(exc).__name__}: {exc}", flush=True)
+        return
+    print(f"{name}: kept the load for {steps} steps after its target", flush=True)
+
+
+class LoadHold:
+    """--keep-load's signals between the runs side by side and their parent, as files in one folder (the runs may be
+    in network namespaces of their own, not in mount namespaces): a run marks that it reached its target or ended;
+    the parent releases them all once every run has."""
+
+    RELEASED = "released"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    @staticmethod
+    def name(seed: int, rate: float, strategy: str) -> str:
+        return f"{seed}-{rate:g}-{strategy}"
+
+    def mark_reached(self, seed: int, rate: float, strategy: str) -> None:
+        (self.folder / self.name(seed, rate, strategy)).touch()
+
+    def reached(self, seed: int, rate: float, strategy: str) -> bool:
+        return (self.folder / self.name(seed, rate, strategy)).exists()
+
+    def release(self) -> None:
+        (self.folder / self.RELEASED).touch()
+
+    def released(self) -> bool:
+        return (self.folder / self.RELEASED).exists()
+
+    def release_when_settled(self, children: list[subprocess.Popen], runs: list[tuple[int, float, str]]) -> bool:
+        """Release the runs once each has reached its target or its process has ended (True when it did)."""
+        if all(child.poll() is not None or self.reached(*spec) for child, spec in zip(children, runs, strict=True)):
+            self.release()
+        return self.released()
+
+
+def run_result(bench, record, schedule, seed, strategy, rate, target, timed_out) -> dict:
+    """The run's row (less its key), as it stands now: lists are copied, so that steps taken after (--keep-load)
+    change nothing in it."""
     uplink_mb = None
     if bench.uplinks is not None:
         uplink_mb = {host: round(sent / 1e6, 3) for host, sent in sorted(bench.uplinks.sent_bytes().items())}
-    curve = record["curve"]
+    curve = list(record["curve"])
     reached = next((point for point in curve if target is not None and point["val_loss"] <= target), None)
     return {
         "seed": seed,
@@ -570,21 +648,21 @@ async def run(
         "retries": record["retries"],
         "repeated_calls": record["repeated_calls"],  # sent again to the same server after a broken stream (answered)
         "recovery_s": [r["seconds"] for r in record["recoveries"]],
-        "recoveries": record["recoveries"],
-        "loss_spike": record["spikes"],
+        "recoveries": list(record["recoveries"]),
+        "loss_spike": list(record["spikes"]),
         "normal_step_s": statistics.median(record["normal_step_s"]) if record["normal_step_s"] else None,
         "checkpoint_every": record["every"],
         # what the interval was priced at: the save, and with young-with-uploads the steps beside its uploads too
         "checkpoint_cost_s": record.get("checkpoint_cost_s"),
         # young-own-steps: the normal step it was priced against, the run's own
         "priced_step_s": record.get("priced_step_s"),
-        "checkpoint_saves_s": bench.saves_s,
-        "checkpoint_loads_s": bench.loads_s,
+        "checkpoint_saves_s": list(bench.saves_s),
+        "checkpoint_loads_s": list(bench.loads_s),
         "checkpoint_bytes": bench.checkpoint_bytes(),
         "checkpoint_io_s": bench.io_s,
         # uploads in the background: each checkpoint's (seconds), each save's wait for the last one's, those cut
-        "checkpoint_uploads_s": bench.checkpoints.uploads_s,
-        "checkpoint_upload_waits_s": bench.checkpoints.upload_waits_s,
+        "checkpoint_uploads_s": list(bench.checkpoints.uploads_s),
+        "checkpoint_upload_waits_s": list(bench.checkpoints.upload_waits_s),
         "checkpoint_uploads_dropped": bench.checkpoints.uploads_dropped,
         # --checkpoint-uplinks per-host: what each host sent over its uplink in the whole run (MB)
         "uplink_mb_by_host": uplink_mb,
@@ -961,7 +1039,14 @@ def main() -> None:
         "with the same configuration are not run again",
     )
     parser.add_argument("--side-by-side", action="store_true", help="the strategies of one (rate, seed) in parallel")
+    parser.add_argument(
+        "--keep-load",
+        action="store_true",
+        help="side by side: a run that reached its target keeps training until every run beside it has reached its "
+        "own or ended, so that the slower ones keep the load they started under",
+    )
     parser.add_argument("--report", action="store_true", help="only the figures from --results, for this configuration")
+    parser.add_argument("--hold-dir", type=Path, help=argparse.SUPPRESS)  # --keep-load: the parent's LoadHold folder
     parser.add_argument("--one", nargs=3, metavar=("SEED", "RATE", "STRATEGY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.churn and args.checkpoint_store_mbit:
@@ -974,6 +1059,8 @@ def main() -> None:
         parser.error("--checkpoint-every young-with-uploads prices uploads in the background (--checkpoint-uploads)")
     if args.checkpoint_uploads != "blocking" and not args.checkpoint_store_mbit:
         parser.error("--checkpoint-uploads needs --checkpoint-store-mbit (without a store nothing is uploaded)")
+    if args.keep_load and not args.side_by_side and not args.one:
+        parser.error("--keep-load keeps the load of runs side by side (--side-by-side)")
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -1070,6 +1157,7 @@ def config_key(args) -> dict:
         # only where it is not the first setting's: the rows from before it keep their key
         **({"checkpoint_uplinks": args.checkpoint_uplinks} if own_uplinks else {}),
         **({"checkpoint_uploads": args.checkpoint_uploads} if background_uploads else {}),
+        **({"keep_load": True} if args.keep_load else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -1092,14 +1180,12 @@ def read_rows(path: Path, key: dict) -> list[dict]:
 
 def baseline_key(key: dict) -> dict:
     """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings. Where
-    every host has an uplink of the rate (per-host), the rate shapes its steps too: it serves only that rate's."""
+    every host has an uplink of the rate (per-host), the rate shapes its steps too: it serves only that rate's. What
+    it gives the others (its target loss) does not depend on the load it ran at: it serves runs with --keep-load or
+    without."""
     kept = ("checkpoint_store_mbit", "checkpoint_uplinks") if key.get("checkpoint_uplinks") == "per-host" else ()
-    return {
-        name: value
-        for name, value in key.items()
-        if name in kept
-        or name not in ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads")
-    }
+    dropped = ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads", "keep_load")
+    return {name: value for name, value in key.items() if name in kept or name not in dropped}
 
 
 def none_row(rows: list[dict], seed: int) -> dict | None:
@@ -1107,30 +1193,39 @@ def none_row(rows: list[dict], seed: int) -> dict | None:
 
 
 def run_one(args, seed: int, rate: float, strategy: str) -> None:
-    """One run; its row is appended to --results as soon as it ends. A failure-free run (`none`) sets its seed's
-    target and normal step time, which the runs with failures read back from the file."""
+    """One run; its row is appended to --results as soon as it has its result (with --keep-load, before it keeps
+    training). A failure-free run (`none`) sets its seed's target and normal step time, which the runs with failures
+    read back from the file."""
     key = config_key(args)
     scratch = Path(tempfile.mkdtemp(prefix="stage-bench-"))
-    if strategy == "none":
-        result = asyncio.run(run(args, scratch, seed, "none", 0.0, None))
-        target_step = int(args.max_steps * args.target_fraction)
-        target = next((p["val_loss"] for p in result["curve"] if p["step"] >= target_step), None)
-        reached = next((p for p in result["curve"] if target is not None and p["val_loss"] <= target), None)
-        result.update(
-            target=target,
-            steps_to_target=reached and reached["executed"],
-            wall_s_to_target=reached and reached["wall_s"],
-        )
-    else:
+    hold = LoadHold(args.hold_dir) if args.hold_dir else None
+    base = None
+    if strategy != "none":
         base = none_row(read_rows(args.results, key), seed)
         if base is None:
             raise SystemExit(f"no failure-free run of seed {seed} in {args.results} for this configuration")
-        result = asyncio.run(run(args, scratch, seed, strategy, rate, base["target"], base["normal_step_s"]))
-        result["target"] = base["target"]
-    row = {"key": key, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load_average": os.getloadavg()}
-    row.update(result)
-    append_json_line(args.results, row)
-    print(describe(row), flush=True)
+
+    def write_row(result: dict) -> None:
+        if strategy == "none":
+            target_step = int(args.max_steps * args.target_fraction)
+            target = next((p["val_loss"] for p in result["curve"] if p["step"] >= target_step), None)
+            reached = next((p for p in result["curve"] if target is not None and p["val_loss"] <= target), None)
+            result.update(
+                target=target,
+                steps_to_target=reached and reached["executed"],
+                wall_s_to_target=reached and reached["wall_s"],
+            )
+        else:
+            result["target"] = base["target"]
+        row = {"key": key, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "load_average": os.getloadavg()}
+        row.update(result)
+        append_json_line(args.results, row)
+        print(describe(row), flush=True)
+
+    if strategy == "none":
+        asyncio.run(run(args, scratch, seed, "none", 0.0, None, on_result=write_row, hold=hold))
+    else:
+        asyncio.run(run(args, scratch, seed, strategy, rate, base["target"], base["normal_step_s"], write_row, hold))
 
 
 def describe(row: dict) -> str:
@@ -1159,15 +1254,20 @@ def run_children(args, runs: list[tuple[int, float, str]]) -> None:
     passthrough = [a for a in sys.argv[1:] if a != "--side-by-side"]
     namespaces: list[RunNamespace] = []
     children = []
+    hold = LoadHold(tempfile.mkdtemp(prefix="stage-hold-")) if args.keep_load else None
     try:
         for seed, rate, strategy in runs:
             command = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--one", str(seed), str(rate)]
             command.append(strategy)
+            if hold is not None:
+                command += ["--hold-dir", str(hold.folder)]
             if uplink_per_host(args):  # `ip netns exec` execs the run: the child is the run's process itself
                 namespaces.append(RunNamespace())
                 command = namespaces[-1].command(command)
             children.append(subprocess.Popen(command))
         deadline = time.monotonic() + args.run_timeout_s + CHILD_GRACE_S
+        while hold is not None and not hold.release_when_settled(children, runs) and time.monotonic() < deadline:
+            time.sleep(HOLD_POLL_S)
         for child, spec in zip(children, runs, strict=True):
             try:
                 child.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -1182,6 +1282,8 @@ def run_children(args, runs: list[tuple[int, float, str]]) -> None:
                 stop_child(child)
         for namespace in namespaces:
             namespace.close()
+        if hold is not None:
+            shutil.rmtree(hold.folder, ignore_errors=True)
 
 
 def stop_child(child: subprocess.Popen) -> None:

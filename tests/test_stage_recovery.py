@@ -33,6 +33,7 @@ from benchmarks.stage_recovery import (
     OWN_STEPS,
     STAGES,
     Checkpoints,
+    LoadHold,
     baseline_key,
     checkpoint_every,
     config_key,
@@ -336,7 +337,7 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
         checkpoint_uplinks="shared", checkpoint_uploads="blocking", target_fraction=0.8, eval_every=10, micro_batch=8,
-        lr=1e-3, set=[],
+        lr=1e-3, set=[], keep_load=False,
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
@@ -363,6 +364,34 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     assert baseline_key(config_key(args)) == baseline_key(per_host)
     args.checkpoint_store_mbit = 100.0
     assert baseline_key(config_key(args)) != baseline_key(per_host)
+    # runs that kept the load are not mixed with those that did not; a failure-free run's target serves both
+    args.keep_load = True
+    assert config_key(args) == dict(config_key(SimpleNamespace(**vars(args) | {"keep_load": False})), keep_load=True)
+    assert baseline_key(config_key(args)) == baseline_key(config_key(SimpleNamespace(**vars(args) | {"keep_load": 0})))
+
+
+def test_runs_side_by_side_are_released_once_each_reached_its_target_or_ended(tmp_path):
+    """--keep-load: the parent releases the runs (which train on meanwhile) only when none is still short of its
+    target: one that reached it, or whose process ended (done, or failed), waits for no other."""
+    hold = LoadHold(tmp_path)
+    runs = [(0, 0.1, "checkfree"), (0, 0.1, "checkpoint"), (0, 0.1, "random")]
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    going = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        children = [going[0], going[1], ended]
+        assert not hold.release_when_settled(children, runs)
+        hold.mark_reached(0, 0.1, "checkfree")
+        assert not hold.release_when_settled(children, runs)  # checkpoint-restart has not reached its target yet
+        assert not hold.released()
+        hold.mark_reached(0, 0.16, "checkpoint")  # another rate's run: not this one
+        assert not hold.release_when_settled(children, runs)
+        hold.mark_reached(0, 0.1, "checkpoint")
+        assert hold.release_when_settled(children, runs) and hold.released()
+    finally:
+        for child in going:
+            child.kill()
+            child.wait()
 
 
 def free_port() -> int:
