@@ -1180,9 +1180,9 @@ def read_rows(path: Path, key: dict) -> list[dict]:
 
 def baseline_key(key: dict) -> dict:
     """A failure-free run does not checkpoint: it serves every checkpoint rule of otherwise the same settings. Where
-    every host has an uplink of the rate (per-host), the rate shapes its steps too: it serves only that rate's. What
-    it gives the others (its target loss) does not depend on the load it ran at: it serves runs with --keep-load or
-    without."""
+    every host has an uplink of the rate (per-host), the rate shapes its steps too: it serves only that rate's. Its
+    target loss does not depend on the load it ran at, so it serves runs with --keep-load or without (its normal step
+    does, which is why young-own-steps prices against the run's own)."""
     kept = ("checkpoint_store_mbit", "checkpoint_uplinks") if key.get("checkpoint_uplinks") == "per-host" else ()
     dropped = ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads", "keep_load")
     return {name: value for name, value in key.items() if name in kept or name not in dropped}
