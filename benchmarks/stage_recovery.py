@@ -1222,10 +1222,8 @@ def run_one(args, seed: int, rate: float, strategy: str) -> None:
         append_json_line(args.results, row)
         print(describe(row), flush=True)
 
-    if strategy == "none":
-        asyncio.run(run(args, scratch, seed, "none", 0.0, None, on_result=write_row, hold=hold))
-    else:
-        asyncio.run(run(args, scratch, seed, strategy, rate, base["target"], base["normal_step_s"], write_row, hold))
+    target, step_s = (base["target"], base["normal_step_s"]) if base else (None, None)
+    asyncio.run(run(args, scratch, seed, strategy, rate if base else 0.0, target, step_s, write_row, hold))
 
 
 def describe(row: dict) -> str:
