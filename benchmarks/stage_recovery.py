@@ -1301,6 +1301,21 @@ def stop_child(child: subprocess.Popen) -> None:
             process.kill()
 
 
+def same_rate(a: float, b: float) -> bool:
+    return abs(a - b) < 1e-9
+
+
+def runs_of(rows: list[dict], strategy: str, rate: float | None = None) -> list[dict]:
+    """The rows of `strategy` (at `rate`, where one is given)."""
+    return [r for r in rows if r["strategy"] == strategy and (rate is None or same_rate(r["rate"], rate))]
+
+
+def stage_kind(stages: list[int]) -> str:
+    """`end` for a failure that lost the first or the last stage (the embedding or the head with its layers), else
+    `middle`: the two cost random re-initialisation very differently."""
+    return "end" if any(stage in (0, STAGES - 1) for stage in stages) else "middle"
+
+
 def spread(values: list[float]) -> dict | None:
     values = [v for v in values if v is not None]
     if not values:
@@ -1315,21 +1330,25 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
     checkpoint cost."""
 
     # the rates asked for only (and the failure-free runs): recoveries, spikes and checkpoint costs are read per report
-    rows = [r for r in rows if r["strategy"] == "none" or any(abs(r["rate"] - rate) < 1e-9 for rate in rates)]
+    rows = [r for r in rows if r["strategy"] == "none" or any(same_rate(r["rate"], rate) for rate in rates)]
 
     def rows_of(strategy: str, rate: float | None = None) -> list[dict]:
-        return [r for r in rows if r["strategy"] == strategy and (rate is None or abs(r["rate"] - rate) < 1e-9)]
+        return runs_of(rows, strategy, rate)
 
     steps: dict[str, dict] = {"none": {"0.00": spread([r["steps_to_target"] for r in rows_of("none")])}}
     wall: dict[str, dict] = {"none": {"0.00": spread([r["wall_s_to_target"] for r in rows_of("none")])}}
     failures: dict[str, dict] = {}
+    end_failures: dict[str, dict] = {}
     for strategy in strategies:
-        steps[strategy], wall[strategy], failures[strategy] = {}, {}, {}
+        steps[strategy], wall[strategy], failures[strategy], end_failures[strategy] = {}, {}, {}, {}
         for rate in rates:
-            runs = rows_of(strategy, rate)
+            runs = sorted(rows_of(strategy, rate), key=lambda r: r["seed"])
             steps[strategy][f"{rate:.2f}"] = spread([r["steps_to_target"] for r in runs])
             wall[strategy][f"{rate:.2f}"] = spread([r["wall_s_to_target"] for r in runs])
-            failures[strategy][f"{rate:.2f}"] = [r["failures"] for r in sorted(runs, key=lambda r: r["seed"])]
+            failures[strategy][f"{rate:.2f}"] = [r["failures"] for r in runs]
+            end_failures[strategy][f"{rate:.2f}"] = [
+                sum(stage_kind(f["stages"]) == "end" for f in r["recoveries"]) for r in runs
+            ]
     speedup, speedup_by_seed, steps_ratio = {}, {}, {}
     for rate in rates:
         name = f"{rate:.2f}"
@@ -1385,6 +1404,8 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         "ordering_by_rank_at_equal_wall_s": {name: sorted(r, key=r.get) for name, r in equal_wall_ranks.items()},
         "not_evaluated_by_equal_wall_s": not_evaluated,
         "failures_by_strategy_and_rate": failures,
+        # of those, the failures that lost the first or the last stage (by seed, as above)
+        "end_stage_failures_by_strategy_and_rate": end_failures,
         "recovery_s_by_method": {m: spread(v) for m, v in sorted(by_method.items())},
         # the part of a recovery before the first step: the replacement's start and weight transfer (rows since
         # 2026-11-28)
@@ -1392,6 +1413,20 @@ def report(rows: list[dict], rates: list[float], strategies: list[str]) -> dict:
         # training loss of the first step after a failure less that of the step before it
         "loss_spike_by_strategy": {
             s: spread([x for r in rows_of(s) for x in r.get("loss_spike", [])]) for s in strategies
+        },
+        "loss_spike_by_strategy_and_stage_kind": {
+            s: {
+                kind: spread(
+                    [
+                        spike
+                        for r in rows_of(s)
+                        for f, spike in zip(r["recoveries"], r.get("loss_spike", []))
+                        if stage_kind(f["stages"]) == kind
+                    ]
+                )
+                for kind in ("end", "middle")
+            }
+            for s in strategies
         },
         "checkpoint_save_s": spread(saves),
         "checkpoint_load_s": spread(loads),
@@ -1439,12 +1474,8 @@ def uplink_traffic(rows: list[dict], rates: list[float], strategies: list[str]) 
         return statistics.mean(sent) / executed if executed and None not in sent else None
 
     stage_hosts = [f"stage-{index}" for index in range(STAGES)]
-    by_strategy = {"none": {"0.00": [r for r in shaped if r["strategy"] == "none"]}} | {
-        strategy: {
-            f"{rate:.2f}": [r for r in shaped if r["strategy"] == strategy and abs(r["rate"] - rate) < 1e-9]
-            for rate in rates
-        }
-        for strategy in strategies
+    by_strategy = {"none": {"0.00": runs_of(shaped, "none")}} | {
+        strategy: {f"{rate:.2f}": runs_of(shaped, strategy, rate) for rate in rates} for strategy in strategies
     }
     return {
         "uplink_mb_per_step_stage_host_by_strategy_and_rate": {
@@ -1467,8 +1498,8 @@ def common_seed_wall_means(
     reached = {
         s: {
             r["seed"]: r["wall_s_to_target"] + added_s.get((s, r["seed"]), 0.0)
-            for r in rows
-            if r["strategy"] == s and abs(r["rate"] - rate) < 1e-9 and r["wall_s_to_target"]
+            for r in runs_of(rows, s, rate)
+            if r["wall_s_to_target"]
         }
         for s in strategies
     }
@@ -1519,7 +1550,7 @@ def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies:
         charged[(row["seed"], row["rate"])] = seconds
     speedup, ordering = {}, {}
     for rate in rates:
-        added = {("checkfree", seed): s for (seed, r), s in charged.items() if abs(r - rate) < 1e-9}
+        added = {("checkfree", seed): s for (seed, r), s in charged.items() if same_rate(r, rate)}
         means = common_seed_wall_means(rows, rate, strategies, added)
         ordering[f"{rate:.2f}"] = sorted(means, key=means.get)
         pairs = checkfree_checkpoint_pairs(rows, rate)
@@ -1530,7 +1561,7 @@ def neighbour_fetch_over_links(rows: list[dict], rates: list[float], strategies:
         "neighbour_fetch_mb_by_method": {m: spread([b / 1e6 for b in v]) for m, v in sorted(fetched.items())},
         "checkpoint_download_mb_per_s": mb_per_s,
         "neighbour_fetch_charged_s_by_rate_and_seed": {
-            f"{rate:.2f}": {str(seed): s for (seed, r), s in sorted(charged.items()) if abs(r - rate) < 1e-9}
+            f"{rate:.2f}": {str(seed): s for (seed, r), s in sorted(charged.items()) if same_rate(r, rate)}
             for rate in rates
         },
         "wallclock_speedup_vs_checkpoint_by_rate_neighbour_fetch_charged": speedup,
@@ -1564,13 +1595,9 @@ def checkfree_checkpoint_pairs(rows: list[dict], rate: float) -> list[tuple[dict
     """(CheckFree's run, checkpoint-restart's run) of each seed at `rate` where both reached the target: the ratios of
     the means are taken over these, since a seed one of them has no row for must not enter one mean and not the
     other."""
-
-    def at_rate(strategy: str) -> list[dict]:
-        return [r for r in rows if r["strategy"] == strategy and abs(r["rate"] - rate) < 1e-9]
-
     pairs = []
-    for ours in at_rate("checkfree"):
-        theirs = next((r for r in at_rate("checkpoint") if r["seed"] == ours["seed"]), None)
+    for ours in runs_of(rows, "checkfree", rate):
+        theirs = next((r for r in runs_of(rows, "checkpoint", rate) if r["seed"] == ours["seed"]), None)
         if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
             pairs.append((ours, theirs))
     return pairs
@@ -1599,7 +1626,7 @@ def val_loss_at_equal_wall_clock(
     not_evaluated: list[str] = []
     for rate in rates:
         name = f"{rate:.2f}"
-        runs = [r for r in rows if r["strategy"] in strategies and abs(r["rate"] - rate) < 1e-9]
+        runs = [r for r in rows if r["strategy"] in strategies and same_rate(r["rate"], rate)]
         by_seed: dict[int, list[dict]] = {}
         for run in runs:
             by_seed.setdefault(run["seed"], []).append(run)
@@ -1651,6 +1678,11 @@ def print_report(summary: dict) -> None:
     print(f"recovery s by method: {summary['recovery_s_by_method']}")
     print(f"of which to a serving replacement, s: {summary['to_serving_s_by_method']}")
     print(f"loss spike after a failure: {summary['loss_spike_by_strategy']}")
+    print(
+        "by the stages it lost (end: the first or the last): "
+        f"{summary['loss_spike_by_strategy_and_stage_kind']}; end-stage failures by seed "
+        f"{summary['end_stage_failures_by_strategy_and_rate']}"
+    )
     print(f"checkpoint save s {summary['checkpoint_save_s']}, load s {summary['checkpoint_load_s']}")
     print(
         f"checkpoint every {summary['checkpoint_every_by_rate']} steps; steps replayed per failure "

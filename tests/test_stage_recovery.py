@@ -108,7 +108,10 @@ def test_young_interval_is_the_square_root_rule_over_the_whole_pipeline():
     assert young_interval(0.0001, 1.0, 0.16, 25) == 1  # at least every step
 
 
-def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None, curve=(), target=None):
+def row(
+    strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), every=None, curve=(), target=None, spikes=None
+):
+    """`recoveries`: (method, seconds), or (method, seconds, stages lost) where the test needs the stages (else [1])."""
     return {
         # a curve point: (step, loss), or (step, loss, wall s) where the test needs the clock (else wall s = step)
         "curve": [{"step": p[0], "val_loss": p[1], "wall_s": p[2] if len(p) > 2 else float(p[0])} for p in curve],
@@ -119,9 +122,12 @@ def row(strategy, rate, seed, steps, wall, recoveries=(), saves=(), loads=(), ev
         "steps_to_target": steps,
         "wall_s_to_target": wall,
         "failures": len(recoveries),
-        "recoveries": [{"methods": [method], "seconds": seconds, "replayed": 3} for method, seconds in recoveries],
+        "recoveries": [
+            {"methods": [r[0]], "seconds": r[1], "stages": list(r[2]) if len(r) > 2 else [1], "replayed": 3}
+            for r in recoveries
+        ],
         "checkpoint_io_s": sum(saves) + sum(loads),
-        "loss_spike": [0.5] * len(recoveries),
+        "loss_spike": [0.5] * len(recoveries) if spikes is None else list(spikes),
         "checkpoint_saves_s": list(saves),
         "checkpoint_loads_s": list(loads),
         "checkpoint_bytes": 1000 if saves else 0,
@@ -170,6 +176,33 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["missed_target"] == ["random@0.10 seed 1"]
     assert summary["loss_spike_by_strategy"]["checkfree"] == {"mean": 0.5, "min": 0.5, "max": 0.5, "n": 3}
     assert summary["parameters"] == 42
+
+
+def test_the_report_splits_loss_spikes_by_whether_a_failure_lost_an_end_stage():
+    rows = [
+        row("none", 0.0, 0, 100, 50.0, target=0.5),
+        row(
+            "random",
+            0.16,
+            0,
+            150,
+            30.0,
+            [("random", 1.0, [0]), ("random", 1.0, [1]), ("random", 1.0, [1, 2])],
+            spikes=[2.0, 0.25, 0.75],
+        ),
+        row("random", 0.16, 1, 120, 20.0, [("random", 1.0, [2]), ("random", 1.0, [2, 3])], spikes=[0.5, 1.0]),
+        row("checkfree", 0.16, 1, 100, 15.0, [("checkfree", 1.0, [2])], spikes=[0.1]),
+    ]
+    summary = report(rows, [0.16], ["checkfree", "random"])
+    random = summary["loss_spike_by_strategy_and_stage_kind"]["random"]
+    # a failure that lost an end stage with a middle one counts as an end-stage failure
+    assert random["end"] == {"mean": 1.5, "min": 1.0, "max": 2.0, "n": 2}
+    assert random["middle"] == {"mean": 0.5, "min": 0.25, "max": 0.75, "n": 3}
+    assert summary["loss_spike_by_strategy_and_stage_kind"]["checkfree"]["end"] is None
+    assert summary["end_stage_failures_by_strategy_and_rate"] == {
+        "checkfree": {"0.16": [0]},
+        "random": {"0.16": [1, 1]},
+    }
 
 
 def test_with_every_host_s_uplink_shaped_the_report_gives_what_each_sent_per_step_and_the_steps_beside_uploads():
