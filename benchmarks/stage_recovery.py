@@ -1595,9 +1595,10 @@ def checkfree_checkpoint_pairs(rows: list[dict], rate: float) -> list[tuple[dict
     """(CheckFree's run, checkpoint-restart's run) of each seed at `rate` where both reached the target: the ratios of
     the means are taken over these, since a seed one of them has no row for must not enter one mean and not the
     other."""
+    checkpoints = runs_of(rows, "checkpoint", rate)
     pairs = []
     for ours in runs_of(rows, "checkfree", rate):
-        theirs = next((r for r in runs_of(rows, "checkpoint", rate) if r["seed"] == ours["seed"]), None)
+        theirs = next((r for r in checkpoints if r["seed"] == ours["seed"]), None)
         if theirs and ours["wall_s_to_target"] and theirs["wall_s_to_target"]:
             pairs.append((ours, theirs))
     return pairs
