@@ -205,6 +205,41 @@ def test_the_report_splits_loss_spikes_by_whether_a_failure_lost_an_end_stage():
     }
 
 
+def test_the_report_splits_each_run_s_wall_clock_and_orders_by_steps_executed_as_the_paper_counts():
+    def timed(strategy, seed, steps, wall, step_s, recoveries, saves=(), replayed=None):
+        run = row(strategy, 0.16, seed, steps, wall, recoveries, saves=saves, every=10 if saves else None)
+        run["normal_step_s"] = step_s
+        for failure in run["recoveries"]:
+            failure.pop("replayed")
+            if replayed is not None:
+                failure["replayed"] = replayed
+        return run
+
+    rows = [
+        row("none", 0.0, 0, 100, 50.0, target=0.5),
+        timed("checkfree", 0, 100, 700.0, 6.0, [("checkfree", 14.0)]),
+        timed("checkpoint", 0, 120, 1000.0, 7.5, [("checkpoint", 37.0)], saves=[1.0, 2.0], replayed=4),
+        timed("random", 0, 130, 900.0, 6.5, [("random", 3.0)]),
+        # a seed the others have no row for: in neither the split nor the order
+        timed("checkfree", 1, 500, 3000.0, 6.0, []),
+        # a run from before normal steps were recorded: left out of the split
+        row("checkpoint", 0.16, 2, 110, 800.0, [("checkpoint", 30.0)], every=10),
+    ]
+    summary = report(rows, [0.16], ["checkfree", "checkpoint", "random"])
+    split = summary["wall_s_split_by_strategy_and_rate"]
+    checkpoint = split["checkpoint"]["0.16"]
+    assert checkpoint["steps"]["mean"] == pytest.approx(900.0) and checkpoint["steps"]["n"] == 1
+    assert checkpoint["replayed_steps"]["mean"] == pytest.approx(30.0)  # 4 steps of 7.5 s, a part of the 900
+    assert checkpoint["recoveries"]["mean"] == pytest.approx(37.0)
+    assert checkpoint["saves"]["mean"] == pytest.approx(3.0)
+    assert checkpoint["rest"]["mean"] == pytest.approx(1000.0 - 900.0 - 37.0 - 3.0)
+    assert split["random"]["0.16"]["rest"]["mean"] == pytest.approx(900.0 - 845.0 - 3.0)
+    assert split["checkfree"]["0.16"]["steps"] == {"mean": 600.0, "min": 600.0, "max": 600.0, "n": 1}
+    # by wall clock random is second; by steps executed (saves, loads and recoveries free) checkpoint-restart is
+    assert summary["ordering_by_wall_s"]["0.16"] == ["checkfree", "random", "checkpoint"]
+    assert summary["ordering_by_steps"]["0.16"] == ["checkfree", "checkpoint", "random"]
+
+
 def test_with_every_host_s_uplink_shaped_the_report_gives_what_each_sent_per_step_and_the_steps_beside_uploads():
     def shaped(strategy, rate, seed, executed, stage_mb, driver_mb, step_s):
         run = row(strategy, rate, seed, executed, 10.0 * executed, curve=[(executed, 0.5)])
