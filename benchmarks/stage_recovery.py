@@ -1508,7 +1508,10 @@ def wall_s_split(rows: list[dict], rates: list[float], strategies: list[str]) ->
         return bool(run["wall_s_to_target"]) and run.get("normal_step_s") is not None
 
     split: dict[str, dict] = {s: {} for s in strategies}
+    ordering = {}
     for rate in rates:
+        steps_means = common_seed_means(rows, rate, strategies, "steps_to_target")
+        ordering[f"{rate:.2f}"] = sorted(steps_means, key=steps_means.get)
         common = set.intersection(*({r["seed"] for r in runs_of(rows, s, rate) if timed(r)} for s in strategies))
         for strategy in strategies:
             parts: dict[str, list[float]] = {name: [] for name in WALL_PARTS}
@@ -1528,10 +1531,6 @@ def wall_s_split(rows: list[dict], rates: list[float], strategies: list[str]) ->
                 ):
                     parts[name].append(value)
             split[strategy][f"{rate:.2f}"] = {name: spread(values) for name, values in parts.items()}
-    ordering = {}
-    for rate in rates:
-        means = common_seed_means(rows, rate, strategies, "steps_to_target")
-        ordering[f"{rate:.2f}"] = sorted(means, key=means.get)
     return {"wall_s_split_by_strategy_and_rate": split, "ordering_by_steps": ordering}
 
 
