@@ -52,6 +52,9 @@ the target (validation time left out: the same for every strategy), recovery sec
 loss of the first step after a failure minus that of the step before it), and what a checkpoint
 cost. Unlike the paper's simulation (checkpoint_simulation.py replays a failure-free run and does
 not charge checkpoint I/O), checkpoint save and load times are measured and charged here.
+Every run starts from scratch, as the paper's, or with --pretrained-steps N from its seed's model
+after N steps of the same objective in one process (made once, kept in the model cache): failures
+then hit a pipeline further into training, where a fresh stage has more to relearn.
 
 Every run appends its row to --results (benchmarks/results/stage_recovery.jsonl) as it ends, under
 a key of the settings that make runs comparable; a run already there is not run again, and
@@ -93,6 +96,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -128,7 +132,7 @@ from node.model import (  # noqa: E402
 )
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
-from node.pipeline.lm import LMDriver  # noqa: E402
+from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
 from node.pipeline.server import StageServer  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.recovery import tensor_bytes  # noqa: E402
@@ -146,12 +150,14 @@ from protocol import NodeIdentity  # noqa: E402
 
 from benchmarks.checkpoint_store import CheckpointStore, LoopbackStore, store_get, store_put  # noqa: E402
 from benchmarks.host_uplinks import HostUplinks, RunNamespace, in_own_namespace, port_of  # noqa: E402
-from benchmarks.pipeline_throughput import SIZES, shape_overrides  # noqa: E402  (one set of model sizes for both)
+from benchmarks.pipeline_throughput import SIZES, OneProcess, shape_overrides  # noqa: E402  (one set of model sizes for both)
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = 4
 RESULTS = REPO / "benchmarks" / "results" / "stage_recovery.jsonl"
 HOLD_POLL_S = 2.0  # --keep-load: how often the parent looks whether every run has reached its target or ended
+# --pretrained-steps trains on corpus_seed + this: sequences the runs (corpus_seed = seed + 7) never see
+PRETRAINING_CORPUS_OFFSET = 1_000_003
 CHILD_GRACE_S = 180.0  # a side-by-side run stops itself at --run-timeout-s; this long after, it is stopped from outside
 
 
@@ -338,34 +344,108 @@ class Checkpoints:
         self.pending = None
 
 
+def run_config(args, seed: int, strategy: str, state_dir: Path):
+    """The config of one run's driver and servers (and of --pretrained-steps' training of its seed's model)."""
+    overrides = [
+        *seeded_shape_overrides(model_shape(args), seed),
+        'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "swarm.swarm_id=stage-bench",
+        f"pipeline.num_stages={STAGES}",
+        f"pipeline.micro_batch_size={args.micro_batch}",
+        "pipeline.micro_batches=2",
+        "pipeline.sequence_length=64",
+        "pipeline.corpus_sequences=2048",
+        "pipeline.validation_sequences=32",
+        "pipeline.eval_every=0",
+        "pipeline.announce_interval_s=0.5",
+        "pipeline.announce_ttl_s=3",
+        "pipeline.avoid_s=5",
+        "pipeline.call_timeout_s=20",
+        f"pipeline.lr={args.lr}",
+        # checkpoint-restart's new server starts from a random init (nothing fetched) and then reads the checkpoint
+        f"pipeline.recovery={'checkfree' if strategy in ('checkfree', 'none') else 'random'}",
+        "pipeline.replica_sync_every=2",
+        f"pipeline.corpus_seed={seed + 7}",
+        "pipeline.rebalance_grace_s=3",
+        "torch_threads=1",
+        *args.set,
+    ]
+    return load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(state_dir))
+
+
+def pretrained_path(args, seed: int) -> Path:
+    """Where --pretrained-steps keeps seed `seed`'s model after those steps: in the model cache, under everything that
+    changes its weights."""
+    config = run_config(args, seed, "none", Path(tempfile.gettempdir()))
+    recipe = {
+        "shape": list(model_shape(args)),
+        "seed": seed,
+        "steps": args.pretrained_steps,
+        "micro_batch": args.micro_batch,
+        "lr": args.lr,
+        "settings": list(args.set),
+        "corpus_offset": PRETRAINING_CORPUS_OFFSET,
+    }
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return config.model.resolved_cache_dir() / "stage-recovery-pretrained" / f"{digest}.pt"
+
+
+def pretrain(args, seed: int) -> Path:
+    """--pretrained-steps: seed `seed`'s model trained that many steps on the runs' LM objective in one process (AdamW
+    at the runs' rate and micro-batches, on a corpus of its own: the runs then see sequences it never saw), once, and
+    kept; every run of the seed starts from it, so that failures hit a pipeline further into training. Returns its
+    path."""
+    path = pretrained_path(args, seed)
+    if path.exists():
+        return path
+    config = run_config(args, seed, "none", Path(tempfile.gettempdir()))
+    model, tokenizer = load_policy(ensure_default_model(config, progress=False))
+    own_corpus = config.model_copy(
+        update={
+            "pipeline": config.pipeline.model_copy(
+                update={"corpus_seed": config.pipeline.corpus_seed + PRETRAINING_CORPUS_OFFSET}
+            )
+        }
+    )
+    trainer = OneProcess(config, model, training_corpus(own_corpus, tokenizer), threads=os.cpu_count() or 1)
+    validation = validation_corpus(config, tokenizer)
+    print(f"seed {seed}: pretraining its model for {args.pretrained_steps} steps in one process", flush=True)
+    started = time.perf_counter()
+    for step in range(1, args.pretrained_steps + 1):
+        loss = trainer.train_step()["loss"]
+        if step % args.eval_every == 0 or step == args.pretrained_steps:
+            print(
+                f"  seed {seed} pretraining: step {step}/{args.pretrained_steps} loss {loss:.4f} val loss "
+                f"{one_process_validation_loss(model, validation, config.pipeline.micro_batch_size):.4f} at "
+                f"{time.perf_counter() - started:.0f}s",
+                flush=True,
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(model.state_dict(), staging)
+    os.replace(staging, path)  # atomic: a run never reads half a file
+    return path
+
+
+def one_process_validation_loss(model, validation: torch.Tensor, batch: int) -> float:
+    """The LM loss on the validation sequences (as the driver's validation_loss, in one process)."""
+    losses = []
+    with torch.no_grad():
+        for start in range(0, validation.shape[0], batch):
+            input_ids = validation[start : start + batch]
+            positions, mask = full_masks(input_ids)
+            losses.append(
+                lm_loss(
+                    model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits, input_ids
+                ).item()
+            )
+    return sum(losses) / len(losses)
+
+
 class Bench:
     def __init__(self, args, scratch: Path, seed: int, strategy: str) -> None:
         self.args, self.scratch, self.seed, self.strategy = args, scratch, seed, strategy
-        overrides = [
-            *seeded_shape_overrides(model_shape(args), seed),
-            'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
-            "swarm.swarm_id=stage-bench",
-            f"pipeline.num_stages={STAGES}",
-            f"pipeline.micro_batch_size={args.micro_batch}",
-            "pipeline.micro_batches=2",
-            "pipeline.sequence_length=64",
-            "pipeline.corpus_sequences=2048",
-            "pipeline.validation_sequences=32",
-            "pipeline.eval_every=0",
-            "pipeline.announce_interval_s=0.5",
-            "pipeline.announce_ttl_s=3",
-            "pipeline.avoid_s=5",
-            "pipeline.call_timeout_s=20",
-            f"pipeline.lr={args.lr}",
-            # checkpoint-restart's new server starts from a random init (nothing fetched) and then reads the checkpoint
-            f"pipeline.recovery={'checkfree' if strategy in ('checkfree', 'none') else 'random'}",
-            "pipeline.replica_sync_every=2",
-            f"pipeline.corpus_seed={seed + 7}",
-            "pipeline.rebalance_grace_s=3",
-            "torch_threads=1",
-            *args.set,
-        ]
-        self.config = load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(scratch / "driver"))
+        self.config = run_config(args, seed, strategy, scratch / "driver")
         self.dhts: list = []
         self.servers: dict[int, tuple[StageServer, asyncio.Task, object]] = {}
         self.dead: list[asyncio.Task] = []
@@ -402,6 +482,8 @@ class Bench:
             await store.ready()
         path = ensure_default_model(self.config, progress=False)
         self.model, self.tokenizer = load_policy(path)
+        if self.args.pretrained_steps:  # pretrain() ran before this run started (main, or run_one)
+            self.model.load_state_dict(torch.load(pretrained_path(self.args, self.seed), weights_only=True))
         self.fingerprint = model_fingerprint(self.model, self.tokenizer)
         self.bootstrap = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         self.addresses = [str(a) for a in await self.bootstrap.get_visible_maddrs()]
@@ -1017,6 +1099,14 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), help="a model size of pipeline_throughput (else --hidden)")
     parser.add_argument("--hidden", type=int, default=64, help="8 layers of this width, MLP twice as wide")
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument(
+        "--pretrained-steps",
+        type=int,
+        default=0,
+        help="every run of a seed starts from its model after this many steps of the same LM objective in one process "
+        "(on sequences the runs never see; made once, kept in the model cache): failures then hit a pipeline further "
+        "into training, where a fresh stage has more to relearn; default: from scratch, as the paper",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
         "--run-timeout-s",
@@ -1117,6 +1207,9 @@ def main() -> None:
         run_one(args, seed, rate, strategy)
         return
     seeds = [seed for seed in range(args.seeds) if args.only_seeds is None or seed in args.only_seeds]
+    if args.pretrained_steps:  # before any run: runs side by side all read the same file
+        for seed in seeds:
+            pretrain(args, seed)
     baselines = [seed for seed in seeds if none_row(read_rows(args.results, config_key(args)), seed) is None]
     launch(args, [(seed, 0.0, "none") for seed in baselines])
     for rate in args.rates:  # in the order given: the one that matters most first, in case time runs out
@@ -1158,6 +1251,7 @@ def config_key(args) -> dict:
         **({"checkpoint_uplinks": args.checkpoint_uplinks} if own_uplinks else {}),
         **({"checkpoint_uploads": args.checkpoint_uploads} if background_uploads else {}),
         **({"keep_load": True} if args.keep_load else {}),
+        **({"pretrained_steps": args.pretrained_steps} if args.pretrained_steps else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -1223,6 +1317,8 @@ def run_one(args, seed: int, rate: float, strategy: str) -> None:
         print(describe(row), flush=True)
 
     target, step_s = (base["target"], base["normal_step_s"]) if base else (None, None)
+    if args.pretrained_steps:
+        pretrain(args, seed)  # a run started alone (--one); main has already made it otherwise
     asyncio.run(run(args, scratch, seed, strategy, rate if base else 0.0, target, step_s, write_row, hold))
 
 

@@ -39,17 +39,22 @@ from benchmarks.stage_recovery import (
     config_key,
     cost_with_uploads,
     load_stage_checkpoint,
+    one_process_validation_loss,
     own_normal_step,
+    pretrain,
+    pretrained_path,
     read_rows,
     rebuild_bytes,
     recovery_seconds,
     report,
+    run_config,
     save_stage_checkpoint,
     seeded_shape_overrides,
     young_interval,
 )
 from node.config import load_config
-from node.model import build_char_tokenizer, build_default_model
+from node.model import build_char_tokenizer, build_default_model, ensure_default_model, load_policy
+from node.pipeline.corpus import validation_corpus
 from node.pipeline.recovery import choose_method
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import PipelineStage, StagePlan, checkfree_plus_extra_parts, split_model
@@ -405,7 +410,7 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
         checkpoint_uplinks="shared", checkpoint_uploads="blocking", target_fraction=0.8, eval_every=10, micro_batch=8,
-        lr=1e-3, set=[], keep_load=False,
+        lr=1e-3, set=[], keep_load=False, pretrained_steps=0,
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
@@ -437,6 +442,31 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args.keep_load = True
     assert config_key(args) == dict(without, keep_load=True)
     assert baseline_key(config_key(args)) == baseline_key(without)
+    # runs from a pretrained model, and their failure-free run, are apart from those from scratch
+    kept = config_key(args)
+    args.pretrained_steps = 240
+    assert config_key(args) == dict(kept, pretrained_steps=240)
+    assert baseline_key(config_key(args)) == dict(baseline_key(kept), pretrained_steps=240)
+
+
+def test_a_pretrained_start_is_the_seed_s_model_trained_on_the_lm_objective_made_once_and_kept(tmp_path):
+    args = SimpleNamespace(
+        size=None, hidden=32, micro_batch=4, lr=1e-2, eval_every=5, pretrained_steps=10,
+        set=[f"model.cache_dir={tmp_path}"],
+    )  # fmt: skip
+    path = pretrain(args, seed=0)
+    assert path.parent.parent == tmp_path and path.exists()
+    config = run_config(args, 0, "none", tmp_path / "driver")
+    model, tokenizer = load_policy(ensure_default_model(config, progress=False))
+    validation = validation_corpus(config, tokenizer)
+    before = one_process_validation_loss(model, validation, args.micro_batch)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    assert one_process_validation_loss(model, validation, args.micro_batch) < before - 0.5  # it learnt
+    made = path.stat().st_mtime_ns
+    assert pretrain(args, seed=0) == path and path.stat().st_mtime_ns == made  # kept, not trained again
+    assert pretrained_path(args, seed=1) != path  # each seed's model is drawn from its seed
+    args.pretrained_steps = 11
+    assert pretrained_path(args, seed=0) != path
 
 
 def test_runs_side_by_side_are_released_once_each_reached_its_target_or_ended(tmp_path):
