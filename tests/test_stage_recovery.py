@@ -151,7 +151,8 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
         row("checkpoint", 0.1, 0, 130, 20.0, [("checkpoint", 5.0)], saves=[0.5, 1.5], loads=[0.25], every=7),
         row("checkpoint", 0.1, 1, 150, 25.0, [], saves=[1.0], every=8),
         row("random", 0.1, 0, 140, 30.0, [("random", 1.0)]),
-        row("random", 0.1, 1, None, None, [("random", 1.0)]),  # missed the target: listed, not averaged
+        # missed the target: listed, not averaged, but counted at its last evaluation where that is asked for
+        row("random", 0.1, 1, None, None, [("random", 1.0)], curve=[(90, 0.7, 40.0)]),
         # CheckFree's seed 2 has no checkpoint-restart row: in CheckFree's mean, not in the ratios
         row("checkfree", 0.1, 2, 90, 60.0),
         # another rate than the one asked for: in no figure
@@ -171,6 +172,8 @@ def test_the_report_averages_over_seeds_and_divides_the_means():
     assert summary["wallclock_speedup_vs_checkpoint_by_rate_and_seed"]["0.10"] == {"0": 2.0, "1": 1.25}
     assert summary["steps_ratio_checkpoint_vs_checkfree_by_rate"]["0.10"] == pytest.approx(140 / 115)
     assert summary["ordering_by_wall_s"]["0.10"] == ["checkfree", "checkpoint", "random"]
+    # seed 1 counted too, random's run there at its last evaluation's 40 s: CheckFree's seed 2 still out
+    assert summary["wall_s_missed_counted_by_rate"]["0.10"] == {"checkfree": 15.0, "checkpoint": 22.5, "random": 35.0}
     methods = summary["recovery_s_by_method"]
     assert methods["checkfree"]["mean"] == 2.5 and methods["checkfree_plus"]["mean"] == 4.0
     assert methods["checkpoint"]["n"] == 1 and methods["random"]["n"] == 2
