@@ -368,6 +368,9 @@ def run_config(args, seed: int, strategy: str, state_dir: Path):
         f"pipeline.corpus_seed={seed + 7}",
         "pipeline.rebalance_grace_s=3",
         "torch_threads=1",
+        # CheckFree+'s swapped stage order on odd micro-batches and its (de)embedding copies on the neighbours serve
+        # CheckFree alone: a deployment of either baseline would not pay for them (a step learns less with the swaps)
+        *(["pipeline.checkfree_plus=false"] if args.plain_baselines and strategy in ("checkpoint", "random") else []),
         *args.set,
     ]
     return load_config(REPO / "configs" / "pipeline.yaml", overrides, state_dir=str(state_dir))
@@ -1101,6 +1104,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="8 layers of this width, MLP twice as wide")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument(
+        "--plain-baselines",
+        action="store_true",
+        help="checkpoint-restart and random re-initialisation train without CheckFree+ (pipeline.checkfree_plus: no "
+        "swapped stage order on odd micro-batches, no embedding copies on the neighbours), as a deployment of either "
+        "would; CheckFree, and the failure-free run whose loss is the target, keep it. Default: every run with it",
+    )
+    parser.add_argument(
         "--pretrained-steps",
         type=int,
         default=0,
@@ -1253,6 +1263,7 @@ def config_key(args) -> dict:
         **({"checkpoint_uploads": args.checkpoint_uploads} if background_uploads else {}),
         **({"keep_load": True} if args.keep_load else {}),
         **({"pretrained_steps": args.pretrained_steps} if args.pretrained_steps else {}),
+        **({"plain_baselines": True} if args.plain_baselines else {}),
         "target_fraction": args.target_fraction,
         "eval_every": args.eval_every,
         "micro_batch": args.micro_batch,
@@ -1279,7 +1290,14 @@ def baseline_key(key: dict) -> dict:
     target loss does not depend on the load it ran at, so it serves runs with --keep-load or without (its normal step
     does, which is why young-own-steps prices against the run's own)."""
     kept = ("checkpoint_store_mbit", "checkpoint_uplinks") if key.get("checkpoint_uplinks") == "per-host" else ()
-    dropped = ("checkpoint_every", "checkpoint_store_mbit", "checkpoint_uplinks", "checkpoint_uploads", "keep_load")
+    dropped = (
+        "checkpoint_every",
+        "checkpoint_store_mbit",
+        "checkpoint_uplinks",
+        "checkpoint_uploads",
+        "keep_load",
+        "plain_baselines",  # the failure-free run, CheckFree's config, sets the target loss of both
+    )
     return {name: value for name, value in key.items() if name in kept or name not in dropped}
 
 

@@ -413,7 +413,7 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
         checkpoint_uplinks="shared", checkpoint_uploads="blocking", target_fraction=0.8, eval_every=10, micro_batch=8,
-        lr=1e-3, set=[], keep_load=False, pretrained_steps=0,
+        lr=1e-3, set=[], keep_load=False, pretrained_steps=0, plain_baselines=False,
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
@@ -445,6 +445,16 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args.keep_load = True
     assert config_key(args) == dict(without, keep_load=True)
     assert baseline_key(config_key(args)) == baseline_key(without)
+    # baselines without CheckFree+ are apart; the failure-free run, CheckFree's config, still sets their target
+    args.plain_baselines = True
+    assert config_key(args) == dict(without, keep_load=True, plain_baselines=True)
+    assert baseline_key(config_key(args)) == baseline_key(without)
+    assert run_config(args, 0, "random", Path("/tmp")).pipeline.checkfree_plus is False
+    assert run_config(args, 0, "checkpoint", Path("/tmp")).pipeline.checkfree_plus is False
+    assert run_config(args, 0, "checkfree", Path("/tmp")).pipeline.checkfree_plus is True
+    assert run_config(args, 0, "none", Path("/tmp")).pipeline.checkfree_plus is True
+    args.plain_baselines = False
+    assert run_config(args, 0, "random", Path("/tmp")).pipeline.checkfree_plus is True
     # runs from a pretrained model, and their failure-free run, are apart from those from scratch
     kept = config_key(args)
     args.pretrained_steps = 240
@@ -454,7 +464,7 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
 
 def test_a_pretrained_start_is_the_seed_s_model_trained_on_the_lm_objective_made_once_and_kept(tmp_path):
     args = SimpleNamespace(
-        size=None, hidden=32, micro_batch=4, lr=1e-2, eval_every=5, pretrained_steps=10,
+        size=None, hidden=32, micro_batch=4, lr=1e-2, eval_every=5, pretrained_steps=10, plain_baselines=False,
         set=[f"model.cache_dir={tmp_path}"],
     )  # fmt: skip
     path = pretrain(args, seed=0)
