@@ -29,10 +29,12 @@ with one JSON line.
 
 Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `wire S NAME` way on
 servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
-compares the losses; `--lab MBIT ...` runs every process in its own namespace of benchmarks/lab.py
-(root) on links shaped to each rate (with `--lab-uploads MB`, each way again while every server's host uploads MB
-to a store over its own link: checkpoints in the background beside the hidden states); `--recovery` kills servers
-and measures the stall per recovery method (replica failover, a warm spare's checkfree and checkfree_plus);
+compares the losses, with the whole model's in one process beside them (`--loss-check-one-process`: tied, as one
+process trains it; its head untied; untied with each stage's gradient clipped apart, as the pipeline's are); `--lab
+MBIT ...` runs every process in its own namespace of benchmarks/lab.py (root) on links shaped to each rate (with
+`--lab-uploads MB`, each way again while every server's host uploads MB to a store over its own link: checkpoints in
+the background beside the hidden states); `--recovery` kills servers and measures the stall per recovery method
+(replica failover, a warm spare's checkfree and checkfree_plus);
 `--transport-floor` echoes payloads of a call's sizes through two p2p daemons and through plain TCP, with no compute
 (the wire's own cost per call, and the CPU it takes in this process and in the daemons; with `--lab`, across two
 namespaces on shaped links: what a call costs beyond its payload at the link's rate); `--check-cost` times a server's
@@ -43,6 +45,8 @@ check of one received tensor of each of those sizes against the torch check it r
     .venv/bin/python benchmarks/pipeline_throughput.py --tiny   # about a minute: tests/test_pipeline_throughput.py
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --stages 4 \
         --variant bf16:pipeline.wire_dtype=bfloat16 --variant inflight2:pipeline.micro_batches_in_flight=2
+    .venv/bin/python benchmarks/pipeline_throughput.py --sizes 5M --stages 4 --loss-check 200 \
+        --loss-check-one-process tied untied untied-stage-clip --variant nocfp:pipeline.checkfree_plus=false
     .venv/bin/python benchmarks/pipeline_throughput.py --sizes 27M --recovery
     .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor
     sudo .venv/bin/python benchmarks/pipeline_throughput.py --transport-floor --lab 100 20 --floor-calls 10
@@ -91,13 +95,14 @@ from node.device import HOST  # noqa: E402
 from node.host_memory import keep_freed_memory  # noqa: E402
 from node.model import model_fingerprint, resolve_initial_policy  # noqa: E402
 from node.pipeline.backend import StageBackend  # noqa: E402
-from node.pipeline.corpus import micro_batch, training_corpus  # noqa: E402
+from node.pipeline.corpus import micro_batch, training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
 from node.pipeline.handler import CALL_PHASES, COMPUTE_WORK, StageHandler  # noqa: E402
 from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import (  # noqa: E402
     PipelineStage,
+    StagePlan,
     expected_fingerprints,
     extra_parts_for,
     pipeline_limits,
@@ -238,11 +243,22 @@ def local_handlers(config: NodeConfig, model, fingerprints: list[str]) -> list[S
 
 
 class OneProcess:
-    """The whole model trained in this process on the driver's micro-batches: the baseline."""
+    """The whole model trained in this process on the driver's micro-batches: the baseline.
 
-    def __init__(self, config: NodeConfig, model, corpus: torch.Tensor, threads: int) -> None:
+    `untied` gives the LM head its own copy of a tied embedding, and `clip_stages` S clips each of S stages' gradients
+    apart (stage_plan's split), as a pipeline's servers do: `--loss-check` measures what each costs the pipeline."""
+
+    def __init__(
+        self, config: NodeConfig, model, corpus: torch.Tensor, threads: int, untied: bool = False, clip_stages: int = 0
+    ) -> None:
         self.config, self.model, self.corpus, self.threads = config, model, corpus, threads
         p = config.pipeline
+        if untied and model.lm_head.weight is model.get_input_embeddings().weight:
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+        self.clip_groups = (
+            stage_parameters(model, StagePlan(model.config.num_hidden_layers, clip_stages)) if clip_stages else []
+        )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay)
         self.step = 0
 
@@ -265,10 +281,35 @@ class OneProcess:
             loss = lm_loss(logits, input_ids)
             (loss / p.micro_batches).backward()
             losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+        for group in self.clip_groups or [list(self.model.parameters())]:
+            torch.nn.utils.clip_grad_norm_(group, p.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": sum(losses) / len(losses), "step_s": time.perf_counter() - started}
+
+    def validation_loss(self, validation: torch.Tensor) -> float:
+        """Mean loss over `validation` in micro-batches, without graphs (as LMDriver.validation_loss)."""
+        size, total = self.config.pipeline.micro_batch_size, 0.0
+        with torch.no_grad():
+            for start in range(0, validation.shape[0], size):
+                input_ids = validation[start : start + size]
+                positions, mask = full_masks(input_ids)
+                logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+                total += float(lm_loss(logits, input_ids)) * input_ids.shape[0]
+        return total / validation.shape[0]
+
+
+def stage_parameters(model, plan: StagePlan) -> list[list[torch.nn.Parameter]]:
+    """The whole model's parameters as `plan`'s stages own them: the embedding with stage 0's layers, the final norm
+    and the LM head with the last stage's (the parameter a tied model shares would be in both: untie it first)."""
+    decoder = model.model
+    groups = [[p for i in plan.layer_range(s) for p in decoder.layers[i].parameters()] for s in range(plan.num_stages)]
+    groups[0][:0] = decoder.embed_tokens.parameters()
+    groups[-1] += [*decoder.norm.parameters(), *model.lm_head.parameters()]
+    grouped = [id(p) for group in groups for p in group]
+    if len(grouped) != len(set(grouped)) or set(grouped) != {id(p) for p in model.parameters()}:
+        raise ValueError("the stages' parameters must be the model's, each once (is the embedding still tied?)")
+    return groups
 
 
 class Servers:
@@ -560,28 +601,59 @@ async def measure_size(
     return result
 
 
-def loss_check(name: str, shape, stages: int, settings: list[str], variants: dict[str, list[str]], steps: int) -> dict:
-    """The training loss of `local S` against each variant's, over `steps` steps from the same initial weights on the
-    same micro-batches (in this process: the variants that change numbers act in the backends, not on the wire)."""
-    losses = {}
+# --loss-check's one-process ways: name -> (the head untied from the embedding, each stage's gradient clipped apart)
+ONE_PROCESS_WAYS = {"tied": (False, False), "untied": (True, False), "untied-stage-clip": (True, True)}
+
+
+def loss_check(
+    name: str,
+    shape,
+    stages: int,
+    settings: list[str],
+    variants: dict[str, list[str]],
+    steps: int,
+    one_process_ways: tuple[str, ...] = ("tied",),
+) -> dict:
+    """The training loss of `local S` against each variant's and against the whole model in one process (each of
+    `one_process_ways`, with the plain settings), over `steps` steps from the same initial weights on the same
+    micro-batches (in this process: the variants that change numbers act in the backends, not on the wire); and each
+    one's validation loss after the last step."""
+    losses, validation = {}, {}
     for variant, more in {"": [], **variants}.items():
         config = load_config(
-            REPO / "configs" / "pipeline.yaml", overrides(shape, stages, "loss-check", settings + more)
+            REPO / "configs" / "pipeline.yaml",
+            overrides(shape, stages, "loss-check", ["pipeline.validation_sequences=64", *settings, *more]),
         )
         torch.manual_seed(config.seed)
         model, tokenizer = resolve_initial_policy(config, None, HOST)
+        corpus, held_out = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
+        for way in one_process_ways if not variant else ():  # the micro-batches LMDriver walks: micro_batch(step, i)
+            untied, stage_clip = ONE_PROCESS_WAYS[way]
+            trainer = OneProcess(
+                config, _copy(model), corpus, 1, untied=untied, clip_stages=stages if stage_clip else 0
+            )
+            key = "one_process" + ("" if way == "tied" else f" {way}")
+            losses[key] = [trainer.train_step()["loss"] for _ in range(steps)]
+            validation[key] = trainer.validation_loss(held_out)
         fingerprints = expected_fingerprints(config, model.config, model_fingerprint(model, tokenizer))
         router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, Calls())
         with tempfile.TemporaryDirectory() as scratch:
-            driver = _driver(config, router, training_corpus(config, tokenizer), Path(scratch))
+            driver = LMDriver(config, router, corpus, held_out, StateStore(_fresh(Path(scratch))))
             losses[variant or "plain"] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
+            validation[variant or "plain"] = asyncio.run(driver.validation_loss())
     tail = max(1, steps // 10)
+    # the mean loss over each tenth of the steps (a tenth of fewer than 10 steps is the step it starts at)
+    tenths = [slice(steps * k // 10, max(steps * (k + 1) // 10, steps * k // 10 + 1)) for k in range(10)]
+
     return {
         "size": name,
         "stages": stages,
         "steps": steps,
         "loss_last_tenth": {v: statistics.fmean(curve[-tail:]) for v, curve in losses.items()},
         "loss_first": {v: curve[0] for v, curve in losses.items()},
+        "loss_tenths": {v: [statistics.fmean(curve[t]) for t in tenths] for v, curve in losses.items()},
+        # after the last step, on pipeline.validation_sequences held-out sequences (64 unless --set)
+        "val_loss": validation,
     }
 
 
@@ -1391,6 +1463,11 @@ def main() -> None:
         "this many steps in process and compare their losses (no servers; instead of the timing)",
     )  # fmt: skip
     parser.add_argument(
+        "--loss-check-one-process", nargs="*", default=["tied"], choices=list(ONE_PROCESS_WAYS), metavar="WAY",
+        help=f"--loss-check: the whole model in one process too, each way of {list(ONE_PROCESS_WAYS)} (untied: the "
+        "head its own copy of the embedding; stage-clip: each stage's gradient norm clipped apart, as the pipeline's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--lab", nargs="+", type=float, metavar="MBIT", help="instead: the lab at these link rates (root), "
         "at S = max(--stages); a variant's `driver:KEY=VALUE` settings apply to the driver only",
     )  # fmt: skip
@@ -1509,7 +1586,9 @@ def main() -> None:
     if args.loss_check:
         torch.set_num_threads(1)
         checks = [
-            loss_check(name, shape, max(args.stages), settings, variants, args.loss_check)
+            loss_check(
+                name, shape, max(args.stages), settings, variants, args.loss_check, tuple(args.loss_check_one_process)
+            )
             for name, shape in sizes.items()
         ]
         for check in checks:

@@ -228,6 +228,24 @@ def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attemp
     assert summary["calls"] == {"forward": 5, "backward": 2}
 
 
+def test_loss_check_trains_one_process_on_the_pipeline_s_micro_batches_from_the_same_weights():
+    """--loss-check's one-process ways see the micro-batches the driver walks, from the same initial weights: the
+    first step's loss is the pipeline's, and a whole model untied and clipped stage by stage is the pipeline, step
+    after step (without CheckFree+'s swapped order on odd micro-batches, the one thing it cannot do)."""
+    check = run_benchmark(
+        "--tiny", "--stages", "4", "--loss-check", "4", "--loss-check-one-process", "tied", "untied-stage-clip",
+        "--set", "pipeline.checkfree_plus=false", timeout=600,
+    )["loss_check"][0]  # fmt: skip
+    ways = {"one_process", "one_process untied-stage-clip", "plain"}
+    assert set(check["loss_first"]) == set(check["loss_tenths"]) == set(check["val_loss"]) == ways
+    assert math.isclose(check["loss_first"]["one_process"], check["loss_first"]["plain"], abs_tol=1e-4)
+    for mine, pipeline in zip(check["loss_tenths"]["one_process untied-stage-clip"], check["loss_tenths"]["plain"]):
+        assert math.isclose(mine, pipeline, abs_tol=1e-4)
+    assert math.isclose(check["val_loss"]["one_process untied-stage-clip"], check["val_loss"]["plain"], abs_tol=1e-4)
+    # the tied model's second step already differs: its one embedding takes both copies' gradients
+    assert check["loss_tenths"]["one_process"][-1] != check["loss_tenths"]["plain"][-1]
+
+
 def test_recovery_stalls_are_grouped_by_size_way_and_method():
     from benchmarks.pipeline_throughput import print_stalls
 
