@@ -132,7 +132,7 @@ from node.model import (  # noqa: E402
 )
 from node.pipeline.corpus import training_corpus, validation_corpus  # noqa: E402
 from node.pipeline.driver import PipelineRouter  # noqa: E402
-from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
+from node.pipeline.lm import LMDriver  # noqa: E402
 from node.pipeline.server import StageServer  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.recovery import tensor_bytes  # noqa: E402
@@ -420,7 +420,7 @@ def pretrain(args, seed: int) -> Path:
         if step % args.eval_every == 0 or step == args.pretrained_steps:
             print(
                 f"  seed {seed} pretraining: step {step}/{args.pretrained_steps} loss {loss:.4f} val loss "
-                f"{one_process_validation_loss(model, validation, config.pipeline.micro_batch_size):.4f} at "
+                f"{trainer.validation_loss(validation):.4f} at "
                 f"{time.perf_counter() - started:.0f}s",
                 flush=True,
             )
@@ -429,21 +429,6 @@ def pretrain(args, seed: int) -> Path:
     torch.save(model.state_dict(), staging)
     os.replace(staging, path)  # atomic: a run never reads half a file
     return path
-
-
-def one_process_validation_loss(model, validation: torch.Tensor, batch: int) -> float:
-    """The LM loss on the validation sequences (as the driver's validation_loss, in one process)."""
-    losses = []
-    with torch.no_grad():
-        for start in range(0, validation.shape[0], batch):
-            input_ids = validation[start : start + batch]
-            positions, mask = full_masks(input_ids)
-            losses.append(
-                lm_loss(
-                    model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits, input_ids
-                ).item()
-            )
-    return sum(losses) / len(losses)
 
 
 class Bench:

@@ -39,7 +39,6 @@ from benchmarks.stage_recovery import (
     config_key,
     cost_with_uploads,
     load_stage_checkpoint,
-    one_process_validation_loss,
     own_normal_step,
     pretrain,
     pretrained_path,
@@ -55,6 +54,7 @@ from benchmarks.stage_recovery import (
 from node.config import load_config
 from node.model import build_char_tokenizer, build_default_model, ensure_default_model, load_policy
 from node.pipeline.corpus import validation_corpus
+from benchmarks.pipeline_throughput import OneProcess
 from node.pipeline.recovery import choose_method
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import PipelineStage, StagePlan, checkfree_plus_extra_parts, split_model
@@ -472,9 +472,9 @@ def test_a_pretrained_start_is_the_seed_s_model_trained_on_the_lm_objective_made
     config = run_config(args, 0, "none", tmp_path / "driver")
     model, tokenizer = load_policy(ensure_default_model(config, progress=False))
     validation = validation_corpus(config, tokenizer)
-    before = one_process_validation_loss(model, validation, args.micro_batch)
+    before = OneProcess(config, model, validation, threads=1).validation_loss(validation)
     model.load_state_dict(torch.load(path, weights_only=True))
-    assert one_process_validation_loss(model, validation, args.micro_batch) < before - 0.5  # it learnt
+    assert OneProcess(config, model, validation, threads=1).validation_loss(validation) < before - 0.5  # it learnt
     made = path.stat().st_mtime_ns
     assert pretrain(args, seed=0) == path and path.stat().st_mtime_ns == made  # kept, not trained again
     assert pretrained_path(args, seed=1) != path  # each seed's model is drawn from its seed
