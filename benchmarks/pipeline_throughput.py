@@ -638,7 +638,7 @@ def loss_check(
         fingerprints = expected_fingerprints(config, model.config, model_fingerprint(model, tokenizer))
         router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, Calls())
         with tempfile.TemporaryDirectory() as scratch:
-            driver = LMDriver(config, router, corpus, held_out, StateStore(_fresh(Path(scratch))))
+            driver = _driver(config, router, corpus, Path(scratch), held_out)
             losses[variant or "plain"] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
             validation[variant or "plain"] = asyncio.run(driver.validation_loss())
     tail = max(1, steps // 10)
@@ -673,8 +673,11 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def _driver(config: NodeConfig, router, corpus, state_dir: Path) -> LMDriver:
-    return LMDriver(config, router, corpus, corpus[:1], StateStore(_fresh(state_dir)))
+def _driver(config: NodeConfig, router, corpus, state_dir: Path, validation: torch.Tensor | None = None) -> LMDriver:
+    """An LMDriver over `router` with a fresh state dir; `validation` for runs that validate (else a placeholder)."""
+    return LMDriver(
+        config, router, corpus, corpus[:1] if validation is None else validation, StateStore(_fresh(state_dir))
+    )
 
 
 async def _step(runner) -> dict:
