@@ -515,8 +515,14 @@ class PipelineConfig(_Section):
     """How a stage with no live replica is rebuilt: 'checkfree' (neighbours' weighted average; CheckFree+ copy for
     the first and last stage) or 'random' (fresh initialisation: the benchmark's baseline)."""
     checkfree_plus: bool = True
-    """Out-of-order pipelining (stages 0/1 and S-2/S-1 swapped on odd micro-batches) and (de)embedding replicas on the
-    neighbouring stages, so that a lost first or last stage can be copied from its neighbour."""
+    """Out-of-order pipelining (stages 0/1 and S-2/S-1 swapped on one micro-batch in `checkfree_plus_swap_every`) and
+    (de)embedding replicas on the neighbouring stages, so that a lost first or last stage can be copied from its
+    neighbour."""
+    checkfree_plus_swap_every: int = Field(2, ge=2)
+    """CheckFree+ runs one micro-batch in this many in swapped order (the paper's 2: every odd one). A swapped
+    micro-batch teaches the swap partners to stand in for each other and teaches the model less than one in order
+    (benchmarks/RESULTS.md, "How often to swap"): fewer swaps cost a step less and may leave a copied end stage a worse
+    stand-in."""
     recovered_lr_scale: float = Field(1.1, gt=0)
     """Learning-rate factor of a stage rebuilt by CheckFree (the paper's 1.1; its optimizer starts fresh)."""
     replica_sync_every: int = Field(5, ge=1)

@@ -261,6 +261,37 @@ def test_micro_batches_in_flight_bounds_how_many_travel_at_once_and_keeps_the_lo
         assert set(row["grad_norms"]) == {0, 1}
 
 
+def test_checkfree_plus_swaps_one_micro_batch_in_swap_every_counted_over_the_run(tmp_path):
+    """3 micro-batches a step for 4 steps: with pipeline.checkfree_plus_swap_every=4 the 4th, 8th and 12th run in
+    swapped order (stage 1's layers before stage 0's: the embedding is a call of its own), whichever step they are
+    in; with the default 2, every second one."""
+
+    async def swapped(every: int) -> list[bool]:
+        cfg = config(tmp_path / f"every{every}").model_copy(deep=True)
+        cfg.pipeline.micro_batches = 3
+        cfg.pipeline.checkfree_plus_swap_every = every
+        router = FixedRouter(cfg)
+        calls: list[tuple[str, list[str]]] = []
+        answer = router.call
+
+        async def noting(server, call, timeout=None):
+            if call.op == "forward":
+                calls.append((call.call_id.split("-")[:2], list(call.parts)))
+            return await answer(server, call, timeout)
+
+        router.call = noting
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+        for _ in range(4):
+            await driver.train_step()
+        micro_batches = sorted({tuple(int(x[1:]) for x in key) for key, _ in calls})
+        alone = {tuple(int(x[1:]) for x in key) for key, parts in calls if parts == ["embed"]}
+        return [mb in alone for mb in micro_batches]
+
+    assert asyncio.run(swapped(4)) == [False, False, False, True] * 3
+    assert asyncio.run(swapped(2)) == [False, True] * 6
+
+
 async def one_step(tmp_path, router_type, breaks: int, reason: str):
     """One driver step of the two-stage model (no CheckFree+ swaps) through `router_type(cfg, breaks, reason)`; the
     router and the step's row."""

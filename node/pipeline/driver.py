@@ -27,8 +27,8 @@ servers (twice in a row), the servers cannot reach each other, and the driver go
 is not sent twice (its gradients accumulate): a chained backward that fails counts as a failed
 backward, as a hop-by-hop one does.
 
-CheckFree+ (pipeline.checkfree_plus): on odd micro-batches the first two and the last two
-stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
+CheckFree+ (pipeline.checkfree_plus): on one micro-batch in `checkfree_plus_swap_every` (every odd one by default)
+the first two and the last two stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
 stage 0 and stage S-2 for stage S-1; the embedding still runs first (on stage 0) and the
 head last (on stage S-1).
 """
@@ -64,15 +64,16 @@ CHAIN_PAUSE_S = 60.0  # hop by hop for this long after a chain failed where the 
 ONWARD_FAILED = "refused:onward_failed"  # HopFailed.reason of a chain that broke after its first hop
 
 
-def route_order(num_stages: int, micro_batch: int, swap: bool) -> list[int]:
-    """The order in which the stages' LAYERS run for this micro-batch."""
+def route_order(num_stages: int, micro_batch: int, swap: bool, every: int = 2) -> list[int]:
+    """The order in which the stages' LAYERS run for this micro-batch (counted over the run, not the step): with
+    `swap`, micro-batches every-1, 2*every-1, ... run swapped."""
     order = list(range(num_stages))
-    if not swap or micro_batch % 2 == 0 or num_stages < 2:
+    if not swap or micro_batch % every != every - 1 or num_stages < 2:
         return order
     if num_stages == 2:
         return [1, 0]
     if num_stages == 3:  # the two pairs overlap: alternate between them
-        pair = (0, 1) if micro_batch % 4 == 1 else (1, 2)
+        pair = (0, 1) if (micro_batch // every) % 2 == 0 else (1, 2)
         order[pair[0]], order[pair[1]] = order[pair[1]], order[pair[0]]
         return order
     order[0], order[1] = 1, 0

@@ -64,9 +64,14 @@ class LMDriver:
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
         positions, mask = full_masks(input_ids)
-        hops = route_hops(
-            self.pipeline.num_stages, route_order(self.pipeline.num_stages, index, self.pipeline.checkfree_plus)
+        pipeline = self.pipeline
+        order = route_order(
+            pipeline.num_stages,
+            (step - 1) * pipeline.micro_batches + index,  # counted over the run: one in N whatever the step's size
+            pipeline.checkfree_plus,
+            pipeline.checkfree_plus_swap_every,
         )
+        hops = route_hops(pipeline.num_stages, order)
         for attempt in range(self.pipeline.attempts_per_micro_batch):
             route = await self.router.pick_route(hops)
             prefix = f"s{step}-m{index}-a{attempt}-{time.time_ns() % 10**9}"

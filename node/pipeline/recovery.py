@@ -204,7 +204,7 @@ async def load_stage(
             _source(sources[1], next_src, next_r, a / (a + b)),
         ]
         event.step = max(prev_r.step, next_r.step)
-    # checkfree_plus: the neighbour's layers stood in for ours on odd micro-batches; it holds our (de)embedding copy
+    # checkfree_plus: the neighbour's layers stood in for ours on swapped micro-batches; it holds our (de)embedding copy
     else:
         source, weights, result = fetched[sources[0]]
         parts = split_parts(weights)
