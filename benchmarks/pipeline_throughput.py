@@ -102,6 +102,7 @@ from node.pipeline.lm import LMDriver, full_masks, lm_loss  # noqa: E402
 from node.pipeline.stagemap import LostReporter  # noqa: E402
 from node.pipeline.stages import (  # noqa: E402
     PipelineStage,
+    StagePart,
     StagePlan,
     expected_fingerprints,
     extra_parts_for,
@@ -618,7 +619,7 @@ def loss_check(
     `one_process_ways`, with the plain settings), over `steps` steps from the same initial weights on the same
     micro-batches (in this process: the variants that change numbers act in the backends, not on the wire); and each
     one's validation loss after the last step."""
-    losses, validation = {}, {}
+    losses, validation, end_copied = {}, {}, {}
     for variant, more in {"": [], **variants}.items():
         config = load_config(
             REPO / "configs" / "pipeline.yaml",
@@ -641,6 +642,8 @@ def loss_check(
             driver = _driver(config, router, corpus, Path(scratch), held_out)
             losses[variant or "plain"] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
             validation[variant or "plain"] = asyncio.run(driver.validation_loss())
+            if stages >= 2:
+                end_copied[variant or "plain"] = end_stages_copied(router, driver, validation[variant or "plain"])
     tail = max(1, steps // 10)
     # the mean loss over each tenth of the steps (a tenth of fewer than 10 steps is the step it starts at)
     tenths = [slice(steps * k // 10, max(steps * (k + 1) // 10, steps * k // 10 + 1)) for k in range(10)]
@@ -654,7 +657,25 @@ def loss_check(
         "loss_tenths": {v: [statistics.fmean(curve[t]) for t in tenths] for v, curve in losses.items()},
         # after the last step, on pipeline.validation_sequences held-out sequences (64 unless --set)
         "val_loss": validation,
+        # the same with the first (then the last) stage's layers replaced by its neighbour's, as CheckFree+ rebuilds it
+        "val_loss_end_stage_copied": end_copied,
     }
+
+
+def end_stages_copied(router: LocalRouter, driver: LMDriver, validation_loss: float) -> dict[str, float]:
+    """The validation loss with stage 0's layers replaced by stage 1's, then stage S-1's by stage S-2's, each put back
+    after: how good a stand-in CheckFree+'s swaps made the neighbour, at the moment a first or last stage is lost
+    (its embedding or head kept, as the neighbour's fresh copy of it would give them back)."""
+    stages = [handler.backend.stage for handler in router.handlers]
+    out = {}
+    for lost, partner in ((0, 1), (len(stages) - 1, len(stages) - 2)):
+        own = stages[lost].part_state_dict(StagePart.LAYERS)
+        stages[lost].load_part_state_dict(StagePart.LAYERS, stages[partner].part_state_dict(StagePart.LAYERS))
+        out[f"stage {lost}"] = asyncio.run(driver.validation_loss())
+        stages[lost].load_part_state_dict(StagePart.LAYERS, own)
+    if asyncio.run(driver.validation_loss()) != validation_loss:
+        raise RuntimeError("the end stages' own layers were not put back")
+    return out
 
 
 def _slug(text: str) -> str:

@@ -244,6 +244,10 @@ def test_loss_check_trains_one_process_on_the_pipeline_s_micro_batches_from_the_
     assert math.isclose(check["val_loss"]["one_process untied-stage-clip"], check["val_loss"]["plain"], abs_tol=1e-4)
     # the tied model's second step already differs: its one embedding takes both copies' gradients
     assert check["loss_tenths"]["one_process"][-1] != check["loss_tenths"]["plain"][-1]
+    # the pipeline validated again with each end stage's layers replaced by its neighbour's (and put back after)
+    copied = check["val_loss_end_stage_copied"]
+    assert set(copied) == {"plain"} and set(copied["plain"]) == {"stage 0", "stage 3"}
+    assert all(math.isfinite(v) and v != check["val_loss"]["plain"] for v in copied["plain"].values())
 
 
 def test_recovery_stalls_are_grouped_by_size_way_and_method():
