@@ -523,6 +523,9 @@ class PipelineConfig(_Section):
     micro-batch teaches the swap partners to stand in for each other and teaches the model less than one in order
     (benchmarks/RESULTS.md, "How often to swap"): fewer swaps cost a step less and may leave a copied end stage a worse
     stand-in."""
+    checkfree_plus_swap_last: bool = True
+    """Whether the last two stages swap too (the first two always do). Without it a lost last stage is still rebuilt
+    from stage S-2's layers and its copy of the head, by a neighbour that never stood in for it."""
     recovered_lr_scale: float = Field(1.1, gt=0)
     """Learning-rate factor of a stage rebuilt by CheckFree (the paper's 1.1; its optimizer starts fresh)."""
     replica_sync_every: int = Field(5, ge=1)

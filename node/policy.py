@@ -146,6 +146,7 @@ class PipelinePolicy:
             pipeline.checkfree_plus,
             pipeline.attempts_per_micro_batch,
             pipeline.checkfree_plus_swap_every,
+            pipeline.checkfree_plus_swap_last,
         )
         state = self.store.root / PIPELINE_STATE
         saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}

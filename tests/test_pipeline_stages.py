@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from node.pipeline.driver import route_order
 from node.pipeline.stages import (
     PipelineStage,
     StagePart,
@@ -172,6 +173,16 @@ def test_swapped_order_runs_and_differs():
     normal = run_stages(stages, ids, mask, positions)
     swapped = run_stages(stages, ids, mask, positions, order=[1, 0, 3, 2])
     assert torch.isfinite(swapped).all() and not torch.allclose(normal, swapped)
+
+
+def test_route_order_swaps_the_end_pairs_on_one_micro_batch_in_every():
+    assert [route_order(4, i, swap=True) for i in range(2)] == [[0, 1, 2, 3], [1, 0, 3, 2]]
+    assert [route_order(4, i, swap=True, every=4) for i in range(4)] == [[0, 1, 2, 3]] * 3 + [[1, 0, 3, 2]]
+    assert route_order(5, 1, swap=True, last_pair=False) == [1, 0, 2, 3, 4]
+    assert [route_order(3, i, swap=True) for i in (1, 3)] == [[1, 0, 2], [0, 2, 1]]  # the pairs overlap: in turn
+    assert [route_order(3, i, swap=True, last_pair=False) for i in (1, 3)] == [[1, 0, 2]] * 2
+    assert route_order(2, 1, swap=True, last_pair=False) == [1, 0]  # the first pair is the last
+    assert route_order(4, 1, swap=False) == [0, 1, 2, 3]
 
 
 def test_plan_edges_and_fingerprints():

@@ -64,20 +64,21 @@ CHAIN_PAUSE_S = 60.0  # hop by hop for this long after a chain failed where the 
 ONWARD_FAILED = "refused:onward_failed"  # HopFailed.reason of a chain that broke after its first hop
 
 
-def route_order(num_stages: int, micro_batch: int, swap: bool, every: int = 2) -> list[int]:
+def route_order(num_stages: int, micro_batch: int, swap: bool, every: int = 2, last_pair: bool = True) -> list[int]:
     """The order in which the stages' LAYERS run for this micro-batch (counted over the run, not the step): with
-    `swap`, micro-batches every-1, 2*every-1, ... run swapped."""
+    `swap`, micro-batches every-1, 2*every-1, ... run with stages 0/1 swapped, and S-2/S-1 too with `last_pair`."""
     order = list(range(num_stages))
     if not swap or micro_batch % every != every - 1 or num_stages < 2:
         return order
     if num_stages == 2:
         return [1, 0]
     if num_stages == 3:  # the two pairs overlap: alternate between them
-        pair = (0, 1) if (micro_batch // every) % 2 == 0 else (1, 2)
+        pair = (0, 1) if (micro_batch // every) % 2 == 0 or not last_pair else (1, 2)
         order[pair[0]], order[pair[1]] = order[pair[1]], order[pair[0]]
         return order
     order[0], order[1] = 1, 0
-    order[-2], order[-1] = num_stages - 1, num_stages - 2
+    if last_pair:
+        order[-2], order[-1] = num_stages - 1, num_stages - 2
     return order
 
 

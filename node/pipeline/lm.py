@@ -70,6 +70,7 @@ class LMDriver:
             (step - 1) * pipeline.micro_batches + index,  # counted over the run: one in N whatever the step's size
             pipeline.checkfree_plus,
             pipeline.checkfree_plus_swap_every,
+            pipeline.checkfree_plus_swap_last,
         )
         hops = route_hops(pipeline.num_stages, order)
         for attempt in range(self.pipeline.attempts_per_micro_batch):

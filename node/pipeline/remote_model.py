@@ -80,12 +80,20 @@ class _PipelineFunction(torch.autograd.Function):
 
 
 class RemoteCausalLM(torch.nn.Module):
-    def __init__(self, hf_config, num_stages: int, checkfree_plus: bool, attempts: int, swap_every: int = 2) -> None:
+    def __init__(
+        self,
+        hf_config,
+        num_stages: int,
+        checkfree_plus: bool,
+        attempts: int,
+        swap_every: int = 2,
+        swap_last: bool = True,
+    ) -> None:
         super().__init__()
         self.config = hf_config
         self.num_stages = num_stages
         self.checkfree_plus = checkfree_plus
-        self.swap_every = swap_every
+        self.swap_every, self.swap_last = swap_every, swap_last
         self.attempts = attempts
         self.anchor = torch.nn.Parameter(torch.zeros(()))  # no weight of the policy is here; see the module docstring
         self.router: PipelineRouter | None = None
@@ -149,9 +157,8 @@ class RemoteCausalLM(torch.nn.Module):
 
     async def _forward_once(self, input_ids, attention_mask, position_ids, train: bool):
         index = next(self._calls)
-        hops = route_hops(
-            self.num_stages, route_order(self.num_stages, index, self.checkfree_plus and train, self.swap_every)
-        )
+        order = route_order(self.num_stages, index, self.checkfree_plus and train, self.swap_every, self.swap_last)
+        hops = route_hops(self.num_stages, order)
         while True:
             for attempt in range(self.attempts):
                 try:
