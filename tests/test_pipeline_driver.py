@@ -271,7 +271,7 @@ def test_checkfree_plus_swaps_one_micro_batch_in_swap_every_counted_over_the_run
         cfg.pipeline.micro_batches = 3
         cfg.pipeline.checkfree_plus_swap_every = every
         router = FixedRouter(cfg)
-        calls: list[tuple[str, list[str]]] = []
+        calls: list[tuple[list[str], list[str]]] = []  # (['s<step>', 'm<index>'], the call's parts)
         answer = router.call
 
         async def noting(server, call, timeout=None):

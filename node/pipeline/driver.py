@@ -28,9 +28,9 @@ is not sent twice (its gradients accumulate): a chained backward that fails coun
 backward, as a hop-by-hop one does.
 
 CheckFree+ (pipeline.checkfree_plus): on one micro-batch in `checkfree_plus_swap_every` (every odd one by default)
-the first two and the last two stages run in swapped order (`route_order`), so that stage 1 learns to stand in for
-stage 0 and stage S-2 for stage S-1; the embedding still runs first (on stage 0) and the
-head last (on stage S-1).
+the first two and the last two stages run in swapped order (`route_order`; the first two only with
+`checkfree_plus_swap_last` off), so that stage 1 learns to stand in for stage 0 and stage S-2 for stage S-1; the
+embedding still runs first (on stage 0) and the head last (on stage S-1).
 """
 
 from __future__ import annotations
