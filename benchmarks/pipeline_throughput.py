@@ -640,10 +640,11 @@ def loss_check(
         router = LocalRouter(config, local_handlers(config, model, fingerprints), fingerprints, Calls())
         with tempfile.TemporaryDirectory() as scratch:
             driver = _driver(config, router, corpus, Path(scratch), held_out)
-            losses[variant or "plain"] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
-            validation[variant or "plain"] = asyncio.run(driver.validation_loss())
+            way = variant or "plain"
+            losses[way] = [asyncio.run(driver.train_step())["loss"] for _ in range(steps)]
+            validation[way] = asyncio.run(driver.validation_loss())
             if stages >= 2:
-                end_copied[variant or "plain"] = end_stages_copied(router, driver, validation[variant or "plain"])
+                end_copied[way] = end_stages_copied(router, driver, validation[way])
     tail = max(1, steps // 10)
     # the mean loss over each tenth of the steps (a tenth of fewer than 10 steps is the step it starts at)
     tenths = [slice(steps * k // 10, max(steps * (k + 1) // 10, steps * k // 10 + 1)) for k in range(10)]

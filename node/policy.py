@@ -140,14 +140,7 @@ class PipelinePolicy:
         # the driver holds no weight of the policy (the stage servers do, on their devices): the initial model only
         # tells the architecture and the fingerprint, so it stays on the CPU, and so do the driver's few tensors
         initial, tokenizer = resolve_initial_policy(config, device=HOST)
-        model = RemoteCausalLM(
-            initial.config,
-            pipeline.num_stages,
-            pipeline.checkfree_plus,
-            pipeline.attempts_per_micro_batch,
-            pipeline.checkfree_plus_swap_every,
-            pipeline.checkfree_plus_swap_last,
-        )
+        model = RemoteCausalLM(initial.config, pipeline)
         state = self.store.root / PIPELINE_STATE
         saved = json.loads(state.read_text()) if state.exists() else {"round": 0, "policy_version": 0}
         model.eval()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.config import PipelineConfig
 from node.pipeline.client import HopFailed
 from node.pipeline.driver import PipelineRouter, StageLost, route_hops, route_order
 from node.pipeline.tensors import from_wire
@@ -80,21 +81,11 @@ class _PipelineFunction(torch.autograd.Function):
 
 
 class RemoteCausalLM(torch.nn.Module):
-    def __init__(
-        self,
-        hf_config,
-        num_stages: int,
-        checkfree_plus: bool,
-        attempts: int,
-        swap_every: int = 2,
-        swap_last: bool = True,
-    ) -> None:
+    def __init__(self, hf_config, pipeline: PipelineConfig) -> None:
         super().__init__()
         self.config = hf_config
-        self.num_stages = num_stages
-        self.checkfree_plus = checkfree_plus
-        self.swap_every, self.swap_last = swap_every, swap_last
-        self.attempts = attempts
+        self.pipeline = pipeline  # the stage count, CheckFree+'s swaps and the attempts a micro-batch gets
+        self.num_stages = pipeline.num_stages
         self.anchor = torch.nn.Parameter(torch.zeros(()))  # no weight of the policy is here; see the module docstring
         self.router: PipelineRouter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -157,10 +148,13 @@ class RemoteCausalLM(torch.nn.Module):
 
     async def _forward_once(self, input_ids, attention_mask, position_ids, train: bool):
         index = next(self._calls)
-        order = route_order(self.num_stages, index, self.checkfree_plus and train, self.swap_every, self.swap_last)
+        p = self.pipeline
+        order = route_order(
+            p.num_stages, index, p.checkfree_plus and train, p.checkfree_plus_swap_every, p.checkfree_plus_swap_last
+        )
         hops = route_hops(self.num_stages, order)
         while True:
-            for attempt in range(self.attempts):
+            for attempt in range(self.pipeline.attempts_per_micro_batch):
                 try:
                     route = await self.router.pick_route(hops)
                     prefix = f"p{index}-a{attempt}-{time.time_ns() % 10**9}"
