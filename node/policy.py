@@ -49,20 +49,28 @@ class LocalPolicy:
         checkpoint = self.store.latest()
         device = resolve_device(config.model)
         kl_specialties = specialty_keys(config.tasks.datasets, config.trainer.kl_labels)
+        state = None
         if checkpoint is not None:
             # a checkpoint is read on the CPU whatever device wrote it; the model and, through load_state_dict, the
             # optimizer's state follow the parameters to this node's device
             model, tokenizer = load_policy(checkpoint, config.model.dtype, device)
             state = self.store.load_trainer_state(checkpoint)
-            model.eval()
-            trainer = GRPOTrainer(
-                config.trainer,
-                model,
-                tokenizer.pad_token_id,
-                config.rollout.temperature,
-                state.policy_version,
-                kl_specialties=kl_specialties,
-            )
+        else:
+            torch.manual_seed(config.seed)
+            model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)
+        model.eval()
+        trainer = GRPOTrainer(
+            config.trainer,
+            model,
+            tokenizer.pad_token_id,
+            config.rollout.temperature,
+            state.policy_version if state is not None else 0,
+            kl_specialties=kl_specialties,
+        )
+        if state is None:
+            log.info("starting fresh from %s", config.model.name_or_path)
+            loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
+        else:
             written_separate = SpecialtyAdamW.wrote(state.optimizer)
             if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
                 written = "'separate_steps' (an AdamW per specialty)" if written_separate else "one AdamW"
@@ -85,20 +93,6 @@ class LocalPolicy:
                 outer_state=state.outer,
                 node_state=state.node,
             )
-        else:
-            torch.manual_seed(config.seed)
-            model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)
-            model.eval()
-            trainer = GRPOTrainer(
-                config.trainer,
-                model,
-                tokenizer.pad_token_id,
-                config.rollout.temperature,
-                0,
-                kl_specialties=kl_specialties,
-            )
-            log.info("starting fresh from %s", config.model.name_or_path)
-            loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
         loaded.fingerprint = model_fingerprint(model, tokenizer)
         loaded.parameters = sum(p.numel() for p in model.parameters())
         return loaded
