@@ -85,7 +85,6 @@ class RemoteCausalLM(torch.nn.Module):
         super().__init__()
         self.config = hf_config
         self.pipeline = pipeline  # the stage count, CheckFree+'s swaps and the attempts a micro-batch gets
-        self.num_stages = pipeline.num_stages
         self.anchor = torch.nn.Parameter(torch.zeros(()))  # no weight of the policy is here; see the module docstring
         self.router: PipelineRouter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -152,7 +151,7 @@ class RemoteCausalLM(torch.nn.Module):
         order = route_order(
             p.num_stages, index, p.checkfree_plus and train, p.checkfree_plus_swap_every, p.checkfree_plus_swap_last
         )
-        hops = route_hops(self.num_stages, order)
+        hops = route_hops(p.num_stages, order)
         while True:
             for attempt in range(self.pipeline.attempts_per_micro_batch):
                 try:
@@ -172,7 +171,8 @@ class RemoteCausalLM(torch.nn.Module):
     # generation ----------------------------------------------------------------------------
 
     async def _infer(self, input_ids, attention_mask, position_ids, session: RemoteSession | None):
-        hops = route_hops(self.num_stages, list(range(self.num_stages)))
+        stages = self.pipeline.num_stages
+        hops = route_hops(stages, list(range(stages)))
         if session is None:
             for old in self._sessions:  # the sampler runs one generation at a time: older sessions are done
                 await self._end(old)
