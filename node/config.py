@@ -122,8 +122,23 @@ class TasksConfig(_Section):
         ),
     ]
     """The task mix."""
+    prompt_format: Literal["auto", "template", "chat"] = "auto"
+    """How a question becomes a prompt: 'template' fills prompt_template; 'chat' sends it as the user's turn
+    (user_template, after system_prompt) through the tokenizer's chat template and opens the assistant's turn;
+    'auto': 'chat' for a tokenizer that has a chat template (instruct models), else 'template' (the embedded
+    default model has none)."""
     prompt_template: str = "{question}\nAnswer: "
-    """How a question becomes a prompt; must contain '{question}'."""
+    """The prompt of prompt_format 'template'; must contain '{question}'. A BPE tokenizer must not see it end in a
+    space (it would become a lone ' ' token the model never saw before an answer): the node refuses such a pair."""
+    system_prompt: str | None = None
+    """The system turn of a chat prompt; None: whatever the model's chat template puts there by default."""
+    user_template: str = "{question}"
+    """The user's turn of a chat prompt; must contain '{question}'."""
+    answer_extraction: Literal["first_line", "final_number"] = "first_line"
+    """Where a completion's answer is read when it has no <answer>...</answer> tag (a tag always wins):
+    'first_line', the whole first line (the default model answers there); 'final_number', as instruct models write
+    it: the last number after the '=' of the first line that has one ("7 + 5 = 12"), else the last number of the
+    first non-empty line ("The answer is 12.")."""
     format_reward: float = Field(0.0, ge=0, le=1)
     """Extra reward for a completion that ends cleanly (end of sequence) with a non-empty answer."""
     heldout_size: int = Field(200, ge=1)
@@ -144,11 +159,11 @@ class TasksConfig(_Section):
             raise ValueError(f"datasets {repeated} appear more than once: give each entry a distinct 'label'")
         return value
 
-    @field_validator("prompt_template")
+    @field_validator("prompt_template", "user_template")
     @classmethod
-    def _has_question(cls, value: str) -> str:
+    def _has_question(cls, value: str, info) -> str:
         if "{question}" not in value:
-            raise ValueError("prompt_template must contain '{question}'")
+            raise ValueError(f"{info.field_name} must contain '{{question}}'")
         return value
 
 

@@ -69,7 +69,8 @@ class LocalRollouts:
 
     def score_group(self, question: Question, completions, source: str) -> tuple[RolloutGroup, int]:
         """The group with its locally computed rewards, and how many of its completions are correct."""
-        return score_group(question, completions, source, self.config.tasks.format_reward)
+        tasks = self.config.tasks
+        return score_group(question, completions, source, tasks.format_reward, tasks.answer_extraction)
 
     def generate_and_score(
         self, questions: list[Question], seed: int

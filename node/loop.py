@@ -16,11 +16,12 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from node.config import NodeConfig, dump_config
+from node.config import ConfigError, NodeConfig, dump_config
 from node.device import describe_device, model_device
 from node.files import atomic_write_text
 from node.policy import LoadedPolicy, policy_for
@@ -38,6 +39,15 @@ from node.transport import Transport, build_transport, needs_session
 from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
+
+
+def same_model_source(a: str, b: str) -> bool:
+    """Whether two `model.name_or_path` values name the same model (two spellings of one path do)."""
+    if a == b:
+        return True
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return first.exists() and second.exists() and first.resolve() == second.resolve()
+
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +115,11 @@ class Node:
             torch.set_num_threads(self.config.torch_threads)
         if fresh:
             self.store.wipe()
+        else:
+            self._refuse_another_model()
         self.loaded = loaded = self.policy.load(progress)
         self.model, self.tokenizer, self.trainer = loaded.model, loaded.tokenizer, loaded.trainer
+        self.tasks = self.tasks.for_tokenizer(self.tokenizer)  # a chat template's prompts, where the model has one
         self.fingerprint, self.model_parameters, self.round = loaded.fingerprint, loaded.parameters, loaded.round
         self._outer_state = loaded.outer_state
         self.telemetry.device = describe_device(model_device(self.model))
@@ -120,6 +133,19 @@ class Node:
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
         if self.transport is None and not needs_session(self.config):
             self.transport = self._build_transport()
+
+    def _refuse_another_model(self) -> None:
+        """A state directory resumes the model its checkpoints hold; a run that names another would train the
+        checkpoint's model under the new name, so it is refused."""
+        recorded = self.store.recorded_model()
+        wanted = self.config.model.name_or_path
+        if self.store.latest() is None or recorded is None or same_model_source(recorded, wanted):
+            return
+        raise ConfigError(
+            f"the state directory {self.store.root} holds checkpoints of model {recorded!r}, not {wanted!r}: "
+            f"add --fresh to start {wanted!r} there (its checkpoints and metrics are removed), or use another "
+            "--state-dir"
+        )
 
     def _build_transport(self) -> Transport:
         """The transport swarm.transport names (node/transport/__init__.py), over this node's session if it has one."""

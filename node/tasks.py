@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # dataset object refuses indices beyond its declared size. Declare a size large enough
 # for any index a node will ever ask for.
 _VIRTUAL_SIZE = 2**31 - 1
+# A few datasets draw a list of `size` entries in their constructor (gsm_symbolic picks a template per item): at the
+# virtual size that list fills the machine's memory. They get a size that fits, and an index wraps around it (a
+# stream repeats its questions after that many draws).
+_BOUNDED_SIZE = {"gsm_symbolic": 1_000_000}
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -57,7 +61,7 @@ class Question:
 
 def _create(name: str, config: dict, seed: int):
     try:
-        return reasoning_gym.create_dataset(name, seed=seed, size=_VIRTUAL_SIZE, **config)
+        return reasoning_gym.create_dataset(name, seed=seed, size=_BOUNDED_SIZE.get(name, _VIRTUAL_SIZE), **config)
     except Exception as exc:  # reasoning-gym raises assorted types for unknown names/bad configs
         raise TaskError(f"cannot create dataset {name!r} with config {config}: {exc}") from None
 
@@ -130,17 +134,28 @@ def materialize(spec: TaskSpec) -> Question:
     """Re-generate the question and its ground truth from the spec (deterministic)."""
     dataset = dataset_for(spec)
     try:
-        entry = dataset[spec.index]
+        entry = dataset[spec.index % _BOUNDED_SIZE.get(spec.dataset, _VIRTUAL_SIZE)]
     except Exception as exc:
         raise TaskError(f"dataset {spec.dataset!r} cannot produce item {spec.index}: {exc}") from None
     return Question(spec=spec, text=entry["question"], answer=str(entry["answer"]), entry=entry)
 
 
-def extract_answer(completion: str) -> str | None:
-    """The answer a completion gives: the last <answer>…</answer> if tagged, else its first line."""
+_NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
+
+
+def extract_answer(completion: str, rule: str = "first_line") -> str | None:
+    """The answer a completion gives: the last <answer>…</answer> if tagged, else what `rule`
+    (tasks.answer_extraction) reads: 'first_line', its first line; 'final_number', the last number after the '='
+    of the first line that has one, else the last number of its first non-empty line."""
     tagged = _ANSWER_TAG.findall(completion)
     if tagged:
         return tagged[-1].strip() or None
+    if rule == "final_number":
+        lines = [line for line in completion.split("\n") if line.strip()]
+        with_equals = [line for line in lines if "=" in line]
+        where = with_equals[0].rsplit("=", 1)[1] if with_equals else (lines[0] if lines else "")
+        numbers = _NUMBER.findall(where)
+        return numbers[-1].rstrip(".,").replace(",", "") if numbers else None
     first_line = completion.split("\n", 1)[0].strip()
     return first_line or None
 
@@ -151,9 +166,12 @@ class Grade:
     correct: bool  # the dataset's scorer gave full marks
 
 
-def grade(question: Question, completion: str, finished: bool, format_reward: float = 0.0) -> Grade:
-    """The dataset's own scorer on the extracted answer, plus an optional format bonus."""
-    answer = extract_answer(completion)
+def grade(
+    question: Question, completion: str, finished: bool, format_reward: float = 0.0, rule: str = "first_line"
+) -> Grade:
+    """The dataset's own scorer on the answer `rule` extracts (tasks.answer_extraction), plus an optional format
+    bonus."""
+    answer = extract_answer(completion, rule)
     if answer is None:
         return Grade(0.0, False)
     dataset = dataset_for(question.spec)
@@ -166,10 +184,10 @@ def grade(question: Question, completion: str, finished: bool, format_reward: fl
 
 
 def score_group(
-    question: Question, completions: list[Completion], source: str, format_reward: float
+    question: Question, completions: list[Completion], source: str, format_reward: float, rule: str = "first_line"
 ) -> tuple[RolloutGroup, int]:
     """The group with its locally computed rewards, and how many of its completions are right."""
-    grades = [grade(question, c.text, c.finish_reason == "stop", format_reward) for c in completions]
+    grades = [grade(question, c.text, c.finish_reason == "stop", format_reward, rule) for c in completions]
     group = RolloutGroup(
         spec=question.spec,
         completions=completions,
@@ -180,12 +198,60 @@ def score_group(
     return group, sum(g.correct for g in grades)
 
 
+class PromptFormat:
+    """How a question becomes the text a model is prompted with (tasks.prompt_format), for one tokenizer.
+
+    A chat prompt is the tokenizer's own chat template over a system turn (tasks.system_prompt, or the template's
+    default) and the user's turn, with the assistant's turn opened, as instruct models were tuned on. A template
+    prompt is tasks.prompt_template filled in; it must end where the tokenizer ends a token, or the prompt's last
+    token (a lone ' ' in a BPE vocabulary) would be one the model never saw before an answer.
+    """
+
+    def __init__(self, config: TasksConfig, tokenizer=None):
+        """Without a tokenizer (a TaskSource that only draws questions), a chat format is checked when one comes."""
+        self.config = config
+        self.tokenizer = tokenizer
+        has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        self.kind = config.prompt_format if config.prompt_format != "auto" else ("chat" if has_template else "template")
+        if self.kind == "chat" and not has_template and tokenizer is not None:
+            raise ConfigError(
+                "tasks.prompt_format is 'chat' but the model's tokenizer has no chat template: set "
+                "tasks.prompt_format=template (with tasks.prompt_template) or use an instruct model's tokenizer"
+            )
+        if self.kind == "template" and tokenizer is not None:
+            probe = self(_PROBE_QUESTION)
+            # an answer in words shows the trap where one in digits may not (Qwen's vocabulary splits off every digit)
+            alone, followed = (
+                tokenizer.encode(probe, add_special_tokens=False),
+                tokenizer.encode(probe + "yes 12", add_special_tokens=False),
+            )
+            if followed[: len(alone)] != alone:
+                raise ConfigError(
+                    f"tasks.prompt_template {config.prompt_template!r} ends inside a token of this model's tokenizer "
+                    f"(its last token {tokenizer.decode(alone[-1:])!r} is not how an answer would start): end it "
+                    "without the trailing space, e.g. '{question}\\nAnswer:'"
+                )
+
+    def __call__(self, question_text: str) -> str:
+        if self.kind == "template":
+            return self.config.prompt_template.format(question=question_text)
+        if self.tokenizer is None:
+            raise ValueError("a chat prompt needs the model's tokenizer: build the TaskSource with for_tokenizer()")
+        turns = [] if self.config.system_prompt is None else [{"role": "system", "content": self.config.system_prompt}]
+        turns.append({"role": "user", "content": self.config.user_template.format(question=question_text)})
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+_PROBE_QUESTION = "What is 7 + 5?"
+
+
 class TaskSource:
     """Draws this node's training questions from the weighted mix, reproducibly by index."""
 
-    def __init__(self, config: TasksConfig, seed: int):
+    def __init__(self, config: TasksConfig, seed: int, prompt_format: PromptFormat | None = None):
         self.config = config
         self.seed = seed
+        self.prompt_format = prompt_format or PromptFormat(config)
         self._weights = [d.weight for d in config.datasets]
         self._labels = {(d.name, TaskSpec(d.name, d.config, 0, 0).config_key): d.display_label for d in config.datasets}
         # Validate every dataset of the mix at start, not at the first unlucky draw.
@@ -225,7 +291,12 @@ class TaskSource:
         ]
 
     def prompt(self, question: Question) -> str:
-        return self.config.prompt_template.format(question=question.text)
+        return self.prompt_format(question.text)
+
+    def for_tokenizer(self, tokenizer) -> TaskSource:
+        """The same question stream, prompted the way tasks.prompt_format says for this tokenizer (a chat template
+        where it has one, by default)."""
+        return TaskSource(self.config, self.seed, PromptFormat(self.config, tokenizer))
 
     def heldout(self) -> list[Question]:
         """A fixed evaluation set, disjoint in seed from every training stream."""
@@ -239,9 +310,9 @@ class TaskSource:
         right = []
         for question, completion in zip(questions, completions, strict=True):
             correct, given, true = tallies.setdefault(self.label(question.spec), ([], set(), set()))
-            right.append(grade(question, completion, True).correct)
+            right.append(grade(question, completion, True, rule=self.config.answer_extraction).correct)
             correct.append(right[-1])
-            given.add(extract_answer(completion))
+            given.add(extract_answer(completion, self.config.answer_extraction))
             true.add(question.answer)
         by_label = {
             label: SpecialtyScore(sum(correct) / len(correct), len(given), len(true))

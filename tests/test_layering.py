@@ -44,7 +44,15 @@ LAYERS = [
     ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.compute", "node.device"]),
     (
         "network and policy",
-        ["node.transport", "node.model", "node.warmstart", "node.state", "node.trainer", "node.rollouts"],
+        [
+            "node.transport",
+            "node.model",
+            "node.pretrained",
+            "node.warmstart",
+            "node.state",
+            "node.trainer",
+            "node.rollouts",
+        ],
     ),
     (
         "components",
@@ -69,7 +77,7 @@ LAYERS = [
 WITHIN_LAYER = {
     "node.tasks": {"node.rollouts.base"},
     "node.weights": {"node.device"},
-    "node.model": {"node.warmstart"},
+    "node.model": {"node.warmstart", "node.pretrained"},
     "node.state": {"node.model"},
     "node.rollouts": {"node.model"},
     "node.teachers": {"node.sharing"},

