@@ -179,7 +179,7 @@ def cmd_identity(args: argparse.Namespace, console: Console) -> int:
 
 def _pipeline_stats(state_dir: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A pipeline driver's rows (they count steps, not rounds) or a stage server's stage.json; None for a node."""
-    from node.pipeline.lm import summarize_steps
+    from node.pipeline.step_metrics import summarize_steps
 
     if rows and "round" not in rows[0]:
         return summarize_steps(rows)
@@ -192,11 +192,11 @@ def _pipeline_stats(state_dir: Path, rows: list[dict[str, Any]]) -> dict[str, An
 
 
 def cmd_stats(args: argparse.Namespace, console: Console) -> int:
-    from node.state import StateStore
+    # the metrics file, not node.state: reading it must not load torch (tests/test_viewing_imports.py)
+    from node.metrics import METRICS_FILE, MetricsFile
 
     state_dir = Path(args.state_dir or NodeConfig().state_dir).expanduser()
-    store = StateStore(state_dir)
-    rows = store.read_metrics() if store.metrics_path.exists() else []
+    rows = MetricsFile(state_dir / METRICS_FILE).read()
     pipeline = _pipeline_stats(state_dir, rows)
     if pipeline is not None:
         summary = {"state_dir": str(state_dir), **pipeline}

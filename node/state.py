@@ -15,7 +15,6 @@ resume rows newer than the checkpoint are dropped, so a round counts once or not
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -28,7 +27,8 @@ import torch
 import yaml
 
 from node.device import HOST
-from node.files import append_json_line, atomic_write_text, fsync_dir, fsync_tree
+from node.files import atomic_write_text, fsync_dir, fsync_tree
+from node.metrics import METRICS_FILE, MetricsFile
 from node.model import save_policy
 
 CHECKPOINT_PREFIX = "round-"
@@ -48,7 +48,8 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = root
         self.checkpoints = root / "checkpoints"
-        self.metrics_path = root / "metrics.jsonl"
+        self.metrics = MetricsFile(root / METRICS_FILE)
+        self.metrics_path = self.metrics.path
 
     def exists(self) -> bool:
         return self.latest() is not None
@@ -125,34 +126,16 @@ class StateStore:
             node=data.get("node"),
         )
 
-    # metrics ---------------------------------------------------------------
+    # metrics: the file's own code is torch-free (node/metrics.py), for `swarm-node stats`
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        append_json_line(self.metrics_path, row)
+        self.metrics.append(row)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """Complete rows only: a line cut by a kill is skipped."""
-        rows = []
-        try:
-            lines = self.metrics_path.read_text().splitlines()
-        except FileNotFoundError:
-            return rows
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            # a node's rounds, or a pipeline driver's steps
-            if isinstance(row, dict) and isinstance(row.get("round", row.get("step")), int):
-                rows.append(row)
-        return rows
+        return self.metrics.read()
 
     def truncate_metrics(self, last_round: int) -> None:
-        """Keep rows of rounds <= last_round (those the checkpoint contains)."""
-        if not self.metrics_path.exists():
-            return
-        rows = [r for r in self.read_metrics() if r["round"] <= last_round]
-        atomic_write_text(self.metrics_path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+        self.metrics.truncate(last_round)
 
     def recorded_model(self) -> str | None:
         """The `model.name_or_path` of the run that last used this directory (its config.yaml), None when unknown."""

@@ -20,7 +20,9 @@ def imported_after(modules: list[str]) -> set[str]:
 
 
 def test_the_record_validator_transports_and_stats_load_no_model_library():
-    loaded = imported_after(["node.transport.records", "node.transport.base", "node.stats", "node.files"])
+    loaded = imported_after(
+        ["node.transport.records", "node.transport.base", "node.stats", "node.metrics", "node.files"]
+    )
     assert not loaded & {"transformers", "node.model", "node.state", "node.trainer"}
 
 
@@ -41,7 +43,18 @@ def test_choosing_own_and_peers_rollouts_is_torch_free():
 LAYERS = [
     ("wire", ["protocol"]),
     ("foundations", ["node", "node.config", "node.files", "node.aio", "node.display", "node.host_memory"]),
-    ("data", ["node.rollouts.base", "node.tasks", "node.stats", "node.weights", "node.compute", "node.device"]),
+    (
+        "data",
+        [
+            "node.rollouts.base",
+            "node.tasks",
+            "node.stats",
+            "node.metrics",
+            "node.weights",
+            "node.compute",
+            "node.device",
+        ],
+    ),
     (
         "network and policy",
         [
