@@ -38,6 +38,15 @@ from node.loop import Node  # noqa: E402
 from node.tasks import SpecialtyScore  # noqa: E402
 
 
+def resident_mib() -> float:
+    """This process's resident memory (VmRSS), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 async def train_for(
     node: Node,
     seconds: float,
@@ -67,6 +76,7 @@ async def train_for(
 
     while more():
         rows.append(await node.run_round())
+        rows[-1]["rss_mib"] = resident_mib()  # this benchmark's copy of the row: the node's memory after the round
         if costs is not None:
             spent += costs.units(RoundWork.from_dict(rows[-1]["work"]))
         elapsed = time.monotonic() - start
@@ -109,7 +119,8 @@ def main() -> None:
     before, after, first_reward, last_reward, rounds, curves, spent_units = [], [], [], [], [], [], []
     by_dataset_before, by_dataset_after = [], []
     distinct_before, distinct_after = [], []
-    cpu_seconds, wall_seconds = [], []  # of training alone (evaluations excluded), this process's CPU time
+    cpu_seconds, wall_seconds = [], []  # of the training (with its curve's evaluations), this process's CPU time
+    memory = []  # the process's resident MiB after the first round, at the end and at most, per seed
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             config = load_config(
@@ -139,6 +150,14 @@ def main() -> None:
                     args.eval_every_units or (args.units / 10 if args.units is not None else None),
                 )
             )
+            memory.append(
+                {
+                    "after_first_round": rows[0]["rss_mib"],
+                    "end": rows[-1]["rss_mib"],
+                    "max": max(r["rss_mib"] for r in rows),
+                }
+            )
+            print(f"seed {seed}: resident MiB {json.dumps(memory[-1])}", flush=True)
             cpu_seconds.append(round(time.process_time() - cpu_start, 1))
             wall_seconds.append(round(time.monotonic() - wall_start, 1))
             spent_units.append(spent if args.units is not None else None)
@@ -179,6 +198,7 @@ def main() -> None:
         "rounds": rounds,
         "train_cpu_s": cpu_seconds,
         "train_wall_s": wall_seconds,
+        "resident_mib": memory,
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "heldout_gain_points": [round(100 * g, 1) for g in gains],

@@ -1,11 +1,13 @@
 """Rollout throughput: our transformers backend vs a plain `model.generate`, side by side,
 and the split of a round's time into generation / scoring / update.
 
-Same model (the default), same prompts, same batch, temperature, top-p and max_new_tokens;
+Same model (the config's; the default), same prompts, same batch, temperature, top-p and max_new_tokens;
 tokens counted up to and including the end-of-sequence token. Alternates the two engines
-over --repeats runs and reports medians. Ends with one JSON line.
+over --repeats runs and reports medians. Then the trainer's update on one round's groups with each
+prompt once against each completion with its prompt (--update-repeats). Ends with one JSON line.
 
     .venv/bin/python benchmarks/rollout_throughput.py
+    .venv/bin/python benchmarks/rollout_throughput.py --config configs/smollm2.yaml --repeats 3 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from node.config import load_config  # noqa: E402
+from node.files import append_json_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.rollouts.transformers_backend import left_pad  # noqa: E402
+from node.trainer import GRPOTrainer  # noqa: E402
 
 
 def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, seed) -> int:
@@ -60,6 +64,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument(
+        "--update-repeats", type=int, default=3, help="steps of each update kind on one round's groups (0: none)"
+    )
+    parser.add_argument("--results", type=Path, default=None, help="also append the JSON line here")
     args = parser.parse_args()
 
     import transformers
@@ -109,24 +117,61 @@ def main() -> None:
             f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens})"
         )
 
+        update = update_cost(node, questions, args.update_repeats) if args.update_repeats else None
+        if update:
+            print(
+                f"update on one round's groups (median CPU s): each prompt once {update['shared_prompt_cpu_s']:.2f}, "
+                f"each completion with its prompt {update['prompt_per_completion_cpu_s']:.2f}, ratio "
+                f"{update['ratio']:.2f}"
+            )
         rows = [asyncio.run(node.run_round()) for _ in range(args.rounds)]
         split = {
             key: statistics.median(r[key] for r in rows) for key in ("generation_s", "scoring_s", "update_s", "step_s")
         }
         split["other_s"] = split["step_s"] - split["generation_s"] - split["scoring_s"] - split["update_s"]
         print("round time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-    print(
-        json.dumps(
-            {
-                "benchmark": "rollout_throughput",
-                "backend_tokens_per_s": ours_tps,
-                "generate_tokens_per_s": hf_tps,
-                "ratio_backend_vs_generate": ours_tps / hf_tps,
-                "sequences_per_batch": len(prompts) * rollout.completions_per_question,
-                "round_split_s": split,
-            }
-        )
-    )
+    line = {
+        "benchmark": "rollout_throughput",
+        "model": config.model.name_or_path,
+        "config": Path(args.config).name,
+        "overrides": args.set,
+        "backend_tokens_per_s": ours_tps,
+        "generate_tokens_per_s": hf_tps,
+        "ratio_backend_vs_generate": ours_tps / hf_tps,
+        "sequences_per_batch": len(prompts) * rollout.completions_per_question,
+        "max_new_tokens": rollout.max_new_tokens,
+        "round_split_s": split,
+        "update": update,
+    }
+    if args.results is not None:
+        append_json_line(args.results, line)
+    print(json.dumps(line))
+
+
+def update_cost(node: Node, questions, repeats: int) -> dict:
+    """The trainer's step on one round's groups, with each prompt through the forward once (a group's completions
+    share it: trainer.share_prompt_forward) and with every completion carrying its prompt, alternating, from the same
+    weights each time; CPU seconds of this process (the policy-gradient term: these groups carry no demonstrations)."""
+    groups, _, _ = node.local.generate_and_score(questions, seed=12345)
+    saved = {name: tensor.clone() for name, tensor in node.model.state_dict().items()}
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for shared in (True, False):
+            node.model.load_state_dict(saved)
+            settings = node.config.trainer.model_copy(update={"share_prompt_forward": shared})
+            trainer = GRPOTrainer(settings, node.model, node.tokenizer.pad_token_id, node.config.rollout.temperature)
+            start = time.process_time()
+            trainer.step(groups)
+            seconds[shared].append(time.process_time() - start)
+    node.model.load_state_dict(saved)
+    once, per_completion = statistics.median(seconds[True]), statistics.median(seconds[False])
+    return {
+        "shared_prompt_cpu_s": once,
+        "prompt_per_completion_cpu_s": per_completion,
+        "ratio": per_completion / once,
+        "groups": len(groups),
+        "repeats": repeats,
+    }
 
 
 if __name__ == "__main__":

@@ -97,12 +97,17 @@ class LocalRollouts:
             tokens += sum(len(c.completion_ids) for c in group_completions)
         timings.scoring_s = time.perf_counter() - start
         rewards = [r for g in groups for r in g.rewards]
+        lengths = sorted(len(c.completion_ids) for g in groups for c in g.completions)
         summary = {
             "reward_mean": sum(rewards) / len(rewards),
             "accuracy": correct / total,
             "tokens": tokens,
             "tokens_per_s": tokens / max(timings.generation_s, 1e-9),
             "completion_len_mean": tokens / total,
+            # the tail a round waits for: its longest completion, and the share cut at rollout.max_new_tokens
+            "completion_len_p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
+            "completion_len_max": lengths[-1],
+            "completions_cut": sum(c.finish_reason == "length" for g in groups for c in g.completions) / total,
             "reward_by_dataset": {label: reward / n for label, (reward, _, n) in sorted(by_label.items())},
             "accuracy_by_dataset": {label: right / n for label, (_, right, n) in sorted(by_label.items())},
         }

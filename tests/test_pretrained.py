@@ -233,3 +233,30 @@ def test_smollm2_is_prompted_through_its_chat_template(smollm2_cache):
     )
     plain = PromptFormat(TasksConfig(prompt_format="template", prompt_template="Q: {question}\nA:"), tokenizer)
     assert plain("Calculate 7 + 5.") == "Q: Calculate 7 + 5.\nA:"
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_smollm2_split_into_pipeline_stages_computes_the_whole_model(smollm2_cache, num_stages):
+    """SmolLM2's 30 layers as 2 stages of 15, or 4 of 8/8/7/7 (its tied embedding untied into the end stages): the
+    logits over real chat prompts, right-padded as the trainer pads, equal the whole model's."""
+    import torch
+
+    from node.pipeline.stages import run_stages, split_model
+    from node.tasks import PromptFormat
+    from node.rollouts.transformers_backend import left_pad
+
+    config = load_config(REPO / "configs" / "smollm2.yaml", [f"model.cache_dir={smollm2_cache}"])
+    model, tokenizer = load_policy(initial_policy_path(config))
+    model.eval()
+    prompt = PromptFormat(config.tasks, tokenizer)
+    rows = [tokenizer.encode(prompt(q), add_special_tokens=False) for q in ("Calculate 7 + 5.", "Calculate 61 - 17.")]
+    rows[1] = rows[1] + tokenizer.encode("61 - 17 = 44", add_special_tokens=False)
+    ids, mask = left_pad([row[::-1] for row in rows], tokenizer.pad_token_id)  # right padding: reversed left padding
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        stages = split_model(model, num_stages)
+        split = run_stages(stages, ids, mask, positions)
+    assert [len(stage.layers) for stage in stages] == ([15, 15] if num_stages == 2 else [8, 8, 7, 7])
+    torch.testing.assert_close(split[mask.bool()], whole[mask.bool()], atol=2e-4, rtol=1e-4)

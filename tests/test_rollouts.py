@@ -132,3 +132,29 @@ def test_a_prompt_prefilled_once_gives_its_completions_what_a_prefill_per_row_gi
     widths = [max(len(c.prompt_ids) for c in shared[i : i + 6]) for i in (0, 6)]
     assert apart_prefill == 6 * widths[0] + 6 * widths[1]
     assert shared_prefill == 2 * widths[0] + 2 * widths[1]
+
+
+def test_a_rounds_summary_reports_its_completions_length_tail(tiny_config):
+    """The longest completion, the 90th percentile and the share cut at max_new_tokens, hand-counted."""
+    from node.local_rollouts import LocalRollouts
+    from node.rollouts.base import Completion, RolloutBackend
+    from node.tasks import TaskSource
+
+    lengths = [1, 2, 2, 3, 3, 4, 4, 4]  # 4 is rollout.max_new_tokens in the tiny config: three cut there
+
+    class FixedLengths(RolloutBackend):
+        def generate(self, prompts, n, seed, greedy=False):
+            return [
+                [Completion([1], [5] * k, "x" * k, None, "length" if k == 4 else "stop", 0) for k in lengths[:n]]
+                for _ in prompts
+            ]
+
+        def sync_weights(self, model, policy_version):
+            pass
+
+    config = tiny_config("rollout.completions_per_question=8")
+    tasks = TaskSource(config.tasks, seed=0)
+    _, summary, _ = LocalRollouts(config, tasks, FixedLengths()).generate_and_score(tasks.batch(0, 2), seed=0)
+    assert summary["completion_len_mean"] == sum(lengths) / len(lengths)
+    assert summary["completion_len_max"] == 4 and summary["completion_len_p90"] == 4
+    assert summary["completions_cut"] == 3 / 8
