@@ -37,9 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
-
-import_hivemind_isolated()
+from node.transport import hivemind_p2p  # noqa: E402 - hivemind's private calls, and its protobuf kept isolated
 
 import torch  # noqa: E402
 from hivemind.dht.node import DHTNode  # noqa: E402
@@ -155,7 +153,7 @@ async def connect_to_every_peer(dht, scratch: Path, size: int, index: int) -> No
             maddrs = [
                 Multiaddr(a) for a in json.loads(await asyncio.to_thread(wait_file, scratch / f"addrs-{other}.json"))
             ]
-            await p2p._client.connect(PeerID.from_base58(maddrs[0]["p2p"]), maddrs)
+            await hivemind_p2p.connect(p2p, PeerID.from_base58(maddrs[0]["p2p"]), maddrs)
 
 
 def worker_hivemind(args, scratch: Path, tensor) -> None:

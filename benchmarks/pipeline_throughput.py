@@ -84,9 +84,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
-
-import_hivemind_isolated()
+from node.transport import hivemind_p2p  # noqa: E402 - hivemind's private calls, and its protobuf kept isolated
 
 import torch  # noqa: E402
 
@@ -1197,8 +1195,7 @@ async def transport_floor(sizes: list[int], calls: int) -> dict:
     tcp = await asyncio.start_server(echo, "127.0.0.1", 0)
     port = tcp.sockets[0].getsockname()[1]
     await server.add_binary_stream_handler("floor", lambda info, reader, writer: echo(reader, writer))
-    # hivemind keeps each daemon's process there, no public handle
-    daemons = [psutil.Process(p2p._child.pid) for p2p in (server, client)]
+    daemons = [psutil.Process(hivemind_p2p.daemon_process(p2p).pid) for p2p in (server, client)]
 
     def daemons_cpu_s() -> float:
         return sum(sum(daemon.cpu_times()[:2]) for daemon in daemons)  # user + system

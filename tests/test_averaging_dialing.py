@@ -17,6 +17,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from node.averaging.exchange import WeightExchange, refused_by_dial_backoff
 from node.averaging.matchmaking import MAX_DIAL_BACKOFFS, Round
+from node.transport import hivemind_p2p
 from tests.helpers.averaging import averagers, ordered_identities, swarm, weights
 
 PEER = "12D3KooWA9AQUkS23kqAmLtzpvjBtCKW3WCXiqXr3WtS5jXLXUic"
@@ -36,10 +37,21 @@ REFUSED_AND_IN_BACKOFF = (
 )
 
 
+REAL_CONNECT = hivemind_p2p.connect
+
+
+async def connect_faked(p2p, peer, addresses) -> None:
+    """`hivemind_p2p.connect` (how `node.transport.framing.open_stream` dials), with a daemon faked here dialing as
+    it says (its `connect`); a real daemon dials for real."""
+    if isinstance(p2p, (FirstDialFails, NoRouteThenBackoff)):
+        return await p2p.connect(peer, addresses)
+    return await REAL_CONNECT(p2p, peer, addresses)
+
+
 class FirstDialFails:
-    """A node's p2p daemon, not yet connected to its partners: a stream needs a dial first (`_client.connect`, as
-    `node.transport.framing.open_stream` dials), the first dial fails, and every dial within `backoff_s` of it is
-    refused with "dial backoff", as go-libp2p's swarm does; later dials and streams are the real daemon's."""
+    """A node's p2p daemon, not yet connected to its partners: a stream needs a dial first (`connect_faked` stands in
+    for `hivemind_p2p.connect`), the first dial fails, and every dial within `backoff_s` of it is refused with "dial
+    backoff", as go-libp2p's swarm does; later dials and streams are the real daemon's."""
 
     def __init__(self, p2p, backoff_s: float) -> None:
         self.p2p = p2p
@@ -50,10 +62,6 @@ class FirstDialFails:
     def __getattr__(self, name):
         return getattr(self.p2p, name)
 
-    @property
-    def _client(self):
-        return self  # open_stream dials through `p2p._client.connect`
-
     async def connect(self, peer, addresses) -> None:
         now = asyncio.get_running_loop().time()
         if self._failed_at is None:
@@ -63,7 +71,7 @@ class FirstDialFails:
         if now < self._failed_at + self.backoff_s:
             self.dials.append("backoff")
             raise ControlFailure(IN_BACKOFF)
-        await self.p2p._client.connect(peer, addresses)
+        await REAL_CONNECT(self.p2p, peer, addresses)
         self.dials.append("connected")
 
     async def call_binary_stream_handler(self, peer, handler):
@@ -117,12 +125,13 @@ def test_a_call_refused_by_dial_backoff_waits_for_it_and_is_not_a_failed_exchang
     asyncio.run(scenario())
 
 
-def test_a_partner_whose_first_dial_failed_is_called_again_after_the_backoff(tmp_path):
+def test_a_partner_whose_first_dial_failed_is_called_again_after_the_backoff(tmp_path, monkeypatch):
     """The caller's first dial fails; it calls again once the backoff has passed (one more dial, which connects)
     and the pair averages. The partner's patience outlasts the round: only the caller's retry can pair them.
     Before the fix the retry came at the next poll, was refused by the backoff, and the partner was given up."""
 
     backoff_s = 1.0
+    monkeypatch.setattr(hivemind_p2p, "connect", connect_faked)
 
     def dial_fails_once(p2p, *args, **kwargs):
         return WeightExchange(FirstDialFails(p2p, backoff_s), *args, **kwargs)
@@ -148,10 +157,6 @@ def test_a_partner_whose_first_dial_failed_is_called_again_after_the_backoff(tmp
 class NoRouteThenBackoff:
     """A daemon with no route to the peer, whose dial is then refused in backoff: the two answers `open_stream` gets."""
 
-    @property
-    def _client(self):
-        return self
-
     async def call_binary_stream_handler(self, peer, handler):
         raise ControlFailure("Connect failed. msg=routing: not found")
 
@@ -159,10 +164,12 @@ class NoRouteThenBackoff:
         raise ControlFailure(IN_BACKOFF)
 
 
-def test_a_failed_dial_keeps_what_the_first_stream_request_was_told():
+def test_a_failed_dial_keeps_what_the_first_stream_request_was_told(monkeypatch):
     """The error `open_stream` raises after dialing is the dial's (still told apart as a backoff), and it carries
     p2pd's first answer as a note, which `stream_failure` prints beside it."""
     from node.transport.framing import open_stream, stream_failure
+
+    monkeypatch.setattr(hivemind_p2p, "connect", connect_faked)
 
     async def attempt():
         await open_stream(NoRouteThenBackoff(), PEER, ["/ip4/198.18.1.1/tcp/38423"], "handler", dial_timeout=5)

@@ -30,6 +30,7 @@ from tests.helpers.common import REPO  # noqa: E402
 
 TOPIC = "swarm-node/test/rollouts"
 PROBE = b"probe/"  # mesh-readiness probes; a late one may still arrive by gossip, so tests skip them
+FENCE = PROBE + b"fence/"  # sent after a sender's messages: once it arrived, so did everything sent before it
 WAIT_S = 10.0
 SUBPROCESS_TIMEOUT_S = 60.0
 
@@ -82,12 +83,28 @@ async def swarm(size: int, topic: str = TOPIC, **kwargs):
         await asyncio.gather(*(node.stop() for node in nodes))
 
 
-async def collect(node: LibP2PGossip, count: int, topic: str = TOPIC) -> list[bytes]:
-    """Drain node until count messages arrived (bounded); fail if more than count arrive."""
+async def collect(node: LibP2PGossip, count: int, senders: list[LibP2PGossip], topic: str = TOPIC) -> list[bytes]:
+    """Drain node until count messages arrived (bounded); fail if more than count arrive.
+
+    Then every one of `senders` sends a fence, and node is drained until it has them all (bounded): each sender's
+    messages arrive in the order it sent them, so whatever it sent before its fence (a duplicate, one of node's own
+    messages handed back) has arrived by then, on a loaded machine as on an idle one."""
     received: list[bytes] = []
-    await wait_until(lambda: received.extend(payloads(node, topic)) or len(received) >= count, f"{count} messages")
-    await asyncio.sleep(0.1)  # anything extra (a duplicate, our own message) would show up now
-    received += payloads(node, topic)
+    fences: set[bytes] = set()
+
+    def take() -> None:
+        for message in node.drain(topic):
+            if message.startswith(FENCE):
+                fences.add(message)
+            elif not message.startswith(PROBE):
+                received.append(message)
+
+    await wait_until(lambda: take() or len(received) >= count, f"{count} messages")
+    tag = os.urandom(4).hex()
+    expected = {FENCE + f"{tag}/{k}".encode() for k in range(len(senders))}
+    for k, sender in enumerate(senders):
+        await sender.publish(topic, FENCE + f"{tag}/{k}".encode())
+    await wait_until(lambda: take() or expected <= fences, f"the fences of {len(senders)} sender(s)")
     assert len(received) == count, received
     return received
 
@@ -103,7 +120,7 @@ def test_three_peers_receive_each_others_messages_not_their_own_in_order():
                 for i, node in enumerate(nodes):
                     await node.publish(TOPIC, f"msg/{i}/{k}".encode())
             for i, node in enumerate(nodes):
-                received = await collect(node, 10)
+                received = await collect(node, 10, [other for other in nodes if other is not node])
                 senders = [int(m.split(b"/")[1]) for m in received]
                 assert i not in senders, "a node received its own message"
                 for sender in set(range(3)) - {i}:
@@ -120,10 +137,10 @@ def test_large_message_arrives_and_oversize_is_refused():
         async with swarm(2) as (sender, receiver):
             big = os.urandom(900_000)
             await sender.publish(TOPIC, big)
-            assert await collect(receiver, 1) == [big]
+            assert await collect(receiver, 1, [sender]) == [big]
             largest = os.urandom(MAX_MESSAGE_BYTES)  # the limit itself still fits under pubsub's 1 MiB
             await sender.publish(TOPIC, largest)
-            assert await collect(receiver, 1) == [largest]
+            assert await collect(receiver, 1, [sender]) == [largest]
             with pytest.raises(ValueError, match="max_message_bytes"):
                 await sender.publish(TOPIC, bytes(1_100_000))
 
@@ -138,12 +155,12 @@ def test_burst_of_50_from_one_peer_all_arrive():
             burst = [f"burst/{k}".encode() for k in range(50)]
             for message in burst:
                 await sender.publish(TOPIC, message)
-            assert await collect(receiver, 50) == burst
+            assert await collect(receiver, 50, [sender]) == burst
             # Larger messages fill the 32-RPC outbound queue faster than the wire empties it.
             large = [bytes([k]) * 200_000 for k in range(50)]
             for message in large:
                 await sender.publish(TOPIC, message)
-            assert await collect(receiver, 50) == large
+            assert await collect(receiver, 50, [sender]) == large
 
     asyncio.run(scenario())
 
@@ -254,7 +271,7 @@ def test_a_restarted_peer_with_the_same_key_is_still_heard():
                 await wait_for_mesh([first_life, listener], TOPIC)
                 for k in range(30):
                     await first_life.publish(TOPIC, f"first-life/{k}".encode())
-                assert len(await collect(listener, 30)) == 30
+                assert len(await collect(listener, 30, [first_life])) == 30
             await wait_until(lambda: listener.peer_count() == 0, "the listener to see the peer go")
             restarted = LibP2PGossip(seed=seed)
             await restarted.start()
@@ -263,7 +280,7 @@ def test_a_restarted_peer_with_the_same_key_is_still_heard():
             await wait_for_mesh([restarted, listener], TOPIC)
             for k in range(10):
                 await restarted.publish(TOPIC, f"second-life/{k}".encode())
-            assert await collect(listener, 10) == [f"second-life/{k}".encode() for k in range(10)]
+            assert await collect(listener, 10, [restarted]) == [f"second-life/{k}".encode() for k in range(10)]
         finally:
             await asyncio.gather(listener.stop(), *([restarted.stop()] if restarted else []))
 
@@ -449,8 +466,6 @@ def test_the_peerstore_cleanup_survives_peers_that_went_away():
     """py-libp2p's own periodic cleanup raised 'peer ID is expired' for a departed peer that had left a
     signed record, which ended the host and stopped the node (the lab's churn run). The gossip host's
     peerstore drops such a record instead."""
-    import time
-
     import multiaddr
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
@@ -467,7 +482,16 @@ def test_the_peerstore_cleanup_survives_peers_that_went_away():
     as_shipped, tolerant = PeerStore(), PeerStore()
     tolerate_expired_peers(tolerant)
     peers = [departed(as_shipped), departed(tolerant)]
-    time.sleep(2.1)  # both addresses expire (TTLs are whole seconds)
+    stores = (as_shipped, tolerant)
+    # both addresses expire (TTLs are whole seconds: within 2 s of the clock)
+    asyncio.run(
+        wait_until(
+            lambda: all(store.peer_data_map[peer].is_expired() for store, peer in zip(stores, peers, strict=True)),
+            "both peers' addresses to expire",
+            timeout=60,
+            interval=0.05,
+        )
+    )
     with pytest.raises(PeerStoreError):
         as_shipped._cleanup_expired_records()  # the py-libp2p behaviour this guards against
     tolerant._cleanup_expired_records()

@@ -146,6 +146,7 @@ def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_p
     The node starts as a join behind NAT starts it (create_dht_node, with its bootstrap retries: on a loaded machine a
     daemon's first dial of its bootstrap peer can fail, and a join tries again)."""
     from node.config import load_config
+    from node.transport import hivemind_p2p
     from node.transport.joining import create_dht_node
     from node.transport.protobuf_shim import import_hivemind_isolated
 
@@ -162,7 +163,7 @@ def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_p
             )
             config = loaded.model_copy(update={"swarm": loaded.swarm.model_copy(update={"initial_peers": maddrs})})
             node = await create_dht_node(config, behind_nat=True)
-            daemon = node.p2p._child
+            daemon = hivemind_p2p.daemon_process(node.p2p)
             try:
                 argv = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().split(b"\0")
                 assert {b"-relayDiscovery=0", b"-autoRelay=1", b"-forceReachabilityPrivate=1", b"-dhtClient=1"} <= set(
@@ -185,6 +186,7 @@ def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
     membership reserving the slot itself no caller reaches the node again (the lab's version, behind a real NAT, is
     tests/test_nat.py). Every wait is a hang guard."""
     from node.config import load_config
+    from node.transport import hivemind_p2p
     from node.transport.joining import create_dht_node, shutdown_dht
     from node.transport.protobuf_shim import import_hivemind_isolated
     from node.transport.session import SwarmSession
@@ -207,7 +209,8 @@ def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
             for _ in range(120):
                 try:
                     await asyncio.wait_for(
-                        caller._client.connect(PeerID.from_base58(circuit.split("/")[-1]), [Multiaddr(circuit)]), 5
+                        hivemind_p2p.connect(caller, PeerID.from_base58(circuit.split("/")[-1]), [Multiaddr(circuit)]),
+                        5,
                     )
                     return
                 except Exception:  # no slot (yet): NO_RESERVATION, or the dial's backoff after it

@@ -243,7 +243,11 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
                 pair.append(node)
             if gossip == "libp2p":
                 await pair[0].transport.connect_gossip_peers()  # do not wait for the next heartbeat
-                await asyncio.sleep(1.5)  # one gossipsub heartbeat builds the mesh
+                # a gossipsub heartbeat builds the meshes: nothing is pushed before (a hang guard, not a speed check)
+                deadline = asyncio.get_running_loop().time() + 120
+                while not all(node.transport.gossip.mesh_size(node.transport.rollouts_topic) for node in pair):
+                    assert asyncio.get_running_loop().time() < deadline, "no gossipsub mesh within 120 s"
+                    await asyncio.sleep(0.05)
             for _ in range(4):
                 for node in pair:
                     await node.run_round()

@@ -27,11 +27,9 @@ import struct
 from collections.abc import Callable
 from typing import TypeVar
 
-from node.transport.protobuf_shim import import_hivemind_isolated
+from node.transport import hivemind_p2p  # first: checks hivemind's version, imports it through the protobuf shim
 
-import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
-
-from hivemind.p2p import P2PDaemonError, P2PHandlerError  # noqa: E402
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 FRAME_HEADER = struct.Struct(">BQ")
 
@@ -126,7 +124,7 @@ async def open_stream(
         if not addresses:
             raise
     try:
-        await asyncio.wait_for(p2p._client.connect(peer, addresses), dial_timeout)
+        await asyncio.wait_for(hivemind_p2p.connect(p2p, peer, addresses), dial_timeout)
         _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
     except Exception as exc:  # why the first request found no route is half of why the peer is unreachable
         exc.add_note(f"before the dial, p2pd said: {before_dial}")

@@ -256,6 +256,15 @@ class LibP2PGossip(Gossip):
         with self._inbox_lock:
             return self._dropped_total.get(topic, 0)
 
+    def mesh_size(self, topic: str) -> int:
+        """How many peers our gossipsub mesh of topic holds: the peers our messages on it are pushed to. None at first:
+        a gossipsub heartbeat (every second) grafts the peers subscribed by then."""
+        router = self._router
+        if router is None or not self.running:
+            return 0
+        # read from the asyncio thread while the trio thread changes it: a lookup and a len are atomic under the GIL
+        return len(router.mesh.get(topic, ()))
+
     def _check_port_free(self) -> None:
         """Raise OSError if something already listens on our fixed port.
 

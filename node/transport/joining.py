@@ -198,7 +198,10 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
         await asyncio.wait_for(dht.shutdown(), timeout)
     except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
         log.warning("DHT shutdown did not complete (%s); leaving anyway", type(exc).__name__)
-        process = getattr(getattr(dht, "p2p", None), "_child", None)
+        from node.transport import hivemind_p2p
+
+        p2p = getattr(dht, "p2p", None)
+        process = hivemind_p2p.daemon_process(p2p) if p2p is not None else None
         if process is not None and process.returncode is None:
             process.kill()
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from node.aio import cancel_and_wait
+from node.transport import hivemind_p2p
 from node.transport.joining import dht_addresses_by_peer
 from node.transport.reachability import hold_links, reserve_relay_slot
 from protocol.bounded import BoundedDict
@@ -224,7 +225,7 @@ class Membership:
 
         async def reach(peer_id, maddrs: list[str]) -> bool:
             try:
-                await asyncio.wait_for(dht.p2p._client.connect(peer_id, [Multiaddr(a) for a in maddrs]), timeout)
+                await asyncio.wait_for(hivemind_p2p.connect(dht.p2p, peer_id, [Multiaddr(a) for a in maddrs]), timeout)
             except Exception as exc:  # unreachable (still cut off, or gone): normal, the ping below says so
                 log.debug("DHT peer %s not reachable at %s: %r", peer_id, maddrs, exc)
                 return False

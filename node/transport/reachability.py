@@ -42,6 +42,7 @@ import enum
 import ipaddress
 import logging
 
+from node.transport import hivemind_p2p
 from node.transport.framing import read_frame, write_frame
 from protocol import ProtocolRejection, Refusal
 from protocol.reachability import MAX_OBSERVED_BYTES, OBSERVED_ADDRESS_HANDLER, decode_observed, encode_observed
@@ -154,17 +155,11 @@ RELAY_WAIT_S = 30.0
 async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dict):
     """A DHT node whose daemon asks `p2p_options["trusted_relays"]` (and no one else) for a relay slot.
 
-    hivemind's `P2P.create` does not pass `-relayDiscovery`; its subclass here adds
-    RELAY_CLIENT_FLAGS to the daemon's command line, and the DHT node is handed that daemon
-    (and shuts it down with itself, as with one it started)."""
-    from hivemind.p2p import P2P
-
-    class RelayClientP2P(P2P):
-        @classmethod
-        def _make_process_args(cls, *args, **kwargs):
-            return P2P._make_process_args(*args, **kwargs, **RELAY_CLIENT_FLAGS)
-
-    p2p = await RelayClientP2P.create(
+    hivemind's `P2P.create` does not pass `-relayDiscovery`: the daemon is started with RELAY_CLIENT_FLAGS added to
+    its command line (node/transport/hivemind_p2p.py), and the DHT node is handed that daemon (and shuts it down with
+    itself, as with one it started)."""
+    p2p = await hivemind_p2p.create_p2p_with_daemon_flags(
+        RELAY_CLIENT_FLAGS,
         initial_peers=dht_options.get("initial_peers"),
         dht_mode="client",
         use_auto_relay=True,
@@ -176,7 +171,7 @@ async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dic
     except BaseException:
         await p2p.shutdown()
         raise
-    node._should_shutdown_p2p = True  # hivemind leaves a daemon it was handed running; this one belongs to the node
+    hivemind_p2p.hand_daemon_to(node)  # hivemind leaves a daemon it was handed running; this one is the node's
     return node
 
 
@@ -207,7 +202,7 @@ async def reserve_relay_slot(p2p, relay_peer_id: str, timeout: float) -> HopStat
     from hivemind.p2p import PeerID
 
     _, reader, writer = await asyncio.wait_for(
-        p2p._client.stream_open(PeerID.from_base58(relay_peer_id), (HOP_PROTOCOL,)), timeout
+        hivemind_p2p.open_protocol_stream(p2p, PeerID.from_base58(relay_peer_id), HOP_PROTOCOL), timeout
     )
     try:
         writer.write(encode_reserve())
@@ -257,7 +252,7 @@ async def hold_links(dht, every_s: float, limit: int = MAX_HELD_LINKS) -> None:
             log.debug("holding links: %d nearest DHT peers, %d to dial", len(nearest), len(wanted))
             for peer in wanted:
                 try:
-                    await asyncio.wait_for(dht.p2p._client.connect(peer, []), every_s)
+                    await asyncio.wait_for(hivemind_p2p.connect(dht.p2p, peer, []), every_s)
                 except (P2PDaemonError, asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - gone peers are normal; retried next pass
                     log.debug("could not hold a link to %s: %r", peer, exc)
         except asyncio.TimeoutError:

@@ -1,0 +1,110 @@
+"""The one place that reaches into hivemind's private API, and the version of hivemind it was written against.
+
+hivemind's public `P2P` and `DHTNode` cover what hivemind itself needs (handlers, calls to them, the daemon it
+starts); the node needs a few things more, and gets them from attributes hivemind does not promise to keep: dialing
+a peer at given addresses, opening a stream by a libp2p protocol id, adding a flag to p2pd's command line, handing
+a DHT node a daemon it should stop with itself, and reaching that daemon's process. Each is one function here,
+whose docstring says what the public API lacks. Everything else in the node (and every test that fakes a dial)
+goes through these functions, so that a hivemind upgrade is checked here, function by function, and nowhere else.
+
+Importing this module checks the installed hivemind against HIVEMIND_VERSION (pyproject.toml pins the same one):
+private attributes change without notice between releases, and a node that dialed through a renamed one would
+fail later, in the middle of a round, as an AttributeError far from its cause. A different version is refused at
+once with `HivemindVersionError`, in one line naming both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+HIVEMIND_VERSION = "1.1.12"  # the release whose private attributes this module uses; pyproject.toml pins it
+
+
+class HivemindVersionError(ImportError):
+    """The installed hivemind is not the release this module was written against."""
+
+
+def check_hivemind_version(found: str | None) -> None:
+    """Refuse any hivemind but HIVEMIND_VERSION (`found` None: not installed), in one readable line."""
+    if found != HIVEMIND_VERSION:
+        raise HivemindVersionError(
+            f"hivemind {found or '(not installed)'} found, but node/transport/hivemind_p2p.py uses private parts of "
+            f"hivemind {HIVEMIND_VERSION}: pip install hivemind=={HIVEMIND_VERSION} (pyproject.toml pins it)"
+        )
+
+
+def _installed_hivemind_version() -> str | None:
+    try:
+        return version("hivemind")
+    except PackageNotFoundError:
+        return None
+
+
+check_hivemind_version(_installed_hivemind_version())  # before hivemind's code is loaded at all
+
+from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
+
+import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
+
+from hivemind.p2p import P2P  # noqa: E402
+
+if TYPE_CHECKING:
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+
+async def connect(p2p: P2P, peer_id: PeerID, maddrs: Sequence[Multiaddr]) -> None:
+    """Have our daemon connect to `peer_id`, dialing `maddrs` (none: the addresses its peerstore or DHT knows).
+
+    Why private (`P2P._client.connect`): hivemind's P2P dials only its `initial_peers`, once, at `create`, and
+    `call_binary_stream_handler` opens a stream only to a peer the daemon can already route to; nothing public
+    dials a peer at the addresses its signed record gives. Raises what p2pd answers (P2PDaemonError, ControlFailure)."""
+    await p2p._client.connect(peer_id, list(maddrs))
+
+
+async def open_protocol_stream(
+    p2p: P2P, peer_id: PeerID, protocol: str
+) -> tuple[object, asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a stream to `peer_id` speaking the libp2p protocol `protocol` (not a hivemind handler); (info, reader,
+    writer) as p2pd returns them.
+
+    Why private (`P2P._client.stream_open`): the public `call_binary_stream_handler` promises a stream to a handler
+    that a hivemind peer added by name; that 1.1.12 passes the name on unchanged is not a promise. The node speaks
+    go-libp2p's own circuit relay protocol (protocol/relay.py) to a relay, which no hivemind handler serves."""
+    return await p2p._client.stream_open(peer_id, (protocol,))
+
+
+async def create_p2p_with_daemon_flags(daemon_flags: dict[str, bool | int | str], **options) -> P2P:
+    """`P2P.create(**options)`, with `daemon_flags` added to p2pd's command line (`{"relayDiscovery": False}` is
+    `-relayDiscovery=0`, as hivemind writes its own flags).
+
+    Why private (`P2P._make_process_args`, overridden in a subclass): `P2P.create` passes p2pd only the flags it has
+    parameters for, and has none for the daemon's other flags (`-relayDiscovery`: node/transport/reachability.py)."""
+
+    class FlaggedP2P(P2P):
+        @classmethod
+        def _make_process_args(cls, *args, **kwargs):
+            return P2P._make_process_args(*args, **kwargs, **daemon_flags)
+
+    return await FlaggedP2P.create(**options)
+
+
+def hand_daemon_to(dht_node) -> None:
+    """Make `dht_node` (a hivemind DHTNode created with `p2p=`) shut the daemon it was handed down with itself.
+
+    Why private (`DHTNode._should_shutdown_p2p`): a DHTNode stops at its `shutdown` only a daemon it started, and a
+    daemon started with flags hivemind cannot pass (`create_p2p_with_daemon_flags`) must be handed to it; nothing
+    public says the node owns it now."""
+    dht_node._should_shutdown_p2p = True
+
+
+def daemon_process(p2p: P2P) -> asyncio.subprocess.Process | None:
+    """The p2pd process `p2p` started (its pid, command line, exit status); None for a daemon it only attached to.
+
+    Why private (`P2P._child`): hivemind exposes neither the process nor its pid, and a daemon that stopped
+    answering must still be killed when its node's shutdown hangs (`joining.shutdown_dht`); tests read a daemon's
+    command line through it."""
+    return p2p._child
