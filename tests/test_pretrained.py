@@ -260,3 +260,60 @@ def test_smollm2_split_into_pipeline_stages_computes_the_whole_model(smollm2_cac
         split = run_stages(stages, ids, mask, positions)
     assert [len(stage.layers) for stage in stages] == ([15, 15] if num_stages == 2 else [8, 8, 7, 7])
     torch.testing.assert_close(split[mask.bool()], whole[mask.bool()], atol=2e-4, rtol=1e-4)
+
+
+def test_a_smollm2_node_and_a_default_model_node_train_on_each_others_text(smollm2_cache, tiny_config, tmp_path):
+    """A mixed pair on one in-process exchange (the real signed records, decoding and re-scoring): each re-tokenizes
+    the other's completions with its own vocabulary, grades them with its own rule, keeps no behaviour log-probs
+    (another model's, in another vocabulary: no importance ratio across tokenizers) and trains on them."""
+    import asyncio
+
+    from node.loop import Node
+    from node.transport.inprocess import InProcessExchange, InProcessTransport
+    from tests.helpers.rollouts import ScriptedBackend
+
+    exchange = InProcessExchange()
+    swarm = ["swarm.transport=dht", "swarm.local_questions=2", "swarm.external_questions=2", "swarm.local_draw=mix"]
+    smol_config = load_config(
+        REPO / "configs" / "smollm2_swarm.yaml",
+        [f"model.cache_dir={smollm2_cache}", *SMALL_ROUND, *swarm, "tasks.datasets=[{name: basic_arithmetic, "
+         "label: add_sub_1d, config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, operators: ['+', '-'], "
+         "allow_negation: false, allow_parentheses: false, format_style: simple}}]"],
+        state_dir=str(tmp_path / "smol"),
+    )  # fmt: skip
+    default_config = tiny_config(*swarm, "swarm.external_gate=none", state_dir=tmp_path / "default")
+    # the tiny default model is untrained and always wrong, which teaches nothing: its node answers half right
+    half_right = ScriptedBackend.factory(
+        lambda backend, prompts, call: [[backend.right(p), backend.wrong(p)] * 2 for p in prompts]
+    )
+    nodes = []
+    for config, backend in ((smol_config, None), (default_config, half_right)):
+        node = Node(config, rollout_backend=backend)
+        node.load()
+        node.transport = InProcessTransport(exchange, node.config, node.identity, node.stats, node.fingerprint)
+        nodes.append(node)
+    smol, default = nodes
+    default.backend.remember({default.tasks.prompt(q): q.answer for q in default.tasks.batch(0, 64)})
+    assert smol.fingerprint != default.fingerprint
+
+    async def rounds():
+        return [await node.run_round() for _ in range(3) for node in (smol, default)]
+
+    rows = asyncio.run(rounds())
+    smol_rows, default_rows = rows[0::2], rows[1::2]
+    assert sum(r["external_questions"] for r in default_rows) > 0, "the default node trained on none of SmolLM2's"
+    assert sum(r["external_questions"] for r in smol_rows) > 0, "SmolLM2 trained on none of the default node's"
+    assert smol.stats.peer(default.identity.node_id).questions_used > 0
+    assert default.stats.peer(smol.identity.node_id).questions_used > 0
+
+    asyncio.run(default.run_round())  # a fresh batch of the default node's, for SmolLM2 to receive
+    received = asyncio.run(smol.transport.collect())
+    [item, *_] = [g for g in received if g.peer_id == default.identity.node_id]
+    assert not item.same_model
+    group, _ = smol.sharing.rescore(item)
+    for sent, kept in zip(item.completions, group.completions):
+        assert kept.logprobs is None
+        assert kept.completion_ids[: -1 if sent.finish_reason == "stop" else None] == smol.tokenizer.encode(
+            sent.text, add_special_tokens=False
+        )
+        assert list(sent.token_ids) != kept.completion_ids  # the sender's ids belong to its own vocabulary
