@@ -18,7 +18,7 @@ from node.tasks import TaskSource
 
 def _pack(config: NodeConfig, tokenizer, seed: int, sequences: int) -> torch.Tensor:
     length = config.pipeline.sequence_length
-    source = TaskSource(config.tasks, seed=seed)
+    source = TaskSource(config.tasks, seed=seed).for_tokenizer(tokenizer)  # prompted as the node prompts this model
     stream: list[int] = []
     draw = 0
     while len(stream) < sequences * length:
