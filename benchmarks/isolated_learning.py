@@ -11,6 +11,8 @@ seed that training never draws). Prints a line per evaluation and ends with one 
     .venv/bin/python benchmarks/isolated_learning.py --seeds 0 1 2 --minutes 10
     .venv/bin/python benchmarks/isolated_learning.py --rounds 300 --config configs/mix.yaml   # a fixed number of rounds
     .venv/bin/python benchmarks/isolated_learning.py --units 100 --set swarm.own_replay=4     # at equal compute
+    .venv/bin/python benchmarks/isolated_learning.py --config configs/smollm2.yaml --rounds 40 --seeds 1 \
+        --state-root runs/smollm2        # run again after a kill: the seed resumes from its last checkpoint
 
 With a task mix of several specialties it also reports held-out accuracy per specialty, and
 per specialty how many distinct answers the greedy policy gives against how many are right
@@ -106,6 +108,13 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "isolated.yaml"))
     parser.add_argument("--set", action="append", default=[], help="config overrides, as for swarm-node train")
     parser.add_argument("--eval-every-s", type=float, default=60.0)
+    parser.add_argument(
+        "--state-root",
+        type=Path,
+        default=None,
+        help="keep each seed's state in DIR/seed<N> (default: a temporary folder); with --rounds, a seed whose state "
+        "holds a checkpoint resumes there and trains up to --rounds in all",
+    )
     args = parser.parse_args()
     if args.units is not None and args.rounds is not None:
         parser.error("--units and --rounds are two budgets: give one")
@@ -123,16 +132,27 @@ def main() -> None:
     memory = []  # the process's resident MiB after the first round, at the end and at most, per seed
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
-            config = load_config(
-                args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=f"{scratch}/seed{seed}"
-            )
+            state = (args.state_root or Path(scratch)) / f"seed{seed}"
+            start_record = state / "heldout_before.json"  # the held-out figures of the seed's start, for a resume
+            resuming = args.rounds is not None and start_record.exists() and (state / "checkpoints" / "LATEST").exists()
+            config = load_config(args.config, [*args.set, f"seed={seed}", "eval_every=0"], state_dir=str(state))
             node = Node(config)
-            node.load(fresh=True)
-            overall, scores = node.evaluator.report()
-            before.append(overall)
-            by_dataset_before.append({label: score.accuracy for label, score in scores.items()})
+            node.load(fresh=not resuming)
+            if resuming:
+                start = json.loads(start_record.read_text())
+                print(f"seed {seed}: resuming at round {node.round}", flush=True)
+            else:
+                overall, scores = node.evaluator.report()
+                start = {
+                    "overall": overall,
+                    "by_dataset": {label: score.accuracy for label, score in scores.items()},
+                    "distinct": _distinct(scores),
+                }
+                start_record.write_text(json.dumps(start))
+            before.append(start["overall"])
+            by_dataset_before.append(start["by_dataset"])
             print(f"seed {seed}: heldout before {before[-1]:.3f} {_fmt(by_dataset_before[-1])}", flush=True)
-            distinct_before.append(_distinct(scores))
+            distinct_before.append({label: tuple(pair) for label, pair in start["distinct"].items()})
             print(
                 f"seed {seed}: distinct greedy answers / distinct right answers before: "
                 f"{_fmt_distinct(distinct_before[-1])}",
@@ -144,7 +164,7 @@ def main() -> None:
                     node,
                     args.minutes * 60,
                     args.eval_every_s,
-                    args.rounds,
+                    args.rounds - node.round if args.rounds is not None else None,
                     args.units,
                     unit_costs(node, args.costs) if args.units is not None else None,
                     args.eval_every_units or (args.units / 10 if args.units is not None else None),
@@ -171,6 +191,7 @@ def main() -> None:
                 f"{_fmt_distinct(distinct_after[-1])}",
                 flush=True,
             )
+            rows = node.store.read_metrics()  # every round of the seed, those before a resume too
             tenth = max(1, len(rows) // 10)
             first_reward.append(statistics.fmean(r["reward_mean"] for r in rows[:tenth]))
             last_reward.append(statistics.fmean(r["reward_mean"] for r in rows[-tenth:]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import statistics
 import sys
@@ -32,7 +33,8 @@ from node.rollouts.transformers_backend import left_pad  # noqa: E402
 from node.trainer import GRPOTrainer  # noqa: E402
 
 
-def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, seed) -> int:
+def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, seed) -> tuple[int, int]:
+    """`model.generate` on the same rows: (tokens up to and including each row's end of sequence, decoding steps)."""
     torch.manual_seed(seed)
     rows = [tokenizer.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
     input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
@@ -55,7 +57,7 @@ def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature
             if token == tokenizer.eos_token_id:
                 break
         # rows padded after eos are not counted
-    return tokens
+    return tokens, new.shape[1]
 
 
 def main() -> None:
@@ -94,13 +96,19 @@ def main() -> None:
                 rollout.top_p,
                 0,
             )
+        rows_per_batch = len(prompts) * rollout.completions_per_question
+        ours_steps, theirs_steps = [], []  # rows x decoding steps a second: the pace whatever the lengths sampled
         for repeat in range(args.repeats):
+            before = copy.copy(node.backend.work)
             start = time.perf_counter()
             groups = node.backend.generate(prompts, rollout.completions_per_question, seed=repeat)
-            ours.append(sum(len(c.completion_ids) for g in groups for c in g) / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            ours.append(sum(len(c.completion_ids) for g in groups for c in g) / seconds)
+            # each row's first token comes from the prefill's logits, every later one from a decoding forward's row
+            ours_steps.append((node.backend.work.since(before).decode_tokens + rows_per_batch) / seconds)
             start = time.perf_counter()
             with torch.no_grad():
-                tokens = generate_tokens_hf(
+                tokens, steps = generate_tokens_hf(
                     node.model,
                     node.tokenizer,
                     prompts,
@@ -110,11 +118,15 @@ def main() -> None:
                     rollout.top_p,
                     repeat,
                 )
-            theirs.append(tokens / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            theirs.append(tokens / seconds)
+            theirs_steps.append(rows_per_batch * steps / seconds)
         ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
+        ours_sps, hf_sps = statistics.median(ours_steps), statistics.median(theirs_steps)
         print(
             f"backend tokens/s {ours_tps:.0f}, model.generate tokens/s {hf_tps:.0f}, ratio {ours_tps / hf_tps:.2f} "
-            f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens})"
+            f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens}); "
+            f"row-steps/s {ours_sps:.0f} vs {hf_sps:.0f}, ratio {ours_sps / hf_sps:.2f}"
         )
 
         update = update_cost(node, questions, args.update_repeats) if args.update_repeats else None
@@ -125,11 +137,12 @@ def main() -> None:
                 f"{update['ratio']:.2f}"
             )
         rows = [asyncio.run(node.run_round()) for _ in range(args.rounds)]
-        split = {
-            key: statistics.median(r[key] for r in rows) for key in ("generation_s", "scoring_s", "update_s", "step_s")
-        }
-        split["other_s"] = split["step_s"] - split["generation_s"] - split["scoring_s"] - split["update_s"]
-        print("round time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+        split = None
+        if rows:
+            keys = ("generation_s", "scoring_s", "update_s", "step_s")
+            split = {key: statistics.median(r[key] for r in rows) for key in keys}
+            split["other_s"] = split["step_s"] - split["generation_s"] - split["scoring_s"] - split["update_s"]
+            print("round time split (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     line = {
         "benchmark": "rollout_throughput",
         "model": config.model.name_or_path,
@@ -138,6 +151,11 @@ def main() -> None:
         "backend_tokens_per_s": ours_tps,
         "generate_tokens_per_s": hf_tps,
         "ratio_backend_vs_generate": ours_tps / hf_tps,
+        # a batch decodes until its longest row ends: rows x steps a second compares the engines' pace when the two
+        # sample different lengths (tokens/s counts only the tokens before each row's end)
+        "backend_row_steps_per_s": ours_sps,
+        "generate_row_steps_per_s": hf_sps,
+        "ratio_row_steps": ours_sps / hf_sps,
         "sequences_per_batch": len(prompts) * rollout.completions_per_question,
         "max_new_tokens": rollout.max_new_tokens,
         "round_split_s": split,
