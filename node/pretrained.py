@@ -119,7 +119,8 @@ def check_model_dir(path: Path) -> None:
 
 def _source_key(path: Path) -> str:
     """A key for a GGUF file's conversion: its name, size and the hash of its first and last MiB (hashing all of
-    a 100 MB file at every start would cost a second; a file changed in place keeps neither its size and ends)."""
+    a 100 MB file at every start would cost a second; a file replaced by another rarely keeps its size and both
+    ends)."""
     digest = hashlib.sha256(f"{CONVERSION_BUILD}:{path.name}:{path.stat().st_size}".encode())
     with open(path, "rb") as handle:
         digest.update(handle.read(1 << 20))
@@ -137,9 +138,9 @@ def safetensors_complete(path: Path) -> bool:
             if header_length <= 0 or 8 + header_length > size:
                 return False
             header = json.loads(handle.read(header_length))
-    except (OSError, ValueError):
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):  # not a safetensors header at all
         return False
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
     return bool(ends) and size == 8 + header_length + max(ends)
 
 
