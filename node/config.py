@@ -214,6 +214,9 @@ class TrainerConfig(_Section):
     """Gradient clipping norm."""
     micro_batch_size: int = Field(32, ge=1)
     """Sequences per forward/backward; gradients accumulate over the round's batch."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward and recompute the rest: one more forward per
+    micro-batch, for most of the activations' memory (a model of 30 layers, long completions)."""
     epochs_per_round: int = Field(1, ge=1)
     """Optimizer steps over the same round's rollouts (>1 makes clipping matter)."""
     drop_uniform_groups: bool = True

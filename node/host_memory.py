@@ -15,9 +15,18 @@ side by side, it halves what a server's torch work costs beyond the same work in
 +6-12 %). protobuf's malloc_trim still runs, and is the rest: with protobuf in pure Python the two cost the same, but
 a DHT message then costs 17-69x more to parse, so that is left to the user (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION).
 
-The cost: a process keeps the memory of its busiest call until protobuf trims it. Nothing is done where the C library
-is not glibc, or where the user set the allocator's environment (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
-MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES): theirs wins.
+The cost: a process keeps the memory of its busiest call until protobuf trims it.
+
+A training node wants the opposite (`hand_back_freed_memory`): it runs for days, and each round's tensors come in
+sizes that change with the sampled lengths. With glibc's defaults the mmap threshold rises to the largest block
+freed (up to 32 MiB), so from the first round on almost every tensor is carved out of the heap, and the holes that
+the next round's differently sized tensors do not fit only grow: a SmolLM2 node's resident memory grew by about
+600 MB a round (2.8, 4.2, 5.0 GB after its first three rounds) with nothing of its own kept. A fixed threshold of
+256 KiB gives every tensor beyond it a mapping of its own, handed back when it is freed: the same node stays at
+2.7 GB after every round (benchmarks/node_memory.py measures it over an hour).
+
+Nothing is done where the C library is not glibc, or where the user set the allocator's environment
+(MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES): theirs wins.
 """
 
 from __future__ import annotations
@@ -40,10 +49,24 @@ USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRE
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
+HAND_BACK_THRESHOLD_BYTES = 256 * 2**10  # blocks beyond it are mappings of their own, unmapped when freed
+HAND_BACK_SETTINGS = ((M_MMAP_THRESHOLD, HAND_BACK_THRESHOLD_BYTES),)
+
 
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep freed memory for reuse (module docstring). Call it before the process starts its
     threads: the arena limit applies to arenas not yet created. Returns whether the settings were applied."""
+    return _apply(SETTINGS, "freed memory may still go back to the system between calls")
+
+
+def hand_back_freed_memory() -> bool:
+    """Set glibc's malloc to hand every block beyond 256 KiB back to the system when it is freed, so that a
+    long-running trainer's resident memory does not grow with the heap's holes (module docstring). Call it before
+    the model loads. Returns whether the setting was applied."""
+    return _apply(HAND_BACK_SETTINGS, "a long run's resident memory may grow with the heap's holes")
+
+
+def _apply(settings: tuple[tuple[int, int], ...], otherwise: str) -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
     user = [name for name in USER_SETTINGS if name in os.environ]
@@ -51,7 +74,7 @@ def keep_freed_memory() -> bool:
         log.info("allocator left as the environment sets it (%s)", ", ".join(user))
         return False
     libc = ctypes.CDLL(None)  # the process's own C library: glibc here
-    applied = all(libc.mallopt(parameter, value) == 1 for parameter, value in SETTINGS)  # mallopt: 1 on success
+    applied = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)  # mallopt: 1 on success
     if not applied:
-        log.warning("glibc refused a malloc setting; freed memory may still go back to the system between calls")
+        log.warning("glibc refused a malloc setting; %s", otherwise)
     return applied

@@ -24,6 +24,7 @@ import torch
 from node.config import ConfigError, NodeConfig, dump_config
 from node.device import describe_device, model_device
 from node.files import atomic_write_text
+from node.host_memory import hand_back_freed_memory
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
@@ -111,6 +112,7 @@ class Node:
 
     def load(self, fresh: bool = False, progress: bool | None = None) -> None:
         """Resume from the state dir when it holds a checkpoint, else start from the initial policy."""
+        hand_back_freed_memory()  # before the model loads: a node that trains for days must not grow with its heap
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         if fresh:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import TrainerConfig
+from node.config import ConfigError, TrainerConfig
 from node.device import model_device
 from node.rollouts.base import Completion, RolloutGroup, is_uniform
 from protocol import TaskSpec
@@ -136,9 +136,18 @@ def completion_logprobs(
 
     Sequences are right-padded with positions 0..n-1, the same positions the sampler used. The
     batch is laid out on the CPU and moved once (a copy per tensor, not one per row).
+
+    Each log-prob is the sampled token's scaled logit less the logsumexp of its position: no
+    [batch, tokens, vocab] log-distribution is kept for the backward (with a 49k vocabulary that tensor,
+    not the weights, is what a micro-batch holds). share_prompts: as completion_distributions.
     """
-    targets, _, mask = completion_distributions(model, rows, pad_id, temperature, share_prompts)
-    return targets, mask
+    scored = _scored_forward(model, rows, pad_id, share_prompts)
+    scaled = scored.logits.float() / temperature
+    del scored.logits  # the model's output is not needed by the backward of a division: free it now
+    at = (scored.sequence_of[:, None], scored.scored_at)
+    picked = scaled[(*at, scored.token_ids)]
+    normaliser = torch.logsumexp(scaled, dim=-1)[at]
+    return (picked - normaliser).masked_fill(~scored.mask, 0.0), scored.mask
 
 
 def completion_distributions(
@@ -149,37 +158,63 @@ def completion_distributions(
     share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """completion_logprobs, and the whole next-token log-distribution at each completion position: (log-probs
-    [batch, max_completion], log-distributions [batch, max_completion, vocab], mask), from one forward.
+    [batch, max_completion], log-distributions [batch, max_completion, vocab], mask), from one forward. Only
+    distillation needs the distributions; everything else asks completion_logprobs, which keeps none.
 
     share_prompts: rows with the same prompt go through the model as one sequence, the prompt once and each
     completion after it, a completion seeing the prompt and itself only (a 4-D attention mask; positions restart
     after the prompt for each). The same log-probs as one row each, for a fraction of the positions: a group's 8
     completions repeat its prompt, which is most of a row. Needs a model that takes a 4-D boolean mask
     (transformers' sdpa and eager attention; see prompt_sharing_supported)."""
+    scored = _scored_forward(model, rows, pad_id, share_prompts)
+    logprobs = torch.log_softmax(scored.logits.float() / temperature, dim=-1)
+    distributions = logprobs[scored.sequence_of[:, None], scored.scored_at]  # [rows, max_completion, vocab]
+    targets = distributions.gather(-1, scored.token_ids[..., None]).squeeze(-1)
+    return targets.masked_fill(~scored.mask, 0.0), distributions, scored.mask
+
+
+@dataclass
+class _ScoredForward:
+    """One forward over a micro-batch, and where in it each completion token is scored."""
+
+    logits: torch.Tensor
+    """[sequences, width, vocab]: one sequence a row, or with shared prompts one a prompt and its completions."""
+    sequence_of: torch.Tensor
+    """[rows]: the sequence whose logits score row i."""
+    scored_at: torch.Tensor
+    """[rows, max_completion]: the position whose logits score completion token j of row i (0 past its end)."""
+    token_ids: torch.Tensor
+    """[rows, max_completion]: completion token j of row i (0 past its end)."""
+    mask: torch.Tensor
+    """[rows, max_completion]: whether token j of row i exists."""
+
+
+def _scored_forward(
+    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, share_prompts: bool
+) -> _ScoredForward:
     if share_prompts:
-        return _shared_prompt_distributions(model, rows, temperature)
+        return _shared_prompt_forward(model, rows)
     device = model_device(model)
     seqs = [prompt + completion for prompt, completion in rows]
     width = max(map(len, seqs))
     max_completion = max(len(c) for _, c in rows)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    # where completion token j of row i is scored: targets[i, len(prompt) - 1 + j] (0 past its end, masked)
+    # completion token j of row i is scored by the logits at the position before it: len(prompt) - 1 + j
     scored_at = torch.zeros((len(rows), max_completion), dtype=torch.long)
+    token_ids = torch.zeros((len(rows), max_completion), dtype=torch.long)
     mask = torch.zeros((len(rows), max_completion), dtype=torch.bool)
     for i, (prompt, completion) in enumerate(rows):
         input_ids[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
         attention_mask[i, : len(seqs[i])] = 1
         scored_at[i, : len(completion)] = torch.arange(len(prompt) - 1, len(seqs[i]) - 1)
+        token_ids[i, : len(completion)] = torch.tensor(completion, dtype=torch.long)
         mask[i, : len(completion)] = True
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    scored_at, mask = scored_at.to(device), mask.to(device)
     position_ids = torch.arange(width, device=device).expand(len(seqs), width)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    targets = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # targets[:, j] scores token j+1
-    distributions = logprobs.gather(1, scored_at[..., None].expand(-1, -1, logprobs.size(-1)))
-    return targets.gather(1, scored_at).masked_fill(~mask, 0.0), distributions, mask
+    sequence_of = torch.arange(len(rows), device=device)
+    return _ScoredForward(logits, sequence_of, scored_at.to(device), token_ids.to(device), mask.to(device))
 
 
 def _prompt_packs(rows: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
@@ -190,9 +225,7 @@ def _prompt_packs(rows: list[tuple[list[int], list[int]]]) -> list[tuple[list[in
     return [(list(prompt), indices) for prompt, indices in packs.items()]
 
 
-def _shared_prompt_distributions(
-    model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shared_prompt_forward(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]]) -> _ScoredForward:
     device = model_device(model)
     packs = _prompt_packs(rows)
     lengths = [len(prompt) + sum(len(rows[i][1]) for i in indices) for prompt, indices in packs]
@@ -229,13 +262,27 @@ def _shared_prompt_distributions(
         padding = torch.arange(start, width)
         allowed[p, padding, padding] = True  # a pad sees itself: no row of the mask is empty
     input_ids, position_ids, allowed = input_ids.to(device), position_ids.to(device), allowed.to(device)
-    pack_of, scored_at = pack_of.to(device), scored_at.to(device)
-    token_ids, mask = token_ids.to(device), mask.to(device)
     logits = model(input_ids=input_ids, attention_mask=allowed[:, None], position_ids=position_ids).logits
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    distributions = logprobs[pack_of[:, None], scored_at]  # [rows, max_completion, vocab]
-    targets = distributions.gather(-1, token_ids[..., None]).squeeze(-1)
-    return targets.masked_fill(~mask, 0.0), distributions, mask
+    return _ScoredForward(logits, pack_of.to(device), scored_at.to(device), token_ids.to(device), mask.to(device))
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Keep only each decoder layer's input for the backward and recompute the rest (transformers' own checkpointing,
+    non-reentrant): one more forward per micro-batch for most of the activations' memory. Only in training mode:
+    sampling and no-grad forwards run as before. A model that cannot (a pipeline's remote model, whose stage servers
+    hold the activations) is refused in one line."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not model.supports_gradient_checkpointing:
+        raise ConfigError(
+            f"trainer.gradient_checkpointing: {type(model).__name__} does not support it (a transformers model in this "
+            "process does; a pipeline's stages keep their own activations)"
+        )
+    # transformers 5.24 renamed it (the old name warns, and goes in v6); 4.57 knows only the old one
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def prompt_sharing_supported(model: torch.nn.Module) -> bool:
@@ -424,6 +471,8 @@ class GRPOTrainer:
         )
         # one forward per prompt rather than per completion, where the model takes the mask that needs
         self.share_prompts = config.share_prompt_forward and prompt_sharing_supported(model)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.reference = None
         if config.kl_beta > 0:  # a copy of the policy, on the policy's device (a deep copy stays where it is)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -597,9 +646,15 @@ class GRPOTrainer:
             for k, (share, batch) in enumerate(batches):
                 pairs = [row.pair for row in batch]
                 positions_here = padded_positions(pairs, self.share_prompts)
-                logprobs, distributions, mask = completion_distributions(
-                    self.model, pairs, self.pad_id, self.temperature, self.share_prompts
-                )
+                distributions = None  # the whole vocabulary's, only where a row is distilled
+                if any(row.teacher is not None for row in batch):
+                    logprobs, distributions, mask = completion_distributions(
+                        self.model, pairs, self.pad_id, self.temperature, self.share_prompts
+                    )
+                else:
+                    logprobs, mask = completion_logprobs(
+                        self.model, pairs, self.pad_id, self.temperature, self.share_prompts
+                    )
                 stats.train_tokens += positions_here
                 stats.train_calls += 1
                 if frozen is not None:

@@ -1,4 +1,5 @@
-"""node/host_memory.py: glibc's malloc set to keep what torch frees (one arena, large blocks from the heap).
+"""node/host_memory.py: glibc's malloc set to keep what torch frees (one arena, large blocks from the heap), or to hand
+back every large block when it is freed (a fixed mmap threshold).
 
 Each case runs in a fresh interpreter, since the settings are process-wide and the arena limit applies to arenas not
 yet created. The probe allocates (and touches) an 8 MiB block in each of three threads and reads glibc's own account
@@ -24,11 +25,17 @@ applied = None
 if sys.argv[2] == "keep":
     from node.host_memory import keep_freed_memory
     applied = keep_freed_memory()
+if sys.argv[2] == "hand_back":
+    from node.host_memory import hand_back_freed_memory
+    applied = hand_back_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
 libc.malloc_info.argtypes, libc.fflush.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
 BLOCK = 8 * 2**20
+if len(sys.argv) > 3 and sys.argv[3] == "after_a_free":  # glibc's dynamic threshold rises to a freed mapping's size
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(BLOCK))
 held = []
 def allocate():
     block = libc.malloc(BLOCK)
@@ -52,10 +59,10 @@ BLOCK = 8 * 2**20
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc is what is being set")
 
 
-def probe(mode: str, env: dict[str, str] | None = None) -> dict:
+def probe(mode: str, env: dict[str, str] | None = None, before: str = "") -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(REPO), mode],
+        [sys.executable, "-c", PROBE, str(REPO), mode, before],
         env={**clean, **(env or {})},
         capture_output=True,
         text=True,
@@ -80,3 +87,12 @@ def test_an_allocator_the_user_set_in_the_environment_is_left_alone():
     kept = probe("keep", {"MALLOC_ARENA_MAX": "4"})
     assert kept["applied"] is False
     assert kept["mapped_bytes"] >= 3 * BLOCK  # glibc's own mmap threshold still applies
+
+
+def test_handed_back_memory_keeps_large_blocks_in_mappings_of_their_own_after_one_is_freed():
+    """The growth a training node saw: once an 8 MiB mapping is freed, glibc serves the next 8 MiB blocks from the
+    heap (whose holes are never handed back); with the threshold fixed they stay mappings, unmapped when freed."""
+    default, handed_back = probe("default", before="after_a_free"), probe("hand_back", before="after_a_free")
+    assert default["mapped_bytes"] < BLOCK  # the control: the heap took them
+    assert handed_back["applied"] is True
+    assert handed_back["mapped_bytes"] >= 3 * BLOCK

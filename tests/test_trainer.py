@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -665,6 +666,33 @@ def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tin
         tiny_policy.config._attn_implementation = "sdpa"
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_log_probs_without_the_distributions_are_the_same_numbers_and_gradients(tiny_policy, share_prompts):
+    """completion_logprobs (the scaled logit less its logsumexp, no vocabulary-wide tensor kept) against the token's
+    entry in log_softmax's distribution: equal values and equal gradients of a loss on them."""
+    from node.trainer import completion_distributions
+
+    rows = [([3, 4], [5, 1]), ([6], [7, 8, 9, 1]), ([3, 4], [10, 1]), ([6], [2])]
+    weights = torch.linspace(-1.0, 1.0, 4)[:, None]
+    results = []
+    for compute in ("logprobs", "distributions"):
+        tiny_policy.zero_grad(set_to_none=True)
+        if compute == "logprobs":
+            logprobs, mask = completion_logprobs(tiny_policy, rows, 0, 0.7, share_prompts)
+        else:
+            logprobs, _, mask = completion_distributions(tiny_policy, rows, 0, 0.7, share_prompts)
+        (logprobs * weights * mask).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in tiny_policy.parameters() if p.grad is not None])
+        results.append((logprobs.detach(), mask, grads))
+    (lean, lean_mask, lean_grads), (full, full_mask, full_grads) = results
+    assert torch.equal(lean_mask, full_mask)
+    assert torch.allclose(lean, full, atol=1e-5)
+    assert (lean[lean_mask] < 0).all()  # real log-probs, not zeros
+    assert torch.allclose(lean_grads, full_grads, atol=1e-5, rtol=1e-4)
+    assert lean_grads.abs().sum() > 0
+    tiny_policy.zero_grad(set_to_none=True)
+
+
 def test_a_peers_wrong_answers_can_stay_out_of_the_policy_term(tiny_policy):
     """trainer.off_policy_negatives false: a peer's completions below its group's mean are not trained on; the node's
     own keep both signs. By hand: the peer's group [right, wrong] leaves its right answer alone (advantage +A), the own
@@ -730,3 +758,39 @@ def test_the_kl_anchor_applies_to_the_named_specialties_only(tiny_policy):
     # a batch with no anchored row runs no reference forward and takes the plain step
     alone, positions = _kl_gradient(tiny_policy, [first], 1.0, frozenset({specialty_key(second.spec)}))
     assert positions == 0 and torch.allclose(alone, _kl_gradient(tiny_policy, [first], 0.0, None)[0], atol=1e-7)
+
+
+def test_gradient_checkpointing_steps_to_the_same_weights_and_is_refused_where_it_cannot_apply(tiny_policy):
+    """trainer.gradient_checkpointing recomputes the layers' activations in the backward: the same step to the last
+    bit of float32 noise, with the checkpointing really on in training mode; a model that is not a transformers one
+    (a pipeline's remote model) is refused in one line."""
+    from node.config import ConfigError
+
+    prompt = [3, 4, 5]
+    rows = [[8, 9, 1], [10, 11, 1], [12, 1]]
+    with torch.no_grad():
+        behaviour, _ = completion_logprobs(tiny_policy, [(prompt, c) for c in rows], 0, 1.0)
+    completions = [_completion(prompt, c, logprobs=behaviour[i, : len(c)].tolist()) for i, c in enumerate(rows)]
+    start = copy.deepcopy(tiny_policy.state_dict())
+    stepped = {}
+    for checkpointing in (False, True):
+        model = copy.deepcopy(tiny_policy)
+        model.load_state_dict(start)
+        trainer = GRPOTrainer(
+            TrainerConfig(lr=1e-2, micro_batch_size=2, gradient_checkpointing=checkpointing), model, 0, 1.0
+        )
+        on = model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else None
+        assert on == checkpointing or on is None and model.is_gradient_checkpointing == checkpointing
+        trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0, 0.5])])
+        stepped[checkpointing] = model.state_dict()
+    for name, tensor in stepped[False].items():
+        assert torch.allclose(tensor, stepped[True][name], atol=1e-6), name
+    assert any(not torch.equal(stepped[True][name], start[name]) for name in start)
+
+    class RemoteModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    with pytest.raises(ConfigError, match="gradient_checkpointing: RemoteModel does not support it"):
+        GRPOTrainer(TrainerConfig(gradient_checkpointing=True), RemoteModel(), 0, 1.0)
