@@ -2,7 +2,8 @@
 and the split of a round's time into generation / scoring / update.
 
 Same model (the config's; the default), same prompts, same batch, temperature, top-p and max_new_tokens;
-tokens counted up to and including the end-of-sequence token. Alternates the two engines
+tokens counted up to and including the end-of-sequence token. Our sampler runs twice: as the node runs it (rows that
+ended leave the batch) and keeping every row to the batch's end, as model.generate does. Alternates the engines
 over --repeats runs and reports medians. Then the trainer's update on one round's groups with each
 prompt once against each completion with its prompt (--update-repeats). Ends with one JSON line.
 
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.files import append_json_line  # noqa: E402
 from node.loop import Node  # noqa: E402
-from node.rollouts.transformers_backend import left_pad  # noqa: E402
+from node.rollouts.transformers_backend import TransformersBackend, left_pad  # noqa: E402
 from node.trainer import GRPOTrainer  # noqa: E402
 
 
@@ -83,7 +84,9 @@ def main() -> None:
         rollout = config.rollout
         questions = node.tasks.batch(0, config.swarm.local_questions)
         prompts = [node.tasks.prompt(q) for q in questions]
-        ours, theirs = [], []
+        ours, theirs, kept = [], [], []  # kept: our sampler with every row in the batch to its end
+        keep_rows = rollout.model_copy(update={"drop_finished_rows": False})
+        keeping = TransformersBackend(keep_rows, node.model, node.tokenizer)
         node.backend.generate(prompts, rollout.completions_per_question, seed=-1 % 2**31)  # warm-up, untimed
         with torch.no_grad():
             generate_tokens_hf(
@@ -107,6 +110,9 @@ def main() -> None:
             # each row's first token comes from the prefill's logits, every later one from a decoding forward's row
             ours_steps.append((node.backend.work.since(before).decode_tokens + rows_per_batch) / seconds)
             start = time.perf_counter()
+            groups = keeping.generate(prompts, rollout.completions_per_question, seed=repeat)
+            kept.append(sum(len(c.completion_ids) for g in groups for c in g) / (time.perf_counter() - start))
+            start = time.perf_counter()
             with torch.no_grad():
                 tokens, steps = generate_tokens_hf(
                     node.model,
@@ -121,12 +127,13 @@ def main() -> None:
             seconds = time.perf_counter() - start
             theirs.append(tokens / seconds)
             theirs_steps.append(rows_per_batch * steps / seconds)
-        ours_tps, hf_tps = statistics.median(ours), statistics.median(theirs)
+        ours_tps, hf_tps, kept_tps = statistics.median(ours), statistics.median(theirs), statistics.median(kept)
         ours_sps, hf_sps = statistics.median(ours_steps), statistics.median(theirs_steps)
         print(
             f"backend tokens/s {ours_tps:.0f}, model.generate tokens/s {hf_tps:.0f}, ratio {ours_tps / hf_tps:.2f} "
             f"(batch {len(prompts)}x{rollout.completions_per_question}, max_new_tokens {rollout.max_new_tokens}); "
-            f"row-steps/s {ours_sps:.0f} vs {hf_sps:.0f}, ratio {ours_sps / hf_sps:.2f}"
+            f"row-steps/s {ours_sps:.0f} vs {hf_sps:.0f}, ratio {ours_sps / hf_sps:.2f}; "
+            f"keeping every row to the batch's end {kept_tps:.0f} tokens/s (ratio {kept_tps / hf_tps:.2f})"
         )
 
         update = update_cost(node, questions, args.update_repeats) if args.update_repeats else None
@@ -151,6 +158,8 @@ def main() -> None:
         "backend_tokens_per_s": ours_tps,
         "generate_tokens_per_s": hf_tps,
         "ratio_backend_vs_generate": ours_tps / hf_tps,
+        "backend_keeping_rows_tokens_per_s": kept_tps,
+        "ratio_keeping_rows_vs_generate": kept_tps / hf_tps,
         # a batch decodes until its longest row ends: rows x steps a second compares the engines' pace when the two
         # sample different lengths (tokens/s counts only the tokens before each row's end)
         "backend_row_steps_per_s": ours_sps,

@@ -188,6 +188,11 @@ class RolloutConfig(_Section):
     """Prefill each distinct prompt of a generation batch once and copy its KV cache to its completions' rows (a
     group's n completions share one prompt): the same completions for 1/n of the prefill. transformers models whose
     forward fills a cache object given to it (5.24 on); others prefill every row."""
+    drop_finished_rows: bool = True
+    """Take the rows that have ended out of the decoding batch (their KV cache with them) once a quarter of those
+    still in it have: a batch's completions end at very different lengths (a pretrained model's median can be a
+    tenth of its longest), and every row left in costs a full row of each later step. transformers models only (a
+    pipeline's remote sessions cannot drop rows); the completions' distribution is the same either way."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of GPU memory vLLM may take (vllm backend only)."""
 

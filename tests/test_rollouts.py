@@ -1,3 +1,4 @@
+import copy
 import warnings
 
 import pytest
@@ -48,6 +49,55 @@ def test_batching_does_not_change_greedy_output(tiny_config):
     )
     alone = small.generate(prompts, 1, seed=0, greedy=True)
     assert [g[0].completion_ids for g in together] == [g[0].completion_ids for g in alone]
+
+
+class EndsAt:
+    """The node's tokenizer with another token as its end of sequence: an untrained model never emits its own."""
+
+    def __init__(self, tokenizer, eos_token_id: int):
+        self.tokenizer, self.eos_token_id, self.pad_token_id = tokenizer, eos_token_id, tokenizer.pad_token_id
+
+    def encode(self, *args, **kwargs):
+        return self.tokenizer.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+def test_rows_that_ended_leave_the_batch_without_changing_any_completion(tiny_config):
+    """rollout.drop_finished_rows: the same greedy completions and log-probs as a batch that keeps every row to the
+    end, for fewer row-steps. The tiny model's weights are shaken so that its greedy rows differ (untrained, it repeats
+    one token), and the end of sequence is a token they emit at different steps."""
+    node = Node(tiny_config("rollout.max_new_tokens=8"))
+    node.load()
+    prompts = [node.tasks.prompt(q) for q in node.tasks.batch(0, 12)]
+    model = copy.deepcopy(node.model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+
+    def greedy(drop: bool, tokenizer):
+        settings = node.config.rollout.model_copy(update={"drop_finished_rows": drop})
+        backend = TransformersBackend(settings, model, tokenizer)
+        return [g[0] for g in backend.generate(prompts, 1, seed=0, greedy=True)], backend.work.decode_tokens
+
+    plain, _ = greedy(False, node.tokenizer)
+    ends = {
+        token: {row.completion_ids.index(token) if token in row.completion_ids else 8 for row in plain}
+        for row in plain
+        for token in row.completion_ids
+    }
+    eos = max(ends, key=lambda token: len(ends[token]))  # the token whose first step varies most between rows
+    assert len(ends[eos]) > 2  # the premise: rows end at three different steps at least
+    tokenizer = EndsAt(node.tokenizer, eos)
+    (dropped, dropped_steps), (kept, kept_steps) = greedy(True, tokenizer), greedy(False, tokenizer)
+    assert len({len(c.completion_ids) for c in kept}) > 2
+    assert [c.completion_ids for c in dropped] == [c.completion_ids for c in kept]
+    for one, other in zip(dropped, kept):
+        assert one.finish_reason == other.finish_reason
+        assert torch.allclose(torch.tensor(one.logprobs), torch.tensor(other.logprobs), atol=1e-5)
+    assert dropped_steps < kept_steps
 
 
 def test_generation_warns_nothing(tiny_config):

@@ -129,20 +129,32 @@ class TransformersBackend(RolloutBackend):
             out.logits = out.logits[expand]
             attention_mask, position_ids = attention_mask[expand], position_ids[expand]
         next_position = position_ids[:, -1:] + 1
+        # rows of the batch still in the forward: those that ended leave it, with their cache, once a quarter have
+        in_forward = torch.arange(batch, device=device)
+        droppable = self.config.drop_finished_rows and isinstance(self.model, PreTrainedModel)
         for t in range(self.config.max_new_tokens):
             tokens, logprobs = sample_next(
                 out.logits[:, -1, :], self.config.temperature, self.config.top_p, generator, greedy
             )
             tokens = tokens.masked_fill(finished, pad_id)
-            tokens_out[:, t] = tokens
-            logprobs_out[:, t] = logprobs
-            lengths += (~finished).long()
+            tokens_out[in_forward, t] = tokens
+            logprobs_out[in_forward, t] = logprobs
+            lengths[in_forward] += (~finished).long()
             finished |= tokens == eos_id
-            if finished.all() or t + 1 == self.config.max_new_tokens:
+            ended = int(finished.sum())  # one sync a step, as the check below always made
+            if ended == len(in_forward) or t + 1 == self.config.max_new_tokens:
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
             if not fills_in_place:
                 cache = {"past_key_values": out.past_key_values}
+            if droppable and 4 * ended >= len(in_forward):
+                keep = (~finished).nonzero().squeeze(-1)
+                (cache["cache"] if fills_in_place else cache["past_key_values"]).reorder_cache(keep)
+                in_forward, tokens, finished = in_forward[keep], tokens[keep], finished[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+            rows_now = len(in_forward)
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones((rows_now, 1), dtype=torch.long, device=device)], dim=1
+            )
             out = self.model(
                 input_ids=tokens[:, None],
                 attention_mask=attention_mask,
@@ -150,7 +162,7 @@ class TransformersBackend(RolloutBackend):
                 use_cache=True,
                 **cache,
             )
-            self.work.decode_tokens += batch
+            self.work.decode_tokens += rows_now
             self.work.decode_steps += 1
             next_position = next_position + 1
         if was_training:
