@@ -49,9 +49,10 @@ def relative_distance(local: dict[str, torch.Tensor], received: dict[str, torch.
     received weights arrive there, and ours may be on a GPU)."""
     diff_sq = local_sq = 0.0
     for name, mine in local.items():
-        mine64 = mine.detach().to(HOST, torch.float64)
-        diff_sq += float((received[name].detach().to(HOST, torch.float64) - mine64).square().sum())
-        local_sq += float(mine64.square().sum())
+        mine = mine.detach().to(HOST)
+        # the norms accumulate in float64 (no overflow, no lost small terms) without a float64 copy of each tensor
+        diff_sq += float(torch.linalg.vector_norm(received[name].detach() - mine, dtype=torch.float64)) ** 2
+        local_sq += float(torch.linalg.vector_norm(mine, dtype=torch.float64)) ** 2
     return math.sqrt(diff_sq) / (math.sqrt(local_sq) + 1e-12)
 
 
@@ -73,9 +74,13 @@ def validate_partner_weights(
             )
         if theirs.dtype != mine.dtype:
             raise WeightsRefused(WeightsRefusal.WRONG_DTYPE, f"{name}: {theirs.dtype} instead of {mine.dtype}")
-    for name, theirs in received.items():
-        if not bool(torch.isfinite(theirs).all()):
-            raise WeightsRefused(WeightsRefusal.NOT_FINITE, name)
+    # a NaN or an infinity anywhere makes the distance non-finite (float64 norms of float32 values never overflow):
+    # only then are the tensors searched one by one for the first that holds one, to name it
     distance = relative_distance(local, received)
+    if not math.isfinite(distance):
+        culprit = next(
+            (name for name, theirs in received.items() if not bool(torch.isfinite(theirs).all())), "(our own weights)"
+        )
+        raise WeightsRefused(WeightsRefusal.NOT_FINITE, culprit)
     if not distance <= max_relative_distance:
         raise WeightsRefused(WeightsRefusal.TOO_FAR, f"relative distance {distance:.4g} > {max_relative_distance:.4g}")
