@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install smollm2 run-smollm2 browser netlab run test test-slow test-container lint bench gpu-wheels clean
+.PHONY: install smollm2 run-smollm2 browser netlab run test test-fast test-slow test-container lint bench gpu-wheels clean
 
 install: $(STAMP) browser netlab
 
@@ -49,6 +49,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The default suite less the tests marked `integration` (tests/conftest.py says what those start); it needs neither
+# Chromium nor iptables, so only the venv.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow and not integration'
 
 lint: install
 	$(BIN)/python -m ruff check node protocol tests benchmarks docs

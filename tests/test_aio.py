@@ -12,10 +12,12 @@ from node.aio import cancel_and_wait, gather_or_cancel, run_supervised
 def test_a_loop_that_swallows_a_cancellation_still_ends():
     async def scenario():
         swallowed = []
+        looping = asyncio.Event()
 
         async def stubborn_loop():  # swallows its first cancellation, as 3.11's wait_for can
             while True:
                 try:
+                    looping.set()
                     await asyncio.sleep(0.01)
                 except asyncio.CancelledError:
                     if swallowed:
@@ -23,7 +25,7 @@ def test_a_loop_that_swallows_a_cancellation_still_ends():
                     swallowed.append(True)
 
         task = asyncio.create_task(stubborn_loop())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(looping.wait(), 60)  # a task cancelled before it ran swallows nothing
         await cancel_and_wait([task], "test")
         assert swallowed and task.cancelled()
 
@@ -74,8 +76,10 @@ def test_a_task_that_never_ends_is_left_with_a_warning(caplog):
     asyncio.run(scenario())
 
 
-async def work_that_records_its_cancellation(cancelled: list) -> None:
+async def work_that_records_its_cancellation(cancelled: list, started: asyncio.Event | None = None) -> None:
     try:
+        if started is not None:
+            started.set()
         await asyncio.sleep(60)
     except asyncio.CancelledError:
         cancelled.append(True)
@@ -113,10 +117,11 @@ def test_supervised_work_returns_its_result_and_is_cancelled_with_its_caller():
         assert not task.done()  # the services are the caller's to stop
 
         cancelled = []
-        work = functools.partial(work_that_records_its_cancellation, cancelled)
+        started = asyncio.Event()
+        work = functools.partial(work_that_records_its_cancellation, cancelled, started)
 
         caller = asyncio.create_task(run_supervised(work(), [task], "driver"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), 60)  # work cancelled before it ran would record nothing
         caller.cancel()
         try:
             await caller

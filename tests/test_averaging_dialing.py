@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from node.averaging.exchange import WeightExchange, refused_by_dial_backoff
@@ -125,6 +126,7 @@ def test_a_call_refused_by_dial_backoff_waits_for_it_and_is_not_a_failed_exchang
     asyncio.run(scenario())
 
 
+@pytest.mark.integration
 def test_a_partner_whose_first_dial_failed_is_called_again_after_the_backoff(tmp_path, monkeypatch):
     """The caller's first dial fails; it calls again once the backoff has passed (one more dial, which connects)
     and the pair averages. The partner's patience outlasts the round: only the caller's retry can pair them.
@@ -184,6 +186,7 @@ def test_a_failed_dial_keeps_what_the_first_stream_request_was_told(monkeypatch)
         raise AssertionError("open_stream reached a peer it cannot reach")
 
 
+@pytest.mark.integration
 def test_a_partner_that_has_not_started_the_round_is_called_once_per_poll(tmp_path):
     """A partner announced "free" for the round but not in it yet answers NOT_READY. The caller tries it again
     at most about once per poll interval: before, each refused call woke the matchmaker, which called again at

@@ -21,6 +21,8 @@ from node.averaging.exchange import Frame, WeightExchange
 from node.transport.joining import shutdown_dht
 from tests.helpers.averaging import assert_untouched, averagers, ordered_identities, snapshot, swarm, weights
 
+pytestmark = pytest.mark.integration
+
 
 class Fault(enum.Enum):
     NAN = "nan"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
 
 from node.averaging.outer import float_parameters
@@ -13,6 +14,8 @@ from node.config import load_config
 from node.loop import Node
 from tests.helpers.common import REPO
 from tests.helpers.swarm import SWARM_OVERRIDES
+
+pytestmark = pytest.mark.integration
 
 
 def test_two_nodes_apply_the_noloco_rule(model_cache, tmp_path):

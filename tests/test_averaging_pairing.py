@@ -28,7 +28,9 @@ from tests.helpers.averaging import (
     writer_losing_done_announcements,
     writer_slow_to_announce_done,
 )
-from tests.helpers.swarm import SWARM_OVERRIDES
+from tests.helpers.swarm import SWARM_OVERRIDES, wait_for_async
+
+pytestmark = pytest.mark.integration
 
 
 def test_two_peers_get_exactly_the_mean_fp32():
@@ -261,8 +263,9 @@ def test_different_fingerprints_are_never_paired():
 
             from node.transport.framing import open_stream
 
-            other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=1.5))
-            await asyncio.sleep(0.3)
+            # alone in its round, x1 keeps it open to the timeout: long enough to be seen open on a loaded machine
+            other_round = asyncio.create_task(x1.average(thetas[0], 1, timeout=5))
+            await wait_for_async(lambda: x1.exchange.round is not None, 10, "x1's round to open")
             with pytest.raises((P2PDaemonError, P2PHandlerError)):
                 await open_stream(nodes[2].p2p, x1.peer_id, [], other.exchange.handler_name, 5)
             assert await other_round is None
@@ -277,8 +280,8 @@ def test_average_requires_start_and_rounds_do_not_overlap():
             with pytest.raises(RuntimeError, match="start"):
                 await idle.average(weights(0), 0, timeout=1)
             async with averagers(nodes) as (alone,):
-                first = asyncio.create_task(alone.average(weights(0), 0, timeout=1.5))
-                await asyncio.sleep(0.2)
+                first = asyncio.create_task(alone.average(weights(0), 0, timeout=5))
+                await wait_for_async(lambda: alone.exchange.round is not None, 10, "the first round to open")
                 with pytest.raises(RuntimeError, match="already running"):
                     await alone.average(weights(0), 0, timeout=1)
                 assert await first is None  # alone in the swarm: skipped at the timeout

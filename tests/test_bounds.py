@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from node.stats import MAX_TRACKED_PEERS, LogThrottle, RecordRefusals, SwarmStats
 from node.transport.batches import MAX_SENDERS_REMEMBERED, SEEN_PER_SENDER, SeenEnvelopes
 from protocol import ProtocolRejection, Refusal
@@ -160,6 +162,7 @@ def test_gossip_receive_buffer_stays_bounded():
     assert len(gossip._dropped_since_drain) == 0 and list(gossip._inbox) == ["topic"]
 
 
+@pytest.mark.integration
 def test_gossip_peerstore_stays_bounded_under_a_flood_of_advertised_peers():
     """Heartbeats of throwaway ids each advertising a gossip address: every dial fails (nothing listens),
     one call dials at most MAX_DIALS_PER_CONNECT of them, and what the host remembers stays at
@@ -222,8 +225,6 @@ def test_averaging_round_memories_stay_bounded():
 
 
 def test_a_bounded_dict_forgets_the_least_recently_set_first():
-    import pytest
-
     from protocol.bounded import BoundedDict
 
     seen: BoundedDict[str, int] = BoundedDict(3)

@@ -11,6 +11,8 @@ import pytest
 from node.config import dump_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 
+pytestmark = pytest.mark.integration
+
 REQUIRED_KEYS = {"round", "reward_mean", "accuracy", "tokens_per_s", "step_s", "policy_version"}
 
 

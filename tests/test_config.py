@@ -65,6 +65,7 @@ def test_malformed_override_and_missing_file():
         load_config(REPO / "configs" / "nope.yaml")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "args",
     [

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from node.config import load_config
 from node.stats import SwarmStats
 from node.transport.batches import BatchReceiver
@@ -89,6 +91,7 @@ def test_a_flood_is_decoded_up_to_the_budget_and_the_rest_counted():
 # --- a node next to a crowd of 64 -----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_node_next_to_a_crowd_of_64_reads_and_rescores_a_bounded_amount_and_lists_everyone(model_cache, tmp_path):
     from benchmarks.crowd import Crowd, list_peers
     from node.dashboard.sources import read_peer_rows

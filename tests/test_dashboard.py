@@ -186,6 +186,7 @@ def test_shipped_page_loads_nothing_from_elsewhere():
 # a live swarm in a real browser -------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_browser_renders_peers_and_curves_of_a_live_swarm(evaluating_swarm_yaml, tmp_path, cli_env):
     first = SwarmProcess(
         evaluating_swarm_yaml,

@@ -9,6 +9,7 @@ import logging
 import time
 
 import msgpack
+import pytest
 
 from node.stats import RecordRefusals
 from node.transport.records import RECORD_TTL_S, RecordWriter, SwarmRecordValidator, read_records
@@ -124,6 +125,7 @@ def test_refusals_are_counted_once_and_logged_once_a_minute(caplog):
     assert len([r for r in caplog.records if "refused a DHT record" in r.getMessage()]) == 1
 
 
+@pytest.mark.integration
 def test_a_node_that_skips_validation_cannot_poison_a_read():
     """Second line: a DHT node without the validator (here, hostile) holds an undecodable value and a plain value
     beside a genuine record; an honest reader still reads the genuine record, counts the bad ones, and no
@@ -236,6 +238,7 @@ async def attack(address: str, honest_id: str, seconds: float) -> dict[str, int]
     return accepted
 
 
+@pytest.mark.integration
 def test_a_record_level_attacker_cannot_blind_the_swarm(swarm_yaml, tmp_path, cli_env, nodes):  # noqa: F811 - fixtures
     honest = SwarmProcess(swarm_yaml, tmp_path / "honest", cli_env)
     nodes.append(honest)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from node.config import load_config
 from node.stats import SwarmStats
 from node.transport.dht import DHTTransport
@@ -94,6 +96,7 @@ def test_membership_remembers_only_peers_it_can_dial_and_a_bounded_number():
     assert peer_id(10 + MAX_DHT_PEERS_REMEMBERED + 9) in membership.known
 
 
+@pytest.mark.integration
 def test_peers_dropped_from_the_routing_table_are_found_again(tmp_path):
     async def scenario() -> None:
         a = await started(tmp_path, "a", [])
@@ -150,6 +153,7 @@ def stage_announcement(server: SwarmSession):
     )
 
 
+@pytest.mark.integration
 def test_a_process_without_a_rollout_transport_rejoins_by_its_membership_loop(tmp_path):
     """What `serve` and `drive` have: a session and no heartbeats. Its membership learns the others' addresses
     from the stage announcements (the source node/pipeline/commands.py registers), and its own loop brings back

@@ -7,9 +7,12 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.common import CLI_TIMEOUT_S, REPO
 
 
+@pytest.mark.integration
 def test_the_gpu_script_runs_on_the_cpu_in_its_tiny_mode(cli_env, tmp_path):
     out = tmp_path / "gpu_round.json"
     script = str(REPO / "benchmarks" / "gpu_round.py")

@@ -68,6 +68,7 @@ print(json.dumps(uplinks.sent_bytes()))
 """
 
 
+@pytest.mark.integration
 @needs_lab
 def test_each_host_s_packets_go_through_its_own_uplink_and_the_namespace_goes_after():
     with RunNamespace() as namespace:
@@ -85,6 +86,7 @@ def test_each_host_s_packets_go_through_its_own_uplink_and_the_namespace_goes_af
     assert namespace.name not in listed
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_run_s_namespace_is_known_from_inside_and_its_loopback_is_shaped_only_there():
     assert not in_own_namespace()
@@ -102,6 +104,7 @@ def test_a_run_s_namespace_is_known_from_inside_and_its_loopback_is_shaped_only_
     assert "htb" not in shaped
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_namespace_whose_run_died_is_removed_by_the_next_one():
     gone = subprocess.Popen(["true"])

@@ -88,6 +88,7 @@ def test_link_profiles_are_checked():
         Lab(2, tag="much-too-long")
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_second_lab_joined_to_the_host_is_refused_while_the_first_lives():
     """Two labs with host_link share HOST_IP and its route: the second would silently take the first's traffic. A
@@ -110,6 +111,7 @@ def test_a_second_lab_joined_to_the_host_is_refused_while_the_first_lives():
         record.unlink(missing_ok=True)
 
 
+@pytest.mark.integration
 @needs_lab
 def test_shaped_links_partitions_and_teardown(tmp_path):
     with Lab(3, host_link=False) as lab:
@@ -140,6 +142,7 @@ def test_shaped_links_partitions_and_teardown(tmp_path):
     )
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_lab_killed_with_sigkill_is_removed_by_the_next_one(tmp_path):
     script = textwrap.dedent(f"""
@@ -171,6 +174,7 @@ def test_a_lab_killed_with_sigkill_is_removed_by_the_next_one(tmp_path):
             owner.kill()
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_path, cli_env):
     """Short version of the lab's fault runs: 3 nodes, 20 Mbit/s links with 2 % loss each way; every node
@@ -250,6 +254,7 @@ def test_a_swarm_in_the_lab_trains_through_loss_and_a_kill_9(model_cache, tmp_pa
         assert all(lab.alive(i) for i in range(3))  # the lab's exit stops them and removes the namespaces
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_dead_bootstrap_peer_in_the_lab_gives_the_clear_error_after_its_retries(model_cache, tmp_path, cli_env):
     with Lab(2, host_link=False) as lab:  # node 1's address: nobody listens there
@@ -269,6 +274,7 @@ def test_a_dead_bootstrap_peer_in_the_lab_gives_the_clear_error_after_its_retrie
         assert "Traceback" not in out
 
 
+@pytest.mark.integration
 @needs_lab
 def test_noloco_pairs_form_between_namespaces(tmp_path):
     """Four averaging peers, each in its own namespace: every one must find a partner every round. A

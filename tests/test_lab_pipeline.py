@@ -34,7 +34,7 @@ from tests.helpers.swarm import read_rows, wait_for
 sys.path.insert(0, str(REPO / "benchmarks"))
 from lab import Lab, lab_unavailable  # noqa: E402
 
-pytestmark = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))]
 
 
 def node_id(tmp_path, index: int) -> str:

@@ -26,6 +26,8 @@ from protocol.pipeline import PIPELINE_VERSION, RouteHop, StageCall
 from tests.helpers.averaging import swarm
 from tests.helpers.common import REPO
 
+pytestmark = pytest.mark.integration
+
 STAGES = 3
 OVERRIDES = [
     "model.default.hidden_size=32",

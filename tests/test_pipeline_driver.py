@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
 import torch
 
 from node.config import load_config
@@ -155,6 +156,7 @@ async def stand(cfg):
             await asyncio.gather(beat, return_exceptions=True)
 
 
+@pytest.mark.integration
 def test_the_recovery_record_says_replaced_only_when_another_server_took_the_stage(tmp_path):
     """Stage 1's server goes silent until its announcement has aged out of every map, so the driver finds the stage
     lost with nobody in its map; the same server coming back is not a replacement, a new one is."""
@@ -185,6 +187,7 @@ def test_the_recovery_record_says_replaced_only_when_another_server_took_the_sta
     asyncio.run(scenario())
 
 
+@pytest.mark.integration
 def test_a_stage_that_dies_while_the_driver_waits_for_another_is_recorded_when_it_comes_back(tmp_path):
     """Stage 1 is lost; while the driver waits for it, stage 0's server goes silent too (two neighbours killed a
     moment apart). The step after both are served again records both stages, stage 0's as found while waiting."""

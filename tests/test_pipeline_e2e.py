@@ -15,6 +15,8 @@ from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.pipeline import START_S, Pipeline, assert_trains, recoveries
 from tests.helpers.swarm import read_rows, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
     """With chained calls (pipeline.direct_hops): the servers pass hidden states to each other, and a chain through a

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from node.config import dump_config, load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.swarm import read_rows, wait_for
 from tests.helpers.pipeline import START_S, Pipeline
+
+pytestmark = pytest.mark.integration
 
 GRPO_OVERRIDES = [
     "model.default.hidden_size=32",

@@ -21,6 +21,8 @@ from protocol.pipeline import PIPELINE_VERSION, PipelineFrame, StageCall
 from tests.helpers.common import REPO
 from tests.helpers.averaging import GainsARelayAddress, swarm
 
+pytestmark = pytest.mark.integration
+
 OVERRIDES = [
     "model.default.hidden_size=32",
     "model.default.num_layers=3",

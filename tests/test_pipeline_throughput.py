@@ -46,6 +46,7 @@ def run_benchmark(*args: str, timeout: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
     summary = run_benchmark("--tiny", "--stages", "2", timeout=900)
     assert summary["benchmark"] == "pipeline_throughput" and len(summary["load_average"]) == 3
@@ -112,6 +113,7 @@ def test_tiny_run_reports_every_figure_with_the_bytes_the_shapes_imply():
             assert is_whole(work["compute_faults"] * calls), (op, work, calls)
 
 
+@pytest.mark.integration
 def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_figure():
     """The wire alone: a framed echo through two real p2p daemons and through plain TCP on 127.0.0.1; the benchmark
     itself checks that every echo came back byte for byte (it exits non-zero otherwise)."""
@@ -132,6 +134,7 @@ def test_transport_floor_echoes_every_size_through_both_ways_and_reports_each_fi
         assert math.isclose(row["p2p_excess_ms"], row["p2p"]["round_trip_ms"] - row["tcp"]["round_trip_ms"])
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 def test_lab_run_reports_its_step_and_the_servers_phases_of_every_call_it_made():
     """--lab: two `serve` processes and a `drive` in namespaces of their own on shaped links. The step comes from the
@@ -160,6 +163,7 @@ def test_lab_run_reports_its_step_and_the_servers_phases_of_every_call_it_made()
         assert 0 < split["compute_cpu"] <= split["compute"]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 def test_lab_transport_floor_echoes_across_two_namespaces_and_charges_each_way_against_the_link_rate():
     """--transport-floor --lab: the echo from one lab namespace to another, through p2p daemons and plain TCP, on a
@@ -190,6 +194,7 @@ def test_lab_transport_floor_echoes_across_two_namespaces_and_charges_each_way_a
         assert set(_tcp_counters(lab.ns(0))) == set(TCP_TROUBLE) == set(rate["tcp_trouble"])
 
 
+@pytest.mark.integration
 def test_check_cost_times_both_checks_of_every_size_and_dtype():
     """--check-cost: the shipped check of a received tensor against torch.isfinite, for float32 and bfloat16 of each
     size; the benchmark itself exits non-zero if the two checks disagree on a tensor with a NaN."""
@@ -203,6 +208,7 @@ def test_check_cost_times_both_checks_of_every_size_and_dtype():
         assert math.isclose(row["torch_over_shipped"], row["torch"] / row["shipped"])
 
 
+@pytest.mark.integration
 def test_protobuf_cost_times_both_implementations_on_the_same_messages():
     """--protobuf-cost: each implementation of google.protobuf in its own interpreter (the benchmark exits non-zero if
     the environment did not pick the one asked for, or a message does not round-trip byte for byte)."""
@@ -249,6 +255,7 @@ def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attemp
     assert summary["calls"] == {"forward": 5, "backward": 2}
 
 
+@pytest.mark.integration
 def test_loss_check_trains_one_process_on_the_pipeline_s_micro_batches_from_the_same_weights():
     """--loss-check's one-process ways see the micro-batches the driver walks, from the same initial weights: the
     first step's loss is the pipeline's, and a whole model untied and clipped stage by stage is the pipeline, step

@@ -26,6 +26,8 @@ from node.pretrained import (
 )
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 
+pytestmark = pytest.mark.integration
+
 SMOLLM2 = "smollm2-135m-instruct"
 # one real round, sized to take seconds: what is tested is that it runs end to end, not what it learns
 SMALL_ROUND = [

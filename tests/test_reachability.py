@@ -141,6 +141,7 @@ def test_waiting_for_a_relay_slot_returns_the_circuit_addresses_or_nothing_at_it
     assert asyncio.run(wait_for_relay_address(never, timeout=0.05, every_s=0.01)) == [] and never.calls >= 2
 
 
+@pytest.mark.integration
 def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_private():
     """The flags hivemind cannot pass reach p2pd's command line, and the DHT node shuts its handed-over daemon down.
     The node starts as a join behind NAT starts it (create_dht_node, with its bootstrap retries: on a loaded machine a
@@ -179,6 +180,7 @@ def test_a_relay_client_daemon_asks_only_its_static_relays_and_believes_itself_p
     asyncio.run(run())
 
 
+@pytest.mark.integration
 def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
     """Real daemons on 127.0.0.1: a relay (a DHT server of ours, key and port kept), a node that reserves a slot on it
     as a node behind NAT does, and callers that dial that node only through its /p2p-circuit address. The relay
@@ -260,6 +262,7 @@ def test_a_node_whose_relay_restarted_gets_a_slot_again(tmp_path):
     asyncio.run(scenario())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("breaks", ["the first stream", "every stream"])
 def test_an_observed_address_whose_stream_broke_is_asked_again_on_a_new_stream(breaks):
     """Real daemons on 127.0.0.1: a bootstrap peer whose first answer stream, or every one, ends before the answer

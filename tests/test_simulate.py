@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 
+import pytest
+
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, get_json
 from tests.helpers.swarm import read_rows, wait_for
 
@@ -19,6 +21,7 @@ def alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.integration
 def test_simulate_starts_a_joined_swarm_with_a_dashboard_and_ctrl_c_stops_every_node(
     evaluating_swarm_yaml, tmp_path, cli_env
 ):
@@ -95,9 +98,8 @@ def test_node_set_overrides_one_node_over_the_shared_set(tmp_path):
     assert [first[i + 1] for i, arg in enumerate(first) if arg == "--set"][-2:] == ["seed=3", "name=first"]
 
 
+@pytest.mark.integration
 def test_node_set_refuses_what_it_cannot_place(tmp_path):
-    import pytest
-
     from node.dashboard.simulate import parse_node_overrides
 
     with pytest.raises(ValueError, match="node 4 does not exist"):

@@ -552,6 +552,7 @@ def namespaces() -> list[str]:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
 
 
+@pytest.mark.integration
 @needs_lab
 def test_two_checkpoint_stores_serve_side_by_side_from_their_own_namespaces_and_are_removed_after(tmp_path):
     """Each store has its own namespace, link and address: two at once (or a store beside a lab) never cross wires,
@@ -588,6 +589,7 @@ def test_a_store_on_the_loopback_serves_from_a_port_of_its_own_until_closed(tmp_
     assert all(store.process.poll() is not None for store in stores)
 
 
+@pytest.mark.integration
 @needs_lab
 def test_a_store_whose_owner_died_is_removed_by_the_next_one(tmp_path):
     gone = subprocess.Popen(["true"])
@@ -602,6 +604,7 @@ def test_a_store_whose_owner_died_is_removed_by_the_next_one(tmp_path):
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
 
 
+@pytest.mark.integration
 @needs_lab
 @pytest.mark.parametrize("links", [1, STAGES])
 def test_checkpoints_go_to_the_store_of_their_stage_and_a_new_host_downloads_its_own(tmp_path, links):

@@ -11,6 +11,8 @@ from node.config import load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, peers_listed, read_rows, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def uses_peers(state_dir) -> bool:
     return any(row.get("external_questions", 0) > 0 for row in read_rows(state_dir))
@@ -226,6 +228,10 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
 
     from node.loop import Node
 
+    def delivered(node) -> bool:
+        totals = node.stats.totals()
+        return totals["batches_accepted"] >= 2 and (gossip == "dht" or totals["gossip_messages_received"] > 0)
+
     async def scenario():
         pair = []
         try:
@@ -248,10 +254,13 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
                 while not all(node.transport.gossip.mesh_size(node.transport.rollouts_topic) for node in pair):
                     assert asyncio.get_running_loop().time() < deadline, "no gossipsub mesh within 120 s"
                     await asyncio.sleep(0.05)
-            for _ in range(4):
+            # a round takes only what arrived by then, so rounds go on until both took the other's batches (a hang
+            # guard, not a speed check)
+            deadline = asyncio.get_running_loop().time() + 300
+            while not all(delivered(node) for node in pair):
+                assert asyncio.get_running_loop().time() < deadline, [node.stats.totals() for node in pair]
                 for node in pair:
                     await node.run_round()
-                await asyncio.sleep(0.2)
             return [node.stats.totals() for node in pair]
         finally:
             for node in pair:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from node.config import load_config
@@ -19,6 +20,8 @@ from protocol import NodeIdentity, RolloutBatch, RolloutCompletion, RolloutQuest
 from protocol.shards import rollout_key
 from tests.helpers.common import REPO
 from tests.helpers.swarm import SWARM_OVERRIDES
+
+pytestmark = pytest.mark.integration
 
 SWARM = "test-swarm"
 

@@ -82,6 +82,7 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.integration
 @needs_netns
 def test_gossip_and_rollouts_cross_two_hosts(model_cache, tmp_path, cli_env, two_hosts):
     from node.model import ensure_default_model

@@ -141,6 +141,7 @@ def write_state_dir(state_dir: Path, kind: str) -> None:
     (state_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["node", "pipeline driver", "stage server"])
 def test_stats_loads_no_model_library(kind, tmp_path):
     write_state_dir(tmp_path / "state", kind)
@@ -151,6 +152,7 @@ def test_stats_loads_no_model_library(kind, tmp_path):
         assert_loads_no_model_library(f"`{command}` of a {kind}", result.stderr)
 
 
+@pytest.mark.integration
 def test_peers_and_the_dashboard_viewer_load_torch_only_through_hivemind_and_no_transformers(tmp_path):
     """Against a real DHT peer on 127.0.0.1 (an empty swarm: the commands read its heartbeats and stage maps all the
     same): `peers --json`, `peers --json --stages`, the `peers` table, and the viewer answering each of its routes."""

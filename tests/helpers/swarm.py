@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -62,6 +63,18 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
         if value:
             return value
         time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+async def wait_for_async(predicate, timeout: float, what: str, interval: float = 0.01):
+    """wait_for inside an event loop: it sleeps with asyncio, so the tasks it waits on run between polls."""
+    timeout *= WAIT_SCALE
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
