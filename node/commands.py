@@ -89,7 +89,10 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from node.state import lock_state_dir
+
     config = config_from_args(args)
+    lock_state_dir(config.resolved_state_dir())  # before anything, --fresh's wipe too, touches the directory
     setup_logging(config.resolved_state_dir(), args.verbose, console)
     return run_command(
         _train(config, args.fresh, console),

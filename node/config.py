@@ -608,7 +608,7 @@ class NodeConfig(_Section):
     checkpoint_every: int = Field(1, ge=1)
     """Save the full state every this many rounds."""
     checkpoint_keep: int = Field(2, ge=1)
-    """Complete checkpoints kept on disk."""
+    """Complete checkpoints kept on disk; a resume whose newest does not load falls back to the one before."""
     eval_every: int = Field(50, ge=0)
     """Measure greedy accuracy on the held-out set every this many rounds (0: never)."""
     torch_threads: int | None = None

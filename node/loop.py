@@ -141,7 +141,7 @@ class Node:
         checkpoint's model under the new name, so it is refused."""
         recorded = self.store.recorded_model()
         wanted = self.config.model.name_or_path
-        if self.store.latest() is None or recorded is None or same_model_source(recorded, wanted):
+        if not self.store.kept_checkpoints() or recorded is None or same_model_source(recorded, wanted):
             return
         raise ConfigError(
             f"the state directory {self.store.root} holds checkpoints of model {recorded!r}, not {wanted!r}: "

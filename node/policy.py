@@ -15,7 +15,7 @@ import torch
 from node.config import ConfigError, NodeConfig
 from node.device import HOST, resolve_device
 from node.files import atomic_write_text
-from node.model import load_policy, model_fingerprint, resolve_initial_policy
+from node.model import model_fingerprint, resolve_initial_policy
 from node.state import StateStore
 from node.trainer import GRPOTrainer, SpecialtyAdamW, specialty_keys
 
@@ -38,7 +38,8 @@ class LoadedPolicy:
 
 
 class LocalPolicy:
-    """The whole model in this process: resumed from the newest checkpoint, or built from the initial policy."""
+    """The whole model in this process: resumed from the newest checkpoint that loads, or built from the initial
+    policy."""
 
     def __init__(self, config: NodeConfig, store: StateStore):
         self.config = config
@@ -46,15 +47,15 @@ class LocalPolicy:
 
     def load(self, progress: bool | None = None) -> LoadedPolicy:
         config = self.config
-        checkpoint = self.store.latest()
+        resumed = self.store.resume(config.model.dtype, config.checkpoint_every)
         device = resolve_device(config.model)
         kl_specialties = specialty_keys(config.tasks.datasets, config.trainer.kl_labels)
         state = None
-        if checkpoint is not None:
+        if resumed is not None:
             # a checkpoint is read on the CPU whatever device wrote it; the model and, through load_state_dict, the
             # optimizer's state follow the parameters to this node's device
-            model, tokenizer = load_policy(checkpoint, config.model.dtype, device)
-            state = self.store.load_trainer_state(checkpoint)
+            checkpoint, state = resumed.path, resumed.state
+            model, tokenizer = resumed.model.to(device), resumed.tokenizer
         else:
             torch.manual_seed(config.seed)
             model, tokenizer = resolve_initial_policy(config, progress=progress, device=device)

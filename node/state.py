@@ -4,6 +4,7 @@ Layout of a state directory:
     config.yaml              resolved config of the latest run
     metrics.jsonl            one JSON object per completed round
     node.log                 the log
+    lock                     the PID of the process that holds the directory (lock_state_dir)
     checkpoints/LATEST       name of the newest complete checkpoint
     checkpoints/round-000042/{config.json, model.safetensors, tokenizer/, trainer.pt}
 
@@ -11,11 +12,19 @@ A checkpoint is written into a temporary folder, fsynced, renamed into place, an
 named in LATEST (itself replaced atomically). A kill at any moment leaves LATEST naming a
 complete checkpoint. Metrics rows are fsynced before the checkpoint of their round, and on
 resume rows newer than the checkpoint are dropped, so a round counts once or not at all.
+
+A resume does not trust LATEST alone: a disk can damage it or the newest checkpoint, so it takes
+the newest checkpoint that loads, says which it skipped, and refuses (rather than starts fresh
+over) a directory whose checkpoints all fail to load, or whose metrics go past the first
+checkpoint's round without one.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -25,13 +34,21 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors import SafetensorError
 
+from node.config import ConfigError
 from node.device import HOST
 from node.files import atomic_write_text, fsync_dir, fsync_tree
 from node.metrics import METRICS_FILE, MetricsFile
-from node.model import save_policy
+from node.model import load_policy, save_policy
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "round-"
+LOCK_FILE = "lock"
+# what reading a damaged checkpoint raises: a safetensors file its header does not cover, a trainer.pt torch cannot
+# unzip or unpickle, a cut JSON file (the model's config, the tokenizer), a file that is gone
+DAMAGE = (OSError, ValueError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError, SafetensorError)
 
 
 @dataclass
@@ -42,6 +59,16 @@ class TrainerState:
     rng: dict[str, Any]
     outer: dict[str, Any] | None  # averaging's slow weights and outer momentum (None: no averaging)
     node: dict[str, Any] | None  # the round loop's own state beyond the policy (Node.node_state; None: nothing)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read whole: its policy on the host, and the trainer's state."""
+
+    path: Path
+    model: torch.nn.Module
+    tokenizer: Any
+    state: TrainerState
 
 
 class StateStore:
@@ -62,6 +89,70 @@ class StateStore:
             return None
         path = self.checkpoints / name
         return path if (path / "trainer.pt").exists() else None
+
+    def kept_checkpoints(self) -> list[Path]:
+        """The checkpoint folders on disk, newest round first: save renames one into place only once its files are
+        fsynced, so each was whole when written, whatever LATEST says now."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted((p for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir()), reverse=True)
+
+    def resume(self, dtype: str, checkpoint_every: int) -> Checkpoint | None:
+        """The newest kept checkpoint that loads (its policy on the host, in `dtype`), after one warning naming those
+        skipped and why; None where there is nothing to resume and nothing to lose (a fresh start). A directory that
+        holds checkpoints, or metrics past the first checkpoint's round, but no checkpoint that loads is refused:
+        starting fresh there would drop its metrics and, a few saves later, prune the checkpoints a repair could
+        still bring back."""
+        kept = self.kept_checkpoints()
+        problems = self._latest_problems(kept)
+        for path in kept:
+            try:
+                checkpoint = self._read(path, dtype)
+            except CheckpointDamaged as damage:
+                problems.append(str(damage))
+                continue
+            if problems:
+                log.warning("%s: resuming from %s", "; ".join(problems), path.name)
+            return checkpoint
+        rounds = len(rows := self.read_metrics())
+        # rows of rounds before the first checkpoint are what a kill before it leaves (they are fsynced first): a
+        # fresh start drops them as a resume drops the rows newer than its checkpoint
+        if not kept and all(row.get("round", 0) <= checkpoint_every for row in rows):
+            if rows:
+                problems.append(f"no checkpoint holds the {rounds} round{'s' * (rounds != 1)} in metrics.jsonl")
+            if problems:
+                log.warning("%s: starting fresh", "; ".join(problems))
+            return None
+        held = [f"{len(kept)} checkpoint{'s' * (len(kept) != 1)}"] if kept else []
+        held += [f"the metrics of {rounds} round{'s' * (rounds != 1)}"] if rounds else []
+        why = f" ({'; '.join(problems)})" if problems else ""
+        raise ConfigError(
+            f"the state directory {self.root} holds {' and '.join(held)} but no checkpoint that loads{why}: add "
+            "--fresh to start over there (its checkpoints and metrics are removed), or use another --state-dir"
+        )
+
+    def _latest_problems(self, kept: list[Path]) -> list[str]:
+        try:
+            name = (self.checkpoints / "LATEST").read_bytes().decode(errors="replace").strip()
+        except FileNotFoundError:
+            return ["checkpoints/LATEST is missing"] if kept else []
+        if not name:
+            return ["checkpoints/LATEST is empty"]
+        if self.checkpoints / name not in kept:
+            return [f"checkpoints/LATEST names {name}, which is gone"]
+        return []
+
+    def _read(self, path: Path, dtype: str) -> Checkpoint:
+        # trainer.pt first: a damaged one is found before the policy's weights are read for nothing
+        try:
+            state = self.load_trainer_state(path)
+        except DAMAGE as exc:
+            raise CheckpointDamaged(f"{path.name}'s trainer.pt does not load ({_first_sentence(exc)})") from exc
+        try:
+            model, tokenizer = load_policy(path, dtype, HOST)
+        except DAMAGE as exc:
+            raise CheckpointDamaged(f"{path.name}'s policy does not load ({_first_sentence(exc)})") from exc
+        return Checkpoint(path, model, tokenizer, state)
 
     def save(
         self,
@@ -152,6 +243,41 @@ class StateStore:
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         self.metrics_path.unlink(missing_ok=True)
         (self.root / "pipeline_state.json").unlink(missing_ok=True)  # a pipeline driver's round (node/loop.py)
+
+
+class CheckpointDamaged(Exception):
+    """A kept checkpoint that does not load; the message names it and says why."""
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """Enough of an error to say why: torch's reader adds a paragraph of advice after its first sentence."""
+    text = str(exc).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(exc).__name__
+
+
+def lock_state_dir(root: Path) -> None:
+    """Hold `root` for this process until it ends: two processes on one state directory would resume the same
+    checkpoint and write over each other's rounds. The OS releases the lock of a process that dies (kill -9 too), so
+    nothing is left to clean up; the lock file names the holder's PID for the refusal. Called again by the holder, it
+    returns at once."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        if holder == str(os.getpid()):
+            return
+        # a holder that has not written its PID yet is named without one
+        by = f"process {holder}" if holder.isdigit() else "another process"
+        raise ConfigError(
+            f"the state directory {root} is in use by {by} (it holds {path}): stop it, or use another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    # fd stays open, the lock with it, until the process ends
 
 
 def restore_rng(rng: dict[str, Any]) -> None:

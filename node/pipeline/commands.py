@@ -182,7 +182,11 @@ async def _drive(config, console: Console, steps: int | None) -> int:
 
 
 def _run(args, console: Console, coro_factory) -> int:
+    from node.state import lock_state_dir
+
     config = _config(args)
+    # two processes on one directory would share its identity and p2p key, and a driver's metrics
+    lock_state_dir(config.resolved_state_dir())
     setup_logging(config.resolved_state_dir(), args.verbose, console)
     return run_command(coro_factory(config))
 
