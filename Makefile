@@ -50,7 +50,7 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# The default suite less the tests marked `integration` (tests/conftest.py says what those start); it needs neither
+# The default suite less the tests marked `integration` (pyproject.toml says what those start); it needs neither
 # Chromium nor iptables, so only the venv.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow and not integration'
