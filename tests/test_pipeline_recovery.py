@@ -88,6 +88,24 @@ def test_checkfree_weights_favour_the_neighbour_with_the_larger_gradient():
     assert merged["w"].dtype is torch.bfloat16
 
 
+def test_checkfree_rebuilds_a_stage_deeper_than_one_neighbour_from_its_last_layer():
+    """30 layers in 4 stages are 8, 8, 7 and 7 (SmolLM2's split): stage 1 rebuilt from stages 0 (8 layers) and 2 (7)
+    takes the average at each of its 8 positions, stage 2's last layer standing in at the eighth; a 7-layer stage
+    from an 8-layer and a 7-layer neighbour leaves the deeper one's last layer out."""
+    prev = {f"{j}.w": torch.full((2,), float(j)) for j in range(8)}
+    nxt = {f"{j}.w": torch.full((2,), 10.0 + j) for j in range(7)}
+    merged, a, b = checkfree_weights(prev, nxt, 1.0, 1.0, depth=8)
+    assert sorted(merged, key=lambda n: int(n.split(".")[0])) == [f"{j}.w" for j in range(8)]
+    for j in range(7):
+        torch.testing.assert_close(merged[f"{j}.w"], torch.full((2,), (j + 10.0 + j) / 2))
+    torch.testing.assert_close(merged["7.w"], torch.full((2,), (7 + 16.0) / 2))  # stage 2's layer 6 stands in
+    shallower, _, _ = checkfree_weights(prev, nxt, 1.0, 1.0, depth=7)
+    assert set(shallower) == {f"{j}.w" for j in range(7)}
+    torch.testing.assert_close(shallower["6.w"], torch.full((2,), (6 + 16.0) / 2))
+    with pytest.raises(ValueError, match="different tensor names"):  # without a depth, equal depths only
+        checkfree_weights(prev, nxt, 1.0, 1.0)
+
+
 def test_checkfree_weights_refuse_neighbours_of_another_shape():
     with pytest.raises(ValueError, match="different tensor names"):
         checkfree_weights({"w": torch.zeros(2)}, {"v": torch.zeros(2)}, 1.0, 1.0)
@@ -127,6 +145,29 @@ def test_load_stage_by_checkfree_averages_the_nearest_live_neighbours():
     assert live.most_in_flight == 2  # both neighbours at once, each from its own host
     layer_bytes = [tensor_bytes(stages[i].part_state_dict(StagePart.LAYERS)) for i in (0, 3)]
     assert event.bytes_fetched == sum(layer_bytes) > 0
+
+
+def test_load_stage_rebuilds_a_stage_of_an_uneven_split_and_checks_what_a_neighbour_sends():
+    """6 layers in 4 stages are 2, 2, 1 and 1: stage 1 rebuilt from stages 0 and 2 holds two layers, its second
+    averaged with stage 2's only one; a fetch checks a neighbour's LAYERS against that neighbour's depth."""
+    config = Qwen2Config(**{**model().config.to_dict(), "num_hidden_layers": 6, "layer_types": None})
+    torch.manual_seed(0)
+    six = Qwen2ForCausalLM(config).eval()
+    stages = split_model(six, 4, checkfree_plus_extra_parts(4))
+    assert [len(StagePlan(6, 4).layer_range(i)) for i in range(4)] == [2, 2, 1, 1]
+    live = LiveStages(stages, {0: 0.5, 2: 0.5})
+    view = StageMap.from_announcements(4, [announce(0, "a", ["embed", "layers"]), announce(2, "c", ["layers"])])
+    target = PipelineStage.from_config(stages[0].config, StagePlan(6, 4), 1)
+    load("checkfree", [0, 2], target, view, live)
+    rebuilt = target.part_state_dict(StagePart.LAYERS)
+    prev, nxt = stages[0].part_state_dict(StagePart.LAYERS), stages[2].part_state_dict(StagePart.LAYERS)
+    assert {name.split(".", 1)[0] for name in rebuilt} == {"0", "1"}
+    for name, tensor in rebuilt.items():
+        rest = name.split(".", 1)[1]  # both positions average with stage 2's only layer
+        torch.testing.assert_close(tensor, (prev[name] + nxt[f"0.{rest}"]) / 2)
+    expected = part_tensors(target, ["layers"], depth=1)
+    assert set(expected) == set(part_tensors(stages[2], ["layers"]))
+    assert all(expected[n].shape == t.shape for n, t in part_tensors(stages[2], ["layers"]).items())
 
 
 def test_load_stage_by_checkfree_plus_copies_the_partner_and_its_embedding_copy():

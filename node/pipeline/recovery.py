@@ -69,14 +69,39 @@ def tensor_bytes(tensors: Named) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
+def layer_depth(layers: Named) -> int:
+    """Decoder layers in a LAYERS part (its tensors are named "<layer>.<parameter>", layers counted from 0)."""
+    return 1 + max(int(name.split(".", 1)[0]) for name in layers)
+
+
+def at_depth(layers: Named, depth: int) -> Named:
+    """A neighbour's LAYERS part laid out for a stage of `depth` layers: its layer j at position j, and past its own
+    depth its last layer standing in. A split's stages differ by at most one layer (StagePlan.layer_range: 30
+    layers in 4 stages are 8, 8, 7 and 7), so at most the last position of the deeper stage borrows."""
+    own = layer_depth(layers)
+    out = {}
+    for name, tensor in layers.items():
+        layer, rest = name.split(".", 1)
+        if int(layer) == own - 1:
+            for position in range(own - 1, depth):
+                out[f"{position}.{rest}"] = tensor
+        if int(layer) < depth and int(layer) != own - 1:
+            out[name] = tensor
+    return {name: out[name] for name in sorted(out, key=lambda n: (int(n.split(".", 1)[0]), n))}
+
+
 def checkfree_weights(
-    prev_layers: Named, next_layers: Named, prev_grad_norm: float, next_grad_norm: float
+    prev_layers: Named, next_layers: Named, prev_grad_norm: float, next_grad_norm: float, depth: int | None = None
 ) -> tuple[Named, float, float]:
-    """CheckFree's neighbour average for a lost intermediate stage: (weights, a, b).
+    """CheckFree's neighbour average for a lost intermediate stage of `depth` layers (None: the neighbours'):
+    (weights, a, b).
 
     a weighs the next stage and b the previous one, each by its last gradient norm: the
-    neighbour that was still learning harder is assumed closer to what the stage did.
+    neighbour that was still learning harder is assumed closer to what the stage did. Neighbours
+    of another depth than the lost stage are laid out for it first (`at_depth`).
     """
+    if depth is not None:
+        prev_layers, next_layers = at_depth(prev_layers, depth), at_depth(next_layers, depth)
     if set(prev_layers) != set(next_layers):
         raise ValueError(
             "the neighbours' LAYERS parts have different tensor names; CheckFree needs stages of equal depth"
@@ -195,8 +220,9 @@ async def load_stage(
                 stage.index,
                 *sources,
             )
+        depth = len(stage.plan.layer_range(stage.index))
         merged, a, b = checkfree_weights(
-            split_parts(prev_w)["layers"], split_parts(next_w)["layers"], prev_r.grad_norm, next_r.grad_norm
+            split_parts(prev_w)["layers"], split_parts(next_w)["layers"], prev_r.grad_norm, next_r.grad_norm, depth
         )
         stage.load_part_state_dict(StagePart.LAYERS, merged)
         event.sources = [
@@ -208,6 +234,7 @@ async def load_stage(
     else:
         source, weights, result = fetched[sources[0]]
         parts = split_parts(weights)
+        parts["layers"] = at_depth(parts["layers"], len(stage.plan.layer_range(stage.index)))
         for part, tensors in parts.items():
             stage.load_part_state_dict(StagePart(part), tensors)
         own = stage.plan.parts(stage.index)

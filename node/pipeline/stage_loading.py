@@ -134,8 +134,11 @@ class StageLoader:
             weights = decode_weights(encoded, dtype=None)
         except CodecError as exc:
             raise HopFailed(source, "malformed", str(exc)) from None
-        try:  # we only ever fetch parts we hold: their names and shapes are ours
-            validate_partner_weights(part_tensors(local, parts), weights, math.inf)  # names, shapes, dtypes, finite
+        # we only ever fetch parts we hold: their names and shapes are ours, but for the source stage's depth (a split's
+        # stages differ by at most one layer)
+        expected = part_tensors(local, parts, depth=len(local.plan.layer_range(source.stage)))
+        try:
+            validate_partner_weights(expected, weights, math.inf)  # names, shapes, dtypes, finite
         except WeightsRefused as exc:
             raise HopFailed(source, "refused_weights", str(exc)) from None
         return weights, result

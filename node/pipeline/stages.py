@@ -364,11 +364,18 @@ def pipeline_limits(config: NodeConfig, hf_config, model_parameters: int) -> Pip
     )
 
 
-def part_tensors(stage: PipelineStage, parts: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of `parts`, as they travel in a `weights` result: "<part>/<name>"."""
-    return {
-        f"{part}/{name}": tensor for part in parts for name, tensor in stage.part_state_dict(StagePart(part)).items()
-    }
+def part_tensors(stage: PipelineStage, parts: list[str], depth: int | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors of `parts`, as they travel in a `weights` result: "<part>/<name>". depth: lay LAYERS out as
+    a stage of that many layers would hold them (each layer's tensors shaped as this stage's first layer's), to check
+    what a neighbour of another depth sends."""
+    out = {}
+    for part in parts:
+        tensors = stage.part_state_dict(StagePart(part))
+        if part == StagePart.LAYERS.value and depth is not None:
+            first = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == "0"}
+            tensors = {f"{layer}.{rest}": t for layer in range(depth) for rest, t in first.items()}
+        out.update({f"{part}/{name}": tensor for name, tensor in tensors.items()})
+    return out
 
 
 def split_parts(named: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
