@@ -121,8 +121,11 @@ def main() -> None:
             print(f"{(time.monotonic() - started) / 60:5.1f} min: " + ", ".join(said), flush=True)
         peers_log = scratch / "peers.json"
         watcher = [SWARM_NODE, "peers", "--json", "--swarm-id", f"mixed-{lab.tag}", "--initial-peers", address]
-        watcher_proc = lab.run(1, watcher, peers_log)
-        watcher_proc.wait(timeout=300)
+        # beside node 1 in its namespace, not through lab.run, which would take node 1's place in the lab's records
+        # (and leave the node itself running when the lab goes down)
+        with open(peers_log, "w") as out:
+            in_node_1 = ["ip", "netns", "exec", lab.ns(1), *watcher]
+            subprocess.run(in_node_1, stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
         heartbeats = json.loads(peers_log.read_text().strip().splitlines()[-1])
         for index in range(2):
             lab.kill(index, signal.SIGINT)
