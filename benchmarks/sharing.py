@@ -8,6 +8,9 @@ into two specialties by operator, `add` and `subtract`. Settings:
   sparse       every node barely warm-started (rewards a few percent), binary reward: SAPO's
                regime, to compare its 4/4 against the paper's silo (zero-advantage groups kept)
                and against ours (dropped).
+  pretrained   a real pretrained model (configs/smollm2_swarm.yaml: SmolLM2-135M-Instruct on its
+               two-task mix), no warm start: four equal nodes from the same weights, measured on
+               --heldout-per-specialty questions of each task (50: the 100 of tasks.heldout_size).
 Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` generates and trains
 on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
 groups drawn uniformly among those with a reward spread); `sapo_cap` adds HACPO's capability
@@ -78,6 +81,7 @@ from protocol import TaskSpec  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "specialists.yaml"
 FOUR_CONFIG = REPO / "configs" / "four_specialists.yaml"
+PRETRAINED_CONFIG = REPO / "configs" / "smollm2_swarm.yaml"
 NODES = 4
 SPECIALTIES = ("add", "subtract")
 # --setting four: node i warm-started on FOUR_SPECIALTIES[i] alone, every node measured on all four
@@ -250,6 +254,8 @@ SWARM_ARMS = {  # the arms that take peers' groups: the last external_questions 
 
 
 def warm_start_overrides(setting: str, node: int, steps: dict[str, int], sparse_steps: int) -> list[str]:
+    if setting == "pretrained":
+        return []  # the model's own pretraining is the start
     if setting in ("specialists", "four"):
         own = own_specialty(setting, node)
         # a specialty without steps of its own (--warmup-steps multiply=N) takes the homogeneous nodes' count
@@ -289,12 +295,12 @@ def weak_specialty(setting: str, node: int) -> str | None:
     return next(label for label in SPECIALTIES if label != own)
 
 
-def heldout_questions(config) -> list:
-    """200 fixed questions per specialty, from the held-out seed (no training stream draws from it)."""
+def heldout_questions(config, per_specialty: int = HELDOUT_PER_SPECIALTY) -> list:
+    """`per_specialty` fixed questions per specialty, from the held-out seed (no training stream draws from it)."""
     return [
         materialize(TaskSpec(d.name, d.config, config.tasks.heldout_seed, i))
         for d in config.tasks.datasets
-        for i in range(HELDOUT_PER_SPECIALTY)
+        for i in range(per_specialty)
     ]
 
 
@@ -347,7 +353,9 @@ async def make_nodes(setting: str, arm: str, seed: int, scratch: str, args) -> l
         if args.transport == "dht":  # real p2p daemons and DHT nodes on loopback, gossip included
             overrides += ['swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]', "swarm.window_s=30"]
             overrides += [f"swarm.initial_peers={json.dumps(nodes[0].addresses)}"] if nodes else []
-        config = FOUR_CONFIG if setting == "four" and args.config == CONFIG else args.config
+        config = args.config
+        if args.config == CONFIG:
+            config = {"four": FOUR_CONFIG, "pretrained": PRETRAINED_CONFIG}.get(setting, CONFIG)
         node = Node(load_config(str(config), overrides, state_dir=f"{scratch}/{setting}-{arm}-{seed}/{i}"))
         node.load(fresh=True, progress=False)
         if args.transport == "inprocess":
@@ -441,7 +449,7 @@ def unit_costs(node: Node, path: Path) -> UnitCosts:
 
 
 async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int, args) -> dict:
-    questions = heldout_questions(nodes[0].config)
+    questions = heldout_questions(nodes[0].config, args.heldout_per_specialty)
     costs = unit_costs(nodes[0], args.costs)
     cpu = [0.0] * NODES
     units = [0.0] * NODES
@@ -451,21 +459,28 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     work = [RoundWork() for _ in nodes]
     rounds = [0] * NODES
 
-    # each node's warm start, frozen: how far training has moved it on what it knew
-    warm = [copy.deepcopy(node.model).eval() for node in nodes]
     own_questions = [
         [q for q in questions if node.tasks.label(q.spec) == own_specialty(setting, i)] for i, node in enumerate(nodes)
     ]
+    # each node's warm start, frozen: how far training has moved it on what it knew (a copy only where a node has a
+    # specialty of its own to measure that on: four copies of a 135M-parameter model are 2 GB)
+    warm = [copy.deepcopy(node.model).eval() if own_questions[i] else None for i, node in enumerate(nodes)]
+    digests = [weights_digest(node.model) for node in nodes]
+    start_scores: dict[str, dict[str, float]] = {}
 
     def point(i: int, node: Node) -> dict:
         kl = {"kl_own_vs_warm": kl_to_warm_start(node, warm[i], own_questions[i])} if own_questions[i] else {}
+        if rounds[i] == 0:  # nodes that start from the same weights answer the same greedy held-out: measured once
+            scores = start_scores.setdefault(digests[i], evaluate(node, questions))
+        else:
+            scores = evaluate(node, questions)
         measured = {
             **kl,
             "compute_s": compute[i],
             "cpu_s": cpu[i],
             "units": units[i],
             "round": rounds[i],
-            **evaluate(node, questions),
+            **scores,
         }
         # every point as it is measured: a run stopped before its end (a lent machine's time limit) keeps its curve
         print(f"  point {setting} {arm} seed {seed} node {i}: {json.dumps(measured)}", flush=True)
@@ -537,7 +552,8 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "budget_s": args.budget,
         "rounds_limit": args.rounds,
         "warmup_steps": args.warmup_steps if setting != "sparse" else {"both": args.sparse_warmup_steps},
-        "warm_start_digests": [weights_digest(model) for model in warm],
+        "warm_start_digests": digests,
+        "heldout_per_specialty": args.heldout_per_specialty,
         "overrides": args.set,
         "weak": [weak_specialty(setting, i) for i in range(NODES)],
         "own": [own_specialty(setting, i) for i in range(NODES)],
@@ -1023,6 +1039,9 @@ def report(args) -> None:
     homo = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "homogeneous"}
     if "silo" in homo:
         summary.update(homogeneous_ratios(homo, summary.get("best_arm"), named))
+    pretrained = {arm: seeds for (setting, arm), seeds in by_key.items() if setting == "pretrained"}
+    if "silo" in pretrained:
+        summary.update(pretrained_gains(pretrained))
     # sparse: SAPO's cumulative reward ratio, against the paper's silo and ours, at each horizon run; the summary's
     # per-seed fields keep the horizon with the most seeds of the paper's two arms (then the longest)
     horizons: dict[int, dict[str, list[float]]] = {}
@@ -1110,6 +1129,33 @@ def homogeneous_ratios(homo: dict, best_arm: str | None, named: Collection[str] 
         "homogeneous_ratio_per_seed": ratios.get(best_arm) if best_arm else None,
         "homogeneous_ratios": ratios,
     }
+
+
+def pretrained_gains(arms: dict) -> dict:
+    """Equal nodes of a pretrained model: each arm's held-out (mean of its nodes, every task) at the start and at the
+    smaller budget of the arm and the silo, per seed, and its gain over the silo there in points."""
+    rows = {}
+    for arm, seeds in sorted(arms.items()):
+        common = sorted(set(seeds) & set(arms["silo"]))
+        per_seed = []
+        for s in common:
+            budget = min(seeds[s]["budget_s"], arms["silo"][s]["budget_s"])
+            start, final = mean_metric(seeds[s], 0.0, "all"), mean_metric(seeds[s], budget, "all")
+            silo_final = mean_metric(arms["silo"][s], budget, "all")
+            per_seed.append(
+                {
+                    "seed": s,
+                    "budget": budget,
+                    "start": round(start, 4),
+                    "final": round(final, 4),
+                    "gain_points": round(100 * (final - start), 1),
+                    "vs_silo_points": round(100 * (final - silo_final), 1),
+                    "nodes_final": [round(node_metric(seeds[s], i, budget, "all"), 3) for i in range(NODES)],
+                }
+            )
+        rows[arm] = per_seed
+        print(f"pretrained: {arm}, held-out (mean of {NODES} nodes) at equal compute, per seed {per_seed}", flush=True)
+    return {"pretrained": rows}
 
 
 def four_specialists(by_key: dict, named: Collection[str] = ()) -> dict:
@@ -1290,7 +1336,15 @@ def plot_panels(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", choices=["specialists", "four", "homogeneous", "sparse"], default="specialists")
+    parser.add_argument(
+        "--setting", choices=["specialists", "four", "homogeneous", "sparse", "pretrained"], default="specialists"
+    )
+    parser.add_argument(
+        "--heldout-per-specialty",
+        type=int,
+        default=None,
+        help=f"greedy held-out questions of each task ({HELDOUT_PER_SPECIALTY}; --setting pretrained: 50)",
+    )
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo", "sapo", "sapo_cap"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
@@ -1376,6 +1430,8 @@ def main() -> None:
         help="--report: only runs of this --budget (they must share one axis)",
     )
     args = parser.parse_args()
+    if args.heldout_per_specialty is None:
+        args.heldout_per_specialty = 50 if args.setting == "pretrained" else HELDOUT_PER_SPECIALTY
     try:
         args.warmup_steps = parse_warmup_steps(args.warmup_steps)
     except (ValueError, argparse.ArgumentTypeError) as exc:
