@@ -42,8 +42,8 @@ from swarm_vs_isolated import parse_mix, spread as value_spread  # noqa: E402  (
 
 REPO = Path(__file__).resolve().parents[1]
 
-# SAPO's plain rule, which the figures in RESULTS were measured with: configs/swarm.yaml now also draws by
-# weakness and learns from stronger peers' right answers (RESULTS "sharing"), which this benchmark does not measure.
+# SAPO's plain rule, which this benchmark's campaigns (benchmarks/notebook/) were measured with: configs/swarm.yaml now
+# also draws by weakness and learns from stronger peers' right answers, which this benchmark does not measure.
 SAPO_RULE = ["swarm.external_selection=uniform", "swarm.imitation=none"]
 
 

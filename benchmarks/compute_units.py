@@ -23,7 +23,8 @@ one model shape, the cost of one unit of each kind of work on the workload's own
 Each is the least of --repeats timings with time.process_time() on one torch thread (the median up to
 the calibration of 2026-11-26 17:57 UTC: under other load the least is the steadier); the machine's load
 average is recorded beside them (calibrate where it is near 0). How well the units then predict a whole
-round's CPU time is measured by `benchmarks/sharing.py --round-cost` (RESULTS "sharing").
+round's CPU time is measured by `benchmarks/sharing.py --round-cost`
+(benchmarks/notebook/2026-11-28-sharing-compute-units.md).
 
     .venv/bin/python benchmarks/compute_units.py            # writes benchmarks/compute_costs.json
 

@@ -24,8 +24,8 @@ Here, on the CPU, it is tested in its tiny mode (tests/test_gpu_round.py):
 
     .venv/bin/python benchmarks/gpu_round.py --device cpu --device cpu@bfloat16 --tiny --out /tmp/gpu_round.json
 
-`--profile-rounds N` prints torch.profiler's tables for each arm (how the bfloat16 slowdown of RESULTS "bfloat16 on a
-GPU" was found).
+`--profile-rounds N` prints torch.profiler's tables for each arm (how the bfloat16 slowdown of
+benchmarks/notebook/2026-11-27-gpu.md, "bfloat16 on a GPU", was found).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # 10 minutes a command): one process per (arm, seed), all at once, each node on the GPU (model.device auto) with one
 # CPU thread. What the node imports beyond that machine's packages travels in .whl/ (`make gpu-wheels`) and
 # .whl/swarm/ (hivemind and what it imports: the in-process exchange signs records as the DHT transport does; see
-# RESULTS "sharing on a GPU"). Each (arm, seed) appends its line to $OUT/sharing_gpu.jsonl when it ends; logs in
+# benchmarks/notebook/2026-11-27-gpu.md, "The sharing benchmark on a GPU"). Each (arm, seed) appends its line to $OUT/sharing_gpu.jsonl when it ends; logs in
 # $OUT/logs. Usage: benchmarks/sharing_on_device.sh SECONDS "ARM:SEED ARM:SEED ..." [sharing.py options...]
 set -u
 limit=$1

@@ -893,7 +893,7 @@ def recovery_seconds(to_serving_s: float, recovery_step_s: float, normal_step_s:
     and weight transfer, a checkpoint's download and load), plus what the first step after it took beyond a normal
     step (the driver's failed hop, its wait for the new announcement, retries). That excess is taken as at least 0:
     on a loaded machine one step can run seconds faster than the median step, and subtracting the median from the
-    whole span made recoveries of -7.5 s (RESULTS, 27M at 16 %)."""
+    whole span made recoveries of -7.5 s (benchmarks/notebook/2026-12-01-stage-recovery.md, 27M at 16 %)."""
     return to_serving_s + max(0.0, recovery_step_s - normal_step_s)
 
 

@@ -7,7 +7,8 @@ of its own (those with a learning signal first) + J external questions (8 in all
 batch), so per-node compute, generation and update, is equal across mixes; with J > 0 a node
 samples its external questions from what the other three published (one round old at most,
 re-scored locally). --generate-local-only is the older setting where a node generated only
-its I questions (the RESULTS rows whose JSON has no `generated_per_round`).
+its I questions (the rows of benchmarks/notebook/2026-11-25-swarm-vs-isolated.md whose JSON has no
+`generated_per_round`).
 Cumulative reward = sum over rounds of the mean reward of a node's own completions,
 averaged over the 4 nodes (the paper's figure of merit). Because the warm start's reward
 level makes up most of it in a short run, the gain above that level (cumulative reward -
@@ -46,8 +47,8 @@ from node.loop import Node  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MIXES = {"8/0": (8, 0), "6/2": (6, 2), "4/4": (4, 4), "2/6": (2, 6)}
 
-# SAPO's plain rule, which the figures in RESULTS were measured with: configs/swarm.yaml now also draws by
-# weakness and learns from stronger peers' right answers (RESULTS "sharing"), which this benchmark does not measure.
+# SAPO's plain rule, which this benchmark's campaigns (benchmarks/notebook/) were measured with: configs/swarm.yaml now
+# also draws by weakness and learns from stronger peers' right answers, which this benchmark does not measure.
 SAPO_RULE = ["swarm.external_selection=uniform", "swarm.imitation=none"]
 
 

@@ -2,8 +2,9 @@
 distinct answers per specialty along the warm start, without caching the model.
 
 RL needs a policy that computes answers, if badly: one that gives a single answer per kind of
-question has learned the answers' prior, and RL then only shifts that prior (RESULTS.md, the
-mix's warm start). This traces when, in steps, each specialty stops being a constant.
+question has learned the answers' prior, and RL then only shifts that prior
+(benchmarks/notebook/2026-11-24-warm-start-probe.md, the mix's warm start). This traces when, in steps, each
+specialty stops being a constant.
 
     .venv/bin/python benchmarks/warm_start_probe.py --config configs/mix.yaml --steps 3000 --eval-every 500
     .venv/bin/python benchmarks/warm_start_probe.py --config configs/mix.yaml --set model.default.hidden_size=384 ...

@@ -36,7 +36,8 @@ WINDOW = "1600,1400"
 EVAL_EVERY = 25
 # (specialty, warm-start steps) of nodes 0-3: the steps that bring either specialist to about half right on its own
 # specialty (benchmarks/sharing.py --warmup-steps add=125 subtract=230). Node 0, whose dashboard is pictured, knows
-# subtraction: the subtraction specialists are the ones that learn the other specialty fastest (RESULTS "sharing").
+# subtraction: the subtraction specialists are the ones that learn the other specialty fastest
+# (benchmarks/notebook/2026-11-28-sharing-compute-units.md).
 SPECIALISTS = [("subtract", 230), ("subtract", 230), ("add", 125), ("add", 125)]
 
 
