@@ -516,6 +516,16 @@ WARM = "--warmup-steps add=125 subtract=230 both=260"
 SHIPPED_TWO = "sapo_balance_gated[own_replay=4]"  # the shipped sharing, as the sharing report labels its runs
 ALONE_4 = "silo_imitate[own_replay=4]"  # the best a node does alone: the isolated default's recipe
 SPECIALISTS = "`configs/specialists.yaml`"
+# the last commit that holds the code of the mechanisms that lost and left the product (issue #72): their commands run
+# there, and their rows here read only their stored results
+REMOVED_AT = "f6ffaf2"
+
+
+def removed(knobs: str) -> str:
+    """The setting cell of a mechanism that lost and left the product."""
+    return f"{knobs} (removed; code at {REMOVED_AT})"
+
+
 SECTIONS: list[tuple[str, list[Claim]]] = []
 
 
@@ -761,7 +771,7 @@ section(
     Claim(
         "chord",
         f"CHORD's per-token weight p(1-p), with a decaying coefficient, adds to the sharing ({ROWS_LAYOUT})",
-        "`trainer.imitation_token_weight`, `trainer.imitation_coef_final` (off)",
+        removed("`trainer.imitation_token_weight`, `trainer.imitation_coef_final`"),
         THEN,
         (Source("sharing.jsonl"),),
         sharing_gain("sapo_balance_chord", "sapo_balance", 200),
@@ -772,7 +782,7 @@ section(
     Claim(
         "pcgrad",
         f"PCGrad between the specialties' gradients adds to the sharing ({ROWS_LAYOUT})",
-        "`trainer.specialty_weighting: projected` (off)",
+        removed("`trainer.specialty_weighting: projected`"),
         THEN,
         (Source("sharing.jsonl"),),
         sharing_gain(("sapo_balance_projected", SPLIT.format("projected")), "sapo_balance", 200),
@@ -783,7 +793,7 @@ section(
     Claim(
         "equal-shares",
         f"Equal shares of the step per specialty add to the sharing ({ROWS_LAYOUT})",
-        "`trainer.specialty_weighting: equal` (off)",
+        removed("`trainer.specialty_weighting: equal`"),
         THEN,
         (Source("sharing.jsonl"),),
         sharing_gain(("sapo_balance_equal", SPLIT.format("equal")), "sapo_balance", 200),
@@ -794,7 +804,7 @@ section(
     Claim(
         "separate-steps",
         "Each specialty its own AdamW step adds to the sharing (100 units)",
-        "`trainer.specialty_weighting: separate_steps` (off)",
+        removed("`trainer.specialty_weighting: separate_steps`"),
         THEN,
         (Source("sharing_separate.jsonl"), Source("sharing_long.jsonl")),
         sharing_gain("sapo_balance_separate", "sapo_balance", 100),
@@ -805,7 +815,7 @@ section(
     Claim(
         "kl-anchor",
         "A KL anchor on the own specialty's questions keeps a node's own specialty (100 units)",
-        "`trainer.kl_labels`, `trainer.kl_beta: 1.0` (off)",
+        removed("`trainer.kl_labels`") + " with `trainer.kl_beta: 1.0` (kept: GRPO's KL penalty)",
         THEN + ", on the own specialty",
         (Source("sharing_anchor.jsonl"), Source("sharing_separate.jsonl"), Source("sharing_long.jsonl")),
         sharing_gain("sapo_balance_anchor", "sapo_balance", 100, "own"),
@@ -818,7 +828,7 @@ section(
     Claim(
         "sharing-ramp",
         "Joining gradually (peers' groups ramped in over 200 rounds) keeps a node's own specialty (100 units)",
-        "`swarm.sharing_ramp_rounds: 200` (off)",
+        removed("`swarm.sharing_ramp_rounds: 200`"),
         THEN + ", on the own specialty",
         (Source("sharing_ramp.jsonl"), Source("sharing_rebuilt.jsonl"), Source("sharing_600.jsonl")),
         sharing_gain("sapo_balance_ramp", "sapo_balance", 100, "own"),
@@ -864,7 +874,7 @@ section(
     Claim(
         "capability-corrections",
         "HACPO's capability corrections add to SAPO's sharing (both specialties, 60 CPU seconds a node)",
-        "`swarm.capability_aware: true` (off)",
+        removed("`swarm.capability_aware: true`"),
         "SAPO 4/4 without them (arm `sapo`)",
         (Source("sharing.jsonl"),),
         sharing_gain("sapo_cap", "sapo", 60.0, axis="cpu"),
@@ -876,12 +886,51 @@ section(
     Claim(
         "distillation",
         f"A stronger peer's live policy as an on-policy teacher (reverse KL) adds to a node alone ({ROWS_LAYOUT})",
-        "`trainer.distill_coef: 1` (off)",
+        removed("`trainer.distill_coef: 1`, node/teachers.py"),
         "a node alone (`silo_imitate`)",
         (Source("sharing.jsonl"),),
         sharing_gain("silo_distill", "silo_imitate", 200),
         Gain(2.0),
         f"`benchmarks/sharing.py --arms silo_distill --seeds 0 --budget 200 --points 5 {WARM}`",
+        ("2026-11-28-sharing-compute-units", "What costs a node its own specialty"),
+    ),
+    Claim(
+        "positive-only",
+        "Only a peer's answers above its group's mean in the policy term (LUFFY's successes-only guidance) adds to the "
+        "sharing (100 units)",
+        removed("`trainer.off_policy_negatives: false`"),
+        THEN,
+        (Source("sharing_shared_prompts.jsonl"),),
+        sharing_gain("sapo_balance_positive", "sapo_balance", 100),
+        Gain(2.0),
+        sharing_command(
+            "--arms sapo_balance_positive --seeds 0 --budget 100 --points 5", "sharing_shared_prompts.jsonl"
+        ),
+        ("2026-11-28-sharing-compute-units", "A cost per call in the units, and the arms again in the shipped layout"),
+    ),
+    Claim(
+        "demonstrations-only",
+        "Peers' groups as demonstrations only, the policy step a node alone's on its 8 own questions, add to a node "
+        "alone (100 units)",
+        removed("`swarm.external_use: demonstrations_only`"),
+        "a node alone (`silo_imitate`)",
+        (Source("sharing_shared_prompts.jsonl"),),
+        sharing_gain("silo_imitate_peers", "silo_imitate", 100),
+        Gain(2.0),
+        sharing_command("--arms silo_imitate_peers --seeds 0 --budget 100 --points 5", "sharing_shared_prompts.jsonl"),
+        ("2026-11-28-sharing-compute-units", "A cost per call in the units, and the arms again in the shipped layout"),
+    ),
+    Claim(
+        "peer-imitation-scale",
+        f"Weighing a stronger peer's demonstrations half as much as the node's own answers adds to the sharing "
+        f"({ROWS_LAYOUT})",
+        removed("`swarm.peer_imitation_scale: 0.5`"),
+        THEN,
+        (Source("sharing.jsonl"),),
+        sharing_gain("sapo_balance[peer_imitation_scale=0.5]", "sapo_balance", 200),
+        Gain(2.0),
+        f"`benchmarks/sharing.py --arms sapo_balance --set swarm.peer_imitation_scale=0.5 --seeds 0 --budget 200 "
+        f"--points 5 {WARM}` (0.25: the notebook page)",
         ("2026-11-28-sharing-compute-units", "What costs a node its own specialty"),
     ),
     Claim(
@@ -1138,7 +1187,7 @@ NOT_GENERATED = [
     ),
     (
         "HACPO's sequence-level importance weight (`trainer.importance_level: sequence`)",
-        "never run: no stored result",
+        f"never run: no stored result (removed; code at {REMOVED_AT})",
         ("2026-11-26-sharing-cpu-seconds", "Specialists at equal node compute, 60 CPU seconds"),
     ),
     (

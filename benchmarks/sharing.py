@@ -13,16 +13,13 @@ into two specialties by operator, `add` and `subtract`. Settings:
                --heldout-per-specialty questions of each task (50: the 100 of tasks.heldout_size).
 Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` generates and trains
 on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
-groups drawn uniformly among those with a reward spread); `sapo_cap` adds HACPO's capability
-corrections (swarm.capability_aware); `sapo_cap_seq` also HACPO's sequence-level importance
-weight; `sapo_cap_unweighted` the corrections without any importance weight on peers' tokens; `gen8_cap`
-generates 8 and trains on 4 + 4 (equal generation); `sapo_imitate` draws peers' groups by weakness and
+groups drawn uniformly among those with a reward spread); `sapo_imitate` draws peers' groups by weakness and
 adds the imitation term (trainer.imitation_coef 4) over stronger peers' right answers and the node's
-own (swarm.imitation); `silo_imitate_peers` keeps the silo's policy step on its 8 own questions and
-takes 4 peers' groups (by weakness) as demonstrations only (swarm.external_use); `silo_imitate` is
-the fair silo of both, the same term over its own right answers only; `silo12` generates 12 and
-keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
-keep zero-advantage groups in the batch as the paper's baseline did.
+own (swarm.imitation); `silo_imitate` is its fair silo, the same term over its own right answers only
+(configs/isolated.yaml); `sapo_balance_gated` is the shipped sharing (configs/specialists.yaml); `silo12` generates
+12 and keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
+keep zero-advantage groups in the batch as the paper's baseline did. Arms of mechanisms that lost and left the
+product are gone (RETIRED_ARMS); their stored runs are still read by --report.
 
 The real path, only the network hop replaced: the 4 nodes live in this process and run in
 lockstep, one round each in turn; what a node publishes is the signed record a DHT store would
@@ -42,7 +39,7 @@ accumulate over several invocations (also several processes at once); `--report`
 prints the figures and the plot (--plot), and ends with one JSON line.
 
     .venv/bin/python benchmarks/sharing.py --gate                                  # warm-start gate
-    .venv/bin/python benchmarks/sharing.py --setting specialists --arms silo sapo sapo_cap --seeds 0 1 2
+    .venv/bin/python benchmarks/sharing.py --setting specialists --arms silo_imitate sapo_balance_gated --seeds 0 1 2
     .venv/bin/python benchmarks/sharing.py --report --plot benchmarks/sharing.png
 """
 
@@ -94,23 +91,14 @@ OWN_SKILL_TOLERANCE_POINTS = 2.0
 # (configs/specialists.yaml turns imitation on for users).
 ARM_BASE = [
     "swarm.external_selection=uniform",
-    "swarm.capability_aware=false",
     "swarm.imitation=none",
-    "swarm.external_use=policy",
     "trainer.imitation_coef=0.0",
-    "trainer.importance_level=token",
-    "trainer.imitation_token_weight=uniform",
-    "trainer.imitation_coef_final=null",
     "swarm.local_draw=mix",
     "swarm.external_gate=none",
     "swarm.own_replay=0",
-    "swarm.peer_imitation_scale=1.0",
-    "trainer.distill_coef=0.0",
     "trainer.kl_beta=0.0",
-    "trainer.kl_labels=[]",
     "averaging.method=none",
 ]
-OWN = "{own}"  # in an arm's overrides: the specialty the node was warm-started on
 SWARM_4_4 = ["swarm.local_questions=4", "swarm.external_questions=4", "swarm.generated_questions=4"]
 SWARM_IMITATE = [*SWARM_4_4, "swarm.external_selection=weakness", "swarm.imitation=own_and_stronger_peers"]
 # the isolated default: 8 own questions a round, its own right answers as demonstrations
@@ -127,74 +115,9 @@ SAPO_BALANCE = [*SWARM_IMITATE, "trainer.imitation_coef=4.0", "swarm.local_draw=
 ARMS = {
     "silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8"],
     "sapo": SWARM_4_4,
-    "sapo_cap": [*SWARM_4_4, "swarm.capability_aware=true"],
-    "sapo_cap_seq": [*SWARM_4_4, "swarm.capability_aware=true", "trainer.importance_level=sequence"],
-    "sapo_cap_unweighted": [*SWARM_4_4, "swarm.capability_aware=true", "swarm.importance_weighting=false"],
-    "gen8_cap": [
-        "swarm.local_questions=4",
-        "swarm.external_questions=4",
-        "swarm.generated_questions=8",
-        "swarm.capability_aware=true",
-    ],
     "sapo_imitate": [*SWARM_IMITATE, "trainer.imitation_coef=4.0"],
-    "silo_imitate_peers": [
-        "swarm.local_questions=8",
-        "swarm.external_questions=4",
-        "swarm.generated_questions=8",
-        "swarm.external_selection=weakness",
-        "swarm.imitation=own_and_stronger_peers",
-        "swarm.external_use=demonstrations_only",
-        "trainer.imitation_coef=4.0",
-    ],
     "silo_imitate": SILO_IMITATE,
     "sapo_balance": SAPO_BALANCE,
-    # and CHORD's imitation: per-token weight p (1 - p), coefficient 4 -> 1 over 500 updates
-    "sapo_balance_chord": [
-        *SAPO_BALANCE,
-        "trainer.imitation_token_weight=p_one_minus_p",
-        "trainer.imitation_coef_final=1.0",
-        "trainer.imitation_decay_updates=500",
-    ],
-    # the silo's recipe, and peers' policies as teachers of the specialties they know better (on-policy distillation:
-    # the node's own samples scored token by token by the peer's policy; no rollouts exchanged)
-    "silo_distill": [
-        *SILO_IMITATE,
-        "trainer.distill_coef=1.0",
-    ],
-    # each specialty's terms averaged over its own tokens, the specialties weighing the same (MT-GRPO's per-task
-    # normalisation): peers' groups of one specialty no longer outweigh the node's own groups of another
-    "sapo_balance_equal": [
-        *SAPO_BALANCE,
-        "trainer.specialty_weighting=equal",
-    ],
-    # and each specialty's gradient without its components that conflict with another's (PCGrad)
-    "sapo_balance_projected": [
-        *SAPO_BALANCE,
-        "trainer.specialty_weighting=projected",
-    ],
-    # and of a peer's group only its answers above the group's mean in the policy term (LUFFY: a teacher's successes)
-    "sapo_balance_positive": [
-        *SAPO_BALANCE,
-        "trainer.off_policy_negatives=false",
-    ],
-    # and each specialty stepped by an AdamW of its own: the specialty peers bring cannot shrink the own one's step
-    # through Adam's shared second moment
-    "sapo_balance_separate": [
-        *SAPO_BALANCE,
-        "trainer.specialty_weighting=separate_steps",
-    ],
-    "silo_imitate_separate": [
-        *SILO_IMITATE,
-        "trainer.specialty_weighting=separate_steps",
-    ],
-    "silo_imitate_equal": [
-        *SILO_IMITATE,
-        "trainer.specialty_weighting=equal",
-    ],
-    "silo_imitate_projected": [
-        *SILO_IMITATE,
-        "trainer.specialty_weighting=projected",
-    ],
     # every completion its own row, its prompt repeated in it, in the sampler's prefill and the update's forward
     # (before rollout.share_prompt_prefill and trainer.share_prompt_forward)
     "silo_imitate_rows": [
@@ -217,13 +140,6 @@ ARMS = {
     # the shipped sharing generating 8 own questions and training on the 4 with a reward spread first (SAPO's
     # equal-compute comparison): near the ceiling most of a node's own groups are all right
     "sapo_balance_gen8": [*SAPO_BALANCE, "swarm.generated_questions=8"],
-    # the shipped arm and a KL penalty to the warm start on the node's own specialty only (issue #33 section 3's
-    # own-skill anchor; the same weight on every question held the weak specialty at the warm start too: "Seed 3, and a
-    # KL anchor")
-    "sapo_balance_anchor": [*SAPO_BALANCE, "trainer.kl_beta=1.0", f'trainer.kl_labels=["{OWN}"]'],
-    # the shipped arm joining gradually: from a silo's round (8 own questions) to 4 own and 4 of peers' groups over the
-    # first 200 rounds (~30 units), against the early shock on the own specialty (RESULTS "The own-specialty KL anchor")
-    "sapo_balance_ramp": [*SAPO_BALANCE, "swarm.sharing_ramp_rounds=200"],
     # the shipped arm taking a peer's group only where that peer is measurably stronger in its specialty, its own
     # questions in place of the rest (issue #33 section 3's success-gated transfer): equal nodes train as silos do
     "sapo_balance_gated": [*SAPO_BALANCE, "swarm.external_gate=stronger_peer"],
@@ -251,6 +167,37 @@ SWARM_ARMS = {  # the arms that take peers' groups: the last external_questions 
     if [o for o in overrides if o.startswith("swarm.external_questions=")][-1:]
     not in ([], ["swarm.external_questions=0"])
 }
+# Arms of mechanisms that lost and left the product (benchmarks/README.md, "Mechanisms that did not ship", names the
+# commit where each one's code can still be read): no longer runnable, but --report still reads their stored runs, and
+# whether one took peers' groups, for which these are its labels.
+RETIRED_ARMS = {
+    # HACPO's capability corrections (swarm.capability_aware), with its sequence-level importance weight
+    # (trainer.importance_level), without importance weights, or generating 8
+    "sapo_cap": "swarm",
+    "sapo_cap_seq": "swarm",
+    "sapo_cap_unweighted": "swarm",
+    "gen8_cap": "swarm",
+    # peers' groups as demonstrations only (swarm.external_use demonstrations_only)
+    "silo_imitate_peers": "swarm",
+    # CHORD's token weight and decaying coefficient (trainer.imitation_token_weight, imitation_coef_final)
+    "sapo_balance_chord": "swarm",
+    # on-policy distillation from a stronger peer's policy (trainer.distill_coef, node/teachers.py)
+    "silo_distill": "alone",
+    # trainer.specialty_weighting equal, projected (PCGrad), separate_steps
+    "sapo_balance_equal": "swarm",
+    "sapo_balance_projected": "swarm",
+    "sapo_balance_separate": "swarm",
+    "silo_imitate_equal": "alone",
+    "silo_imitate_projected": "alone",
+    "silo_imitate_separate": "alone",
+    # only a peer's answers above its group's mean in the policy term (trainer.off_policy_negatives false, LUFFY)
+    "sapo_balance_positive": "swarm",
+    # a KL anchor on the node's own specialty (trainer.kl_labels)
+    "sapo_balance_anchor": "swarm",
+    # peers' groups ramped in over 200 rounds (swarm.sharing_ramp_rounds)
+    "sapo_balance_ramp": "swarm",
+}
+REPORTED_SWARM_ARMS = SWARM_ARMS | {arm for arm, kind in RETIRED_ARMS.items() if kind == "swarm"}
 
 
 def warm_start_overrides(setting: str, node: int, steps: dict[str, int], sparse_steps: int) -> list[str]:
@@ -319,13 +266,9 @@ def in_process_averaging(node: Node, boards: dict[str, InProcessBoard]) -> Outer
 def node_overrides(setting: str, arm: str, seed: int, node: int, args) -> list[str]:
     """Node `node`'s config overrides in an arm, on top of the setting's config file: ARM_BASE first, so that what the
     file ships for users (the gate, replay, imitation) never leaks into an arm that does not name it."""
-    arm_overrides = ARMS[arm]
-    own = own_specialty(setting, node)
-    if any(OWN in o for o in arm_overrides) and own is None:
-        raise SystemExit(f"arm {arm} names each node's own specialty: run it with --setting specialists or four")
     overrides = [
         *ARM_BASE,
-        *(o.replace(OWN, own or "") for o in arm_overrides),
+        *ARMS[arm],
         *warm_start_overrides(setting, node, args.warmup_steps, args.sparse_warmup_steps),
         *args.set,
         "swarm.transport=dht",
@@ -419,16 +362,6 @@ def kl_to_warm_start(node: Node, warm, questions: list) -> float:
     return (current - float((warm_logprobs * mask).sum())) / len(samples)
 
 
-def offer_teachers(nodes: list[Node], learner: int) -> None:
-    """Each other node's live policy to node `learner`, as the teacher of every specialty at its current accuracy
-    (in-process, the peers themselves; a deployment would fetch a peer's weights and read its heartbeat). The teacher's
-    forward is counted in the learner's work; moving the weights (~10 MB a peer) is not."""
-    for j, peer in enumerate(nodes):
-        if j != learner:
-            for label, accuracy in peer.telemetry.accuracy_by_dataset.items():
-                nodes[learner].teachers.offer(label, f"node-{j}", peer.model, accuracy)
-
-
 async def run_arm(setting: str, arm: str, seed: int, args, scratch: str) -> dict:
     nodes = await make_nodes(setting, arm, seed, scratch, args)
     try:
@@ -492,9 +425,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
     importance: list[float] = []
     rescored: list[int] = []
     taken: list[int] = []
-    omegas: list[float] = []
     imitated: list[int] = []
-    distilled: list[int] = []
     step = args.budget / args.points
     started = time.monotonic()
     while True:
@@ -505,8 +436,6 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             break
         for i in active:
             node = nodes[i]
-            if node.config.trainer.distill_coef > 0:
-                offer_teachers(nodes, i)
             before = time.process_time()
             row = await node.run_round()
             cpu[i] += time.process_time() - before
@@ -523,10 +452,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
             if "external_rescored" in row:
                 rescored.append(row["external_rescored"])
                 taken.append(row["external_questions"])
-            if "external_omega_mean" in row:
-                omegas.append(row["external_omega_mean"])
             imitated.append(row.get("imitation_sequences", 0))
-            distilled.append(row.get("distilled_sequences", 0))
             next_point = step * len(curves[i]) if args.rounds is None else None
             if next_point is not None and compute[i] >= next_point - 1e-9:
                 curves[i].append(point(i, node))
@@ -566,9 +492,7 @@ async def train_in_lockstep(nodes: list[Node], setting: str, arm: str, seed: int
         "importance_weight_mean": statistics.fmean(importance) if importance else None,
         "rescored_per_round": statistics.fmean(rescored) if rescored else None,
         "external_taken_per_round": statistics.fmean(taken) if taken else None,
-        "omega_mean": statistics.fmean(omegas) if omegas else None,
         "imitation_sequences_per_round": statistics.fmean(imitated),
-        "distilled_sequences_per_round": statistics.fmean(distilled),
         # exchanges and bytes of the arms that average (their CPU, a few encodes and sums every 50 updates, is not
         # in the units)
         "averaging": [node.averaging.counters() if node.averaging else None for node in nodes],
@@ -787,10 +711,12 @@ def base_arm(label: str) -> str:
 
 
 def arm_or_variant(value: str) -> str:
-    """--report-arms / --baseline: an arm (`sapo_balance_gated`) or one variant of it by its full label
-    (`sapo_balance_gated[own_replay=4]`, the label the report prints for a run with --set swarm.own_replay=4)."""
-    if base_arm(value) not in ARMS:
-        raise argparse.ArgumentTypeError(f"{value!r}: no such arm (arms: {', '.join(ARMS)})")
+    """--report-arms / --baseline: an arm (`sapo_balance_gated`, or a retired one whose runs are stored) or one variant
+    of it by its full label (`sapo_balance_gated[own_replay=4]`, the label the report prints for a run with --set
+    swarm.own_replay=4)."""
+    if base_arm(value) not in ARMS and base_arm(value) not in RETIRED_ARMS:
+        known = f"arms: {', '.join(ARMS)}; retired: {', '.join(RETIRED_ARMS)}"
+        raise argparse.ArgumentTypeError(f"{value!r}: no such arm ({known})")
     if value != base_arm(value) and not re.fullmatch(r"[^\[\]]+\[[^\[\]]+=[^\[\]]*\]", value):
         raise argparse.ArgumentTypeError(f"{value!r}: a variant is ARM[key=value,...], as the report labels it")
     return value
@@ -798,7 +724,7 @@ def arm_or_variant(value: str) -> str:
 
 def single_node_arm(value: str) -> str:
     value = arm_or_variant(value)
-    if base_arm(value) in SWARM_ARMS:
+    if base_arm(value) in REPORTED_SWARM_ARMS:
         raise argparse.ArgumentTypeError(f"{value!r} takes peers' groups: the baseline is a node alone")
     return value
 
@@ -806,7 +732,7 @@ def single_node_arm(value: str) -> str:
 def may_be_best(label: str, named: Collection[str]) -> bool:
     """Whether the summary may name `label` its best swarm arm: a plain swarm arm, or a variant (an arm run with --set
     overrides) that --report-arms named by its full label; a pilot variant stored beside them never is."""
-    return base_arm(label) in SWARM_ARMS and (label == base_arm(label) or label in named)
+    return base_arm(label) in REPORTED_SWARM_ARMS and (label == base_arm(label) or label in named)
 
 
 def on_axis(run: dict) -> dict:
@@ -936,7 +862,7 @@ def report(args) -> None:
             )
             row["own_gain_points_per_node_and_seed"] = own_gain_per_node(seeds, silo, common, budget)
             row["budget_s"] = budget
-            swarm_arm = base_arm(arm) in SWARM_ARMS
+            swarm_arm = base_arm(arm) in REPORTED_SWARM_ARMS
             if swarm_arm and "silo_imitate" in spec_arms and set(common) <= set(spec_arms["silo_imitate"]):
                 # the fair silo of an arm that imitates: the same imitation term on its own right answers only
                 control = spec_arms["silo_imitate"]
@@ -1345,7 +1271,7 @@ def main() -> None:
         default=None,
         help=f"greedy held-out questions of each task ({HELDOUT_PER_SPECIALTY}; --setting pretrained: 50)",
     )
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo", "sapo", "sapo_cap"])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["silo_imitate", "sapo_balance_gated"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--budget", type=float, default=300.0, help="compute per node, on --axis (units: idle-machine CPU seconds)"

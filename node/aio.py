@@ -21,6 +21,10 @@ T = TypeVar("T")
 RECANCEL_EVERY_S = 1.0  # a task in its own cleanup gets this long before it is cancelled again
 
 
+class StopRequested(Exception):
+    """A wait that may never end (a pipeline driver's for a lost stage) ended because the process is to stop."""
+
+
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: float = 15.0) -> None:
     """Cancel `tasks` and wait for them to end, cancelling again each RECANCEL_EVERY_S while
     one still runs. After `grace_s` the stragglers are left running, with a warning."""

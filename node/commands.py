@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,17 @@ from rich.console import Console
 from rich.table import Table
 
 from node.config import NodeConfig, load_config
-from node.runtime import EXIT_OK, on_stop_signals, run_command, setup_logging, setup_viewer_logging
+from node.runtime import (
+    EXIT_ERROR,
+    EXIT_OK,
+    error,
+    leave_now,
+    on_stop_signals,
+    run_command,
+    setup_logging,
+    setup_viewer_logging,
+    state_dir_errors,
+)
 
 log = logging.getLogger("node")
 
@@ -49,13 +60,16 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     from node.display import RoundDisplay
     from node.loop import Node
+    from node.state import CheckpointNotSaved
 
     stop = asyncio.Event()
+    loading = True
 
     def request_stop() -> None:
-        if stop.is_set():  # second interrupt: leave now, the last checkpoint stands
-            raise KeyboardInterrupt
-        console.print("[yellow]finishing the round in flight, then saving (Ctrl-C again to quit at once)[/]")
+        if loading:
+            console.print("[yellow]stopping: the policy is still loading, nothing to save yet[/]")
+        else:
+            console.print("[yellow]finishing the round in flight, then saving (Ctrl-C again to quit at once)[/]")
         stop.set()
 
     def show_addresses(addresses: list[str]) -> None:
@@ -64,9 +78,17 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
             highlight=False,
         )
 
-    on_stop_signals(request_stop)
+    on_stop_signals(
+        request_stop,
+        on_second=lambda: console.print(
+            "[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"
+        ),
+    )
     node = Node(config, on_addresses=show_addresses)
-    await asyncio.to_thread(node.load, fresh)
+    node.bind_service_ports()  # a port that is taken is refused before the policy loads
+    if not await _until_stopped(asyncio.to_thread(node.load, fresh), stop):
+        leave_now(EXIT_OK)  # the load runs on in its thread (a first run builds the default model): nothing to keep
+    loading = False
     if node.identity is not None:
         console.print(f"node id {node.identity.node_id}", highlight=False)
     start = f"resuming at round {node.round}" if node.round else "fresh start"
@@ -80,20 +102,40 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     title = (
         f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
     ) + f" on {device}"
-    with RoundDisplay(console, node.round, target, title=title) as display:
-        await node.run(config.rounds, stop, on_round=display.update)
+    try:
+        with RoundDisplay(console, node.round, target, title=title) as display:
+            await node.run(config.rounds, stop, on_round=display.update)
+    except CheckpointNotSaved as exc:  # the save on the way out: a full disk
+        return error(str(exc), EXIT_ERROR)
     console.print(
         f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False
     )
     return 0
 
 
+async def _until_stopped(work: Awaitable[Any], stop: asyncio.Event) -> bool:
+    """Await `work` unless `stop` is set first: True once it is done, False when a stop came first (it is left
+    running)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not task.done():
+        return False
+    task.result()  # its exception, if it failed
+    return True
+
+
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from node.state import lock_state_dir
 
     config = config_from_args(args)
-    lock_state_dir(config.resolved_state_dir())  # before anything, --fresh's wipe too, touches the directory
-    setup_logging(config.resolved_state_dir(), args.verbose, console)
+    state_dir = config.resolved_state_dir()
+    with state_dir_errors(state_dir):
+        lock_state_dir(state_dir)  # before anything, --fresh's wipe too, touches the directory
+        setup_logging(state_dir, args.verbose, console)
     return run_command(
         _train(config, args.fresh, console),
         on_interrupt=lambda: console.print(
@@ -157,8 +199,9 @@ def cmd_identity(args: argparse.Namespace, console: Console) -> int:
     from protocol import NodeIdentity
 
     state_dir = Path(args.state_dir or "~/.swarm-node/swarm").expanduser()
-    identity = NodeIdentity.load_or_create(state_dir / "identity.key")
-    peer_id = load_or_create_p2p_key(state_dir / P2P_KEY_FILE)
+    with state_dir_errors(state_dir):  # keys that exist are only read: a read-only directory that holds them is fine
+        identity = NodeIdentity.load_or_create(state_dir / "identity.key")
+        peer_id = load_or_create_p2p_key(state_dir / P2P_KEY_FILE)
     if args.json:
         print(
             json.dumps(

@@ -212,9 +212,6 @@ class TrainerConfig(_Section):
     """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a frozen copy of the initial policy (0: no reference kept)."""
-    kl_labels: list[str] = []
-    """Specialties (task-mix labels) whose questions carry that KL penalty; empty: every question. A specialist that
-    joins others names its own specialty here to anchor what it knows and learn the rest freely."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping norm."""
     micro_batch_size: int = Field(32, ge=1)
@@ -232,36 +229,10 @@ class TrainerConfig(_Section):
     fraction of the positions, since a group's completions all repeat its prompt. Used where the policy takes such
     a mask (a transformers model with sdpa or eager attention); elsewhere (flash attention, a pipeline) each
     completion is its own row whatever this says."""
-    specialty_weighting: Literal["tokens", "equal", "projected", "separate_steps"] = "tokens"
-    """How the round's specialties share the update. 'tokens': every completion token weighs the same, so the
-    specialty with the most trained tokens steers the step. 'equal': each specialty present in the batch weighs the
-    same (its policy, imitation and distillation terms averaged over its own tokens, then the mean over
-    specialties; MT-GRPO's per-task normalisation), so peers' groups of one specialty cannot outweigh the node's own
-    of another. 'projected': as 'equal', and where two specialties' gradients conflict (negative dot product), each
-    loses its component along the other before they are summed (PCGrad, Yu et al. 2020): what a node learns of one
-    specialty does not, to first order, undo another. A specialty is a question's dataset and its configuration
-    (the mix entry). 'separate_steps': each specialty's terms averaged over its own tokens, its gradient clipped
-    alone and stepped by an AdamW of its own (moments per specialty, the full learning rate each): Adam divides a
-    step by the root of its second moment, so with one optimizer a specialty whose gradient is large this round
-    (peers' groups of one the node lacks) shrinks the step of every other; with one per specialty it cannot, and
-    the round takes one optimizer step per specialty in its batch. 'projected' and 'separate_steps' keep one
-    gradient copy per specialty and need the policy's parameters local (not a pipeline)."""
-    off_policy_negatives: bool = True
-    """Whether a peer's completions with a negative advantage enter the policy-gradient term. False: of a peer's group
-    only the answers better than its mean are trained on (LUFFY's off-policy guidance takes a teacher's successes
-    only). A peer's wrong answer is one this policy may never produce: pushing its probability down teaches the node
-    little about its own mistakes and moves probability mass elsewhere, onto what it knew or not. Its own groups keep
-    both signs."""
     advantage_eps: float = Field(1e-4, gt=0)
     """Added to the group's reward std before dividing."""
     importance_cap: float = Field(2.0, gt=0)
     """c in min(c, pi_local/pi_behaviour): truncated importance weight for off-policy samples."""
-    importance_level: Literal["token", "sequence"] = "token"
-    """How off-policy samples are weighted: 'token', min(c, pi_local/pi_behaviour) per token; or 'sequence',
-    HACPO's min(1, s)^(1 + importance_alpha) with s the ratio of the sequence's mean token probabilities:
-    a peer's sample never counts more than one's own."""
-    importance_alpha: float = Field(1.0, ge=0)
-    """alpha of the 'sequence' weight: larger damps samples this policy finds unlikely harder."""
     imitation_coef: float = Field(4.0, ge=0)
     """Weight of an imitation term in the policy loss (0: none): the mean token negative log-likelihood of the round's
     demonstrations (swarm.imitation), each weighted by its group's imitation weight. A node's own right answers learned
@@ -272,21 +243,6 @@ class TrainerConfig(_Section):
     optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
     imitation_max_sequences: int = Field(32, ge=1)
     """Demonstrations learned per round at most (the heaviest first): bounds the imitation term's compute."""
-    imitation_token_weight: Literal["uniform", "p_one_minus_p"] = "uniform"
-    """Per-token weight of a demonstration's NLL: 'uniform', or CHORD's p (1 - p) with p the policy's probability of
-    the token (detached): tokens the policy already holds firmly, or finds absurd, are spared, so imitation teaches
-    the uncertain tokens instead of overwriting the policy."""
-    imitation_coef_final: float | None = Field(None, ge=0)
-    """Where the imitation coefficient ends (None: it stays imitation_coef): it moves linearly from imitation_coef
-    over imitation_decay_updates policy updates, then holds (CHORD's decaying mu)."""
-    imitation_decay_updates: int = Field(500, ge=1)
-    """Policy updates over which the imitation coefficient moves to imitation_coef_final."""
-    distill_coef: float = Field(0.0, ge=0)
-    """Weight of an on-policy distillation term (0: none): on the node's own samples of a specialty where a peer's
-    policy is offered as its teacher (node/sharing.py, Teachers), the reverse KL from this policy's next-token
-    distribution to the teacher's at every completion position, KL(pi || pi_teacher), averaged over those positions.
-    The node's own samples carry the teacher's knowledge, so what it learns stays on its own distribution (what
-    keeps held skills), and a group all wrong still teaches, where GRPO has nothing to learn from it."""
 
 
 class SwarmConfig(_Section):
@@ -302,10 +258,6 @@ class SwarmConfig(_Section):
     4/4 node that generates 8 spends the compute of an 8/0 node, as in SAPO's comparison."""
     external_questions: int = Field(0, ge=0)
     """J: questions sampled from peers' published rollouts each round (0 when isolated)."""
-    sharing_ramp_rounds: int = Field(0, ge=0)
-    """Rounds over which a node that joins moves from a silo's round to the shared one: in round r (0-based) of the
-    first N it takes floor(J * r / N) peers' groups and draws, answers and trains on as many more of its own questions
-    as it takes fewer peers' groups (a round holds I + J groups throughout). 0: J peers' groups from the first round."""
     external_selection: Literal["uniform", "weakness"] = "uniform"
     """How the J are drawn from the peers' groups with a learning signal (re-scored here):
     'uniform' (SAPO's rule), or 'weakness': weighted by how often this node's own answers in
@@ -321,33 +273,18 @@ class SwarmConfig(_Section):
     external_gate_margin: float = Field(0.1, ge=0.0, le=1.0)
     """How much more often than this node a peer must be right in a specialty for the 'stronger_peer' gate to take its
     groups there: a margin over the noise of two moving averages of 8-answer groups (about 0.05 each)."""
-    capability_aware: bool = False
-    """HACPO's corrections for peers that know more or less than this node (node/sharing.py): per specialty, a
-    peer group's advantages are taken against omega * mean(r), omega = P_this / P_peer, and its loss is scaled by
-    P_peer / P_this, both clipped to [0.1, 10]; P_this is this node's accuracy moving average in the specialty,
-    P_peer the peer's re-scored pass rate there. Nodes that know the same things see omega ~ 1: no change."""
     imitation: Literal["none", "own", "own_and_stronger_peers"] = "own"
     """Which right answers are demonstrations for the imitation term (trainer.imitation_coef): 'none'; 'own' (the
     default), this node's own right answers (rejection-sampling fine-tuning: the best single-node recipe measured);
     'own_and_stronger_peers', those and a peer's right answers where it knows more than this node, weighted by
     the share of its pass rate this node lacks in the specialty, (P_peer - P_this) / P_peer (node/sharing.py).
     Its own answers anchor what the node knows: demonstrations of one specialty alone teach it and erase the other."""
-    peer_imitation_scale: float = Field(1.0, ge=0)
-    """Multiplies a stronger peer's demonstration weight, (P_peer - P_this) / P_peer, while the node's own right
-    answers keep weight 1: below 1, a peer's answers teach the specialty this node lacks more gently than its own
-    answers hold the one it knows (peers' answers are off this policy's distribution, and how far training moves
-    off it is what erases a held skill)."""
     own_replay: int = Field(4, ge=0)
     """Right answers of the node's own from earlier rounds replayed each round as demonstrations of weight 1 (drawn at
     random from the last `OWN_REPLAY_CAPACITY`, node/sharing.py; 0: none): rehearsal, so that the answers of what it
     knew keep a share of the imitation term while peers' answers teach it what it lacks (ExGRPO replays a node's own
     successes), and a node alone learns faster for the same compute. Saved with each checkpoint, so a restarted node
     replays what it knew. With swarm.imitation 'none' (no imitation term) it does nothing."""
-    external_use: Literal["policy", "demonstrations_only"] = "policy"
-    """What the J peers' groups a round are for: 'policy', SAPO's way, in the policy-gradient term beside the node's
-    own groups (and as demonstrations too with swarm.imitation own_and_stronger_peers); 'demonstrations_only', only
-    their right answers in the imitation term: the node's policy step is the silo's, on its own I groups, and peers
-    teach it only where they know more. Needs swarm.imitation own_and_stronger_peers."""
     local_draw: Literal["mix", "balance"] = "mix"
     """How the node draws its own questions each round: 'mix', from the task mix; 'balance', after choosing the J
     peers' groups, so that the round's I + J groups hold each specialty in its share of the mix (MT-GRPO's
@@ -423,34 +360,27 @@ class SwarmConfig(_Section):
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
 
-    def external_quota(self, rounds_done: int) -> int:
-        """J for the round after `rounds_done` rounds, ramped over the first `sharing_ramp_rounds`."""
-        if rounds_done >= self.sharing_ramp_rounds:
-            return self.external_questions
-        return self.external_questions * rounds_done // self.sharing_ramp_rounds
-
     @property
     def replayed_per_round(self) -> int:
         """The own right answers a round replays: `own_replay`, where an imitation term trains them."""
         return self.own_replay if self.imitation != "none" else 0
 
-    def own_quota(self, rounds_done: int, peers_taken: int | None = None) -> tuple[int, int]:
-        """(questions of its own the node draws and answers, and trains on) in that round: I (or generated_questions)
-        plus the peers' groups the ramp does not take yet, and, with `external_gate`, those of the round's J it did not
-        take (`peers_taken`: how many it took; None, not known yet: as if all)."""
-        quota = self.external_quota(rounds_done)
-        deferred = self.external_questions - quota
+    def own_quota(self, peers_taken: int | None = None) -> tuple[int, int]:
+        """(questions of its own the node draws and answers, and trains on) in a round: I (or generated_questions)
+        and, with `external_gate`, one more for each of the round's J it did not take (`peers_taken`: how many it
+        took; None, not known yet: as if all)."""
+        deferred = 0
         if self.external_gate != "none" and peers_taken is not None:
-            deferred += max(0, quota - peers_taken)
+            deferred = max(0, self.external_questions - peers_taken)
         return (self.generated_questions or self.local_questions) + deferred, self.local_questions + deferred
 
     @property
     def own_draw_stride(self) -> int:
-        """Questions of the node's stream each round may draw: the most any round draws (a round of the ramp, or with
-        `external_gate` one that took no peer's group)."""
+        """Questions of the node's stream each round may draw: the most any round draws (with `external_gate`, one
+        that took no peer's group)."""
         if self.external_gate != "none":
             return (self.generated_questions or self.local_questions) + self.external_questions
-        return self.own_quota(0)[0]
+        return self.own_quota()[0]
 
     @property
     def imitation_in_effect(self) -> str:
@@ -629,19 +559,10 @@ class NodeConfig(_Section):
         unknown = [label for label in self.model.default.warmup_labels if label not in mix_labels]
         if unknown:
             raise ValueError(f"model.default.warmup_labels {unknown} are not specialties of the task mix {mix_labels}")
-        unknown = [label for label in self.trainer.kl_labels if label not in mix_labels]
-        if unknown:
-            raise ValueError(f"trainer.kl_labels {unknown} are not specialties of the task mix {mix_labels}")
-        if self.trainer.kl_labels and self.trainer.kl_beta == 0:
-            raise ValueError("trainer.kl_labels names where the KL penalty applies: set trainer.kl_beta > 0 as well")
         if self.swarm.generated_questions is not None and self.swarm.generated_questions < self.swarm.local_questions:
             raise ValueError(
                 f"swarm.generated_questions ({self.swarm.generated_questions}) must be at least swarm.local_questions "
                 f"({self.swarm.local_questions}): a node trains on questions it generated"
-            )
-        if self.swarm.sharing_ramp_rounds and not self.swarm.external_questions:
-            raise ValueError(
-                "swarm.sharing_ramp_rounds ramps up the peers' groups a round takes: set swarm.external_questions > 0"
             )
         if self.swarm.transport == "none" and self.averaging.method != "none":
             raise ValueError("averaging needs peers: set swarm.transport to 'dht' or averaging.method to 'none'")
@@ -649,11 +570,6 @@ class NodeConfig(_Section):
             raise ValueError(
                 f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
                 "weight)"
-            )
-        if self.swarm.external_use == "demonstrations_only" and self.swarm.imitation != "own_and_stronger_peers":
-            raise ValueError(
-                "swarm.external_use 'demonstrations_only' uses peers' groups only as demonstrations: "
-                "set swarm.imitation to 'own_and_stronger_peers' (and trainer.imitation_coef > 0)"
             )
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":

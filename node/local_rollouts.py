@@ -50,13 +50,13 @@ class LocalRollouts:
     def draw(
         self, rounds_done: int, balance_with: list[RolloutGroup] | None = None, peers_taken: int | None = None
     ) -> list[Question]:
-        """This round's own questions, the next `generated_questions` of the node's stream (more in the sharing ramp's
-        rounds, and with swarm.external_gate one for each peer's group not taken: `peers_taken`): from the task mix,
-        or, given the peers' groups chosen first (swarm.local_draw 'balance'), as many of each specialty as make the
-        round's I + J groups hold the mix's shares (balanced_counts)."""
+        """This round's own questions, the next `generated_questions` of the node's stream (with swarm.external_gate one
+        more for each peer's group not taken: `peers_taken`): from the task mix, or, given the peers' groups chosen
+        first (swarm.local_draw 'balance'), as many of each specialty as make the round's I + J groups hold the mix's
+        shares (balanced_counts)."""
         swarm = self.config.swarm
-        generated, _ = swarm.own_quota(rounds_done, peers_taken)
-        first_draw = rounds_done * swarm.own_draw_stride  # rounds of the sharing ramp draw more: none overlap
+        generated, _ = swarm.own_quota(peers_taken)
+        first_draw = rounds_done * swarm.own_draw_stride  # a gated round may draw more: none overlap
         if balance_with is None:
             return self.tasks.batch(first_draw=first_draw, count=generated)
         counts = balanced_counts(
@@ -113,13 +113,10 @@ class LocalRollouts:
         }
         return groups, summary, timings
 
-    def choose(
-        self, groups: list[RolloutGroup], seed: int, rounds_done: int, peers_taken: int | None = None
-    ) -> list[RolloutGroup]:
-        """I of the node's own groups to train on (more in the sharing ramp's rounds, or for peers' groups the gate
-        turned away): those with a learning signal first (the trainer would drop the uniform ones), at random within
-        each kind."""
-        _, count = self.config.swarm.own_quota(rounds_done, peers_taken)
+    def choose(self, groups: list[RolloutGroup], seed: int, peers_taken: int | None = None) -> list[RolloutGroup]:
+        """I of the node's own groups to train on (more for peers' groups the gate turned away): those with a learning
+        signal first (the trainer would drop the uniform ones), at random within each kind."""
+        _, count = self.config.swarm.own_quota(peers_taken)
         if len(groups) <= count:
             return groups
         rng = random.Random(seed)

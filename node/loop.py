@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from node.aio import StopRequested
 from node.config import ConfigError, NodeConfig, dump_config
 from node.device import describe_device, model_device
 from node.files import atomic_write_text
@@ -28,13 +29,12 @@ from node.host_memory import hand_back_freed_memory
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
-from node.state import StateStore, restore_rng
+from node.state import CheckpointNotSaved, StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.local_rollouts import LocalRollouts
-from node.stats import MetricsServer, SwarmStats
+from node.stats import MetricsServer, SwarmStats, listening_socket
 from node.sharing import OwnAnswerReplay, PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
 from node.tasks import TaskSource
-from node.teachers import Teachers
 from node.telemetry import Telemetry
 from node.transport import Transport, build_transport, needs_session
 from protocol import NodeIdentity, PeerStats, Refusal
@@ -104,6 +104,7 @@ class Node:
         self.model_parameters = 0
         self._metrics_server: MetricsServer | None = None
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
+        self._listening: dict[str, Any] | None = None  # setting -> its socket, bound by bind_service_ports
         # OuterStepService: started with the transport when averaging.method != none, unless one is given before
         self.averaging = None
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
@@ -135,6 +136,29 @@ class Node:
         atomic_write_text(self.store.root / "config.yaml", dump_config(self.config))
         if self.transport is None and not needs_session(self.config):
             self.transport = self._build_transport()
+
+    def bind_service_ports(self) -> None:
+        """Listen now on the ports of /metrics and the dashboard (swarm.metrics_port, swarm.dashboard_port; the
+        servers start with the swarm services): one another program holds is refused in one line naming it
+        (ConfigError), before the node loads its policy or joins anybody, rather than a traceback once it has joined.
+        A volunteer who asked for a dashboard wants to see it, not a node that runs on without it."""
+        if self._listening is not None:
+            return
+        swarm = self.config.swarm
+        wanted = {
+            "swarm.metrics_port": (swarm.metrics_host, swarm.metrics_port),
+            "swarm.dashboard_port": (swarm.dashboard_host, swarm.dashboard_port),
+        }
+        self._listening = {}
+        try:
+            for setting, (host, port) in wanted.items():
+                if port is not None:
+                    self._listening[setting] = listening_socket(host, port, setting)
+        except ConfigError:
+            for sock in self._listening.values():
+                sock.close()
+            self._listening = None
+            raise
 
     def _refuse_another_model(self) -> None:
         """A state directory resumes the model its checkpoints hold; a run that names another would train the
@@ -188,7 +212,6 @@ class Node:
             self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse
         )
         self.evaluator = HeldoutEvaluator(self.tasks, self.backend)
-        self.teachers = Teachers(self.telemetry.accuracy_by_dataset, self.tasks.label)  # trainer.distill_coef
 
     @property
     def policy_version(self) -> int:
@@ -203,15 +226,17 @@ class Node:
         self.stats.reject(item.peer_id, reason)
         log.info("refused a question from %s: %s: %s", item.peer_id[:12], reason.value, detail)
 
-    async def start_services(self) -> None:
-        """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard."""
+    async def start_services(self, stop: asyncio.Event | None = None) -> None:
+        """Join the swarm (if any), then the services that need it: averaging, /metrics, the dashboard. `stop` (the
+        node is to stop) ends a wait for pipeline stages to be served."""
+        self.bind_service_ports()  # before joining; a command that starts a node binds them before loading it
         if self.transport is None:  # one that runs over the swarm session (load() built any other)
             from node.transport.session import join_swarm
 
             self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
             self.transport = self._build_transport()
         await self.transport.start()
-        await self.policy.attach(self.session, self.loaded, seed=self.stream_seed)
+        await self.policy.attach(self.session, self.loaded, seed=self.stream_seed, stop=stop)
         if self.config.averaging.method != "none":
             from node.averaging.service import start_averaging
 
@@ -226,17 +251,23 @@ class Node:
                 )
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
+        listening = self._listening
         if self.config.swarm.metrics_port is not None:
             self._metrics_server = MetricsServer(
-                self.config.swarm.metrics_host, self.config.swarm.metrics_port, self.prometheus
+                self.config.swarm.metrics_host,
+                self.config.swarm.metrics_port,
+                self.prometheus,
+                listening.pop("swarm.metrics_port"),
             )
             await self._metrics_server.start()
         if self.config.swarm.dashboard_port is not None:
             from node.dashboard.server import start_node_dashboard
 
-            self._dashboard = await start_node_dashboard(self)
+            self._dashboard = await start_node_dashboard(self, listening.pop("swarm.dashboard_port"))
 
     async def stop_services(self) -> None:
+        for sock in (self._listening or {}).values():  # bound for a server that never started
+            sock.close()
         if self._dashboard is not None:
             await self._dashboard.stop()
         if self._metrics_server is not None:
@@ -276,12 +307,11 @@ class Node:
             external_groups, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
-        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, self.round, peers_taken)
-        if self.config.trainer.distill_coef > 0:
-            self.teachers.assign(chosen_local)
-        groups, demonstration_groups = training_batch(swarm, chosen_local, external_groups)
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, peers_taken)
+        groups = training_batch(swarm, chosen_local, external_groups)
+        demonstration_groups = []
         if self.own_replay is not None:
-            demonstration_groups = demonstration_groups + self.own_replay.draw()
+            demonstration_groups = self.own_replay.draw()
             self.own_replay.add(local_groups)
         stats = await asyncio.to_thread(self.trainer.step, groups, demonstration_groups)
         timings.update_s = time.perf_counter() - start
@@ -316,7 +346,12 @@ class Node:
         if swarm.transport != "none":
             self.stats.save(self.store.root / "swarm.json")
         if round_ % self.config.checkpoint_every == 0:
-            await asyncio.to_thread(self.save)
+            try:
+                await asyncio.to_thread(self.save)
+            except CheckpointNotSaved as exc:  # a full disk: the checkpoint before stands, and the next save retries
+                log.warning(
+                    "%s; training goes on and saves again at round %d", exc, round_ + self.config.checkpoint_every
+                )
         return row
 
     async def _peer_groups(self, round_: int) -> tuple[list[RolloutGroup], float]:
@@ -324,9 +359,7 @@ class Node:
         seconds it took."""
         start = time.perf_counter()
         received = await self.transport.collect()
-        chosen = await asyncio.to_thread(
-            self.sharing.choose, received, self._generation_seed(round_), self.config.swarm.external_quota(self.round)
-        )
+        chosen = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         return chosen, time.perf_counter() - start
 
     def prometheus(self) -> str:
@@ -350,12 +383,15 @@ class Node:
         """Run `rounds` more rounds (None: until `stop` is set); the state is saved on the way out."""
         target = None if rounds is None else self.round + rounds
         try:
-            await self.start_services()
-            while not stop.is_set() and (target is None or self.round < target):
-                self.transport.check_alive()
-                row = await self.run_round()
-                if on_round:
-                    on_round(row)
+            try:
+                await self.start_services(stop)
+                while not stop.is_set() and (target is None or self.round < target):
+                    self.transport.check_alive()
+                    row = await self.run_round()
+                    if on_round:
+                        on_round(row)
+            except StopRequested as stopped:  # a pipeline stage that may never come back: the round is abandoned
+                log.warning("%s; the round in flight is abandoned", stopped)
             # A clean exit keeps every completed round, whatever checkpoint_every says. After an
             # error the weights may be half-updated, so the last checkpoint stands instead.
             latest = self.store.latest()

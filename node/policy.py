@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from node.config import ConfigError, NodeConfig
+from node.config import NodeConfig
 from node.device import HOST, resolve_device
-from node.files import atomic_write_text
+from node.files import atomic_write_text, no_space
 from node.model import model_fingerprint, resolve_initial_policy
-from node.state import StateStore
-from node.trainer import GRPOTrainer, SpecialtyAdamW, specialty_keys
+from node.state import CheckpointNotSaved, StateStore
+from node.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ class LocalPolicy:
         config = self.config
         resumed = self.store.resume(config.model.dtype, config.checkpoint_every)
         device = resolve_device(config.model)
-        kl_specialties = specialty_keys(config.tasks.datasets, config.trainer.kl_labels)
         state = None
         if resumed is not None:
             # a checkpoint is read on the CPU whatever device wrote it; the model and, through load_state_dict, the
@@ -66,19 +65,11 @@ class LocalPolicy:
             tokenizer.pad_token_id,
             config.rollout.temperature,
             state.policy_version if state is not None else 0,
-            kl_specialties=kl_specialties,
         )
         if state is None:
             log.info("starting fresh from %s", config.model.name_or_path)
             loaded = LoadedPolicy(model, tokenizer, trainer, 0, "", 0)
         else:
-            written_separate = SpecialtyAdamW.wrote(state.optimizer)
-            if written_separate != (config.trainer.specialty_weighting == "separate_steps"):
-                written = "'separate_steps' (an AdamW per specialty)" if written_separate else "one AdamW"
-                raise ConfigError(
-                    f"the checkpoint {checkpoint} was written with {written}, and trainer.specialty_weighting is "
-                    f"'{config.trainer.specialty_weighting}': resume with the weighting it was written with, or --fresh"
-                )
             trainer.optimizer.load_state_dict(state.optimizer)
             log.info(
                 "resumed from %s (round %d, policy version %d)", checkpoint.name, state.round, state.policy_version
@@ -98,7 +89,7 @@ class LocalPolicy:
         loaded.parameters = sum(p.numel() for p in model.parameters())
         return loaded
 
-    async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
+    async def attach(self, session, policy: LoadedPolicy, seed: int, stop: asyncio.Event | None = None) -> None:
         """Nothing to join: the weights are here."""
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
@@ -164,9 +155,10 @@ class PipelinePolicy:
         )
         return loaded
 
-    async def attach(self, session, policy: LoadedPolicy, seed: int) -> None:
+    async def attach(self, session, policy: LoadedPolicy, seed: int, stop: asyncio.Event | None = None) -> None:
         """Route the model's stages through the swarm's stage servers (found over `session`, the node's
-        node.transport.session.SwarmSession), and wait until each stage is served."""
+        node.transport.session.SwarmSession), and wait until each stage is served; `stop` set (the node is to stop)
+        ends this wait and any later one for a lost stage (node.aio.StopRequested)."""
         from node.pipeline.driver import PipelineRouter
         from node.pipeline.stages import expected_fingerprints, pipeline_limits
 
@@ -178,15 +170,23 @@ class PipelinePolicy:
             expected_fingerprints(self.config, model_config, policy.fingerprint),
             pipeline_limits(self.config, model_config, policy.parameters),
             seed=seed,
+            stop=stop,
         )
         policy.model.attach(router, asyncio.get_running_loop())
         await router.wait_until_served()
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
-        atomic_write_text(
-            self.store.root / PIPELINE_STATE,
-            json.dumps({"round": round_, "policy_version": policy.trainer.policy_version, "node": node_state}),
-        )
+        try:
+            atomic_write_text(
+                self.store.root / PIPELINE_STATE,
+                json.dumps({"round": round_, "policy_version": policy.trainer.policy_version, "node": node_state}),
+            )
+        except OSError as exc:
+            if not no_space(exc):
+                raise
+            raise CheckpointNotSaved(
+                f"could not save round {round_}: no space left on device in {self.store.root}"
+            ) from exc
 
     def round_report(self, trainer: GRPOTrainer) -> dict[str, Any]:
         return {"stage_grad_norms": trainer.optimizer.last_grad_norms}

@@ -1,12 +1,21 @@
-"""What every `swarm-node` command shares: logging, stop signals, errors as exit codes."""
+"""What every `swarm-node` command shares: its state directory, logging, stop signals, errors as exit codes.
+
+Stopping: the first SIGINT or SIGTERM asks the command to stop (a training node finishes the round in flight and
+saves; every wait, a pipeline driver's for a lost stage too, looks at the request), and a second one leaves at once
+(`leave_now`: no clean-up runs, what is on disk was written to survive kill -9). The p2p daemon has a session of its
+own (node/transport/hivemind_p2p.py), so a terminal's Ctrl-C reaches the node alone and the node stops its daemon
+after it has saved.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +28,62 @@ EXIT_USAGE = 2  # the command line or the config is wrong
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
+@contextlib.contextmanager
+def state_dir_errors(state_dir: Path) -> Iterator[None]:
+    """Opening `state_dir` (creating it, its lock, its log): a directory the command cannot write to (under a file,
+    on a read-only file system, a full disk) is one line naming it and why (node.config.ConfigError: exit status 2),
+    not a traceback from deep inside the first write."""
+    from node.config import ConfigError
+    from node.files import os_error_reason
+
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot use the state directory {state_dir}: {os_error_reason(exc)}; use another --state-dir"
+        ) from None
+
+
+class StateLogHandler(logging.FileHandler):
+    """node.log. A write the disk has no space for drops the line and says so once on stderr (logging would print a
+    traceback for every line); a node whose disk is full trains on and says what it could not save."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.dropping = False  # the disk had no space for the last line
+        self._failed = False  # the line being written did not fit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        dropping, self._failed = self.dropping, False
+        super().emit(record)
+        if dropping and not self._failed:
+            self.dropping = False
+            note = "node.log: the lines logged while the disk was full were dropped"
+            super().emit(logging.LogRecord(__name__, logging.WARNING, __file__, 0, note, None, None))
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        from node.files import no_space
+
+        if not no_space(sys.exc_info()[1]):
+            super().handleError(record)
+            return
+        self._failed = True
+        if not self.dropping:
+            self.dropping = True
+            print(
+                f"swarm-node: warning: no space left on device for {self.baseFilename}: its lines are dropped until "
+                "there is",
+                file=sys.stderr,
+            )
+
+
 def setup_logging(state_dir: Path, verbose: bool, console: Console) -> None:
     """A command that keeps state: everything to <state_dir>/node.log, warnings (everything with --verbose) to the
     console."""
     state_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
-    file_handler = logging.FileHandler(state_dir / "node.log")
+    file_handler = StateLogHandler(state_dir / "node.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     screen = RichHandler(console=console, show_path=False, level=logging.INFO if verbose else logging.WARNING)
     # py-libp2p logs remote peers' comings and goings as warnings and errors (a failed dial to a peer
@@ -46,11 +104,34 @@ def setup_viewer_logging() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
 
 
-def on_stop_signals(request_stop: Callable[[], None]) -> None:
-    """Call `request_stop` on SIGINT and SIGTERM (from inside the running event loop)."""
+def on_stop_signals(request_stop: Callable[[], None], on_second: Callable[[], None] | None = None) -> None:
+    """Call `request_stop` on the first SIGINT or SIGTERM (from inside the running event loop); on a second, leave at
+    once with EXIT_INTERRUPTED, after `on_second` says what was kept."""
     loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def handle(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            request_stop()
+            return
+        if on_second is not None:
+            on_second()
+        leave_now(EXIT_INTERRUPTED)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, request_stop)
+        loop.add_signal_handler(signum, handle, signum)
+
+
+def leave_now(code: int) -> None:
+    """End the process now: no task's clean-up runs and no worker thread is waited for (a round in flight, a model
+    still loading). What the node keeps on disk is written to survive this (node/state.py); its p2p daemon gets
+    SIGTERM from the kernel as the process ends (node/transport/hivemind_p2p.py)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream must not keep the process alive
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def error(message: str, code: int = EXIT_USAGE) -> int:
@@ -62,7 +143,8 @@ def run_command(
     main: Coroutine[Any, Any, int], on_interrupt: Callable[[], None] | None = None, interrupted: int = EXIT_INTERRUPTED
 ) -> int:
     """Run a command's coroutine to its exit code: a swarm it cannot join is an error message and EXIT_ERROR,
-    an interrupt that reaches here (a second Ctrl-C) `interrupted`, after `on_interrupt` says what was kept."""
+    a Ctrl-C that reaches here (one before the command took the stop signals: on_stop_signals) `interrupted`, after
+    `on_interrupt` says what was kept."""
     from node.transport.joining import SwarmJoinError
 
     try:

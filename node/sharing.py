@@ -12,17 +12,12 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    pass with a real learning signal or `swarm.max_rescored_per_round` re-scores are spent. A group
    that lied about its rewards is scored by us anyway and replaced if it carries no signal, so a
    round's work is bounded by J, whatever the number of peers;
-3. with `swarm.capability_aware`, applies HACPO's capability corrections (arXiv 2603.02604) per
-   specialty: P_this = this node's accuracy moving average in the specialty (a specialty it has
-   never answered starts at CAPABILITY_PRIOR), P_peer = a moving average of that peer's re-scored
-   pass rates in the specialty (never its claims). The group's advantages are taken against
-   omega * mean(r) with omega = P_this / P_peer, and its loss is scaled by P_peer / P_this, both
-   clipped to [0.1, 10]. A peer right 6 times in 8 where this node is right once in 10 has its
-   right answers pushed about 3.6x harder and its group weighted 7.5x; nodes that know the same
-   things see omega ~ 1 and nothing changes;
+3. keeps each peer's pass rate per specialty: a moving average of its groups' pass rates as re-scored here (never
+   its claims), P_peer, beside this node's own accuracy moving average there, P_this (a specialty it has never
+   answered counts as CAPABILITY_PRIOR);
 4. with `swarm.imitation: own_and_stronger_peers`, marks a peer group's right answers as demonstrations for the
    trainer's imitation term (trainer.imitation_coef), weighted by the share of the peer's pass rate this
-   node lacks in the specialty (imitation_weight) times swarm.peer_imitation_scale: the policy-gradient term
+   node lacks in the specialty, (P_peer - P_this) / P_peer (imitation_weight): the policy-gradient term
    weighs a peer's answer by how likely this policy finds it, so the answers a node most lacks are the ones it
    learns least from there;
 5. with `swarm.external_gate: stronger_peer`, keeps a re-scored group only where its peer is measurably stronger in the
@@ -51,14 +46,8 @@ from protocol.bounded import BoundedDict
 
 WEAKNESS_FLOOR = 0.05  # 'weakness' selection: a specialty the node has mastered is still drawn now and then
 RESCORES_PER_QUESTION = 2  # default re-scoring budget per external question: the drawn one and one replacement
-CAPABILITY_PRIOR = (
-    0.5  # P_this of a specialty this node has not answered yet: an even chance, so omega ~ 1 for an average peer
-)
-CAPABILITY_FLOOR = (
-    0.02  # pass rates are floored here before a ratio is taken: one right answer in 50 is "weak", not "infinitely"
-)
-CAPABILITY_RATIO_BOUNDS = (0.1, 10.0)  # HACPO's clip of omega and of the discrepancy coefficient
-PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (HACPO averages over about 5 steps)
+CAPABILITY_PRIOR = 0.5  # P_this of a specialty this node has not answered yet: an even chance
+PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (about the last 5 groups)
 MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
 
 
@@ -80,22 +69,15 @@ def groups_to_publish(swarm: SwarmConfig, own: list[RolloutGroup]) -> list[Rollo
     return own if swarm.publish == "all" else [g for g in own if not is_uniform(g.rewards)]
 
 
-def training_batch(
-    swarm: SwarmConfig, own: list[RolloutGroup], peers: list[RolloutGroup]
-) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
-    """What the trainer's step gets: (the groups of its policy-gradient term, the groups it takes demonstrations from
-    only).
+def training_batch(swarm: SwarmConfig, own: list[RolloutGroup], peers: list[RolloutGroup]) -> list[RolloutGroup]:
+    """The groups of the trainer's policy-gradient term: the node's own and the peers' it chose (SAPO's way).
 
     With any swarm.imitation in effect the node's own right answers are demonstrations of weight 1, a group all right
-    included: they anchor what it knows (marked here; peers' weights were set when they were chosen). Peers' groups
-    join the node's own in the policy term (swarm.external_use 'policy', SAPO's way) or teach only their right
-    answers ('demonstrations_only': the policy step is the silo's)."""
+    included: they anchor what it knows (marked here; peers' weights were set when they were chosen)."""
     if swarm.imitation_in_effect != "none":
         for group in own:
             group.imitation_weight = 1.0
-    if swarm.external_use == "policy":
-        return own + peers, []
-    return own, peers
+    return own + peers
 
 
 OWN_REPLAY_CAPACITY = 512  # swarm.own_replay: the node's latest distinct right answers it draws replays from
@@ -156,14 +138,6 @@ def imitation_weight(this_node: float | None, peer: float) -> float:
     return (peer - learner) / peer if peer > learner else 0.0
 
 
-def capability_correction(this_node: float | None, peer: float) -> tuple[float, float]:
-    """(omega, discrepancy coefficient) for a peer's group, from the two pass rates (this node's: None if unknown)."""
-    low, high = CAPABILITY_RATIO_BOUNDS
-    learner = max(CAPABILITY_PRIOR if this_node is None else this_node, CAPABILITY_FLOOR)
-    source = max(peer, CAPABILITY_FLOOR)
-    return min(high, max(low, learner / source)), min(high, max(low, source / learner))
-
-
 class PeerRollouts:
     """Receives, checks, chooses and re-scores peers' groups for one node (see the module docstring)."""
 
@@ -194,9 +168,9 @@ class PeerRollouts:
         swarm = self.config.swarm
         return swarm.max_rescored_per_round or RESCORES_PER_QUESTION * swarm.external_questions
 
-    def choose(self, received: list[ExternalGroup], seed: int, limit: int | None = None) -> list[RolloutGroup]:
-        """Up to `limit` (J) peer groups to train on this round, re-scored here, with their capability corrections."""
-        limit = self.config.swarm.external_questions if limit is None else limit
+    def choose(self, received: list[ExternalGroup], seed: int) -> list[RolloutGroup]:
+        """Up to J peer groups to train on this round, re-scored here, with their imitation weights."""
+        limit = self.config.swarm.external_questions
         candidates = []
         for item in received:
             if (item.spec.dataset, item.spec.config_key) not in self.mix:
@@ -229,7 +203,7 @@ class PeerRollouts:
             group, correct = rescored
             if is_uniform(group.rewards):
                 continue  # it claimed a spread it does not have: scored here, found empty, replaced
-            self._correct_for_capability(group, correct / len(group.rewards))
+            self._weigh_by_capability(group, correct / len(group.rewards))
             if not self.passes_gate(group.source, self.tasks.label(group.spec)):
                 self.gated_last_round += 1
                 continue
@@ -293,15 +267,13 @@ class PeerRollouts:
             self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
         return group, correct
 
-    def _correct_for_capability(self, group: RolloutGroup, pass_rate: float) -> None:
+    def _weigh_by_capability(self, group: RolloutGroup, pass_rate: float) -> None:
+        """The group's pass rate into its peer's moving average in the specialty, and, with swarm.imitation
+        own_and_stronger_peers, the group's imitation weight from that average and this node's accuracy there."""
         label = self.tasks.label(group.spec)
         key = (group.source, label)
         previous = self.peer_rates.get(key)
         peer_rate = pass_rate if previous is None else (1 - PEER_RATE_WEIGHT) * previous + PEER_RATE_WEIGHT * pass_rate
         self.peer_rates[key] = peer_rate
-        if self.config.swarm.capability_aware:
-            group.baseline_scale, group.loss_scale = capability_correction(self.own_accuracy.get(label), peer_rate)
         if self.config.swarm.imitation_in_effect == "own_and_stronger_peers":
-            group.imitation_weight = self.config.swarm.peer_imitation_scale * imitation_weight(
-                self.own_accuracy.get(label), peer_rate
-            )
+            group.imitation_weight = imitation_weight(self.own_accuracy.get(label), peer_rate)

@@ -17,6 +17,11 @@ A resume does not trust LATEST alone: a disk can damage it or the newest checkpo
 the newest checkpoint that loads, says which it skipped, and refuses (rather than starts fresh
 over) a directory whose checkpoints all fail to load, or whose metrics go past the first
 checkpoint's round without one.
+
+A full disk stops neither training nor the checkpoints already written: a save it has no space for removes what it
+wrote and raises CheckpointNotSaved (one line, naming the directory; the round loop says it and trains on, and the
+next save tries again), and metrics rows it has no space for are held in memory and written, in order, at the first
+append that fits.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import pickle
 import random
 import shutil
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,7 @@ from safetensors import SafetensorError
 
 from node.config import ConfigError
 from node.device import HOST
-from node.files import atomic_write_text, fsync_dir, fsync_tree
+from node.files import atomic_write_text, fsync_dir, fsync_tree, no_space
 from node.metrics import METRICS_FILE, MetricsFile
 from node.model import load_policy, save_policy
 
@@ -46,6 +52,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "round-"
 LOCK_FILE = "lock"
+HELD_ROWS = 10_000  # metrics rows held in memory while the disk is full (the oldest go first beyond)
 # what reading a damaged checkpoint raises: a safetensors file its header does not cover, a trainer.pt torch cannot
 # unzip or unpickle, a cut JSON file (the model's config, the tokenizer), a file that is gone
 DAMAGE = (OSError, ValueError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError, SafetensorError)
@@ -77,6 +84,7 @@ class StateStore:
         self.checkpoints = root / "checkpoints"
         self.metrics = MetricsFile(root / METRICS_FILE)
         self.metrics_path = self.metrics.path
+        self.unwritten: deque[dict[str, Any]] = deque(maxlen=HELD_ROWS)  # rows the disk had no space for, in order
 
     def exists(self) -> bool:
         return self.latest() is not None
@@ -165,21 +173,23 @@ class StateStore:
         outer: dict | None = None,
         node: dict | None = None,
     ) -> Path:
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
+        staging = None
         try:
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.checkpoints))
             save_policy(model, tokenizer, staging)
-            torch.save(
-                {
-                    "round": round_,
-                    "policy_version": policy_version,
-                    "optimizer": optimizer.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                    "outer": outer,
-                    "node": node,
-                },
-                staging / "trainer.pt",
-            )
+            with open(staging / "trainer.pt", "wb") as handle:  # a file of ours: torch then keeps the OSError
+                torch.save(
+                    {
+                        "round": round_,
+                        "policy_version": policy_version,
+                        "optimizer": optimizer.state_dict(),
+                        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                        "outer": outer,
+                        "node": node,
+                    },
+                    handle,
+                )
             fsync_tree(staging)
             final = self.checkpoints / f"{CHECKPOINT_PREFIX}{round_:08d}"
             if final.exists():
@@ -187,8 +197,11 @@ class StateStore:
             os.replace(staging, final)
             fsync_dir(self.checkpoints)
             atomic_write_text(self.checkpoints / "LATEST", final.name + "\n")
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+        except BaseException as exc:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            if no_space(exc):
+                raise CheckpointNotSaved(f"could not save round {round_}: {self.no_space_left()}") from exc
             raise
         self._prune(keep, final)
         return final
@@ -219,8 +232,27 @@ class StateStore:
 
     # metrics: the file's own code is torch-free (node/metrics.py), for `swarm-node stats`
 
+    def no_space_left(self) -> str:
+        """What a save the disk had no space for leaves, in words."""
+        latest = self.latest()
+        standing = f"the checkpoint of round {self.load_round(latest)} stands" if latest else "no checkpoint yet"
+        return f"no space left on device in {self.checkpoints} ({standing})"
+
     def append_metrics(self, row: dict[str, Any]) -> None:
-        self.metrics.append(row)
+        """Append `row`, after any the disk had no space for: a full disk holds them in memory (one warning), and the
+        first append that fits writes them all, in order."""
+        self.unwritten.append(row)
+        try:
+            while self.unwritten:
+                self.metrics.append(self.unwritten[0])
+                self.unwritten.popleft()
+        except OSError as exc:
+            if not no_space(exc):
+                raise
+            if len(self.unwritten) == 1:
+                log.warning(
+                    "no space left on device for %s: its rows are held in memory until there is", self.metrics_path
+                )
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return self.metrics.read()
@@ -243,6 +275,11 @@ class StateStore:
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         self.metrics_path.unlink(missing_ok=True)
         (self.root / "pipeline_state.json").unlink(missing_ok=True)  # a pipeline driver's round (node/loop.py)
+
+
+class CheckpointNotSaved(Exception):
+    """A checkpoint the disk had no space for: nothing of it is left behind, the one before stands. The message is
+    one line: the round, the directory, and what stands."""
 
 
 class CheckpointDamaged(Exception):

@@ -8,17 +8,20 @@ directory keeps them for `swarm-node stats`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
 import math
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from node.files import atomic_write_text
+from node.config import ConfigError
+from node.files import write_snapshot
 from protocol import Refusal, RefusalCounter
 from protocol.bounded import BoundedDict
 
@@ -198,7 +201,7 @@ class SwarmStats:
         }
 
     def save(self, path: Path) -> None:
-        atomic_write_text(path, json.dumps(self.snapshot(), indent=1))
+        write_snapshot(path, json.dumps(self.snapshot(), indent=1))  # skipped while the disk is full
 
 
 def _escape(label: str) -> str:
@@ -258,15 +261,42 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
     return "\n".join(lines) + "\n"
 
 
+def listening_socket(host: str, port: int, setting: str) -> socket.socket:
+    """A TCP socket listening on host:port for a server the node starts later (/metrics, the dashboard), so that a
+    port another program holds is refused at once, in one line naming `setting` (ConfigError: exit status 2), and not
+    once the node has loaded its policy and joined its swarm."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot listen on {host!r}: {exc.strerror or exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's servers: a restart gets its port back
+        sock.bind(address)
+        sock.listen(100)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+        raise ConfigError(f"{setting}: port {port} on {host} {why}: choose another port, or 0 for a free one") from None
+    return sock
+
+
 class MetricsServer:
     """A minimal HTTP endpoint serving GET /metrics (Prometheus scrapes nothing else)."""
 
-    def __init__(self, host: str, port: int, render: Callable[[], str]):
+    def __init__(self, host: str, port: int, render: Callable[[], str], sock: socket.socket | None = None):
         self.host, self.port, self.render = host, port, render
+        self.sock = sock  # already listening (listening_socket), or None: bound at start
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        if self.sock is not None:
+            self._server = await asyncio.start_server(self._handle, sock=self.sock)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("serving metrics on http://%s:%d/metrics", self.host, self.port)
 

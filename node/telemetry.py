@@ -58,9 +58,8 @@ class Telemetry:
         generation_work: GenerationWork,
     ) -> dict[str, Any]:
         """A round's metrics row (metrics.jsonl; tests, benchmarks and the dashboard read its keys), the refusals
-        counted since the last row included. The keys about peers appear only on a node that takes them (J > 0),
-        the capability corrections only with swarm.capability_aware, the trainer's optional ones when it measured
-        them."""
+        counted since the last row included. The keys about peers appear only on a node that takes them (J > 0), the
+        trainer's optional ones when it measured them."""
         swarm = self.config.swarm
         return {
             "round": round_,
@@ -83,23 +82,10 @@ class Telemetry:
                 if train.imitation_sequences
                 else {}
             ),
-            **(
-                {"distilled_sequences": train.distilled_sequences, "distill_kl": train.distill_kl}
-                if train.distilled_sequences
-                else {}
-            ),
             **policy_report,
             "external_questions": len(peer_groups),
             **({"external_rescored": peers_rescored} if swarm.external_questions else {}),
             **({"external_gated": peers_gated} if swarm.external_gate != "none" else {}),
-            **(
-                {
-                    "external_omega_mean": sum(g.baseline_scale for g in peer_groups) / len(peer_groups),
-                    "external_loss_scale_mean": sum(g.loss_scale for g in peer_groups) / len(peer_groups),
-                }
-                if peer_groups and swarm.capability_aware
-                else {}
-            ),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
             "generation_s": generation_s,

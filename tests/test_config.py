@@ -49,15 +49,6 @@ def test_invalid_values_name_the_field(override, field):
     assert "\n" not in message and message.startswith(f"invalid config: {field}")
 
 
-def test_the_kl_anchor_names_specialties_of_the_mix_and_needs_its_weight():
-    mix = REPO / "configs" / "specialists.yaml"
-    with pytest.raises(ConfigError, match=r"trainer.kl_labels \['divide'\] are not specialties of the task mix"):
-        load_config(mix, ["trainer.kl_beta=0.5", 'trainer.kl_labels=["divide"]'])
-    with pytest.raises(ConfigError, match="set trainer.kl_beta > 0 as well"):
-        load_config(mix, ['trainer.kl_labels=["add"]'])
-    assert load_config(mix, ["trainer.kl_beta=0.5", 'trainer.kl_labels=["add"]']).trainer.kl_labels == ["add"]
-
-
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["trainer.lr"])

@@ -33,7 +33,7 @@ def test_rollout_data_types_are_torch_free():
 
 def test_choosing_own_and_peers_rollouts_is_torch_free():
     """Which rollouts a node trains on is decided without a model library (grading sits with the tasks)."""
-    loaded = imported_after(["node.sharing", "node.local_rollouts", "node.compute", "node.teachers"])
+    loaded = imported_after(["node.sharing", "node.local_rollouts", "node.compute"])
     assert "torch" not in loaded and "node.trainer" not in loaded
 
 
@@ -73,7 +73,6 @@ LAYERS = [
             "node.policy",
             "node.local_rollouts",
             "node.sharing",
-            "node.teachers",
             "node.evaluation",
             "node.telemetry",
             "node.averaging",
@@ -93,7 +92,6 @@ WITHIN_LAYER = {
     "node.model": {"node.warmstart", "node.pretrained"},
     "node.state": {"node.model"},
     "node.rollouts": {"node.model"},
-    "node.teachers": {"node.sharing"},
     "node.policy": {"node.pipeline"},
     "node.pipeline": {"node.averaging"},
     "node.loop": {"node.dashboard"},

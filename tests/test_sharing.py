@@ -1,4 +1,4 @@
-"""Peers' rollouts (node/sharing.py): chosen on their claims, re-scored here, bounded work, capability corrections."""
+"""Peers' rollouts (node/sharing.py): chosen on their claims, re-scored here, bounded work, weighed by capability."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from node.rollouts.base import Completion, RolloutGroup
 from node.sharing import (
     OwnAnswerReplay,
     CAPABILITY_PRIOR,
-    capability_correction,
     groups_to_publish,
     imitation_weight,
     training_batch,
@@ -120,27 +119,10 @@ def test_own_right_answers_are_demonstrations_whenever_imitation_is_in_effect(
     assert [g.imitation_weight for g in own] == [own_weight, own_weight] and peers[0].imitation_weight == 0.4
 
 
-def test_peers_groups_join_the_policy_term_or_teach_only_their_right_answers():
+def test_peers_groups_join_the_nodes_own_in_the_policy_term():
     own, peers = [own_group("add", 0, [1.0, 0.0])], [own_group("subtract", 0, [1.0, 0.0])]
-    assert training_batch(SwarmConfig(external_questions=1), own, peers) == (own + peers, [])
-    demonstrations_only = SwarmConfig(
-        external_questions=1, imitation="own_and_stronger_peers", external_use="demonstrations_only"
-    )
-    assert training_batch(demonstrations_only, own, peers) == (own, peers)
-    assert training_batch(SwarmConfig(), own, []) == (own, [])  # an isolated node: its own groups alone
-
-
-def test_capability_correction_hand_computed_clipped_and_with_a_prior():
-    omega, scale = capability_correction(0.1, 0.75)
-    assert omega == pytest.approx(0.1 / 0.75) and scale == pytest.approx(7.5)
-    assert capability_correction(0.5, 0.5) == (1.0, 1.0)  # nodes that know the same things: nothing changes
-    assert capability_correction(0.0, 1.0) == (0.1, 10.0)  # clipped to [0.1, 10] (0.02 / 1 and 1 / 0.02 before)
-    assert capability_correction(1.0, 0.0) == (10.0, 0.1)
-    # a specialty never answered starts from the prior
-    assert capability_correction(None, CAPABILITY_PRIOR) == (
-        1.0,
-        1.0,
-    )
+    assert training_batch(SwarmConfig(external_questions=1), own, peers) == own + peers
+    assert training_batch(SwarmConfig(), own, []) == own  # an isolated node: its own groups alone
 
 
 def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_node):
@@ -178,36 +160,14 @@ def test_groups_that_lie_about_their_spread_are_rescored_replaced_and_bounded(sw
 
 
 def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
-    node = swarm_node("swarm.capability_aware=true")
-    node.telemetry.accuracy_by_dataset.update({"add": 0.5})
-    # claims 7 right of 8; really 1 right of 8: its pass rate is 0.125, so omega = 0.5 / 0.125 = 4, scale 0.25
+    node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
+    node.telemetry.accuracy_by_dataset.update({"add": 0.05})
+    # claims 7 right of 8; really 1 right of 8: its pass rate is 0.125, so its weight is (0.125 - 0.05) / 0.125
     liar = peer_group(spec_of("add", 0), right=1, wrong=7, peer="boaster", claimed=[1.0] * 7 + [0.0])
     [group] = node.sharing.choose([liar], seed=0)
     assert group.rewards == [1.0] + [0.0] * 7
-    assert group.baseline_scale == pytest.approx(4.0) and group.loss_scale == pytest.approx(0.25)
-
-
-def test_capability_corrections_per_specialty(swarm_node):
-    node = swarm_node("swarm.capability_aware=true")
-    node.telemetry.accuracy_by_dataset.update({"add": 0.5, "subtract": 0.1})  # chain_sum: never answered
-    received = [
-        peer_group(spec_of("add", 0), right=4, wrong=4, peer="twin"),
-        peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
-        peer_group(spec_of("chain_sum", 0), right=2, wrong=6, peer="novice"),
-    ]
-    by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
-    # a peer as good as this node: plain SAPO
-    assert (by_label["add"].baseline_scale, by_label["add"].loss_scale) == (
-        1.0,
-        1.0,
-    )
-    assert by_label["subtract"].baseline_scale == pytest.approx(0.1 / 0.75) and by_label[
-        "subtract"
-    ].loss_scale == pytest.approx(7.5)
-    assert by_label["chain_sum"].baseline_scale == pytest.approx(CAPABILITY_PRIOR / 0.25)  # from the stated prior
-    off = swarm_node()  # capability_aware off (the default): SAPO's uniform weights
-    off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
-    assert all((g.baseline_scale, g.loss_scale) == (1.0, 1.0) for g in off.sharing.choose(received, seed=0))
+    assert node.sharing.peer_rates[("boaster", "add")] == pytest.approx(0.125)
+    assert group.imitation_weight == pytest.approx(0.6)
 
 
 def test_imitation_weight_hand_computed():
@@ -233,13 +193,6 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
     assert by_label["subtract"].imitation_weight == pytest.approx((0.75 - 0.1) / 0.75)
     assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
     assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
-    gentler = swarm_node(
-        "swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0", "swarm.peer_imitation_scale=0.25"
-    )
-    gentler.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.1})
-    by_label = {gentler.tasks.label(g.spec): g for g in gentler.sharing.choose(received, seed=0)}
-    assert by_label["subtract"].imitation_weight == pytest.approx(0.25 * (0.75 - 0.1) / 0.75)
-    assert by_label["add"].imitation_weight == 0.0
     off = swarm_node()
     off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
     assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
@@ -260,13 +213,13 @@ def test_imitation_needs_its_weight_and_keeps_to_own_answers_without_peers(tiny_
 
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
-    node = swarm_node("swarm.capability_aware=true")
-    node.telemetry.accuracy_by_dataset.update({"add": 0.5})
+    node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
+    node.telemetry.accuracy_by_dataset.update({"add": 0.1})
     node.sharing.choose([peer_group(spec_of("add", 0), right=4, wrong=4, peer="p")], seed=0)
     [group] = node.sharing.choose([peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0)
-    # one unlucky group moves it a fifth
+    # one unlucky group moves it a fifth, and the group is weighed by the average, not by its own pass rate
     assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)
-    assert group.baseline_scale == pytest.approx(0.5 / 0.425)
+    assert group.imitation_weight == pytest.approx((0.425 - 0.1) / 0.425)
 
 
 def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
@@ -334,10 +287,9 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     assert b.stats.refusals.by_peer() == {a.identity.node_id[:64]: {"bad_signature": 1}}
 
 
-@pytest.mark.parametrize("use", ["policy", "demonstrations_only"])
-def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_own(tiny_config, tmp_path, use):
-    """swarm.external_use: a peer's group with a reward spread enters the policy term only under 'policy'; its right
-    answer is a demonstration either way."""
+def test_a_peers_group_enters_the_policy_term_and_its_right_answer_is_a_demonstration(tiny_config, tmp_path):
+    """A peer's group with a reward spread enters the policy term; where the peer is stronger its right answer is a
+    demonstration too."""
     import asyncio
 
     from node.rollouts.base import Completion, RolloutGroup
@@ -353,7 +305,6 @@ def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_
             "swarm.external_questions=4",
             "swarm.imitation=own_and_stronger_peers",
             "trainer.imitation_coef=1.0",
-            f"swarm.external_use={use}",
             "eval_every=0",
             state_dir=tmp_path / "learner",
         ),
@@ -385,16 +336,9 @@ def test_peers_groups_as_demonstrations_only_leave_the_policy_step_to_the_nodes_
     row = asyncio.run(learner.run_round())
     # the peer's right answer, weight (0.5 - 0.1) / 0.5
     assert row["external_questions"] == 1 and row["imitation_sequences"] == 1
-    # the learner's own groups are all wrong: dropped either way
-    assert row["groups_used"] == (1 if use == "policy" else 0)
+    # the learner's own groups are all wrong: dropped; the peer's is the policy term's one group
+    assert row["groups_used"] == 1
     assert row["policy_version"] == 1
-
-
-def test_demonstrations_only_needs_imitation_of_peers(tiny_config):
-    from node.config import ConfigError
-
-    with pytest.raises(ConfigError, match="demonstrations_only"):
-        tiny_config("swarm.transport=dht", "swarm.external_questions=4", "swarm.external_use=demonstrations_only")
 
 
 def test_apportion_and_balanced_counts_hand_computed():
@@ -512,50 +456,6 @@ def test_a_balancing_node_answers_the_specialties_its_peers_did_not_bring(tiny_c
     assert row["work"]["train_tokens"] > 0 and row["work"]["optimizer_steps"] == 1
 
 
-def test_the_sharing_ramp_moves_a_round_from_a_silos_to_the_shared_one():
-    """swarm.sharing_ramp_rounds N: round r (0-based) of the first N takes floor(J * r / N) peers' groups, and the node
-    draws, answers and trains on that many fewer than J more of its own; the stream's rounds never overlap."""
-    ramp = SwarmConfig(local_questions=4, external_questions=4, sharing_ramp_rounds=4)
-    assert [ramp.external_quota(r) for r in range(6)] == [0, 1, 2, 3, 4, 4]
-    assert [ramp.own_quota(r) for r in (0, 1, 3, 4, 9)] == [(8, 8), (7, 7), (5, 5), (4, 4), (4, 4)]
-    assert ramp.own_draw_stride == 8
-    # generating more than it trains on (generated_questions 6): the ramp adds to both
-    wider = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6, sharing_ramp_rounds=8)
-    assert [wider.external_quota(r) for r in (0, 1, 2, 7, 8)] == [0, 0, 1, 3, 4]
-    assert wider.own_quota(2) == (9, 7) and wider.own_draw_stride == 10
-    # without a ramp: J from the first round, and the stream's stride is what a round draws, as before the ramp
-    plain = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6)
-    assert plain.external_quota(0) == 4 and plain.own_quota(0) == (6, 4) and plain.own_draw_stride == 6
-
-
-def test_a_node_in_the_sharing_ramp_draws_and_trains_more_of_its_own_and_takes_fewer_peers_groups(swarm_node):
-    from node.config import ConfigError
-
-    node = swarm_node("swarm.local_questions=4", "swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance")
-    tasks, local = node.tasks, node.local
-    # round 0 takes no peers' group and draws 8 of its own (the batch's I + J), balanced over the mix's specialties
-    first = local.draw(0, balance_with=[])
-    assert len(first) == 8
-    # round 1 takes 2 and draws 6; its draws start after round 0's 8, so no question is answered twice
-    peers = [own_group("subtract", 0, [1.0, 0.0]), own_group("subtract", 1, [1.0, 0.0])]
-    second = local.draw(1, balance_with=peers)
-    assert len(second) == 6
-    assert {(tasks.label(q.spec), q.spec.index) for q in first}.isdisjoint(
-        (tasks.label(q.spec), q.spec.index) for q in second
-    )
-    assert len(local.draw(2, balance_with=peers + peers)) == 4
-    # it trains on as many of its own as it drew: 8, 6, then I = 4 of 8 groups with a spread
-    groups = [own_group("add", k, [1.0, 0.0]) for k in range(8)]
-    assert [len(local.choose(groups, seed=0, rounds_done=r)) for r in (0, 1, 2, 5)] == [8, 6, 4, 4]
-    # and takes at most the ramp's quota of peers' groups, re-scoring none when it takes none
-    received = [peer_group(spec_of("add", k), right=2, wrong=2, peer="p") for k in range(4)]
-    assert node.sharing.choose(received, seed=0, limit=0) == [] and node.sharing.rescored_last_round == 0
-    assert len(node.sharing.choose(received, seed=0, limit=2)) == 2
-    assert len(node.sharing.choose(received, seed=0)) == 4  # J, the ramp over
-    with pytest.raises(ConfigError, match="sharing_ramp_rounds"):
-        swarm_node("swarm.external_questions=0", "swarm.sharing_ramp_rounds=2")
-
-
 # a node of the three-specialty mix answering 4 own questions and taking 4 peers' groups a round
 FOUR_AND_FOUR = [
     f"tasks.datasets={json.dumps(MIX)}",
@@ -575,27 +475,6 @@ def own_questions_answered(row: dict, per_question: int) -> int:
     """Questions of its own a node answered in a round, from the round's work (each peer group re-scored has 2
     answers)."""
     return (row["work"]["scored_completions"] - 2 * row["external_rescored"]) // per_question
-
-
-def test_a_joining_nodes_rounds_follow_the_sharing_ramp(tiny_config, tmp_path):
-    """Node b ramps over 2 rounds while a peer publishes 4 fresh groups with a spread every round: b takes 0, 2, then
-    4 of them, and answers 8, 6, then 4 questions of its own (every round 8 groups in all)."""
-    import asyncio
-
-    ramp = ["swarm.sharing_ramp_rounds=2", "swarm.local_draw=balance"]
-    a, b = in_process_nodes(tiny_config, tmp_path, {"a": FOUR_AND_FOUR, "b": [*FOUR_AND_FOUR, *ramp]})
-    per_question = b.config.rollout.completions_per_question
-
-    async def rounds():
-        rows = []
-        for round_ in range(3):
-            await a.transport.publish(round_ + 1, 0, [add_group_with_a_spread(4 * round_ + k) for k in range(4)])
-            rows.append(await b.run_round())
-        return rows
-
-    rows = asyncio.run(rounds())
-    assert [row["external_questions"] for row in rows] == [0, 2, 4]
-    assert [own_questions_answered(row, per_question) for row in rows] == [8, 6, 4]
 
 
 # swarm.external_gate: peers' groups only where the peer is stronger, the node's own questions in place of the rest ---
@@ -662,19 +541,19 @@ def test_own_replay_keeps_each_groups_distinct_right_answers_and_replays_them_as
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
     gated = SwarmConfig(local_questions=4, external_questions=4, external_gate="stronger_peer")
-    assert [gated.own_quota(5, taken) for taken in (None, 4, 1, 0)] == [(4, 4), (4, 4), (7, 7), (8, 8)]
+    assert [gated.own_quota(taken) for taken in (None, 4, 1, 0)] == [(4, 4), (4, 4), (7, 7), (8, 8)]
     assert gated.own_draw_stride == 8  # a round that took none draws 8: the rounds' draws never overlap
     assert when_to_collect_peers(gated) == "before_drawing"  # it must know what it took before it draws
     wider = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6, external_gate="stronger_peer")
-    assert wider.own_quota(0, 2) == (8, 6) and wider.own_draw_stride == 10
-    ramped = SwarmConfig(local_questions=4, external_questions=4, sharing_ramp_rounds=4, external_gate="stronger_peer")
-    assert ramped.own_quota(1, 0) == (8, 8) and ramped.own_quota(1, 1) == (7, 7)  # J = 1 in the ramp's round 1
-    # without the gate what a round took does not change its own share (the ramp's alone does)
+    assert wider.own_quota(2) == (8, 6) and wider.own_draw_stride == 10
+    # without the gate what a round took does not change its own share; the stream's stride is what a round draws
     plain = SwarmConfig(local_questions=4, external_questions=4)
-    assert plain.own_quota(5, 0) == (4, 4) and plain.own_draw_stride == 4
+    assert plain.own_quota(0) == (4, 4) and plain.own_draw_stride == 4
+    generating = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6)
+    assert generating.own_quota(0) == (6, 4) and generating.own_quota() == (6, 4) and generating.own_draw_stride == 6
     # a node that takes no peers' groups (J = 0, the shipped config trained alone) is a silo whatever the gate says
     alone = tiny_config("swarm.external_gate=stronger_peer").swarm
-    assert when_to_collect_peers(alone) == "never" and alone.own_quota(5, 0) == (2, 2) and alone.own_draw_stride == 2
+    assert when_to_collect_peers(alone) == "never" and alone.own_quota(0) == (2, 2) and alone.own_draw_stride == 2
 
 
 def test_a_gated_nodes_rounds_take_a_stronger_peers_groups_and_answer_its_own_in_place_of_an_equals(

@@ -166,6 +166,12 @@ def test_a_variant_named_by_its_full_label_may_be_the_best_arm_and_a_pilot_besid
             arm_or_variant(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="node alone"):
         single_node_arm("sapo_balance_gated")
+    # a retired arm's stored runs are still reported, and it still counts as taking peers' groups or not
+    assert arm_or_variant("sapo_cap") == "sapo_cap" and "sapo_cap" not in ARMS
+    assert single_node_arm("silo_distill") == "silo_distill"
+    with pytest.raises(argparse.ArgumentTypeError, match="node alone"):
+        single_node_arm("sapo_balance_positive")
+    assert may_be_best("sapo_balance_ramp", [])
     assert may_be_best("sapo_balance_gated", [])
     assert not may_be_best(shipped, ["sapo_balance_gated"])
     assert may_be_best(shipped, [shipped])

@@ -63,36 +63,6 @@ def test_resume_restores_weights_optimizer_and_version(tiny_config, tmp_path):
     assert len(list(second.store.checkpoints.glob("round-*"))) == config.checkpoint_keep
 
 
-def test_resume_keeps_each_specialtys_moments_and_refuses_another_optimizer(tiny_config, tmp_path):
-    """trainer.specialty_weighting 'separate_steps' checkpoints an AdamW per specialty; resuming restores each, and
-    resuming with another weighting (one AdamW) is refused with a sentence, either way round."""
-    import pytest
-
-    from node.config import ConfigError
-
-    # uniform groups kept: every round steps, whatever the tiny policy answers
-    separate = tiny_config("trainer.specialty_weighting=separate_steps", "trainer.drop_uniform_groups=false")
-    first = Node(separate)
-    first.load()
-    asyncio.run(first.run(2, asyncio.Event()))
-    moments = first.trainer.optimizer.state_dict()["per_specialty"]
-    assert moments  # at least one specialty trained
-    second = Node(separate)
-    second.load()
-    restored = second.trainer.optimizer.state_dict()["per_specialty"]
-    assert set(restored) == set(moments)
-    for key, state in moments.items():
-        assert [s["step"] for s in restored[key]["state"].values()] == [s["step"] for s in state["state"].values()]
-    with pytest.raises(ConfigError, match="written with 'separate_steps'"):
-        Node(tiny_config()).load()
-    plain = tiny_config("trainer.drop_uniform_groups=false", state_dir=tmp_path / "plain")
-    one_adamw = Node(plain)
-    one_adamw.load()
-    asyncio.run(one_adamw.run(1, asyncio.Event()))
-    with pytest.raises(ConfigError, match="written with one AdamW"):
-        Node(tiny_config("trainer.specialty_weighting=separate_steps", state_dir=tmp_path / "plain")).load()
-
-
 def test_resume_replays_the_right_answers_the_node_kept_before_the_restart(tiny_config, tmp_path):
     """swarm.own_replay's answers, and where its draws stood, survive a restart with the checkpoint: the restarted node
     draws what the first would have drawn next."""

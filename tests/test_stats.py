@@ -81,10 +81,10 @@ def test_a_rounds_metrics_row_hand_computed():
     from protocol import TaskSpec
     from tests.helpers.common import REPO
 
-    def group(completions: int, baseline_scale: float = 1.0, loss_scale: float = 1.0) -> RolloutGroup:
+    def group(completions: int) -> RolloutGroup:
         sampled = [Completion([1], [2], "2", None, "stop", policy_version=0)] * completions
         spec = TaskSpec("basic_arithmetic", {}, 1, 0)
-        return RolloutGroup(spec, sampled, [1.0] * completions, baseline_scale=baseline_scale, loss_scale=loss_scale)
+        return RolloutGroup(spec, sampled, [1.0] * completions)
 
     def row(
         *overrides: str, train: TrainStats, peer_groups: list[RolloutGroup], outer_step=None, records_decoded=0
@@ -159,11 +159,10 @@ def test_a_rounds_metrics_row_hand_computed():
         ("work", {**work, "scored_completions": 8}),  # its own 2 x 4 completions; it re-scores nobody's
     ]
     train.importance_weight_mean, train.imitation_sequences, train.imitation_nll = 0.8, 2, 1.25
-    peers = [group(3, baseline_scale=0.5, loss_scale=2.0), group(3)]
+    peers = [group(3), group(3)]
     swarm = row(
         "swarm.transport=dht",
         "swarm.external_questions=2",
-        "swarm.capability_aware=true",
         train=train,
         peer_groups=peers,
         outer_step={"outcome": "applied"},
@@ -174,14 +173,9 @@ def test_a_rounds_metrics_row_hand_computed():
         "imitation_sequences": 2,
         "imitation_nll": 1.25,
         "external_rescored": 3,
-        "external_omega_mean": 0.75,  # (0.5 + 1.0) / 2
-        "external_loss_scale_mean": 1.5,  # (2.0 + 1.0) / 2
         "outer_step": {"outcome": "applied"},
         "sharing_s": 3.0,
     }
     assert swarm["external_questions"] == 2 and swarm["work"]["scored_completions"] == 8 + 6  # its own, and re-scored
     assert (swarm["work"]["records_decoded"], swarm["work"]["groups_rederived"]) == (2, 3)
     assert (isolated["work"]["records_decoded"], isolated["work"]["groups_rederived"]) == (0, 0)
-    # corrections are reported only where they are applied
-    plain = row("swarm.transport=dht", "swarm.external_questions=2", train=train, peer_groups=peers)
-    assert "external_omega_mean" not in plain and "external_loss_scale_mean" not in plain

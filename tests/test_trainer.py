@@ -53,18 +53,6 @@ def test_policy_loss_kl_term():
     assert loss.item() == pytest.approx(0.1 * expected_kl)
 
 
-def test_policy_loss_kl_only_on_the_rows_named():
-    logprobs = torch.log(torch.tensor([[0.5], [0.5]]))
-    ref = torch.log(torch.tensor([[0.25], [0.125]]))
-    mask = torch.tensor([[True], [True]])
-    loss, info = policy_loss(
-        logprobs, logprobs.clone(), torch.zeros(2), mask, 0.2, 0.28, None, ref, 0.1, torch.tensor([False, True])
-    )
-    expected_kl = 0.25 - math.log(0.25) - 1  # the second row's only: exp(ref - logp) - (ref - logp) - 1
-    assert info["kl_sum"].item() == pytest.approx(expected_kl)
-    assert loss.item() == pytest.approx(0.1 * expected_kl)
-
-
 @pytest.fixture
 def tiny_policy():
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -138,13 +126,17 @@ def test_micro_batching_gives_the_same_gradient(tiny_policy):
         )
         for i in range(3)
     ]
-    results = []
+    gradients = []
     for micro in (1, 64):
         model = copy.deepcopy(tiny_policy)
         trainer = GRPOTrainer(TrainerConfig(micro_batch_size=micro, lr=1e-3), model, pad_id=0, temperature=1.0)
         trainer.step(groups)
-        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert torch.allclose(results[0], results[1], atol=1e-6)
+        # the gradient the step applied (kept after it, clipped), not the weights after AdamW: Adam divides by the
+        # root of the second moment, so a parameter whose gradient is float noise (~1e-9) moves by up to lr either way
+        # and the weights differ by more than summation order explains, on some CPUs
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert gradients[0].abs().max() > 1e-3  # a step that learned something
+    assert torch.allclose(gradients[0], gradients[1], rtol=1e-5, atol=1e-7)
 
 
 def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
@@ -179,60 +171,6 @@ def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_polic
     stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])])
     # only the off-policy sample's two tokens count
     assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)
-
-
-def test_capability_aware_baseline_hand_computed():
-    # A peer right 6 times in 8 (mean 0.75, sample std 0.46291) where this node is right once in 10:
-    # omega = 0.1 / 0.75, baseline = 0.1: right answers (1 - 0.1) / 0.46291, wrong ones -0.1 / 0.46291
-    rewards = [1.0] * 6 + [0.0] * 2
-    scaled = group_advantages(rewards, eps=0.0, baseline_scale=0.1 / 0.75)
-    assert scaled == pytest.approx([1.944222] * 6 + [-0.216025] * 2, rel=1e-5)
-    # omega = 1: plain GRPO
-    assert group_advantages(rewards, eps=0.0) == pytest.approx([0.540062] * 6 + [-1.620185] * 2, rel=1e-5)
-    assert group_advantages([1.0, 1.0], eps=1e-4, baseline_scale=0.2) == [0.0, 0.0]  # no signal is invented
-    # a scaled baseline at or above the best reward would push right answers down: the plain mean instead
-    assert group_advantages(rewards, eps=0.0, baseline_scale=2.0) == pytest.approx(group_advantages(rewards, eps=0.0))
-
-
-def test_sequence_importance_weight_is_exponential_and_never_above_one(tiny_policy):
-    trainer = GRPOTrainer(
-        TrainerConfig(importance_level="sequence", importance_alpha=1.0),
-        tiny_policy,
-        pad_id=0,
-        temperature=1.0,
-        policy_version=5,
-    )
-    with torch.no_grad():
-        current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
-    likelier_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] + 0.5).tolist())  # s = exp(-0.5)
-    # s = exp(5), capped at 1
-    unlikely_before = _completion([3], [4, 5], version=-1, logprobs=(current[0] - 5.0).tolist())
-    rows = trainer.training_rows(
-        [RolloutGroup(TaskSpec("x", {}, 0, 0), [likelier_before, unlikely_before], [1.0, 0.0])]
-    )
-    _, weights, _ = trainer.frozen_logprobs(rows)
-    # s * s^alpha, one value for the whole sequence
-    assert torch.allclose(weights[0], torch.full((2,), math.exp(-1.0)), atol=1e-5)
-    assert torch.allclose(weights[1], torch.ones(2))
-
-
-def test_a_groups_loss_scale_multiplies_its_loss(tiny_policy):
-    import copy
-
-    losses = []
-    for scale in (1.0, 3.0):
-        model = copy.deepcopy(tiny_policy)
-        trainer = GRPOTrainer(TrainerConfig(), model, pad_id=0, temperature=1.0, policy_version=5)
-        # completions of different lengths: the token-level mean of the advantages is not zero
-        group = RolloutGroup(
-            TaskSpec("x", {}, 0, 0),
-            [_completion([3], [4]), _completion([3], [5, 6, 7])],
-            [1.0, 0.0],
-            source="peer",
-            loss_scale=scale,
-        )
-        losses.append(trainer.step([group]).loss)
-    assert losses[0] != 0.0 and losses[1] == pytest.approx(3.0 * losses[0], rel=1e-5)
 
 
 def _demonstration_group(completions: list[Completion], correct: list[bool], weight: float) -> RolloutGroup:
@@ -403,249 +341,14 @@ def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):
     assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-5)
 
 
-def test_chord_token_weight_spares_what_the_policy_holds(tiny_policy):
-    import copy
-
-    prompt, demo = [3], [6, 7, 1]
-    group = RolloutGroup(
-        TaskSpec("x", {}, 0, 0), [_completion(prompt, demo)], [1.0], correct=[True], imitation_weight=1.0
-    )
-    model = copy.deepcopy(tiny_policy)
-    config = TrainerConfig(imitation_coef=1.0, imitation_token_weight="p_one_minus_p", max_grad_norm=1e9)
-    GRPOTrainer(config, model, 0, 1.0).step([group])
-    reference = copy.deepcopy(tiny_policy)
-    logprobs, _ = completion_logprobs(reference, [(prompt, demo)], 0, 1.0)
-    p = logprobs.detach().exp()[0, :3]
-    (-(p * (1 - p) * logprobs[0, :3]).sum() / 3).backward()
-    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-6)
-
-
-def test_the_imitation_coefficient_decays_linearly_then_holds(tiny_policy):
-    config = TrainerConfig(imitation_coef=4.0, imitation_coef_final=1.0, imitation_decay_updates=100)
-    trainer = GRPOTrainer(config, tiny_policy, 0, 1.0)
-    for version, expected in ((0, 4.0), (50, 2.5), (100, 1.0), (400, 1.0)):
-        trainer.policy_version = version
-        assert trainer.imitation_coef_now() == pytest.approx(expected)
-    assert GRPOTrainer(TrainerConfig(imitation_coef=3.0), tiny_policy, 0, 1.0).imitation_coef_now() == 3.0
-
-
-def test_distillation_hand_computed_and_a_group_all_wrong_still_taught(tiny_policy):
-    """The distillation term: the sum over the taught completions' positions of KL(pi || pi_teacher) over the whole
-    vocabulary, divided by their token count; a group with no reward spread, which GRPO drops, is still taught."""
-    import copy
-
-    from node.trainer import completion_distributions
-
-    torch.manual_seed(1)
-    teacher = copy.deepcopy(tiny_policy)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    prompt, good, bad = [3], [4, 1], [5, 6, 1]
-    spread = RolloutGroup(
-        TaskSpec("x", {}, 0, 0), [_completion(prompt, good), _completion(prompt, bad)], [1.0, 0.0], teacher=teacher
-    )
-    all_wrong = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion(prompt, bad)] * 2, [0.0, 0.0], teacher=teacher)
-    pairs = [(prompt, good), (prompt, bad), (prompt, bad), (prompt, bad)]
-    with torch.no_grad():
-        _, teacher_dist, mask = completion_distributions(teacher, pairs, 0, 1.0)
-
-    def gradient(config: TrainerConfig, groups) -> tuple[torch.Tensor, object]:
-        model = copy.deepcopy(tiny_policy)
-        stats = GRPOTrainer(config, model, pad_id=0, temperature=1.0).step(groups)
-        return _flat_grad(model), stats
-
-    def by_hand(loss_of) -> torch.Tensor:
-        model = copy.deepcopy(tiny_policy)
-        logprobs, dist, _ = completion_distributions(model, pairs, 0, 1.0)
-        loss_of(logprobs, dist).backward()
-        return _flat_grad(model)
-
-    def kl(dist):  # per position, summed over the vocabulary, masked
-        return ((dist.exp() * (dist - teacher_dist)).sum(-1) * mask).sum()
-
-    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
-    config = TrainerConfig(imitation_coef=0.0, distill_coef=2.0, max_grad_norm=1e9)
-    got, stats = gradient(config, [spread, all_wrong])
-    # policy term on the spread group (5 tokens); distillation over all four completions (2 + 3 + 3 + 3 = 11 tokens)
-    expected = by_hand(
-        lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5 + 2.0 * kl(dist) / 11
-    )
-    assert torch.allclose(got, expected, atol=1e-5)
-    assert stats.distilled_sequences == 4 and stats.groups_dropped == 1
-    with torch.no_grad():
-        _, student_dist, _ = completion_distributions(tiny_policy, pairs, 0, 1.0)
-    assert stats.distill_kl == pytest.approx(kl(student_dist).item() / 11, rel=1e-4)
-    # a teacher's forward is no-grad work: counted
-    assert stats.forward_tokens > 0
-    # off: no teacher's term, the all-wrong group gives nothing
-    off, off_stats = gradient(TrainerConfig(imitation_coef=0.0, max_grad_norm=1e9), [spread, all_wrong])
-    assert off_stats.distilled_sequences == 0
-    assert torch.allclose(
-        off, by_hand(lambda lp, dist: (-advantage * lp[0, :2].sum() + advantage * lp[1, :3].sum()) / 5), atol=1e-6
-    )
-    # the all-wrong group alone is a step: the teacher still has something to say
-    alone, alone_stats = gradient(config, [all_wrong])
-    assert alone_stats.stepped and alone_stats.tokens == 0 and alone.abs().sum() > 0
-
-
-def test_teachers_mark_the_groups_of_specialties_a_stronger_peer_offers():
-    from node.teachers import Teachers
-
-    accuracy = {"add": 0.9, "subtract": 0.1}
-    teachers = Teachers(accuracy, label_of=lambda spec: spec.dataset)
-    adder, subtracter, better = object(), object(), object()
-    teachers.offer("add", "peer-a", adder, 0.6)  # weaker than this node at add
-    teachers.offer("subtract", "peer-b", subtracter, 0.5)
-    teachers.offer("subtract", "peer-c", object(), 0.4)  # weaker than the one offered: ignored
-    groups = [RolloutGroup(TaskSpec(label, {}, 0, 0), [], []) for label in ("add", "subtract", "multiply")]
-    assert teachers.assign(groups) == 1
-    assert [g.teacher for g in groups] == [None, subtracter, None]
-    teachers.offer("subtract", "peer-d", better, 0.7)  # stronger: replaces
-    teachers.offer("multiply", "peer-e", adder, 0.45)  # a specialty never answered: the prior 0.5 is not beaten
-    teachers.assign(groups)
-    assert [g.teacher for g in groups] == [None, better, None]
-    accuracy["subtract"] = 0.8  # the node caught up: no teacher any more
-    teachers.assign(groups)
-    assert groups[1].teacher is None
-
-
-def test_project_conflicts_hand_computed():
-    from node.trainer import project_conflicts
-
-    # conflicting (dot -1): [1,0] loses its part along [-1,1] -> [0.5,0.5]; [-1,1] its part along [1,0] -> [0,1]
-    total = project_conflicts([torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1.0])])
-    assert total.tolist() == pytest.approx([0.5, 1.5])
-    # no conflict (dot +1): summed unchanged
-    assert project_conflicts([torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])]).tolist() == pytest.approx([2, 1])
-    # exactly opposed: nothing of either is left
-    assert project_conflicts([torch.tensor([2.0, 0.0]), torch.tensor([-1.0, 0.0])]).tolist() == pytest.approx([0, 0])
-
-
-def _specialty_groups() -> tuple[RolloutGroup, RolloutGroup]:
-    """Two specialties (one dataset, two configurations), with more completion tokens in the first."""
-    first = RolloutGroup(
-        TaskSpec("x", {"op": "+"}, 0, 0),
-        [_completion([3, 4], [5, 6, 7, 1]), _completion([3, 4], [8, 9, 10, 1])],
-        [1.0, 0.0],
-    )
-    second = RolloutGroup(
-        TaskSpec("x", {"op": "-"}, 0, 1), [_completion([3, 4], [8, 1]), _completion([3, 4], [5, 1])], [1.0, 0.0]
-    )
-    return first, second
-
-
-def _sgd_gradient(tiny_policy, weighting: str, groups: list[RolloutGroup]) -> torch.Tensor:
-    """The update's gradient, read off a plain SGD step of rate 1 without clipping."""
-    import copy
-
-    model = copy.deepcopy(tiny_policy)
-    config = TrainerConfig(specialty_weighting=weighting, max_grad_norm=1e9)
-    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
-    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    trainer.step(groups)
-    return before - torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def test_specialty_weighting_equal_and_projected_hand_computed(tiny_policy):
-    from node.trainer import project_conflicts
-
-    first, second = _specialty_groups()
-    g_first = _sgd_gradient(tiny_policy, "tokens", [first])
-    g_second = _sgd_gradient(tiny_policy, "tokens", [second])
-    assert torch.dot(g_first, g_second) < 0  # the two specialties pull against each other here
-    # tokens: each token weighs the same, so the specialty with 8 completion tokens outweighs the one with 4
-    pooled = _sgd_gradient(tiny_policy, "tokens", [first, second])
-    assert torch.allclose(pooled, (8 * g_first + 4 * g_second) / 12, atol=1e-6)
-    # equal: the mean of each specialty's own mean
-    equal = _sgd_gradient(tiny_policy, "equal", [first, second])
-    assert torch.allclose(equal, (g_first + g_second) / 2, atol=1e-6)
-    # projected: each half-weighted gradient without its component along the other, then summed
-    projected = _sgd_gradient(tiny_policy, "projected", [first, second])
-    assert torch.allclose(projected, project_conflicts([g_first / 2, g_second / 2]), atol=1e-6)
-    assert not torch.allclose(projected, equal, atol=1e-4)
-    # one specialty alone: every weighting is the plain update
-    assert torch.allclose(_sgd_gradient(tiny_policy, "projected", [first]), g_first, atol=1e-7)
-
-
-@pytest.mark.parametrize("weighting", ["projected", "separate_steps"])
-def test_per_specialty_weightings_refuse_a_policy_split_across_stages(tiny_policy, weighting):
-    optimizer = torch.optim.SGD(tiny_policy.parameters(), lr=1.0)
-    with pytest.raises(ValueError, match=weighting):
-        GRPOTrainer(TrainerConfig(specialty_weighting=weighting), tiny_policy, 0, 1.0, optimizer=optimizer)
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def test_separate_steps_give_each_specialty_its_own_adam_step(tiny_policy):
-    """From fresh moments Adam's first step is lr * g / (|g| + eps): about lr * sign(g) on every coordinate the
-    gradient touches. One AdamW per specialty steps each specialty's gradient so, and the steps add; one AdamW for
-    both (the mutant) would step lr * sign(g_first + g_second): nothing where they cancel, lr where they agree."""
-    import copy
-
-    first, second = _specialty_groups()
-    g_first = _sgd_gradient(tiny_policy, "tokens", [first])
-    g_second = _sgd_gradient(tiny_policy, "tokens", [second])
-    lr, eps = 1e-3, 1e-8  # eps: AdamW's default
-    model = copy.deepcopy(tiny_policy)
-    config = TrainerConfig(specialty_weighting="separate_steps", lr=lr, max_grad_norm=1e9)
-    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
-    before = _flat(model)
-    stats = trainer.step([first, second])
-    step = before - _flat(model)
-    expected = lr * (g_first / (g_first.abs() + eps) + g_second / (g_second.abs() + eps))
-    # where a gradient is near eps, g / (|g| + eps) magnifies its float rounding: compare where each is 0 or clear of it
-    clear = ((g_first == 0) | (g_first.abs() > 1e-6)) & ((g_second == 0) | (g_second.abs() > 1e-6))
-    assert clear.float().mean() > 0.9
-    assert torch.allclose(step[clear], expected[clear], atol=lr * 1e-3)
-    one_optimizer = lr * torch.sign(g_first + g_second)
-    assert not torch.allclose(step[clear], one_optimizer[clear], atol=lr * 0.5)
-    assert stats.optimizer_steps == 2  # compute units charge an optimizer step per specialty
-    assert len(trainer.optimizer.by_specialty) == 2
-    # weight decay once a round, not once per specialty: the same step plus lr * wd * p
-    decayed = copy.deepcopy(tiny_policy)
-    config = TrainerConfig(specialty_weighting="separate_steps", lr=lr, max_grad_norm=1e9, weight_decay=0.5)
-    GRPOTrainer(config, decayed, pad_id=0, temperature=1.0).step([first, second])
-    decay_step = before - _flat(decayed)
-    assert torch.allclose(decay_step[clear], (expected + lr * 0.5 * before)[clear], atol=lr * 1e-3)
-
-
-def test_separate_steps_moments_survive_a_checkpoint(tiny_policy):
-    """The per-specialty moments go through state_dict / load_state_dict: a restored trainer takes the same next step
-    as the one that went on, and a trainer with fresh moments does not; a checkpoint of one AdamW for all specialties
-    is refused with a sentence, not a KeyError."""
-    import copy
-
-    from node.trainer import SpecialtyAdamW
-
-    first, second = _specialty_groups()
-    config = TrainerConfig(specialty_weighting="separate_steps", lr=1e-3)
-    model = copy.deepcopy(tiny_policy)
-    trainer = GRPOTrainer(config, model, pad_id=0, temperature=1.0)
-    trainer.step([first, second])
-    restored = GRPOTrainer(config, copy.deepcopy(model), pad_id=0, temperature=1.0, policy_version=1)
-    restored.optimizer.load_state_dict(copy.deepcopy(trainer.optimizer.state_dict()))
-    fresh = GRPOTrainer(config, copy.deepcopy(model), pad_id=0, temperature=1.0, policy_version=1)
-    for each in (trainer, restored, fresh):
-        each.step([first, second])
-    assert torch.allclose(_flat(model), _flat(restored.model), atol=1e-7)
-    assert not torch.allclose(_flat(model), _flat(fresh.model), atol=1e-5)
-    plain = torch.optim.AdamW(tiny_policy.parameters()).state_dict()
-    with pytest.raises(ValueError, match="one AdamW for every specialty"):
-        SpecialtyAdamW(tiny_policy.parameters(), 1e-3, (0.9, 0.99), 0.0).load_state_dict(plain)
-
-
-def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tiny_policy):
+def test_a_shared_prompt_forward_gives_each_rows_log_probs(tiny_policy):
     """Rows of two prompts, in mixed order, one of them repeated: one sequence per prompt, the same numbers as a row
     each, and the positions counted are the prompt once plus its completions."""
-    from node.trainer import completion_distributions, padded_positions, prompt_sharing_supported
+    from node.trainer import padded_positions, prompt_sharing_supported
 
     rows = [([3, 4], [5, 1]), ([6], [7, 8, 9, 1]), ([3, 4], [10, 1]), ([3, 4], [5, 1]), ([6], [2])]
-    apart = completion_distributions(tiny_policy, rows, pad_id=0, temperature=0.7)
-    shared = completion_distributions(tiny_policy, rows, pad_id=0, temperature=0.7, share_prompts=True)
+    apart = completion_logprobs(tiny_policy, rows, pad_id=0, temperature=0.7)
+    shared = completion_logprobs(tiny_policy, rows, pad_id=0, temperature=0.7, share_prompts=True)
     for one, other in zip(apart, shared):
         assert one.shape == other.shape
         assert torch.allclose(one.float(), other.float(), atol=1e-6)
@@ -666,12 +369,25 @@ def test_a_shared_prompt_forward_gives_each_rows_log_probs_and_distributions(tin
         tiny_policy.config._attn_implementation = "sdpa"
 
 
+def _logprobs_from_distributions(model, rows, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's entry in log_softmax's whole next-token distribution, a row at a time (positions
+    0..n-1, no padding): the textbook computation completion_logprobs must agree with."""
+    width = max(len(completion) for _, completion in rows)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    picked = []
+    for i, (prompt, completion) in enumerate(rows):
+        ids = torch.tensor([prompt + completion])
+        distributions = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+        at = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+        picked.append(distributions[at, torch.tensor(completion)])
+        mask[i, : len(completion)] = True
+    return torch.zeros(len(rows), width).masked_scatter(mask, torch.cat(picked)), mask
+
+
 @pytest.mark.parametrize("share_prompts", [False, True])
-def test_log_probs_without_the_distributions_are_the_same_numbers_and_gradients(tiny_policy, share_prompts):
+def test_log_probs_are_the_tokens_entries_of_the_whole_distribution_values_and_gradients(tiny_policy, share_prompts):
     """completion_logprobs (the scaled logit less its logsumexp, no vocabulary-wide tensor kept) against the token's
     entry in log_softmax's distribution: equal values and equal gradients of a loss on them."""
-    from node.trainer import completion_distributions
-
     rows = [([3, 4], [5, 1]), ([6], [7, 8, 9, 1]), ([3, 4], [10, 1]), ([6], [2])]
     weights = torch.linspace(-1.0, 1.0, 4)[:, None]
     results = []
@@ -680,7 +396,7 @@ def test_log_probs_without_the_distributions_are_the_same_numbers_and_gradients(
         if compute == "logprobs":
             logprobs, mask = completion_logprobs(tiny_policy, rows, 0, 0.7, share_prompts)
         else:
-            logprobs, _, mask = completion_distributions(tiny_policy, rows, 0, 0.7, share_prompts)
+            logprobs, mask = _logprobs_from_distributions(tiny_policy, rows, 0.7)
         (logprobs * weights * mask).sum().backward()
         grads = torch.cat([p.grad.reshape(-1) for p in tiny_policy.parameters() if p.grad is not None])
         results.append((logprobs.detach(), mask, grads))
@@ -693,71 +409,32 @@ def test_log_probs_without_the_distributions_are_the_same_numbers_and_gradients(
     tiny_policy.zero_grad(set_to_none=True)
 
 
-def test_a_peers_wrong_answers_can_stay_out_of_the_policy_term(tiny_policy):
-    """trainer.off_policy_negatives false: a peer's completions below its group's mean are not trained on; the node's
-    own keep both signs. By hand: the peer's group [right, wrong] leaves its right answer alone (advantage +A), the own
-    group [wrong, right] both rows; the policy term is -(sum of A x log-prob) over the 2 + 2 + 2 tokens kept."""
-    import copy
+def test_the_kl_penalty_moves_the_step_and_costs_one_reference_forward(tiny_policy):
+    """trainer.kl_beta > 0: the step of a policy moved off its frozen reference differs from the plain one, by a
+    reference forward over each micro-batch (counted in the no-grad positions); kl_beta 0 keeps no reference."""
+    from node.trainer import padded_positions
 
-    prompt = [3]
-    peer = RolloutGroup(
-        TaskSpec("x", {}, 0, 0),
-        [_completion(prompt, [4, 1], -1), _completion(prompt, [5, 1], -1)],
-        [1.0, 0.0],
-        source="peer-a",
+    group = RolloutGroup(
+        TaskSpec("x", {}, 0, 0), [_completion([3, 4], [5, 6, 7, 1]), _completion([3, 4], [8, 1])], [1.0, 0.0]
     )
-    own = RolloutGroup(TaskSpec("x", {}, 1, 0), [_completion(prompt, [6, 1]), _completion(prompt, [7, 1])], [0.0, 1.0])
-    model = copy.deepcopy(tiny_policy)
-    trainer = GRPOTrainer(TrainerConfig(off_policy_negatives=False, max_grad_norm=1e9), model, 0, 1.0)
-    rows = trainer.training_rows([peer, own])
-    assert [row.completion_ids for row in rows] == [[4, 1], [6, 1], [7, 1]]
-    trainer.step([peer, own])
-    advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
-    reference = copy.deepcopy(tiny_policy)
-    logprobs, _ = completion_logprobs(reference, [(prompt, [4, 1]), (prompt, [6, 1]), (prompt, [7, 1])], 0, 1.0)
-    (-advantage * logprobs[0].sum() + advantage * logprobs[1].sum() - advantage * logprobs[2].sum()).div(6).backward()
-    assert torch.allclose(_flat_grad(model), _flat_grad(reference), atol=1e-5)
-    # the default trains on both signs of a peer's group
-    both = GRPOTrainer(TrainerConfig(), copy.deepcopy(tiny_policy), 0, 1.0).training_rows([peer, own])
-    assert len(both) == 4
-
-
-def _kl_gradient(tiny_policy, groups: list[RolloutGroup], kl_beta: float, anchored) -> tuple[torch.Tensor, int]:
-    """The update's gradient (a plain SGD step of rate 1, no clipping) of a policy moved off its reference, and the
-    token positions of its no-grad forwards."""
-    import copy
-
-    model = copy.deepcopy(tiny_policy)
-    trainer = GRPOTrainer(
-        TrainerConfig(kl_beta=kl_beta, max_grad_norm=1e9), model, pad_id=0, temperature=1.0, kl_specialties=anchored
-    )
-    torch.manual_seed(1)
-    with torch.no_grad():  # after the reference was taken: the KL and its gradient are not zero
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    stats = trainer.step(groups)
-    return before - torch.cat([p.detach().flatten() for p in model.parameters()]), stats.forward_tokens
-
-
-def test_the_kl_anchor_applies_to_the_named_specialties_only(tiny_policy):
-    from node.config import DatasetConfig
-    from node.trainer import specialty_key, specialty_keys
-
-    first, second = _specialty_groups()
-    datasets = [DatasetConfig(name="x", config={"op": "+"}, label="add"), DatasetConfig(name="x", config={"op": "-"})]
-    assert specialty_keys(datasets, ["add"]) == {specialty_key(first.spec)} and specialty_keys(datasets, []) is None
-    plain, _ = _kl_gradient(tiny_policy, [first, second], 0.0, None)
-    every, _ = _kl_gradient(tiny_policy, [first, second], 1.0, None)
-    on_first, _ = _kl_gradient(tiny_policy, [first, second], 1.0, frozenset({specialty_key(first.spec)}))
-    on_second, _ = _kl_gradient(tiny_policy, [first, second], 1.0, frozenset({specialty_key(second.spec)}))
-    # the KL term is a sum over rows: each specialty's part adds to the plain gradient, and the two parts make the whole
-    assert not torch.allclose(on_second, every, atol=1e-6) and not torch.allclose(on_first, plain, atol=1e-6)
-    assert torch.allclose(on_first + on_second - plain, every, atol=1e-6)
-    # a batch with no anchored row runs no reference forward and takes the plain step
-    alone, positions = _kl_gradient(tiny_policy, [first], 1.0, frozenset({specialty_key(second.spec)}))
-    assert positions == 0 and torch.allclose(alone, _kl_gradient(tiny_policy, [first], 0.0, None)[0], atol=1e-7)
+    steps = {}
+    for kl_beta in (0.0, 1.0):
+        model = copy.deepcopy(tiny_policy)
+        trainer = GRPOTrainer(TrainerConfig(kl_beta=kl_beta, max_grad_norm=1e9), model, pad_id=0, temperature=1.0)
+        assert (trainer.reference is None) == (kl_beta == 0)
+        torch.manual_seed(1)
+        with torch.no_grad():  # after the reference was taken: the KL and its gradient are not zero
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        stats = trainer.step([group])
+        steps[kl_beta] = (before - torch.cat([p.detach().flatten() for p in model.parameters()]), stats)
+    (plain, plain_stats), (anchored, anchored_stats) = steps[0.0], steps[1.0]
+    assert not torch.allclose(plain, anchored, atol=1e-6)
+    assert plain_stats.kl == 0 and anchored_stats.kl > 0
+    pairs = [(c.prompt_ids, c.completion_ids) for c in group.completions]
+    assert anchored_stats.forward_tokens - plain_stats.forward_tokens == padded_positions(pairs, share_prompts=True)
 
 
 def test_gradient_checkpointing_steps_to_the_same_weights_and_is_refused_where_it_cannot_apply(tiny_policy):

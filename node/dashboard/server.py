@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -41,8 +42,9 @@ CONTENT_TYPES = {
 
 
 class DashboardServer:
-    def __init__(self, host: str, port: int, sources: DashboardSources) -> None:
+    def __init__(self, host: str, port: int, sources: DashboardSources, sock: socket.socket | None = None) -> None:
         self.host, self.port, self.sources = host, port, sources
+        self.sock = sock  # already listening (node.stats.listening_socket), or None: bound at start
         self._server: asyncio.base_events.Server | None = None
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         # Only the files shipped beside this module can be served: no path from a request reaches the filesystem.
@@ -62,7 +64,8 @@ class DashboardServer:
     async def start(self) -> None:
         if self.sources.watcher is not None:
             self.sources.watcher.start()
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_REQUEST_BYTES)
+        where = {"sock": self.sock} if self.sock is not None else {"host": self.host, "port": self.port}
+        self._server = await asyncio.start_server(self._handle, limit=MAX_REQUEST_BYTES, **where)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("serving the dashboard on %s", self.url)
 
@@ -167,12 +170,13 @@ def node_sources(node) -> DashboardSources:
     return DashboardSources(watcher, node.store.metrics_path, swarm)
 
 
-async def start_node_dashboard(node) -> DashboardServer:
-    """Serve the dashboard of a running node; its URL goes to <state-dir>/dashboard.txt (port 0 picks a free one)."""
+async def start_node_dashboard(node, sock: socket.socket | None = None) -> DashboardServer:
+    """Serve the dashboard of a running node, on `sock` if it is given one already listening; its URL goes to
+    <state-dir>/dashboard.txt (port 0 picks a free one)."""
     from node.files import atomic_write_text
 
     swarm = node.config.swarm
-    server = DashboardServer(swarm.dashboard_host, swarm.dashboard_port, node_sources(node))
+    server = DashboardServer(swarm.dashboard_host, swarm.dashboard_port, node_sources(node), sock)
     await server.start()
     atomic_write_text(node.store.root / "dashboard.txt", server.url + "\n")
     return server

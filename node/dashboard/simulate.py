@@ -141,7 +141,7 @@ class LocalSwarm:
         for process in self.processes:
             if process.poll() is None:
                 try:
-                    os.killpg(process.pid, signum)  # the node and its p2pd children: their own group, nothing else
+                    os.killpg(process.pid, signum)  # the node's own group, nothing else (its p2pd follows it)
                 except ProcessLookupError:
                     pass
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from node.runtime import error, on_stop_signals, run_command, setup_logging
+from node.runtime import error, on_stop_signals, run_command, setup_logging, state_dir_errors
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     fingerprints = expected_fingerprints(config, model.config, fingerprint)
     limits = pipeline_limits(config, model.config, sum(p.numel() for p in model.parameters()))
     del model
+    stop = asyncio.Event()  # ends the step loop, and a wait for a lost stage at once
     router = PipelineRouter(
         session.dht,
         config,
@@ -157,12 +158,17 @@ async def _drive(config, console: Console, steps: int | None) -> int:
         limits,
         seed=int(session.identity.node_id[:8], 16),
         reporter=LostReporter(session, fingerprint),
+        stop=stop,
     )
     store = StateStore(config.resolved_state_dir())
     corpus, validation = training_corpus(config, tokenizer), validation_corpus(config, tokenizer)
     driver = LMDriver(config, router, corpus, validation, store)
-    stop = asyncio.Event()
-    on_stop_signals(stop.set)
+
+    def request_stop() -> None:
+        console.print("[yellow]stopping after the step in flight (Ctrl-C again to quit at once)[/]")
+        stop.set()
+
+    on_stop_signals(request_stop)
 
     def show(row: dict) -> None:
         val = f", validation loss {row['val_loss']:.4f}" if "val_loss" in row else ""
@@ -185,9 +191,11 @@ def _run(args, console: Console, coro_factory) -> int:
     from node.state import lock_state_dir
 
     config = _config(args)
-    # two processes on one directory would share its identity and p2p key, and a driver's metrics
-    lock_state_dir(config.resolved_state_dir())
-    setup_logging(config.resolved_state_dir(), args.verbose, console)
+    state_dir = config.resolved_state_dir()
+    with state_dir_errors(state_dir):
+        # two processes on one directory would share its identity and p2p key, and a driver's metrics
+        lock_state_dir(state_dir)
+        setup_logging(state_dir, args.verbose, console)
     return run_command(coro_factory(config))
 
 

@@ -15,7 +15,8 @@ that rebuilt it, see recovery.py and selection.py), and records the recovery: ca
 server, and the seconds from detection to the first step after it. While it waits it
 publishes a signed `StageLost` report of the stages it misses (choosers then stop counting
 their dead servers' last announcements, and `peers --stages` marks them lost) and logs which
-stages it waits for, every `WAIT_LOG_EVERY_S`.
+stages it waits for, every `WAIT_LOG_EVERY_S`. A stop the command was asked for (its `stop` event: Ctrl-C, SIGTERM)
+ends the wait at once with `StopRequested`: a stage may never come back.
 
 Direct hops (pipeline.direct_hops, SWARM's way): a forward goes out as one chained call to the
 first hop's server, which passes its output on to the next and so on (protocol/pipeline.py,
@@ -47,6 +48,7 @@ from typing import Callable
 
 import torch
 
+from node.aio import StopRequested
 from node.config import NodeConfig
 from node.pipeline.client import HopFailed, call_stage, handler_name, until_answered
 from node.pipeline.selection import lost_report, stages_to_report
@@ -128,9 +130,12 @@ class PipelineRouter:
         limits: PipelineLimits,
         seed: int = 0,
         reporter: LostReporter | None = None,
+        stop: asyncio.Event | None = None,
     ) -> None:
         self.dht = dht
         self.reporter = reporter  # publishes our lost reports (None: this router reports nothing)
+        # set when the command is to stop: it ends a wait for a lost stage
+        self.stop = stop if stop is not None else asyncio.Event()
         self.config = config
         self.pipeline = config.pipeline
         self.model_fingerprint = model_fingerprint
@@ -391,7 +396,7 @@ class PipelineRouter:
         """Return once every stage has a live server that is not avoided (a lost one rebuilt, see recovery.py).
         Meanwhile: report the missing stages lost, say which ones we wait for every WAIT_LOG_EVERY_S, and call
         `on_missing(stage)` the first time each stage is found missing (a neighbour can die after the stage we
-        noticed first)."""
+        noticed first). Raises StopRequested as soon as `stop` is set."""
         started = time.monotonic()
         said = reported = -math.inf
         dated: set[int] = set()  # stages found lost in this wait (they keep that time in our reports)
@@ -420,7 +425,11 @@ class PipelineRouter:
                     ", ".join(map(str, missing)),
                 )
                 said = now
-            await asyncio.sleep(self.pipeline.rebuild_poll_s)
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.pipeline.rebuild_poll_s)
+            except asyncio.TimeoutError:
+                continue
+            raise StopRequested(f"stopped while waiting for stage(s) {', '.join(map(str, missing))}")
 
     async def report_lost(self, lost_at: dict[int, float]) -> None:
         """Publish our signed report of the stages whose every server failed, and since when (protocol.StageLost)."""

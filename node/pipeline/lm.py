@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from node.config import NodeConfig
 from node.pipeline.client import HopFailed
 from node.pipeline.corpus import micro_batch
+from node.aio import StopRequested
 from node.pipeline.driver import PipelineRouter, StageLost, route_hops, route_order
 from node.state import StateStore
 
@@ -230,8 +231,14 @@ class LMDriver:
         return total / count if count else math.nan
 
     async def run(self, steps: int | None, stop: asyncio.Event, on_step: Callable[[dict], None] | None = None) -> None:
+        """Take `steps` more steps (None: until `stop` is set). A stop ends a step in flight only where it waits for a
+        lost stage (the router's `stop`, the same event in `swarm-node drive`): that step was abandoned anyway."""
         target = None if steps is None else self.step + steps
         while not stop.is_set() and (target is None or self.step < target):
-            row = await self.train_step()
+            try:
+                row = await self.train_step()
+            except StopRequested as stopped:
+                log.info("%s", stopped)
+                return
             if on_step:
                 on_step(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from protocol.messages import RolloutCompletion
 from protocol.specs import TaskSpec
@@ -40,19 +40,11 @@ class RolloutGroup:
     completions: list[Completion]
     rewards: list[float]
     source: str = "local"  # "local" or the id of the peer that generated it
-    baseline_scale: float = 1.0
-    """omega: advantages are taken against omega * mean(rewards). Below 1 for a peer more capable than this
-    node in the question's specialty, so that its right answers push harder (HACPO's capability-aware baseline)."""
-    loss_scale: float = 1.0
-    """Multiplies the group's loss: HACPO's discrepancy coefficient P_source / P_learner for a peer's group."""
     correct: list[bool] | None = None
     """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format
     bonus)."""
     imitation_weight: float = 0.0
     """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
-    teacher: Any = None
-    """A peer's policy (a torch module) that scores this group's completions token by token, for the distillation
-    term (trainer.distill_coef; None: no teacher). Set on the node's own groups only: distillation is on-policy."""
 
     def demonstrations(self) -> list[Completion]:
         """The group's distinct right answers when it is marked for imitation (imitation_weight > 0)."""

@@ -2,10 +2,11 @@
 
 hivemind's public `P2P` and `DHTNode` cover what hivemind itself needs (handlers, calls to them, the daemon it
 starts); the node needs a few things more, and gets them from attributes hivemind does not promise to keep: dialing
-a peer at given addresses, opening a stream by a libp2p protocol id, adding a flag to p2pd's command line, handing
-a DHT node a daemon it should stop with itself, and reaching that daemon's process. Each is one function here,
-whose docstring says what the public API lacks. Everything else in the node (and every test that fakes a dial)
-goes through these functions, so that a hivemind upgrade is checked here, function by function, and nowhere else.
+a peer at given addresses, opening a stream by a libp2p protocol id, starting p2pd in a session of its own and with
+flags of our choosing, handing a DHT node a daemon it should stop with itself, and reaching that daemon's process.
+Each is one function here, whose docstring says what the public API lacks. Everything else in the node (and every
+test that fakes a dial) goes through these functions, so that a hivemind upgrade is checked here, function by
+function, and nowhere else.
 
 Importing this module checks the installed hivemind against HIVEMIND_VERSION (pyproject.toml pins the same one):
 private attributes change without notice between releases, and a node that dialed through a renamed one would
@@ -16,6 +17,8 @@ once with `HivemindVersionError`, in one line naming both versions.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
@@ -77,28 +80,62 @@ async def open_protocol_stream(
     return await p2p._client.stream_open(peer_id, (protocol,))
 
 
-async def create_p2p_with_daemon_flags(daemon_flags: dict[str, bool | int | str], **options) -> P2P:
-    """`P2P.create(**options)`, with `daemon_flags` added to p2pd's command line (`{"relayDiscovery": False}` is
+# What p2pd's process runs before it becomes p2pd (os.execv: the same pid, so hivemind's terminate reaches the daemon):
+# a session of its own, so that a terminal's Ctrl-C, which goes to the node's whole process group, reaches the node
+# only, and the node stops its daemon after it has saved (a daemon that died first left the node's shutdown
+# tracebacks and a 10 s wait); and, on Linux, SIGTERM when the node dies (PR_SET_PDEATHSIG, kill -9 too), which
+# the process group no longer brings it. argv: the node's pid (a node that died before prctl is seen), then p2pd's.
+DAEMON_LAUNCHER = (
+    "import os, signal, sys\n"
+    "os.setsid()\n"
+    "if sys.platform == 'linux':\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+async def create_p2p(daemon_flags: dict[str, bool | int | str] | None = None, **options) -> P2P:
+    """`P2P.create(**options)`, its p2pd started through DAEMON_LAUNCHER (in a session of its own, and stopped when
+    this process dies), with `daemon_flags` added to p2pd's command line (`{"relayDiscovery": False}` is
     `-relayDiscovery=0`, as hivemind writes its own flags).
 
-    Why private (`P2P._make_process_args`, overridden in a subclass): `P2P.create` passes p2pd only the flags it has
-    parameters for, and has none for the daemon's other flags (`-relayDiscovery`: node/transport/reachability.py)."""
+    Why private (`P2P._make_process_args`, overridden in a subclass): `P2P.create` starts p2pd in the caller's
+    process group and passes it only the flags it has parameters for; nothing public changes how the process starts
+    or passes the daemon's other flags (`-relayDiscovery`: node/transport/reachability.py)."""
+    flags = dict(daemon_flags or {})
 
-    class FlaggedP2P(P2P):
+    class LaunchedP2P(P2P):
         @classmethod
         def _make_process_args(cls, *args, **kwargs):
-            return P2P._make_process_args(*args, **kwargs, **daemon_flags)
+            p2pd = P2P._make_process_args(*args, **kwargs, **flags)
+            return [sys.executable, "-I", "-S", "-c", DAEMON_LAUNCHER, str(os.getpid()), *p2pd]
 
-    return await FlaggedP2P.create(**options)
+    return await LaunchedP2P.create(**options)
 
 
 def hand_daemon_to(dht_node) -> None:
     """Make `dht_node` (a hivemind DHTNode created with `p2p=`) shut the daemon it was handed down with itself.
 
     Why private (`DHTNode._should_shutdown_p2p`): a DHTNode stops at its `shutdown` only a daemon it started, and a
-    daemon started with flags hivemind cannot pass (`create_p2p_with_daemon_flags`) must be handed to it; nothing
-    public says the node owns it now."""
+    daemon started the node's way (`create_p2p`) must be handed to it; nothing public says the node owns it now."""
     dht_node._should_shutdown_p2p = True
+
+
+async def start_dht_node(dht_node_class, dht_options: dict, p2p_options: dict, daemon_flags=None):
+    """`dht_node_class.create(**dht_options)` over a daemon of its own started by `create_p2p(daemon_flags,
+    **p2p_options)` (in a session of its own: a terminal's Ctrl-C reaches the node, which stops the daemon once it has
+    saved) and handed to it (`hand_daemon_to`), so that it shuts the daemon down with itself."""
+    p2p = await create_p2p(daemon_flags, initial_peers=dht_options.get("initial_peers"), **p2p_options)
+    try:
+        node = await dht_node_class.create(p2p=p2p, **dht_options)
+    except BaseException:
+        await p2p.shutdown()
+        raise
+    hand_daemon_to(node)  # hivemind leaves a daemon it was handed running; this one is the node's
+    return node
 
 
 def daemon_process(p2p: P2P) -> asyncio.subprocess.Process | None:

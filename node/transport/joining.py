@@ -54,6 +54,8 @@ async def create_dht_node(
     import_hivemind_isolated()  # before any hivemind import: lets libp2p live in the same process
     from hivemind.dht.node import DHTNode
 
+    from node.transport import hivemind_p2p
+
     from node.transport.records import SwarmRecordValidator, bound_key_storage
 
     swarm = config.swarm
@@ -91,7 +93,9 @@ async def create_dht_node(
 
                 dht = await start_relay_client(DHTNode, dht_options, p2p_options)
             else:
-                dht = await DHTNode.create(**dht_options, **p2p_options)
+                # what DHTNode.create tells a daemon it starts itself
+                daemon_mode = {"dht_mode": "client"} if client_mode else {}
+                dht = await hivemind_p2p.start_dht_node(DHTNode, dht_options, dict(p2p_options, **daemon_mode))
             bound_key_storage(dht, refusals)
             return dht
         except Exception as exc:  # hivemind raises P2PDaemonError, asyncio.TimeoutError, OSError...

@@ -158,21 +158,12 @@ async def start_relay_client(dht_node_class, dht_options: dict, p2p_options: dic
     hivemind's `P2P.create` does not pass `-relayDiscovery`: the daemon is started with RELAY_CLIENT_FLAGS added to
     its command line (node/transport/hivemind_p2p.py), and the DHT node is handed that daemon (and shuts it down with
     itself, as with one it started)."""
-    p2p = await hivemind_p2p.create_p2p_with_daemon_flags(
+    return await hivemind_p2p.start_dht_node(
+        dht_node_class,
+        dht_options,
+        dict(p2p_options, dht_mode="client", use_auto_relay=True, force_reachability="private"),
         RELAY_CLIENT_FLAGS,
-        initial_peers=dht_options.get("initial_peers"),
-        dht_mode="client",
-        use_auto_relay=True,
-        force_reachability="private",
-        **p2p_options,
     )
-    try:
-        node = await dht_node_class.create(p2p=p2p, **dht_options)
-    except BaseException:
-        await p2p.shutdown()
-        raise
-    hivemind_p2p.hand_daemon_to(node)  # hivemind leaves a daemon it was handed running; this one is the node's
-    return node
 
 
 async def wait_for_relay_address(p2p, timeout: float, every_s: float = 0.5) -> list[str]:

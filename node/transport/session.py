@@ -65,7 +65,7 @@ class SwarmSession:
         """Ask the daemon where peers reach us (a node behind NAT gains /p2p-circuit addresses once a relay
         reserves it a slot, its daemon's or the membership's, and loses them with the slot), keep them in the state
         directory's addresses file and tell the address listeners; True when they changed."""
-        from node.files import atomic_write_text
+        from node.files import write_snapshot
         from node.transport.reachability import has_relay_address
 
         try:
@@ -92,7 +92,8 @@ class SwarmSession:
             return False
         self.addresses = addresses
         if self.state_dir is not None:
-            atomic_write_text(self.state_dir / ADDRESSES_FILE, "".join(a + "\n" for a in addresses))
+            # skipped while the disk is full: the node stays joined, scripts read the addresses of the last write
+            write_snapshot(self.state_dir / ADDRESSES_FILE, "".join(a + "\n" for a in addresses))
         for listener in list(self.address_listeners):
             listener(addresses)
         return True
