@@ -32,7 +32,7 @@ evaluation is not counted). A node stops at --budget seconds; held-out accuracy 
 fixed questions per specialty from a seed training never draws) is measured at --points equal
 steps of its compute. The network is charged apart: --network-charge x a silo round's mean
 compute per swarm round (0.081: the lab's measured overhead of a swarm round over an isolated
-one, publish + collect + re-score, RESULTS "lab").
+one, publish + collect + re-score, benchmarks/notebook/2026-11-23-lab.md).
 
 Every (setting, arm, seed) run appends one JSON line to --results as it finishes, so seeds
 accumulate over several invocations (also several processes at once); `--report` reads the file,
@@ -321,7 +321,8 @@ KL_SAMPLES = 4
 
 def weights_digest(model: torch.nn.Module) -> str:
     """The first 12 hex digits of the sha256 of the model's weights, bit for bit. The default model is built on each
-    machine, and two machines built different warm starts from the same recipe (RESULTS "The default model rebuilt
+    machine, and two machines built different warm starts from the same recipe
+    (benchmarks/notebook/2026-11-28-sharing-compute-units.md, "The default model rebuilt
     on this machine"): rows that started from different weights must not be compared as one seed."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -778,7 +779,8 @@ def report(args) -> None:
             if "cut_from_budget" in run:
                 label = f"{arm_label(run)} seed {run['seed']}"
                 print(f"{label}: a run of {run['cut_from_budget']:g} read up to {args.report_budget:g}")
-    # arms whose runs shared the machine's load: CPU seconds per round move with it (RESULTS "sharing")
+    # arms whose runs shared the machine's load: CPU seconds per round move with it
+    # (benchmarks/notebook/2026-11-26-sharing-cpu-seconds.md)
     named = args.report_arms or []
     if named:
         runs = [run for run in runs if run["arm"] in named or arm_label(run) in named]

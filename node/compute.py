@@ -1,8 +1,8 @@
 """A round's work, counted, and what it costs in compute units: an axis the machine's load cannot move.
 
 CPU seconds of one process swing with the other load on a shared machine (the same silo round took 0.44 to
-0.79 CPU s at different hours of one day: benchmarks/RESULTS.md, "sharing"), so budgets and curves that
-compare ways of training are drawn against the work a node does instead: token positions through the
+0.79 CPU s at different hours of one day: benchmarks/notebook/2026-11-26-sharing-cpu-seconds.md), so budgets and
+curves that compare ways of training are drawn against the work a node does instead: token positions through the
 sampler's prefill and decoding forwards, through no-grad forwards and through forward + backward, and
 completions scored. Each kind is weighed by its CPU cost per unit for the model's shape, calibrated once on
 an idle machine (benchmarks/compute_units.py writes benchmarks/compute_costs.json); a compute unit is then

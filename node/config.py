@@ -237,10 +237,11 @@ class TrainerConfig(_Section):
     """Weight of an imitation term in the policy loss (0: none): the mean token negative log-likelihood of the round's
     demonstrations (swarm.imitation), each weighted by its group's imitation weight. A node's own right answers learned
     so beside GRPO's step (rejection-sampling fine-tuning) made a node alone 4-7 points better held-out at the same
-    compute (benchmarks/RESULTS.md, "sharing on compute units"): on by default. A peer's right answer in a specialty
-    this node rarely gets right is a demonstration the policy-gradient term, weighted by how unlikely this policy finds
-    it, hardly learns from. Inside the loss, it shares the policy's optimizer step: a separate supervised step with an
-    optimizer of its own (3e-4, 1e-4) broke what the nodes knew (benchmarks/RESULTS.md, "sharing")."""
+    compute (benchmarks/notebook/2026-11-28-sharing-compute-units.md): on by default. A peer's right answer in a
+    specialty this node rarely gets right is a demonstration the policy-gradient term, weighted by how unlikely this
+    policy finds it, hardly learns from. Inside the loss, it shares the policy's optimizer step: a separate supervised
+    step with an optimizer of its own (3e-4, 1e-4) broke what the nodes knew
+    (benchmarks/notebook/2026-11-26-sharing-cpu-seconds.md)."""
     imitation_max_sequences: int = Field(32, ge=1)
     """Demonstrations learned per round at most (the heaviest first): bounds the imitation term's compute."""
 
@@ -465,7 +466,7 @@ class PipelineConfig(_Section):
     rebuild_poll_s: float = Field(0.25, gt=0)
     """While a stage is lost: how often a driver waiting for it reads the stage map, and how often a spare reads the
     drivers' lost reports (one small DHT key; its whole map is read every announce_interval_s / 2). Both waits are
-    part of a recovery's stall (benchmarks/RESULTS.md, pipeline_throughput `--recovery`)."""
+    part of a recovery's stall (benchmarks/notebook/2026-11-30-pipeline-throughput.md, `--recovery`)."""
     recovery: Literal["checkfree", "random"] = "checkfree"
     """How a stage with no live replica is rebuilt: 'checkfree' (neighbours' weighted average; CheckFree+ copy for
     the first and last stage) or 'random' (fresh initialisation: the benchmark's baseline)."""
@@ -476,7 +477,8 @@ class PipelineConfig(_Section):
     checkfree_plus_swap_every: int = Field(2, ge=2)
     """CheckFree+ runs one micro-batch in this many in swapped order (the paper's 2: every odd one). A swapped
     micro-batch teaches the swap partners to stand in for each other and teaches the model less than one in order
-    (benchmarks/RESULTS.md, "How often to swap"): fewer swaps cost a step less and may leave a copied end stage a worse
+    (benchmarks/notebook/2026-11-30-pipeline-throughput.md, "How often to swap"): fewer swaps cost a step less and may
+    leave a copied end stage a worse
     stand-in."""
     checkfree_plus_swap_last: bool = True
     """Whether the last two stages swap too (the first two always do). Without it a lost last stage is still rebuilt
@@ -507,7 +509,8 @@ class PipelineConfig(_Section):
     which is noisier than Petals' start-up benchmark."""
     wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The dtype hidden states and their gradients leave a stage server in (logits stay in the stage's own); a
-    receiver accepts any of these and casts to its own. bfloat16 halves the bytes per hop (benchmarks/RESULTS.md,
+    receiver accepts any of these and casts to its own. bfloat16 halves the bytes per hop
+    (benchmarks/notebook/2026-11-30-pipeline-throughput.md,
     pipeline_throughput)."""
     direct_hops: bool = False
     """The driver sends each micro-batch's forward and backward as one chained call: every stage server passes its
@@ -520,7 +523,8 @@ class PipelineConfig(_Section):
     while stage i+1 works on the one before); 1: one after the other."""
     keep_freed_memory: bool = True
     """A stage server or driver sets glibc's malloc to keep the memory torch frees for the next call, rather than hand
-    it back to the system and fault it in again page by page (node/host_memory.py; benchmarks/RESULTS.md,
+    it back to the system and fault it in again page by page (node/host_memory.py;
+    benchmarks/notebook/2026-11-30-pipeline-throughput.md,
     pipeline_throughput). No effect on another C library, or where MALLOC_* environment variables set the allocator."""
 
 

@@ -58,7 +58,8 @@ def avoid_cudnn_attention() -> None:
     For bfloat16 and float16 on Hopper, PyTorch picks cuDNN's fused attention first, and it builds an execution plan for
     every new shape. A node's shapes change on every call: each sampler step grows the KV cache by one, and each
     micro-batch has its own length. On an H200 that cost 1.5 ms of CPU for each attention forward and 6.7 ms for each
-    backward, at about 12 us of GPU work each, and made a bfloat16 round 4x slower than a float32 one (RESULTS
+    backward, at about 12 us of GPU work each, and made a bfloat16 round 4x slower than a float32 one
+    (benchmarks/notebook/2026-11-27-gpu.md
     "bfloat16 on a GPU").
     The memory-efficient kernel takes the same masks and needs no plan; float32 already ran on it."""
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -7,13 +7,13 @@ memory they free goes back to the system between calls, and the next call takes 
 - the dynamic mmap threshold and the trim threshold hand back large blocks and the heap's top;
 - protobuf's upb runtime (hivemind's DHT and p2p daemon messages, in the same process) calls malloc_trim(0) every
   10,000 arena frees, which hands back every free page of every arena.
-On a 27M stage server that was 2,800-4,900 minor page faults a call, and the same torch work cost 6-12 % more CPU
-than in one process (benchmarks/RESULTS.md, pipeline_throughput "Run 6"). `keep_freed_memory` sets glibc's malloc to
-keep what it frees: one arena for every thread (threads of one process share the GIL anyway), blocks up to 32 MiB
+On a 27M stage server that was 2,800-4,900 minor page faults a call, and the same torch work cost 6-12 % more CPU than
+in one process (benchmarks/notebook/2026-11-30-pipeline-throughput.md, "Run 6"). `keep_freed_memory` sets glibc's malloc
+to keep what it frees: one arena for every thread (threads of one process share the GIL anyway), blocks up to 32 MiB
 from the heap rather than mappings of their own, and a trim threshold high enough that the heap's top stays. Measured
-side by side, it halves what a server's torch work costs beyond the same work in one process (+1-10 % CPU against
-+6-12 %). protobuf's malloc_trim still runs, and is the rest: with protobuf in pure Python the two cost the same, but
-a DHT message then costs 17-69x more to parse, so that is left to the user (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION).
+side by side, it halves what a server's torch work costs beyond the same work in one process (+1-10 % CPU against +6-12
+%). protobuf's malloc_trim still runs, and is the rest: with protobuf in pure Python the two cost the same, but a DHT
+message then costs 17-69x more to parse, so that is left to the user (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION).
 
 The cost: a process keeps the memory of its busiest call until protobuf trims it.
 

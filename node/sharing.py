@@ -87,7 +87,8 @@ class OwnAnswerReplay:
     """swarm.own_replay: the node's own right answers of earlier rounds, replayed as demonstrations (weight 1).
 
     Between four specialists peers' right answers as demonstrations take a specialist's own skill away within its first
-    100 units (benchmarks/RESULTS.md, "The subtraction specialist's early fall"); replaying what the node got right
+    100 units (benchmarks/notebook/2026-11-28-sharing-compute-units.md, "The subtraction specialist's early fall");
+    replaying what the node got right
     before keeps those answers in the imitation term beside its peers' (rehearsal). Draws come before the round's own
     answers are added, so a round never replays itself. The answers and the draw's generator are saved with each
     checkpoint (state_dict), so a restarted node replays what it knew before the restart."""

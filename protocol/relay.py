@@ -5,7 +5,8 @@ Why a node speaks it at all, when its p2p daemon has autorelay: go-libp2p's auto
 hour from every reservation attempt, successful ones included (`relayFinder.connectToRelay` in go-libp2p 0.32; the
 backoff is not settable through p2pd's flags). When that relay restarts, the daemon loses its slot and does not ask
 the same relay again within the hour, even once connected to it again: a node whose only relay restarted stayed
-unreachable (benchmarks/RESULTS.md, "A relay restart"). So the session's membership (node/transport/membership.py)
+unreachable (benchmarks/notebook/2026-11-26-nat-and-relay.md, "A relay restart"). So the session's membership
+(node/transport/membership.py)
 reserves the slot itself over a stream its daemon opens, whenever the daemon holds none.
 
 The wire, as the spec has it (libp2p/specs, relay/circuit-v2.md; protocol HOP_PROTOCOL): each message is a protobuf

@@ -2,7 +2,8 @@
 test's own: peers meet in time windows, so a node looks for a partner only until its window ends, and an exchange
 that found none is tried again in the next window rather than after another H updates.
 
-Across two hosts, before this rule, two nodes whose attempts fell in different windows kept missing each other (RESULTS
+Across two hosts, before this rule, two nodes whose attempts fell in different windows kept missing each other
+(benchmarks/notebook/2026-11-27-two-hosts.md
 "two hosts"); the real matchmaking's end at the window is tested in tests/test_averaging_pairing.py."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_a_gpu_index_this_machine_lacks_and_bfloat16_where_the_gpu_cannot(monkey
 
 def test_a_node_on_a_gpu_keeps_attention_off_cudnn_and_a_cpu_node_leaves_it(monkeypatch):
     """cuDNN's attention plans anew for every shape, and a node's shapes change every call: 4x slower bfloat16 rounds
-    on an H200 (RESULTS "bfloat16 on a GPU"). Resolving a CUDA device turns it off; resolving the CPU changes
+    on an H200 (benchmarks/notebook/2026-11-27-gpu.md). Resolving a CUDA device turns it off; resolving the CPU changes
     nothing."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,6 +1,6 @@
 """Generated hostile inputs through every decoder a peer's bytes reach: each must end in that decoder's own
 refusal (or a valid decode), never in another exception. The default suite runs 2,000 inputs per decoder;
-`-m slow` runs 100,000 (count and time in benchmarks/RESULTS.md).
+`-m slow` runs 100,000 (count and time in benchmarks/notebook/2026-11-22-fuzz-at-scale.md).
 
 The decoders are the DECODERS registry below. A new stream protocol or message joins it with one
 function decorated `@fuzzed("name")` that returns (decode, seeds): `decode(bytes) -> outcome name`

@@ -111,7 +111,7 @@ def cut_and_heal(tmp_path, config, env, stages: int, cut_s: float) -> dict:
 
 
 def check(summary: dict, stages: int) -> None:
-    print(json.dumps(summary, indent=1))  # for RESULTS (pytest -s)
+    print(json.dumps(summary, indent=1))  # for the notebook (pytest -s)
     cut, servers = set(summary["cut"]), summary["servers"]
     # the step the cut interrupted was abandoned and the driver waited: the way back is recorded for the stages the
     # driver found lost, all of them cut off, each served again by the server it had before, which the record says

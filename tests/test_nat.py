@@ -296,7 +296,7 @@ def test_nodes_behind_two_nats_train_on_each_others_rollouts_again_after_their_r
             used_again[f"{user}<-{source}"] = round(time.time() - summary["back"], 1)
         assert all(lab.alive(i) for i in range(3)) and lab.processes[1].restarts == lab.processes[2].restarts == 0
         summary["rollouts_used_again_s_after_relay_back"] = used_again  # an upper bound: polled one pair at a time
-        print(json.dumps({k: v for k, v in summary.items() if k != "back"}))  # for RESULTS (pytest -s)
+        print(json.dumps({k: v for k, v in summary.items() if k != "back"}))  # for the notebook (pytest -s)
 
 
 @pytest.mark.slow
@@ -356,4 +356,4 @@ def test_a_driver_behind_nat_steps_again_through_a_stage_server_behind_another_n
             driver_found_lost=lost,
             relay_reloaded_stage_0_by=reloaded[0]["method"],
         )
-        print(json.dumps({k: v for k, v in summary.items() if k != "back"}))  # for RESULTS (pytest -s)
+        print(json.dumps({k: v for k, v in summary.items() if k != "back"}))  # for the notebook (pytest -s)

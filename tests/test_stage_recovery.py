@@ -1,7 +1,7 @@
 """benchmarks/stage_recovery.py's parts that need no swarm: a stage's checkpoint round trip is exact, the checkpoint
 store returns what was uploaded (on loopback, and from its own namespace), Young's interval, and the report's arithmetic
 on hand-made rows. (The benchmark itself is timed and long: it is run by hand, see
-benchmarks/RESULTS.md.)"""
+benchmarks/notebook/2026-12-01-stage-recovery.md.)"""
 
 from __future__ import annotations
 

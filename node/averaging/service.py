@@ -12,8 +12,8 @@ only if both look for a partner in the same window. A node therefore looks for o
 exchange begun by then may run to `timeout_s`), and an exchange that found nobody is tried again in the next window
 rather than `every_steps` updates later. Without both, two nodes whose attempts fell in different windows kept
 missing each other (two hosts, `every_steps` 20, `window_s` 10: 5 exchanges averaged a node in 600 s before, 17
-after; RESULTS "two hosts"). Weights that moved and were refused wait `every_steps` updates: they would be refused
-again.
+after; benchmarks/notebook/2026-11-27-two-hosts.md). Weights that moved and were refused wait `every_steps` updates:
+they would be refused again.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ BFLOAT16_EXPONENT = 0x7F80  # a bfloat16 whose 8 exponent bits are all set is an
 def all_finite(values: np.ndarray, wire_dtype: str) -> bool:
     """Whether every value of a float tensor's wire array (`_values`) is finite. numpy's check, not torch's: a stage
     server checks every hidden state and gradient it receives, and on one CPU thread torch.isfinite(t).all() cost 6x
-    numpy's over a 1 MB float32 tensor and 8.5x in bfloat16 on a quiet machine (benchmarks/RESULTS.md,
+    numpy's over a 1 MB float32 tensor and 8.5x in bfloat16 on a quiet machine
+    (benchmarks/notebook/2026-11-30-pipeline-throughput.md,
     pipeline_throughput `--check-cost`)."""
     if wire_dtype == "bfloat16":
         return not bool(np.any((values & BFLOAT16_EXPONENT) == BFLOAT16_EXPONENT))

@@ -27,7 +27,8 @@ async def read_values(dht, key: str, timeout: float) -> list[tuple[object, objec
 
     Our DHT peers hold at most records.MAX_KEY_BYTES per key, so their replies fit p2pd's 4 MiB message. A
     peer without that bound (an older node) may hold a flooded key whose reply does not fit: that read does not
-    raise, hivemind's reply fails inside it and it returns this node's cached copy or nothing (RESULTS, crowd)."""
+    raise, hivemind's reply fails inside it and it returns this node's cached copy or nothing
+    (benchmarks/notebook/2026-11-25-crowd.md)."""
     try:
         found = await asyncio.wait_for(dht.get(key, latest=True), timeout)
     except asyncio.TimeoutError:
