@@ -514,6 +514,7 @@ def gpu_bfloat16(rows: list[list[dict]]) -> Figure:
 
 WARM = "--warmup-steps add=125 subtract=230 both=260"
 SHIPPED_TWO = "sapo_balance_gated[own_replay=4]"  # the shipped sharing, as the sharing report labels its runs
+SMOLLM2_SHARING = "sapo_balance[own_replay=4]"  # configs/smollm2_swarm.yaml's sharing: no gate between equal nodes
 ALONE_4 = "silo_imitate[own_replay=4]"  # the best a node does alone: the isolated default's recipe
 SPECIALISTS = "`configs/specialists.yaml`"
 # the last commit that holds the code of the mechanisms that lost and left the product (issue #72): their commands run
@@ -637,7 +638,7 @@ TWO_COMMAND = (
 )
 FOUR = (Source("sharing_four_replay8.jsonl"), Source("sharing_four_silo_replay8.jsonl"))
 section(
-    "Sharing between nodes (the default model; not measured on SmolLM2)",
+    "Sharing between nodes (the default model, and one SmolLM2 run)",
     Claim(
         "sharing-two-specialists",
         "Two specialists in a swarm end above the best a node does alone on both operations, by at least +5 points "
@@ -747,6 +748,19 @@ section(
         )
         + ", the same with `--arms silo_imitate`",
         ("2026-11-28-sharing-compute-units", "A node alone replays too"),
+    ),
+    Claim(
+        "sharing-smollm2",
+        "On SmolLM2 (four equal nodes from its pretrained weights) sharing ends above a node alone on held-out, at 800 "
+        "compute units a node",
+        "`configs/smollm2_swarm.yaml` (no gate), `swarm.own_replay: 4`",
+        "a node alone with `configs/smollm2.yaml`'s recipe (its own right answers as demonstrations, 4 replayed)",
+        (Source("sharing_smollm2.jsonl"),),
+        sharing_gain(SMOLLM2_SHARING, ALONE_4, 800, setting="pretrained"),
+        Gain(2.0),
+        "`benchmarks/sharing.py --setting pretrained --arms sapo_balance --seeds S --budget 800 --points 1 --set "
+        "swarm.own_replay=4 --results benchmarks/results/sharing_smollm2.jsonl`, the same with `--arms silo_imitate`",
+        ("2026-12-02-smollm2", "Does sharing pay on SmolLM2"),
     ),
     Claim(
         "sharing-round-cost",
