@@ -135,6 +135,16 @@ def test_a_driver_waiting_for_a_stage_that_never_comes_stops_on_the_first_signal
     assert "stopped at step 0" in output and "Traceback" not in output
 
 
+def stopped(node: SwarmProcess, stop: str) -> tuple[int, str]:
+    """Stop `node` the way `stop` names (SIGTERM, or a terminal's Ctrl-C): its exit status and what it printed."""
+    if stop == "SIGTERM":
+        os.kill(node.process.pid, signal.SIGTERM)
+        code = node.process.wait(timeout=CLI_TIMEOUT_S)
+    else:
+        code = node.interrupt(timeout=CLI_TIMEOUT_S)
+    return code, node.output()
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
 def test_a_swarm_node_stops_its_daemon_after_saving_and_prints_no_traceback(stop, swarm_yaml, tmp_path, cli_env, nodes):
     node = SwarmProcess(swarm_yaml, tmp_path / "node", cli_env)
@@ -143,12 +153,7 @@ def test_a_swarm_node_stops_its_daemon_after_saving_and_prints_no_traceback(stop
     wait_for(lambda: node.assert_running() or len(read_rows(node.state_dir)) >= 2, 120, "two rounds")
     (daemon,) = children(node.process.pid)
     assert os.getsid(daemon) == daemon  # p2pd leads a session of its own: no terminal's Ctrl-C reaches it
-    if stop == "SIGTERM":
-        os.kill(node.process.pid, signal.SIGTERM)
-        code = node.process.wait(timeout=CLI_TIMEOUT_S)
-    else:
-        code = node.interrupt(timeout=CLI_TIMEOUT_S)
-    output = node.output()
+    code, output = stopped(node, stop)
     assert code == 0, output
     assert "saved round" in output
     for sign in ("Traceback", "Task exception was never retrieved", "DHT shutdown did not complete", "[ERROR]"):
@@ -167,12 +172,7 @@ def test_an_isolated_node_saves_on_the_first_signal_and_prints_no_traceback(
     node = SwarmProcess(path, tmp_path / "node", cli_env, command="train")
     nodes.append(node)
     wait_for(lambda: node.assert_running() or len(read_rows(node.state_dir)) >= 2, 120, "two rounds")
-    if stop == "SIGTERM":
-        os.kill(node.process.pid, signal.SIGTERM)
-        code = node.process.wait(timeout=CLI_TIMEOUT_S)
-    else:
-        code = node.interrupt(timeout=CLI_TIMEOUT_S)
-    output = node.output()
+    code, output = stopped(node, stop)
     assert code == 0, output
     assert "finishing the round in flight, then saving" in output and "saved round" in output
     assert "Traceback" not in output
