@@ -65,6 +65,16 @@ target (its row written) goes on training until every run beside it has reached 
 else the fastest strategy's end frees the CPU for the slower ones, which then run their last
 minutes at a lower load than it ran under. --size takes pipeline_throughput's model sizes.
 
+--model takes a pretrained model (e.g. smollm2-135m-instruct: SmolLM2's 30 decoder layers cut into the 4 stages)
+instead of the default architecture; --failures STEP:STAGE ... replaces the seeded schedule with exactly those
+failures, the same for every seed and strategy (the rate then only prices Young's rule), so that the loss spike and
+the steps back (each run's `losses`, every step's training loss, replays included) compare the methods at the same
+moment of training:
+
+    .venv/bin/python benchmarks/stage_recovery.py --model smollm2-135m-instruct --lr 3e-5 --micro-batch 4 \
+        --max-steps 16 --eval-every 4 --failures 8:1 --rates 0.10 --seeds 1 --plain-baselines --side-by-side \
+        --set pipeline.checkfree_plus=false --results benchmarks/results/stage_recovery_smollm2.jsonl
+
 Churn mode (--churn, issue #24): no spares; before each of --churn-failures seeded steps a
 random stage's only server is killed, and a newcomer joins with `--stage auto` a random 0 to
 2 announce TTLs later, so that it often arrives while the dead server's announcement is still
@@ -127,6 +137,7 @@ from node.model import (  # noqa: E402
     build_char_tokenizer,
     build_default_model,
     ensure_default_model,
+    initial_policy_path,
     load_policy,
     model_fingerprint,
 )
@@ -173,8 +184,13 @@ def seeded_shape_overrides(shape: tuple[int, int, int, int], seed: int) -> list[
     return [*shape_overrides(shape), "model.default.max_position_embeddings=128", f"model.default.seed={seed}"]
 
 
-def failure_schedule(seed: int, rate: float, steps: int, steps_per_hour: int) -> dict[int, list[int]]:
-    """{step: [stages that fail before it]}; depends on the seed and rate only."""
+def failure_schedule(
+    seed: int, rate: float, steps: int, steps_per_hour: int, fixed: list[str] | None = None
+) -> dict[int, list[int]]:
+    """{step: [stages that fail before it]}; depends on the seed and rate only, or with `fixed` (--failures, each
+    STEP:STAGE) is exactly those failures for every seed and strategy."""
+    if fixed:
+        return {int(step): [int(stage)] for step, stage in (item.split(":") for item in fixed)}
     rng = random.Random(f"failures:{seed}:{rate}")
     p = rate / steps_per_hour
     schedule: dict[int, list[int]] = {}
@@ -346,8 +362,13 @@ class Checkpoints:
 
 def run_config(args, seed: int, strategy: str, state_dir: Path):
     """The config of one run's driver and servers (and of --pretrained-steps' training of its seed's model)."""
+    model = (
+        [f"model.name_or_path={args.model}"]
+        if getattr(args, "model", None)
+        else seeded_shape_overrides(model_shape(args), seed)
+    )
     overrides = [
-        *seeded_shape_overrides(model_shape(args), seed),
+        *model,
         'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
         "swarm.swarm_id=stage-bench",
         f"pipeline.num_stages={STAGES}",
@@ -469,8 +490,8 @@ class Bench:
 
         for store in self.checkpoints.stores:
             await store.ready()
-        path = ensure_default_model(self.config, progress=False)
-        self.model, self.tokenizer = load_policy(path)
+        # the default architecture built for this seed, or --model's pretrained weights (converted once, cached)
+        self.model, self.tokenizer = load_policy(initial_policy_path(self.config))
         if self.args.pretrained_steps:  # pretrain() ran before this run started (main, or run_one)
             self.model.load_state_dict(torch.load(pretrained_path(self.args, self.seed), weights_only=True))
         self.fingerprint = model_fingerprint(self.model, self.tokenizer)
@@ -609,9 +630,14 @@ async def run(
     hands it to `on_result` and keeps training until `hold` is released; the result is what it was at the target."""
     asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
     bench = Bench(args, scratch, seed, strategy)
-    schedule = failure_schedule(seed, rate, args.max_steps, args.steps_per_hour) if strategy != "none" else {}
+    schedule = (
+        failure_schedule(seed, rate, args.max_steps, args.steps_per_hour, getattr(args, "failures", None))
+        if strategy != "none"
+        else {}
+    )
     record = {
         "curve": [],
+        "losses": [],
         "recoveries": [],
         "spikes": [],
         "normal_step_s": [],
@@ -712,6 +738,7 @@ def run_result(bench, record, schedule, seed, strategy, rate, target, timed_out)
         "rate": rate,
         "parameters": sum(p.numel() for p in bench.model.parameters()) if hasattr(bench, "model") else None,
         "curve": curve,
+        "losses": list(record["losses"]),  # [driver step, training loss] of every step executed, replays included
         "failures": sum(len(v) for k, v in schedule.items() if k <= getattr(getattr(bench, "driver", None), "step", 0)),
         "steps_to_target": reached["executed"] if reached else None,
         "wall_s_to_target": reached["wall_s"] if reached else None,
@@ -804,6 +831,7 @@ async def train(bench, args, strategy, schedule, target, record, started, rate, 
             failed["to_serving_s"] = time.perf_counter() - failed["at"]
         row = await bench.driver.train_step()
         executed += 1
+        record["losses"].append([bench.driver.step, row["loss"]])
         if beside_uploads is not None and failed is None:  # the first step after a failure is the recovery's
             beside_uploads.append(row["step_s"])
         # calls retried or failed under load: a step that retried may differ from the failure-free run in its last bits
@@ -1087,6 +1115,15 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--size", choices=list(SIZES), help="a model size of pipeline_throughput (else --hidden)")
     parser.add_argument("--hidden", type=int, default=64, help="8 layers of this width, MLP twice as wide")
+    parser.add_argument(
+        "--model", help="a pretrained model instead of the default architecture (model.name_or_path: a preset such as "
+        "smollm2-135m-instruct, a .gguf file or an HF directory), cut into the 4 stages; use a pretrained model's --lr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--failures", nargs="+", metavar="STEP:STAGE", help="exactly these failures (before driver step STEP, stage "
+        "STAGE's only server), the same for every seed and strategy, instead of the seeded schedule of --rates (which "
+        "then only prices Young's rule)",
+    )  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument(
         "--plain-baselines",
@@ -1147,6 +1184,12 @@ def main() -> None:
         parser.error("--checkpoint-uploads needs --checkpoint-store-mbit (without a store nothing is uploaded)")
     if args.keep_load and not args.side_by_side and not args.one:
         parser.error("--keep-load keeps the load of runs side by side (--side-by-side)")
+    if args.model and (args.size or args.pretrained_steps):
+        parser.error("--model brings its own shape and weights: not with --size or --pretrained-steps")
+    for item in args.failures or []:
+        step, _, stage = item.partition(":")
+        if not (step.isdigit() and stage.isdigit() and int(step) >= 2 and int(stage) < STAGES):
+            parser.error(f"--failures takes STEP:STAGE with STEP >= 2 and STAGE < {STAGES}, not {item!r}")
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -1238,7 +1281,9 @@ def config_key(args) -> dict:
     own_uplinks = bool(args.checkpoint_store_mbit) and args.checkpoint_uplinks != "shared"  # per stage or host
     background_uploads = bool(args.checkpoint_store_mbit) and args.checkpoint_uploads == "background"
     return {
-        "shape": list(model_shape(args)),
+        # rows from before --model and --failures existed have neither: absent means the default and the seeded rates
+        **({"model": args.model} if getattr(args, "model", None) else {"shape": list(model_shape(args))}),
+        **({"failures": list(args.failures)} if getattr(args, "failures", None) else {}),
         "max_steps": args.max_steps,
         "steps_per_hour": args.steps_per_hour,
         "checkpoint_every": str(args.checkpoint_every),
