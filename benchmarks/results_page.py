@@ -424,6 +424,37 @@ def pretrained_loss_gap(rows: list[list[dict]]) -> Figure:
     )
 
 
+def pretrained_vs_checkpoint(rows: list[list[dict]]) -> Figure:
+    """Validation loss at the failure-free run's target step (the step its target loss was read at): CheckFree's less
+    checkpoint-restart's, per seed (positive: CheckFree is behind)."""
+
+    def val_at(run: dict, step: int) -> float:
+        point = next((p for p in run["curve"] if p["step"] >= step and p["executed"] >= step), None)
+        if point is None:
+            raise ResultsError(f"stage_recovery_smollm2.jsonl: {run['strategy']} has no evaluation at step {step}")
+        return point["val_loss"]
+
+    step = max(p["step"] for r in rows[0] if r["strategy"] == "none" for p in r["curve"])
+    by = {(r["seed"], r["strategy"]): r for r in rows[0]}
+    seeds = sorted({seed for seed, strategy in by if strategy == "checkfree" and (seed, "checkpoint") in by})
+    if not seeds:
+        raise ResultsError("stage_recovery_smollm2.jsonl: no seed with both CheckFree and checkpoint-restart")
+    gaps = tuple(val_at(by[(s, "checkfree")], step) - val_at(by[(s, "checkpoint")], step) for s in seeds)
+
+    def wall(seed: int, strategy: str) -> str:
+        seconds = by[(seed, strategy)]["wall_s_to_target"]
+        return f"{seconds:.0f} s" if seconds else "missed"
+
+    return Figure(
+        gaps,
+        "loss",
+        per="seed",
+        note=f"validation at step {step}; to the target: checkpoint-restart "
+        f"{', '.join(wall(s, 'checkpoint') for s in seeds)}, "
+        f"CheckFree {', '.join(wall(s, 'checkfree') for s in seeds)}",
+    )
+
+
 def pretrained_two_stages(rows: list[list[dict]]) -> Figure:
     """The loss before the failure less the loss at the end (negative: it ended higher than before the failure)."""
     run = pretrained_run(rows[0][0], 2, "checkfree")
@@ -1102,6 +1133,21 @@ section(
         "`benchmarks/pipeline_pretrained.py --stages 4 --recovery checkfree random --steps 14 --fail-at 6 --set "
         "pipeline.checkfree_plus=false`",
         ("2026-12-02-smollm2", "As pipeline stages"),
+    ),
+    Claim(
+        "checkfree-vs-checkpoint-smollm2",
+        "On a pretrained model (SmolLM2, 4 stages, a middle stage lost at step 6) CheckFree is no worse than "
+        "checkpoint-restart (the figure: CheckFree's validation loss less checkpoint-restart's at the failure-free "
+        "run's target step)",
+        "`pipeline.checkfree_plus: false` for a pretrained model",
+        "checkpoint-restart every Young's interval (the fair baseline)",
+        (Source("stage_recovery_smollm2.jsonl"),),
+        pretrained_vs_checkpoint,
+        AtMost(0.0),
+        "`benchmarks/stage_recovery.py --model smollm2-135m-instruct --lr 3e-5 --micro-batch 4 --max-steps 12 "
+        "--eval-every 4 --failures 6:1 --rates 0.10 --seeds 1 --plain-baselines --side-by-side --run-timeout-s 1800 "
+        "--set pipeline.checkfree_plus=false --results benchmarks/results/stage_recovery_smollm2.jsonl`",
+        ("2026-12-02-smollm2", "As pipeline stages, against checkpoint-restart"),
     ),
     Claim(
         "checkfree-plus-smollm2",
