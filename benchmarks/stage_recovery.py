@@ -72,8 +72,9 @@ the steps back (each run's `losses`, every step's training loss, replays include
 moment of training:
 
     .venv/bin/python benchmarks/stage_recovery.py --model smollm2-135m-instruct --lr 3e-5 --micro-batch 4 \
-        --max-steps 16 --eval-every 4 --failures 8:1 --rates 0.10 --seeds 1 --plain-baselines --side-by-side \
-        --set pipeline.checkfree_plus=false --results benchmarks/results/stage_recovery_smollm2.jsonl
+        --max-steps 12 --eval-every 4 --failures 6:1 --rates 0.10 --seeds 1 --plain-baselines --side-by-side \
+        --run-timeout-s 1800 --set pipeline.checkfree_plus=false \
+        --results benchmarks/results/stage_recovery_smollm2.jsonl
 
 Churn mode (--churn, issue #24): no spares; before each of --churn-failures seeded steps a
 random stage's only server is killed, and a newcomer joins with `--stage auto` a random 0 to
