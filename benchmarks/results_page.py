@@ -425,11 +425,11 @@ def pretrained_loss_gap(rows: list[list[dict]]) -> Figure:
 
 
 def pretrained_vs_checkpoint(rows: list[list[dict]]) -> Figure:
-    """Validation loss at the failure-free run's target step (the step its target loss was read at): CheckFree's less
-    checkpoint-restart's, per seed (positive: CheckFree is behind)."""
+    """Validation loss at the failure-free run's last evaluation step: CheckFree's less checkpoint-restart's, per seed
+    (positive: CheckFree is behind)."""
 
     def val_at(run: dict, step: int) -> float:
-        point = next((p for p in run["curve"] if p["step"] >= step and p["executed"] >= step), None)
+        point = next((p for p in run["curve"] if p["step"] >= step), None)
         if point is None:
             raise ResultsError(f"stage_recovery_smollm2.jsonl: {run['strategy']} has no evaluation at step {step}")
         return point["val_loss"]
@@ -1138,7 +1138,7 @@ section(
         "checkfree-vs-checkpoint-smollm2",
         "On a pretrained model (SmolLM2, 4 stages, a middle stage lost at step 6) CheckFree is no worse than "
         "checkpoint-restart (the figure: CheckFree's validation loss less checkpoint-restart's at the failure-free "
-        "run's target step)",
+        "run's last step)",
         "`pipeline.checkfree_plus: false` for a pretrained model",
         "checkpoint-restart every Young's interval (the fair baseline)",
         (Source("stage_recovery_smollm2.jsonl"),),

@@ -185,13 +185,24 @@ def seeded_shape_overrides(shape: tuple[int, int, int, int], seed: int) -> list[
     return [*shape_overrides(shape), "model.default.max_position_embeddings=128", f"model.default.seed={seed}"]
 
 
+def fixed_failures(items: list[str]) -> dict[int, list[int]]:
+    """--failures' STEP:STAGE items as a schedule; ValueError on one that is not a step >= 2 and a stage index."""
+    schedule: dict[int, list[int]] = {}
+    for item in items:
+        step, _, stage = item.partition(":")
+        if not (step.isdigit() and stage.isdigit() and int(step) >= 2 and int(stage) < STAGES):
+            raise ValueError(f"--failures takes STEP:STAGE with STEP >= 2 and STAGE < {STAGES}, not {item!r}")
+        schedule[int(step)] = [int(stage)]
+    return schedule
+
+
 def failure_schedule(
     seed: int, rate: float, steps: int, steps_per_hour: int, fixed: list[str] | None = None
 ) -> dict[int, list[int]]:
-    """{step: [stages that fail before it]}; depends on the seed and rate only, or with `fixed` (--failures, each
-    STEP:STAGE) is exactly those failures for every seed and strategy."""
+    """{step: [stages that fail before it]}; depends on the seed and rate only, or with `fixed` (--failures) is
+    exactly those failures for every seed and strategy."""
     if fixed:
-        return {int(step): [int(stage)] for step, stage in (item.split(":") for item in fixed)}
+        return fixed_failures(fixed)
     rng = random.Random(f"failures:{seed}:{rate}")
     p = rate / steps_per_hour
     schedule: dict[int, list[int]] = {}
@@ -363,11 +374,7 @@ class Checkpoints:
 
 def run_config(args, seed: int, strategy: str, state_dir: Path):
     """The config of one run's driver and servers (and of --pretrained-steps' training of its seed's model)."""
-    model = (
-        [f"model.name_or_path={args.model}"]
-        if getattr(args, "model", None)
-        else seeded_shape_overrides(model_shape(args), seed)
-    )
+    model = [f"model.name_or_path={args.model}"] if args.model else seeded_shape_overrides(model_shape(args), seed)
     overrides = [
         *model,
         'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
@@ -632,9 +639,7 @@ async def run(
     asyncio.get_running_loop().set_exception_handler(quiet_killed_daemons)
     bench = Bench(args, scratch, seed, strategy)
     schedule = (
-        failure_schedule(seed, rate, args.max_steps, args.steps_per_hour, getattr(args, "failures", None))
-        if strategy != "none"
-        else {}
+        failure_schedule(seed, rate, args.max_steps, args.steps_per_hour, args.failures) if strategy != "none" else {}
     )
     record = {
         "curve": [],
@@ -1187,10 +1192,10 @@ def main() -> None:
         parser.error("--keep-load keeps the load of runs side by side (--side-by-side)")
     if args.model and (args.size or args.pretrained_steps):
         parser.error("--model brings its own shape and weights: not with --size or --pretrained-steps")
-    for item in args.failures or []:
-        step, _, stage = item.partition(":")
-        if not (step.isdigit() and stage.isdigit() and int(step) >= 2 and int(stage) < STAGES):
-            parser.error(f"--failures takes STEP:STAGE with STEP >= 2 and STAGE < {STAGES}, not {item!r}")
+    try:
+        fixed_failures(args.failures or [])
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.churn and not args.checkpoint_every.isdigit():
         parser.error("--churn needs --checkpoint-every as a number of steps")
     logging.basicConfig(level=logging.ERROR)
@@ -1283,8 +1288,8 @@ def config_key(args) -> dict:
     background_uploads = bool(args.checkpoint_store_mbit) and args.checkpoint_uploads == "background"
     return {
         # rows from before --model and --failures existed have neither: absent means the default and the seeded rates
-        **({"model": args.model} if getattr(args, "model", None) else {"shape": list(model_shape(args))}),
-        **({"failures": list(args.failures)} if getattr(args, "failures", None) else {}),
+        **({"model": args.model} if args.model else {"shape": list(model_shape(args))}),
+        **({"failures": list(args.failures)} if args.failures else {}),
         "max_steps": args.max_steps,
         "steps_per_hour": args.steps_per_hour,
         "checkpoint_every": str(args.checkpoint_every),

@@ -39,6 +39,8 @@ from benchmarks.stage_recovery import (
     checkpoint_every,
     config_key,
     cost_with_uploads,
+    failure_schedule,
+    fixed_failures,
     load_stage_checkpoint,
     own_normal_step,
     pretrain,
@@ -416,7 +418,7 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args = SimpleNamespace(
         size="27M", max_steps=120, steps_per_hour=25, checkpoint_every="young", checkpoint_store_mbit=None,
         checkpoint_uplinks="shared", checkpoint_uploads="blocking", target_fraction=0.8, eval_every=10, micro_batch=8,
-        lr=1e-3, set=[], keep_load=False, pretrained_steps=0, plain_baselines=False,
+        lr=1e-3, set=[], keep_load=False, pretrained_steps=0, plain_baselines=False, model=None, failures=None,
     )  # fmt: skip
     plain = config_key(args)
     assert "settings" not in plain  # the rows written before --set existed stay comparable
@@ -463,12 +465,25 @@ def test_the_key_names_config_overrides_and_uplinks_only_when_a_run_has_some():
     args.pretrained_steps = 240
     assert config_key(args) == dict(kept, pretrained_steps=240)
     assert baseline_key(config_key(args)) == dict(baseline_key(kept), pretrained_steps=240)
+    args.pretrained_steps, args.model, args.failures = 0, "smollm2-135m-instruct", ["6:1"]
+    pretrained = config_key(args)  # a pretrained model's runs never mix with the default architecture's
+    assert "shape" not in pretrained and pretrained["model"] == "smollm2-135m-instruct"
+    assert pretrained["failures"] == ["6:1"]
+    assert run_config(args, 0, "none", Path("/tmp")).model.name_or_path == "smollm2-135m-instruct"
+
+
+def test_fixed_failures_are_the_same_for_every_seed_and_rate_and_bad_ones_are_refused():
+    assert failure_schedule(0, 0.10, 12, 25, ["6:1", "9:3"]) == {6: [1], 9: [3]}
+    assert failure_schedule(5, 0.16, 12, 25, ["6:1", "9:3"]) == {6: [1], 9: [3]}
+    for bad in ("1:0", f"6:{STAGES}", "6", "x:1"):
+        with pytest.raises(ValueError, match="STEP:STAGE"):
+            fixed_failures([bad])
 
 
 def test_a_pretrained_start_is_the_seed_s_model_trained_on_the_lm_objective_made_once_and_kept(tmp_path):
     args = SimpleNamespace(
         size=None, hidden=32, micro_batch=4, lr=1e-2, eval_every=5, pretrained_steps=10, plain_baselines=False,
-        set=[f"model.cache_dir={tmp_path}"],
+        set=[f"model.cache_dir={tmp_path}"], model=None,
     )  # fmt: skip
     path = pretrain(args, seed=0)
     assert path.parent.parent == tmp_path and path.exists()
