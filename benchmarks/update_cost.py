@@ -2,7 +2,7 @@
 
 Before (commit ea1a190, loaded from git into its own module): pi_old of every micro-batch that holds a
 peer's sample came from an extra no-grad forward, and the imitation term ran its own forward and
-backward over demonstrations already in the batch. After (node/trainer.py): one forward and backward per
+backward over demonstrations already in the batch. After (node/trainer/): one forward and backward per
 micro-batch carries both terms, and with one epoch pi_old is that forward, detached.
 
 Rounds are real: the 4 specialist nodes of benchmarks/sharing.py run --rounds rounds of an arm in
@@ -91,7 +91,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=["silo", "sapo_imitate"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup-steps", nargs="+", default=["add=125", "subtract=230", "both=260"])
-    parser.add_argument("--before", default=BEFORE, help="the commit whose node/trainer.py is 'before'")
+    parser.add_argument(
+        "--before",
+        default=BEFORE,
+        help="the commit whose node/trainer.py is 'before' (one from before node/trainer/ was a package)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     import sharing

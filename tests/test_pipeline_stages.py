@@ -59,7 +59,7 @@ def right_padded():
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, 7:] = 0
     mask[2, 4:] = 0
-    return ids, mask, torch.arange(T).expand(B, T)  # as node/trainer.py completion_logprobs calls the model
+    return ids, mask, torch.arange(T).expand(B, T)  # as node/trainer/scoring.py completion_logprobs calls the model
 
 
 def left_padded():
