@@ -38,4 +38,10 @@ ENV PATH=/opt/swarm-node/bin:$PATH PYTHONUNBUFFERED=1 SWARM_NODE_CACHE=/state/ca
 WORKDIR /app
 VOLUME ["/state"]
 ENTRYPOINT ["swarm-node"]
-CMD ["train", "--config", "/app/configs/isolated.yaml", "--state-dir", "/state/node"]
+CMD ["train", "--config", "/app/configs/isolated.yaml", "--state-dir", "/state/node", \
+     "--set", "swarm.metrics_port=9100"]
+# /readyz of the node the default command runs (its metrics port, on the container's loopback); a command of your own
+# sets swarm.metrics_port and --state-dir /state/node for it to answer, or runs with --no-healthcheck. The engine marks
+# the container unhealthy; `docker run --restart unless-stopped` restarts one that exits.
+HEALTHCHECK --interval=30s --timeout=20s --start-period=5m --retries=3 \
+  CMD ["swarm-node", "health", "--state-dir", "/state/node", "--timeout", "10"]

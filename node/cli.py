@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from node.commands import cmd_identity, cmd_peers, cmd_stats, cmd_train
+from node.commands import cmd_health, cmd_identity, cmd_peers, cmd_stats, cmd_train
 from node.config import ConfigError
 from node.runtime import error
 
@@ -106,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print node id, public key, peer id and key files as JSON"
     )
     identity.set_defaults(handler=cmd_identity)
+
+    health = sub.add_parser(
+        "health",
+        help="ask a running node whether it is ready (exit 0) or not (exit 1)",
+        description="Read a running node's /readyz (joined, training, its last round within the stall bound; "
+        "swarm.stall_factor, swarm.stall_min_s) or, with --live, /healthz (the process answers). The node serves "
+        "them beside /metrics when swarm.metrics_port is set, and writes their URL to <state-dir>/http.txt.",
+    )
+    where = health.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", help="the node's state directory (default: ~/.swarm-node/state)")
+    where.add_argument("--url", help="the node's HTTP server instead, e.g. http://127.0.0.1:9100")
+    health.add_argument("--live", action="store_true", help="only whether the process answers (/healthz)")
+    health.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for an answer")
+    health.add_argument("--json", action="store_true", help="print the endpoint's JSON answer")
+    health.set_defaults(handler=cmd_health)
 
     stats = sub.add_parser(
         "stats", help="summarize a node's metrics", description="Summarize metrics.jsonl of a state directory."

@@ -1,5 +1,5 @@
 """The node's own commands: `train` and `join` (one round loop, isolated or in a swarm), `peers`,
-`identity` and `stats`. Each is a thin runner over the components that do the work, on the command
+`identity`, `health` and `stats`. Each is a thin runner over the components that do the work, on the command
 runtime (node/runtime.py: logging, signals, exit codes); node/cli.py only assembles the parsers."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from node.runtime import (
     run_command,
     setup_logging,
     setup_viewer_logging,
+    start_systemd_notifier,
     state_dir_errors,
 )
 
@@ -86,27 +87,35 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     )
     node = Node(config, on_addresses=show_addresses)
     node.bind_service_ports()  # a port that is taken is refused before the policy loads
-    if not await _until_stopped(asyncio.to_thread(node.load, fresh), stop):
-        leave_now(EXIT_OK)  # the load runs on in its thread (a first run builds the default model): nothing to keep
-    loading = False
-    if node.identity is not None:
-        console.print(f"node id {node.identity.node_id}", highlight=False)
-    start = f"resuming at round {node.round}" if node.round else "fresh start"
-    device = node.telemetry.device
-    console.print(
-        f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path} "
-        f"({config.model.dtype}) on {device}, {start}",
-        highlight=False,
-    )
-    target = None if config.rounds is None else node.round + config.rounds
-    title = (
-        f"{config.name} (isolated)" if config.swarm.transport == "none" else f"{config.name} in {config.swarm.swarm_id}"
-    ) + f" on {device}"
+    await node.start_http()  # /healthz answers while it loads (a first start converts or builds its model)
+    notifier = start_systemd_notifier(node.readiness)  # under systemd: READY=1, STATUS= and its watchdog
     try:
-        with RoundDisplay(console, node.round, target, title=title) as display:
-            await node.run(config.rounds, stop, on_round=display.update)
-    except CheckpointNotSaved as exc:  # the save on the way out: a full disk
-        return error(str(exc), EXIT_ERROR)
+        if not await _until_stopped(asyncio.to_thread(node.load, fresh), stop):
+            leave_now(EXIT_OK)  # the load runs on in its thread (a first run builds the default model): nothing to keep
+        loading = False
+        if node.identity is not None:
+            console.print(f"node id {node.identity.node_id}", highlight=False)
+        start = f"resuming at round {node.round}" if node.round else "fresh start"
+        device = node.telemetry.device
+        console.print(
+            f"[bold]swarm-node[/] {config.name}: state {node.store.root}, model {config.model.name_or_path} "
+            f"({config.model.dtype}) on {device}, {start}",
+            highlight=False,
+        )
+        target = None if config.rounds is None else node.round + config.rounds
+        title = (
+            f"{config.name} (isolated)"
+            if config.swarm.transport == "none"
+            else f"{config.name} in {config.swarm.swarm_id}"
+        ) + f" on {device}"
+        try:
+            with RoundDisplay(console, node.round, target, title=title) as display:
+                await node.run(config.rounds, stop, on_round=display.update)
+        except CheckpointNotSaved as exc:  # the save on the way out: a full disk
+            return error(str(exc), EXIT_ERROR)
+    finally:
+        if notifier is not None:
+            notifier.cancel()
     console.print(
         f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False
     )
@@ -218,6 +227,49 @@ def cmd_identity(args: argparse.Namespace, console: Console) -> int:
         print(f"node id (signs records):       {identity.node_id}")
         print(f"peer id (the /p2p/ addresses): {peer_id}")
     return 0
+
+
+# health ----------------------------------------------------------------------------------
+
+
+def cmd_health(args: argparse.Namespace, console: Console) -> int:
+    """Exit 0 when the node answers ready (or, with --live, answers at all), 1 otherwise, with one line saying why:
+    for a container's healthcheck, a supervisor or a person. Loads no model library: it runs every few seconds."""
+    from node.stats import HTTP_FILE, probe
+
+    path = "/healthz" if args.live else "/readyz"
+    if args.url:
+        base = args.url.rstrip("/")
+    else:
+        state_dir = Path(args.state_dir or NodeConfig().state_dir).expanduser()
+        url_file = state_dir / HTTP_FILE
+        try:
+            base = url_file.read_text().strip()
+        except OSError:
+            print(
+                f"not running: no {url_file} (a node writes it while it serves swarm.metrics_port; is it running, "
+                "with swarm.metrics_port set?)"
+            )
+            return EXIT_ERROR
+    status, body = probe(base + path, args.timeout)
+    if args.json:
+        answer = body if isinstance(body, dict) else {"ready": False, "reason": body}
+        print(json.dumps({"url": base + path, "http_status": status, **answer}))
+    if status is None or not isinstance(body, dict):
+        if not args.json:
+            print(f"unreachable: {base + path}: {body}")
+        return EXIT_ERROR
+    healthy = status == 200 and (args.live or body.get("ready") is True)
+    if not args.json:
+        if args.live:
+            print(
+                f"alive: pid {body.get('pid')}, up {body.get('uptime_s')} s ({base + path})"
+                if healthy
+                else f"not alive: HTTP {status} ({base + path})"
+            )
+        else:
+            print(f"{'ready' if healthy else 'not ready'} ({body.get('status')}): {body.get('reason')}")
+    return EXIT_OK if healthy else EXIT_ERROR
 
 
 # stats -----------------------------------------------------------------------------------

@@ -347,7 +347,13 @@ class SwarmConfig(_Section):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus counters on http://127.0.0.1:PORT/metrics (None: off)."""
     metrics_host: str = "127.0.0.1"
-    """Interface of the metrics endpoint."""
+    """Interface of the metrics endpoint, and of /healthz and /readyz beside it (`swarm-node health`)."""
+    stall_factor: float = Field(10.0, gt=1)
+    """/readyz says "stalled" (not ready) once the round in flight has run this many times the median of the recent
+    rounds (or a pipeline driver's steps): an evaluation or a checkpoint makes a round a few times longer, a stall
+    makes it much longer."""
+    stall_min_s: float = Field(120.0, gt=0)
+    """...and at least this long, so that a node whose rounds take a second is not called stalled by a slow one."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
     """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port,
     written to <state-dir>/dashboard.txt)."""

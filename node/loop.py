@@ -32,7 +32,7 @@ from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
 from node.state import CheckpointNotSaved, StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.local_rollouts import LocalRollouts
-from node.stats import MetricsServer, SwarmStats, listening_socket
+from node.stats import HTTP_FILE, MetricsServer, RoundProgress, SwarmStats, listening_socket
 from node.sharing import OwnAnswerReplay, PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
@@ -103,6 +103,7 @@ class Node:
         self.fingerprint = ""
         self.model_parameters = 0
         self._metrics_server: MetricsServer | None = None
+        self.progress = RoundProgress(config.swarm.stall_factor, config.swarm.stall_min_s)  # what /readyz reports
         self._dashboard = None  # node.dashboard.DashboardServer when swarm.dashboard_port is set
         self._listening: dict[str, Any] | None = None  # setting -> its socket, bound by bind_service_ports
         # OuterStepService: started with the transport when averaging.method != none, unless one is given before
@@ -251,21 +252,42 @@ class Node:
                 )
             if self._outer_state is not None:
                 self.averaging.outer.load_state_dict(self._outer_state)
-        listening = self._listening
-        if self.config.swarm.metrics_port is not None:
-            self._metrics_server = MetricsServer(
-                self.config.swarm.metrics_host,
-                self.config.swarm.metrics_port,
-                self.prometheus,
-                listening.pop("swarm.metrics_port"),
-            )
-            await self._metrics_server.start()
+        await self.start_http()
         if self.config.swarm.dashboard_port is not None:
             from node.dashboard.server import start_node_dashboard
 
-            self._dashboard = await start_node_dashboard(self, listening.pop("swarm.dashboard_port"))
+            self._dashboard = await start_node_dashboard(self, self._listening.pop("swarm.dashboard_port"))
+        self.progress.services_up()
+
+    async def start_http(self) -> None:
+        """Serve /metrics, /healthz and /readyz (swarm.metrics_port), from now on: a command starts it before the
+        policy loads, so that a probe sees a node that is loading, not one that does not answer."""
+        if self.config.swarm.metrics_port is None or self._metrics_server is not None:
+            return
+        self.bind_service_ports()
+        self._metrics_server = MetricsServer(
+            self.config.swarm.metrics_host,
+            self.config.swarm.metrics_port,
+            self.prometheus,
+            self._listening.pop("swarm.metrics_port"),
+            readiness=self.readiness,
+            url_file=self.store.root / HTTP_FILE,
+        )
+        await self._metrics_server.start()
+
+    def readiness(self) -> dict[str, Any]:
+        """/readyz: joined, training, and the last round within its bound (RoundProgress); a part of the swarm
+        connection that died makes it "down"."""
+        problem = None
+        if self.transport is not None and self.progress.up_at is not None:
+            try:
+                self.transport.check_alive()
+            except Exception as exc:  # what the round loop would stop on: reported, the loop decides
+                problem = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+        return self.progress.report(problem)
 
     async def stop_services(self) -> None:
+        self.progress.stopping = True
         for sock in (self._listening or {}).values():  # bound for a server that never started
             sock.close()
         if self._dashboard is not None:
@@ -342,6 +364,7 @@ class Node:
         row["step_s"] = time.perf_counter() - round_start
         self.store.append_metrics(row)
         self.round = round_
+        self.progress.round_done(round_, row["step_s"])
         self.telemetry.record_round(row)
         if swarm.transport != "none":
             self.stats.save(self.store.root / "swarm.json")
@@ -363,6 +386,8 @@ class Node:
         return chosen, time.perf_counter() - start
 
     def prometheus(self) -> str:
+        if self.trainer is None:  # /metrics answers while the policy loads (start_http): nothing to count yet
+            return "# the node is loading its policy\n"
         return self.telemetry.prometheus(self.round, self.policy_version, self.averaging)
 
     # persistence ---------------------------------------------------------------------
@@ -392,6 +417,7 @@ class Node:
                         on_round(row)
             except StopRequested as stopped:  # a pipeline stage that may never come back: the round is abandoned
                 log.warning("%s; the round in flight is abandoned", stopped)
+            self.progress.stopping = True
             # A clean exit keeps every completed round, whatever checkpoint_every says. After an
             # error the weights may be half-updated, so the last checkpoint stands instead.
             latest = self.store.latest()

@@ -123,6 +123,55 @@ def on_stop_signals(request_stop: Callable[[], None], on_second: Callable[[], No
         loop.add_signal_handler(signum, handle, signum)
 
 
+def start_systemd_notifier(readiness: Callable[[], dict[str, Any]]) -> asyncio.Task | None:
+    """Under systemd (a `Type=notify` unit: NOTIFY_SOCKET set), a task that tells it how the node is: READY=1 once
+    `readiness` first says ready, STATUS= its reason, and WATCHDOG=1 every half WatchdogSec while the node is not
+    "stalled" or "down", so that systemd restarts a node whose round hangs, not only one that exits
+    (docs/commands.md has a unit). None elsewhere."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return None
+    watchdog_pid = os.environ.get("WATCHDOG_PID")
+    watchdog_usec = os.environ.get("WATCHDOG_USEC") if watchdog_pid in (None, str(os.getpid())) else None
+    interval_s = int(watchdog_usec) / 2e6 if watchdog_usec else 10.0
+    target = "\0" + address[1:] if address.startswith("@") else address  # "@": an abstract socket
+    return asyncio.get_running_loop().create_task(_notify_systemd(target, readiness, interval_s, bool(watchdog_usec)))
+
+
+async def _notify_systemd(
+    target: str, readiness: Callable[[], dict[str, Any]], interval_s: float, watchdog: bool
+) -> None:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def tell(lines: list[str]) -> None:
+        try:
+            sock.sendto("\n".join(lines).encode(), target)
+        except OSError as exc:  # systemd restarting, or a socket gone: told again next time
+            logging.getLogger(__name__).debug("could not notify systemd: %s", exc)
+
+    told_ready = stopping = False
+    try:
+        while True:
+            report = readiness()
+            lines = [f"STATUS={report['status']}: {report['reason']}"]
+            if report["ready"] and not told_ready:
+                lines.append("READY=1")
+                told_ready = True
+            if report["status"] == "stopping":
+                lines.append("STOPPING=1")
+                stopping = True
+            elif watchdog and report["status"] not in ("stalled", "down"):
+                lines.append("WATCHDOG=1")
+            tell(lines)
+            await asyncio.sleep(interval_s)
+    finally:
+        if not stopping:  # the command ended between two reports: a clean stop all the same
+            tell(["STATUS=stopping: the node is stopping", "STOPPING=1"])
+        sock.close()
+
+
 def leave_now(code: int) -> None:
     """End the process now: no task's clean-up runs and no worker thread is waited for (a round in flight, a model
     still loading). What the node keeps on disk is written to survive this (node/state.py); its p2p daemon gets

@@ -13,9 +13,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import socket
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -284,13 +286,96 @@ def listening_socket(host: str, port: int, setting: str) -> socket.socket:
     return sock
 
 
-class MetricsServer:
-    """A minimal HTTP endpoint serving GET /metrics (Prometheus scrapes nothing else)."""
+HTTP_FILE = "http.txt"  # the URL of a process's /metrics, /healthz and /readyz: for `swarm-node health --state-dir`
 
-    def __init__(self, host: str, port: int, render: Callable[[], str], sock: socket.socket | None = None):
+
+class RoundProgress:
+    """Whether a loop of rounds (a node's, or a pipeline driver's steps) is making progress, for /readyz.
+
+    Ready once the services are up and a round has completed since; not ready once the round in flight has run longer
+    than the bound, max(`min_s`, `factor` x the median of the recent rounds): a round that takes a few times its usual
+    time (an evaluation, a checkpoint) is no stall, one that takes ten times as long is. Times are monotonic, so a
+    jump of the wall clock neither raises nor hides a stall."""
+
+    def __init__(self, factor: float, min_s: float, clock: Callable[[], float] = time.monotonic, window: int = 32):
+        self.factor, self.min_s, self.clock = factor, min_s, clock
+        self.durations: deque[float] = deque(maxlen=window)
+        self.round: int | None = None
+        self.started_at = clock()
+        self.up_at: float | None = None  # the services are up: joined, serving
+        self.last_round_at: float | None = None
+        self.stopping = False
+
+    def services_up(self) -> None:
+        self.up_at = self.last_round_at = self.clock()
+
+    def round_done(self, round_: int, duration_s: float) -> None:
+        self.round = round_
+        self.durations.append(duration_s)
+        self.last_round_at = self.clock()
+
+    def bound_s(self) -> float:
+        if not self.durations:
+            return self.min_s
+        return max(self.min_s, self.factor * statistics.median(self.durations))
+
+    def report(self, problem: str | None = None) -> dict[str, Any]:
+        """/readyz's body: `ready`, a `status` (starting, ready, stalled, stopping, or down when `problem` names a
+        part that failed), a `reason` a person reads, and the figures it was decided on."""
+        now = self.clock()
+        body: dict[str, Any] = {"round": self.round, "uptime_s": round(now - self.started_at, 1)}
+        since = None if self.last_round_at is None else now - self.last_round_at
+        if since is not None:
+            body["since_progress_s"] = round(since, 1)
+        body["bound_s"] = round(self.bound_s(), 1)
+        if self.stopping:
+            status, reason = "stopping", "the node is stopping"
+        elif problem is not None:
+            status, reason = "down", problem
+        elif self.up_at is None:
+            status, reason = "starting", "loading the policy and joining"
+        elif self.round is None:
+            status, reason = "starting", f"the first round is in flight ({since:.0f} s)"
+        elif since > body["bound_s"]:
+            status, reason = "stalled", f"no round completed for {since:.0f} s (bound {body['bound_s']:.0f} s)"
+        else:
+            status, reason = "ready", f"round {self.round} completed {since:.0f} s ago"
+        return {"ready": status == "ready", "status": status, "reason": reason, **body}
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL a process on this machine reaches a server at: a wildcard interface is reached over loopback."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class MetricsServer:
+    """A minimal HTTP endpoint: GET /metrics (Prometheus text), /healthz (the process answers: 200) and /readyz (200
+    when `readiness` says ready, else 503; JSON saying why)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        render: Callable[[], str],
+        sock: socket.socket | None = None,
+        readiness: Callable[[], dict[str, Any]] | None = None,
+        url_file: Path | None = None,
+    ):
         self.host, self.port, self.render = host, port, render
         self.sock = sock  # already listening (listening_socket), or None: bound at start
+        # None: ready whenever it answers (a process with no loop of rounds to watch)
+        self.readiness = readiness or (lambda: {"ready": True, "status": "ready", "reason": "serving"})
+        self.url_file = url_file  # where its URL is written while it serves (HTTP_FILE in the state directory)
+        self.started_at = time.monotonic()
         self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return local_url(self.host, self.port)
 
     async def start(self) -> None:
         if self.sock is not None:
@@ -298,20 +383,35 @@ class MetricsServer:
         else:
             self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("serving metrics on http://%s:%d/metrics", self.host, self.port)
+        if self.url_file is not None:
+            write_snapshot(self.url_file, self.url + "\n")
+        log.info("serving metrics on %s/metrics, health on /healthz and /readyz", self.url)
+
+    def respond(self, path: bytes) -> tuple[bytes, bytes, bytes]:
+        """(status, content type, body) for a GET of `path`."""
+        path = path.split(b"?", 1)[0]
+        if path == b"/metrics":
+            return b"200 OK", b"text/plain; version=0.0.4", self.render().encode()
+        if path == b"/healthz":
+            alive = {"alive": True, "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_at, 1)}
+            return b"200 OK", b"application/json", json.dumps(alive).encode() + b"\n"
+        if path == b"/readyz":
+            report = self.readiness()
+            status = b"200 OK" if report["ready"] else b"503 Service Unavailable"
+            return status, b"application/json", json.dumps(report).encode() + b"\n"
+        return b"404 Not Found", b"text/plain", b"not found: try /metrics, /healthz or /readyz\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
             path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
-            if path == b"/metrics":
-                body, status = self.render().encode(), b"200 OK"
-            else:
-                body, status = b"not found: try /metrics\n", b"404 Not Found"
+            status, content_type, body = self.respond(path)
             writer.write(
                 b"HTTP/1.1 "
                 + status
-                + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                + b"\r\nContent-Type: "
+                + content_type
+                + b"\r\nContent-Length: "
                 + str(len(body)).encode()
                 + b"\r\nConnection: close\r\n\r\n"
                 + body
@@ -323,6 +423,28 @@ class MetricsServer:
             writer.close()
 
     async def stop(self) -> None:
+        if self.url_file is not None:  # a stopped process leaves no URL that a later one's port could answer
+            self.url_file.unlink(missing_ok=True)
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+def probe(url: str, timeout_s: float) -> tuple[int | None, dict[str, Any] | str]:
+    """GET `url` (/healthz or /readyz): (HTTP status, its JSON body), or (None, why it could not be read)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:  # 503: not ready, and the body says why
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, f"{reason.strerror if isinstance(reason, OSError) and reason.strerror else reason}"
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return status, f"not a health endpoint (HTTP {status}, {len(raw)} bytes that are not JSON)"
+    return status, body if isinstance(body, dict) else f"not a health endpoint (HTTP {status})"

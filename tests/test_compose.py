@@ -67,3 +67,14 @@ def test_the_published_port_is_node0s_dashboard_listening_on_all_interfaces():
     assert SERVICES["node0"]["ports"] == [f"127.0.0.1:{config.swarm.dashboard_port}:{config.swarm.dashboard_port}"]
     assert config.swarm.dashboard_host == "0.0.0.0"  # inside the container; the host publishes it on loopback only
     assert not any("ports" in SERVICES[name] for name in ("node1", "node2"))
+
+
+def test_each_node_serves_the_health_endpoint_its_healthcheck_reads_and_restarts_when_it_exits():
+    for name, service in SERVICES.items():
+        config = config_from_args(build_parser().parse_args(node_invocation(service)))
+        assert config.swarm.metrics_port is not None, name  # /readyz lives beside /metrics
+        check = service["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "swarm-node", "health"], name
+        health = build_parser().parse_args(check[2:])  # the CLI accepts it
+        assert health.state_dir == config.state_dir and not health.live, name
+        assert service["restart"] == "unless-stopped", name

@@ -114,6 +114,18 @@ def test_compose_up_swarm_dashboard_stop_resume_down(engine, image, tmp_path):
                 interval=2,
             )
 
+        # the engine's healthcheck (`swarm-node health`, each node's /readyz) finds every node ready
+        for service in SERVICES:
+            wait_for(
+                lambda: (
+                    project.assert_running()
+                    or project.container(service)["State"].get("Health", {}).get("Status") == "healthy"
+                ),
+                START_TIMEOUT_S,
+                f"{service}'s healthcheck to pass",
+                interval=2,
+            )
+
         # 2. the dashboard, published on the host's loopback, in a real browser
         dom = run_chromium(tmp_path / "chromium", "--virtual-time-budget=10000", "--dump-dom", DASHBOARD)
         assert len(re.findall(r"<tr[^>]*data-peer-row", dom)) == 3, dom[:3000]

@@ -189,7 +189,13 @@ def test_the_image_trains_with_its_state_in_a_host_folder(image, containers, mod
     state = tmp_path / "state"
     state.mkdir()
     # The image's own default command (isolated training, state under /state), for two rounds of a tiny model.
-    command = [*image_command(image), "--rounds", "2", *settings([*TINY_OVERRIDES, "eval_every=2"])]
+    # (its metrics port on any free one: a chrooted container shares the host's network, and 9100 may be taken)
+    command = [
+        *image_command(image),
+        "--rounds",
+        "2",
+        *settings([*TINY_OVERRIDES, "eval_every=2", "swarm.metrics_port=0"]),
+    ]
     result = containers.run({state: "/state", model_cache_folder: "/state/cache"}, command)
     rows = read_rows(state / "node")
     assert [row["round"] for row in rows] == [1, 2], result.stdout[-2000:]

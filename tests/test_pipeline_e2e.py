@@ -18,16 +18,31 @@ from tests.helpers.swarm import read_rows, wait_for
 pytestmark = pytest.mark.integration
 
 
+def readiness(proc) -> dict:
+    """A process's /readyz answer, read from the URL it wrote to its state directory."""
+    from node.stats import HTTP_FILE, probe
+
+    status, body = probe((proc.state_dir / HTTP_FILE).read_text().strip() + "/readyz", 30)
+    assert status in (200, 503) and isinstance(body, dict), body
+    return body
+
+
 def test_lost_stages_are_rebuilt_from_their_neighbours(pipeline_yaml, tmp_path, cli_env, procs):
     """With chained calls (pipeline.direct_hops): the servers pass hidden states to each other, and a chain through a
     killed server goes hop by hop, which finds it."""
-    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs, settings=["pipeline.direct_hops=true"])
+    settings = ["pipeline.direct_hops=true", "swarm.metrics_port=0"]
+    pipe = Pipeline(pipeline_yaml, tmp_path, cli_env, procs, settings=settings)
     servers, acquired = pipe.serve_every_stage()
     assert [event["method"] for event in acquired] == ["initial"] * 4
     spare = pipe.serve("spare")
     driver = pipe.drive()
     rows = pipe.steps(driver, 3)
     first_loss = rows[0]["loss"]
+    # every role answers /readyz: a server serving its stage, the spare waiting, the driver stepping
+    assert readiness(servers[1])["reason"].startswith("serving stage 1 at step ")
+    wait_for(lambda: readiness(spare)["ready"], START_S, "the spare to be ready")
+    assert readiness(spare)["reason"] == "a spare, waiting for a stage that loses its last server"
+    assert readiness(driver)["ready"] and readiness(driver)["round"] >= 3
 
     # Intermediate stage, only server: the spare rebuilds it by CheckFree from stages 1 and 3.
     pipe.kill(servers[2])

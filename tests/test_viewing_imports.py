@@ -229,3 +229,28 @@ def test_the_chain_that_loaded_a_model_library_is_read_from_the_log():
     assert model_library_chains(through_hivemind, torch_through_hivemind=True) == [
         "transformers <- node.model <- hivemind.utils.tensor_descr"
     ]
+
+
+@pytest.mark.integration
+def test_health_loads_no_model_library(tmp_path):
+    """`health` is what a healthcheck runs every 30 s: it must not pay for torch. A real endpoint answers it."""
+    import threading
+
+    from node.stats import HTTP_FILE, MetricsServer
+
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    loop = asyncio.new_event_loop()
+    ready = {"ready": True, "status": "ready", "reason": "round 3 completed 1 s ago"}
+    server = MetricsServer("127.0.0.1", 0, lambda: "", readiness=lambda: ready, url_file=state_dir / HTTP_FILE)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=60)
+        result = run_viewing_command("health", "--state-dir", str(state_dir))
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+    assert result.stdout == "ready (ready): round 3 completed 1 s ago\n"
+    assert_loads_no_model_library("`health`", result.stderr)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from node.runtime import error, on_stop_signals, run_command, setup_logging, state_dir_errors
+from node.runtime import error, on_stop_signals, run_command, setup_logging, start_systemd_notifier, state_dir_errors
 
 log = logging.getLogger(__name__)
 
@@ -114,17 +114,29 @@ async def _serve(config, console: Console) -> int:
     server = StageServer(session, model, fingerprint)
     task = asyncio.current_task()
     on_stop_signals(task.cancel)
-    metrics = None
-    if config.swarm.metrics_port is not None:
-        from node.stats import MetricsServer
 
-        metrics = MetricsServer(config.swarm.metrics_host, config.swarm.metrics_port, server.prometheus)
-        await metrics.start()
+    def readiness() -> dict:
+        """Ready while it serves a stage, or waits as a spare, and its membership runs; loading a stage is not."""
+        try:
+            session.membership.check_alive()
+        except RuntimeError as exc:
+            return {"ready": False, "status": "down", "reason": str(exc), "stage": server.index}
+        ready = server.state in ("serving", "spare")
+        if server.state == "spare":
+            reason = "a spare, waiting for a stage that loses its last server"
+        else:
+            reason = f"{server.state} stage {server.index} at step {server.step}"
+        return {"ready": ready, "status": "ready" if ready else "starting", "reason": reason, "stage": server.index}
+
+    metrics = await _http_server(config, server.prometheus, readiness)
+    notifier = start_systemd_notifier(readiness)
     try:
         await run_supervised(server.run(), session.membership.tasks, "stage server")
     except asyncio.CancelledError:
         console.print(f"stopped serving stage {server.index} at step {server.step}", highlight=False)
     finally:
+        if notifier is not None:
+            notifier.cancel()
         await server.stop()
         if metrics is not None:
             await metrics.stop()
@@ -140,6 +152,7 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     from node.pipeline.stagemap import LostReporter
     from node.pipeline.stages import expected_fingerprints, pipeline_limits
     from node.state import StateStore
+    from node.stats import RoundProgress
 
     if config.pipeline.objective != "lm":
         return error(
@@ -179,12 +192,50 @@ async def _drive(config, console: Console, steps: int | None) -> int:
             highlight=False,
         )
 
+    progress = RoundProgress(config.swarm.stall_factor, config.swarm.stall_min_s)
+
+    def readiness() -> dict:
+        try:
+            session.membership.check_alive()
+        except RuntimeError as exc:
+            return progress.report(str(exc))
+        return progress.report()
+
+    def prometheus() -> str:
+        return f"# TYPE swarm_node_driver_step gauge\nswarm_node_driver_step {driver.step}\n"
+
+    def on_step(row: dict) -> None:
+        progress.round_done(row["step"], row["step_s"])
+        show(row)
+
+    metrics = await _http_server(config, prometheus, readiness)
+    notifier = start_systemd_notifier(readiness)
+    progress.services_up()
     try:
-        await run_supervised(driver.run(steps, stop, on_step=show), session.membership.tasks, "driver")
+        await run_supervised(driver.run(steps, stop, on_step=on_step), session.membership.tasks, "driver")
     finally:
+        progress.stopping = True
+        if notifier is not None:
+            notifier.cancel()
+        if metrics is not None:
+            await metrics.stop()
         await session.close()
     console.print(f"stopped at step {driver.step}; metrics in {store.root / 'metrics.jsonl'}", highlight=False)
     return 0
+
+
+async def _http_server(config, render, readiness):
+    """/metrics, /healthz and /readyz when swarm.metrics_port is set (its URL in the state directory), else None."""
+    if config.swarm.metrics_port is None:
+        return None
+    from node.stats import HTTP_FILE, MetricsServer, listening_socket
+
+    host, port = config.swarm.metrics_host, config.swarm.metrics_port
+    sock = listening_socket(host, port, "swarm.metrics_port")  # a port that is taken: one line, exit status 2
+    url_file = config.resolved_state_dir() / HTTP_FILE
+    metrics = MetricsServer(host, port, render, sock, readiness=readiness, url_file=url_file)
+    await metrics.start()
+    return metrics
 
 
 def _run(args, console: Console, coro_factory) -> int:
