@@ -53,7 +53,7 @@ from node.compute import RoundWork, model_shape_key, round_layout  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.stats import SwarmStats  # noqa: E402
-from node.trainer import GRPOTrainer, completion_logprobs, padded_positions  # noqa: E402
+from node.trainer import GRPOTrainer, TrainingBatch, completion_logprobs, padded_positions  # noqa: E402
 from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
 from protocol import NodeIdentity  # noqa: E402
 
@@ -147,7 +147,7 @@ def calibrate(node: Node, repeats: int) -> dict:
         trainer = GRPOTrainer(
             trainer_config, copy.deepcopy(model), node.tokenizer.pad_token_id, config.rollout.temperature
         )
-        stats = trainer.step(groups)
+        stats = trainer.step(TrainingBatch(groups))
         return RoundWork(train_tokens=stats.train_tokens, train_calls=stats.train_calls)
 
     copy_s = least_cpu_s(lambda: GRPOTrainer(config.trainer, copy.deepcopy(node.model), 0, 1.0), repeats)

@@ -31,7 +31,7 @@ from node.config import load_config  # noqa: E402
 from node.files import append_json_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.rollouts.transformers_backend import TransformersBackend, left_pad  # noqa: E402
-from node.trainer import GRPOTrainer  # noqa: E402
+from node.trainer import GRPOTrainer, TrainingBatch  # noqa: E402
 
 
 def generate_tokens_hf(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, seed) -> tuple[int, int]:
@@ -188,7 +188,7 @@ def update_cost(node: Node, questions, repeats: int) -> dict:
             settings = node.config.trainer.model_copy(update={"share_prompt_forward": shared})
             trainer = GRPOTrainer(settings, node.model, node.tokenizer.pad_token_id, node.config.rollout.temperature)
             start = time.process_time()
-            trainer.step(groups)
+            trainer.step(TrainingBatch(groups))
             seconds[shared].append(time.process_time() - start)
     node.model.load_state_dict(saved)
     once, per_completion = statistics.median(seconds[True]), statistics.median(seconds[False])

@@ -6,7 +6,7 @@ backward over demonstrations already in the batch. After (node/trainer/): one fo
 micro-batch carries both terms, and with one epoch pi_old is that forward, detached.
 
 Rounds are real: the 4 specialist nodes of benchmarks/sharing.py run --rounds rounds of an arm in
-lockstep; each round's trainer inputs (its groups and demonstration groups) are recorded, then both
+lockstep; each round's trainer input (its TrainingBatch) is recorded, then both
 trainers step a copy of the same weights on each recorded round, alternating, one torch thread;
 CPU seconds of this process (time.process_time), the median over rounds. The gradients they apply are
 checked to agree (the same update, computed once instead of twice).
@@ -29,11 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from node.rollouts.base import RolloutGroup, TrainingBatch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE = "ea1a190"
@@ -52,6 +55,36 @@ def trainer_module_at(commit: str):
     return module
 
 
+@dataclass
+class LegacyGroup:
+    """A rollout group as trainers before the typed TrainingBatch took it: demonstrations and the knobs since removed
+    were fields set on the group (`imitation_weight`, `baseline_scale`, `loss_scale`, `teacher`)."""
+
+    group: RolloutGroup
+    imitation_weight: float = 0.0
+    marked: tuple = ()
+    baseline_scale: float = 1.0
+    loss_scale: float = 1.0
+    teacher: object = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.group, name)
+
+    def demonstrations(self) -> list:
+        return list(self.marked)
+
+
+def legacy_inputs(batch: TrainingBatch) -> tuple[list[LegacyGroup], list[LegacyGroup]]:
+    """(groups, demonstration groups) for a trainer of before the typed batch: the batch's groups unmarked, and each
+    demonstration a group of its own with its weight, in the batch's order (so the heaviest are the same ones)."""
+    groups = [LegacyGroup(group) for group in batch.groups]
+    demonstrations = [
+        LegacyGroup(RolloutGroup(None, [d.completion], [1.0], correct=[True]), d.weight, (d.completion,))
+        for d in batch.demonstrations
+    ]
+    return groups, demonstrations
+
+
 async def record_rounds(arm: str, rounds: int, args) -> tuple[list, object]:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import sharing
@@ -62,9 +95,9 @@ async def record_rounds(arm: str, rounds: int, args) -> tuple[list, object]:
         learner = nodes[0]
         step = learner.trainer.step
 
-        def recording_step(groups, demonstration_groups=()):
-            recorded.append((copy.deepcopy(groups), copy.deepcopy(list(demonstration_groups))))
-            return step(groups, demonstration_groups)
+        def recording_step(batch: TrainingBatch):
+            recorded.append(copy.deepcopy(batch))
+            return step(batch)
 
         learner.trainer.step = recording_step
         try:
@@ -78,10 +111,10 @@ async def record_rounds(arm: str, rounds: int, args) -> tuple[list, object]:
         return recorded, learner
 
 
-def time_step(trainer_class, config, model, tokenizer, temperature, groups, demonstrations, version):
+def time_step(trainer_class, config, model, tokenizer, temperature, inputs: tuple, version):
     trainer = trainer_class(config, copy.deepcopy(model), tokenizer.pad_token_id, temperature, policy_version=version)
     before = time.process_time()
-    trainer.step(groups, demonstrations)
+    trainer.step(*inputs)
     elapsed = time.process_time() - before
     return elapsed, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
 
@@ -115,15 +148,13 @@ def main() -> None:
         config, model, tokenizer = learner.config, learner.model, learner.tokenizer
         temperature = config.rollout.temperature
         before_s, after_s, drift = [], [], []
-        for groups, demonstrations in recorded:
+        for batch in recorded:
             # the policy version the groups were sampled at: the node's own count them on-policy, as in the round
-            version = max((c.policy_version for g in groups for c in g.completions), default=0)
+            version = max((c.policy_version for g in batch.groups for c in g.completions), default=0)
             t_old, w_old = time_step(
-                old.GRPOTrainer, config.trainer, model, tokenizer, temperature, groups, demonstrations, version
+                old.GRPOTrainer, config.trainer, model, tokenizer, temperature, legacy_inputs(batch), version
             )
-            t_new, w_new = time_step(
-                GRPOTrainer, config.trainer, model, tokenizer, temperature, groups, demonstrations, version
-            )
+            t_new, w_new = time_step(GRPOTrainer, config.trainer, model, tokenizer, temperature, (batch,), version)
             before_s.append(t_old)
             after_s.append(t_new)
             drift.append(float((w_old - w_new).abs().max()))

@@ -367,36 +367,6 @@ class SwarmConfig(_Section):
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
 
-    @property
-    def replayed_per_round(self) -> int:
-        """The own right answers a round replays: `own_replay`, where an imitation term trains them."""
-        return self.own_replay if self.imitation != "none" else 0
-
-    def own_quota(self, peers_taken: int | None = None) -> tuple[int, int]:
-        """(questions of its own the node draws and answers, and trains on) in a round: I (or generated_questions)
-        and, with `external_gate`, one more for each of the round's J it did not take (`peers_taken`: how many it
-        took; None, not known yet: as if all)."""
-        deferred = 0
-        if self.external_gate != "none" and peers_taken is not None:
-            deferred = max(0, self.external_questions - peers_taken)
-        return (self.generated_questions or self.local_questions) + deferred, self.local_questions + deferred
-
-    @property
-    def own_draw_stride(self) -> int:
-        """Questions of the node's stream each round may draw: the most any round draws (with `external_gate`, one
-        that took no peer's group)."""
-        if self.external_gate != "none":
-            return (self.generated_questions or self.local_questions) + self.external_questions
-        return self.own_quota()[0]
-
-    @property
-    def imitation_in_effect(self) -> str:
-        """`imitation` as it applies: learning from stronger peers needs their groups, so a node that takes none
-        (external_questions 0, as every isolated node) imitates its own right answers only: `configs/swarm.yaml`
-        trained alone is the best single-node recipe, the same as `configs/isolated.yaml`."""
-        if self.imitation == "own_and_stronger_peers" and self.external_questions == 0:
-            return "own"
-        return self.imitation
 
 
 class AveragingConfig(_Section):

@@ -48,22 +48,16 @@ class LocalRollouts:
         self.backend = backend
 
     def draw(
-        self, rounds_done: int, balance_with: list[RolloutGroup] | None = None, peers_taken: int | None = None
+        self, first_draw: int, count: int, balance_with: list[RolloutGroup] | None = None, batch_groups: int = 0
     ) -> list[Question]:
-        """This round's own questions, the next `generated_questions` of the node's stream (with swarm.external_gate one
-        more for each peer's group not taken: `peers_taken`): from the task mix, or, given the peers' groups chosen
-        first (swarm.local_draw 'balance'), as many of each specialty as make the round's I + J groups hold the mix's
-        shares (balanced_counts)."""
-        swarm = self.config.swarm
-        generated, _ = swarm.own_quota(peers_taken)
-        first_draw = rounds_done * swarm.own_draw_stride  # a gated round may draw more: none overlap
+        """This round's own questions, `count` of the node's stream from `first_draw` on (the round's plan says how
+        many: node/sharing.py RoundPlan): from the task mix, or, given the peers' groups chosen first
+        (swarm.local_draw 'balance'), as many of each specialty as make the round's `batch_groups` groups hold the
+        mix's shares (balanced_counts)."""
         if balance_with is None:
-            return self.tasks.batch(first_draw=first_draw, count=generated)
+            return self.tasks.batch(first_draw=first_draw, count=count)
         counts = balanced_counts(
-            generated,
-            swarm.local_questions + swarm.external_questions,
-            self.tasks.mix_weights,
-            Counter(self.tasks.label(g.spec) for g in balance_with),
+            count, batch_groups, self.tasks.mix_weights, Counter(self.tasks.label(g.spec) for g in balance_with)
         )
         return self.tasks.batch_by_label(first_draw=first_draw, counts=counts)
 
@@ -113,10 +107,9 @@ class LocalRollouts:
         }
         return groups, summary, timings
 
-    def choose(self, groups: list[RolloutGroup], seed: int, peers_taken: int | None = None) -> list[RolloutGroup]:
-        """I of the node's own groups to train on (more for peers' groups the gate turned away): those with a learning
-        signal first (the trainer would drop the uniform ones), at random within each kind."""
-        _, count = self.config.swarm.own_quota(peers_taken)
+    def choose(self, groups: list[RolloutGroup], seed: int, count: int) -> list[RolloutGroup]:
+        """`count` of the node's own groups to train on (I, more for peers' groups the gate turned away): those with a
+        learning signal first (the trainer would drop the uniform ones), at random within each kind."""
         if len(groups) <= count:
             return groups
         rng = random.Random(seed)

@@ -28,12 +28,12 @@ from node.files import atomic_write_text
 from node.host_memory import hand_back_freed_memory
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
-from node.rollouts.base import ExternalGroup, RolloutBackend, RolloutGroup
+from node.rollouts.base import ExternalGroup, RolloutBackend
 from node.state import CheckpointNotSaved, StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.local_rollouts import LocalRollouts
 from node.stats import HTTP_FILE, MetricsServer, RoundProgress, SwarmStats, listening_socket
-from node.sharing import OwnAnswerReplay, PeerRollouts, groups_to_publish, training_batch, when_to_collect_peers
+from node.sharing import OwnAnswerReplay, PeerChoice, PeerRollouts, RoundPlan
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
 from node.transport import Transport, build_transport, needs_session
@@ -93,11 +93,10 @@ class Node:
             None  # peers' rollouts: checked, chosen, re-scored (built with the tokenizer)
         )
         self.evaluator: HeldoutEvaluator | None = None  # built with the backend
+        self.plan = RoundPlan.of(config.swarm)  # what each round does with its own groups and peers'
         # swarm.own_replay: earlier right answers of its own, replayed as demonstrations (saved with each checkpoint)
         self.own_replay = (
-            OwnAnswerReplay(config.swarm.replayed_per_round, seed=self.stream_seed ^ 0x4E91A7)
-            if config.swarm.replayed_per_round
-            else None
+            OwnAnswerReplay(self.plan.replayed, seed=self.stream_seed ^ 0x4E91A7) if self.plan.replayed else None
         )
         self.telemetry = Telemetry(config, self.stats)
         self.fingerprint = ""
@@ -306,36 +305,38 @@ class Node:
         Telemetry's."""
         round_ = self.round + 1
         round_start = time.perf_counter()
-        swarm = self.config.swarm
+        plan = self.plan
         outer_step = self.averaging.apply_if_done() if self.averaging else None
-        collect = when_to_collect_peers(swarm)
-        external_groups: list[RolloutGroup] = []
+        peers = PeerChoice()
         sharing_s = 0.0
         peers_taken = None
-        if collect == "before_drawing":  # own questions then fill the specialties, or the slots, peers left empty
-            external_groups, sharing_s = await self._peer_groups(round_)
-            peers_taken = len(external_groups)
+        if plan.collect == "before_drawing":  # own questions then fill the specialties, or the slots, peers left empty
+            peers, sharing_s = await self._peer_groups(round_)
+            peers_taken = len(peers.groups)
+        generated, trained = plan.own_quota(peers_taken)
         questions = self.local.draw(
-            self.round, balance_with=external_groups if swarm.local_draw == "balance" else None, peers_taken=peers_taken
+            self.round * plan.draw_stride,  # a gated round may draw more: the stride keeps draws from overlapping
+            generated,
+            balance_with=peers.groups if plan.balance_draw else None,
+            batch_groups=plan.batch_groups,
         )
         work_before = copy.copy(self.backend.work)
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
         generation_work = self.backend.work.since(work_before)
-        if shared := groups_to_publish(swarm, local_groups):
+        if shared := plan.to_publish(local_groups):
             await self.transport.publish(round_, self.policy_version, shared)
-        if collect == "after_publishing":
-            external_groups, sharing_s = await self._peer_groups(round_)
+        if plan.collect == "after_publishing":
+            peers, sharing_s = await self._peer_groups(round_)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
-        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, peers_taken)
-        groups = training_batch(swarm, chosen_local, external_groups)
-        demonstration_groups = []
+        chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, trained)
+        replayed = []
         if self.own_replay is not None:
-            demonstration_groups = self.own_replay.draw()
+            replayed = self.own_replay.draw()  # before this round's answers join it: a round never replays itself
             self.own_replay.add(local_groups)
-        stats = await asyncio.to_thread(self.trainer.step, groups, demonstration_groups)
+        stats = await asyncio.to_thread(self.trainer.step, plan.training_batch(chosen_local, peers, replayed))
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
@@ -347,10 +348,10 @@ class Node:
             policy_version=self.policy_version,
             policy_report=self.policy.round_report(self.trainer),
             own_groups=local_groups,
-            peer_groups=external_groups,
-            peers_rescored=self.sharing.rescored_last_round,
-            peers_gated=self.sharing.gated_last_round,
-            peer_completions_rescored=self.sharing.rescored_completions_last_round,
+            peer_groups=peers.groups,
+            peers_rescored=peers.rescored,
+            peers_gated=peers.gated,
+            peer_completions_rescored=peers.rescored_completions,
             outer_step=outer_step,
             generation_s=timings.generation_s,
             scoring_s=timings.scoring_s,
@@ -366,7 +367,7 @@ class Node:
         self.round = round_
         self.progress.round_done(round_, row["step_s"])
         self.telemetry.record_round(row)
-        if swarm.transport != "none":
+        if self.config.swarm.transport != "none":
             self.stats.save(self.store.root / "swarm.json")
         if round_ % self.config.checkpoint_every == 0:
             try:
@@ -377,7 +378,7 @@ class Node:
                 )
         return row
 
-    async def _peer_groups(self, round_: int) -> tuple[list[RolloutGroup], float]:
+    async def _peer_groups(self, round_: int) -> tuple[PeerChoice, float]:
         """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the
         seconds it took."""
         start = time.perf_counter()

@@ -25,8 +25,8 @@ rewards, verified by the protocol but not trusted). SAPO trains on J of them. Th
    accuracy moving average); the round answers one more question of its own for each group turned away, so equal
    nodes train as a node alone would and a node takes peers' groups only where they know what it lacks.
 
-What a round does with its own groups and peers' follows from the swarm config alone: `when_to_collect_peers`,
-`groups_to_publish` and `training_batch` decide it for `Node.run_round`.
+What a round does with its own groups and peers' follows from the swarm config alone: `RoundPlan` decides it once
+(when to collect, the quotas, what to publish, the trainer's `TrainingBatch`) and `Node.run_round` follows it.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from node.config import NodeConfig, SwarmConfig
-from node.rollouts.base import Completion, ExternalGroup, RolloutGroup, is_uniform
+from node.rollouts.base import Completion, Demonstration, ExternalGroup, RolloutGroup, TrainingBatch, is_uniform
 from node.stats import SwarmStats
 from node.tasks import TaskError, TaskSource, materialize, score_group
 from protocol import Refusal, TaskSpec
@@ -51,33 +51,102 @@ PEER_RATE_WEIGHT = 0.2  # of a group's pass rate in its peer's moving average (a
 MAX_PEER_RATES = 4096  # (peer, specialty) averages remembered: throwaway identities cannot grow them without bound
 
 
-def when_to_collect_peers(swarm: SwarmConfig) -> Literal["never", "before_drawing", "after_publishing"]:
-    """When a round collects and chooses peers' groups: never without J; with swarm.local_draw 'balance', before the
-    node draws its own questions (they fill the specialties peers left short), and with swarm.external_gate (the node
-    answers one more of its own for each peer's group it turns away); otherwise after it has published its own
-    (SAPO's order)."""
-    if swarm.external_questions == 0:
-        return "never"
-    if swarm.local_draw == "balance" or swarm.external_gate != "none":
-        return "before_drawing"
-    return "after_publishing"
+@dataclass(frozen=True)
+class PeerChoice:
+    """The peers' groups a round chose, each with the weight of its right answers as demonstrations (0: none), and
+    what choosing them cost: groups re-scored, their completions graded here, groups the gate turned away."""
+
+    groups: list[RolloutGroup] = field(default_factory=list)
+    imitation_weights: list[float] = field(default_factory=list)
+    rescored: int = 0
+    rescored_completions: int = 0
+    gated: int = 0
 
 
-def groups_to_publish(swarm: SwarmConfig, own: list[RolloutGroup]) -> list[RolloutGroup]:
-    """The node's own groups it offers peers: all, or with swarm.publish 'with_signal' those whose rewards differ
-    (a receiver re-scores and drops the others)."""
-    return own if swarm.publish == "all" else [g for g in own if not is_uniform(g.rewards)]
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round does with its own groups and peers', decided once from the swarm config: when it collects peers'
+    groups, how many questions of its own it draws and trains on, what it publishes, and the batch the trainer takes.
 
+    `Node.run_round` follows it; nothing of it is set on the rollout types or read back from a component."""
 
-def training_batch(swarm: SwarmConfig, own: list[RolloutGroup], peers: list[RolloutGroup]) -> list[RolloutGroup]:
-    """The groups of the trainer's policy-gradient term: the node's own and the peers' it chose (SAPO's way).
+    collect: Literal["never", "before_drawing", "after_publishing"]
+    """never without J; with swarm.local_draw 'balance' before the node draws its own questions (they fill the
+    specialties peers left short), and with swarm.external_gate (the node answers one more of its own for each peer's
+    group it turns away); otherwise after it has published its own (SAPO's order)."""
+    generated: int  # questions of its own a round answers (I, or swarm.generated_questions)
+    trained: int  # I: of those, the ones it trains on
+    external: int  # J
+    gated: bool  # swarm.external_gate: a group turned away is replaced by a question of its own
+    balance_draw: bool  # swarm.local_draw 'balance'
+    publish_all: bool  # swarm.publish 'all', else only groups with a reward spread
+    imitation: Literal["none", "own", "own_and_stronger_peers"]
+    """swarm.imitation as it applies: learning from stronger peers needs their groups, so a node that takes none
+    (external_questions 0, as every isolated node) imitates its own right answers only: `configs/swarm.yaml` trained
+    alone is the best single-node recipe, the same as `configs/isolated.yaml`."""
+    replayed: int  # own earlier right answers replayed a round (swarm.own_replay, where an imitation term trains them)
 
-    With any swarm.imitation in effect the node's own right answers are demonstrations of weight 1, a group all right
-    included: they anchor what it knows (marked here; peers' weights were set when they were chosen)."""
-    if swarm.imitation_in_effect != "none":
-        for group in own:
-            group.imitation_weight = 1.0
-    return own + peers
+    @classmethod
+    def of(cls, swarm: SwarmConfig) -> RoundPlan:
+        if swarm.external_questions == 0:
+            collect = "never"
+        elif swarm.local_draw == "balance" or swarm.external_gate != "none":
+            collect = "before_drawing"
+        else:
+            collect = "after_publishing"
+        imitation = swarm.imitation
+        if imitation == "own_and_stronger_peers" and swarm.external_questions == 0:
+            imitation = "own"
+        return cls(
+            collect=collect,
+            generated=swarm.generated_questions or swarm.local_questions,
+            trained=swarm.local_questions,
+            external=swarm.external_questions,
+            gated=swarm.external_gate != "none",
+            balance_draw=swarm.local_draw == "balance",
+            publish_all=swarm.publish == "all",
+            imitation=imitation,
+            replayed=swarm.own_replay if imitation != "none" else 0,
+        )
+
+    def own_quota(self, peers_taken: int | None = None) -> tuple[int, int]:
+        """(questions of its own the node draws and answers, and trains on) in a round: I (or generated_questions)
+        and, with the gate, one more for each of the round's J it did not take (`peers_taken`: how many it took;
+        None, not known yet: as if all)."""
+        deferred = 0
+        if self.gated and peers_taken is not None:
+            deferred = max(0, self.external - peers_taken)
+        return self.generated + deferred, self.trained + deferred
+
+    @property
+    def draw_stride(self) -> int:
+        """Questions of the node's stream each round may draw: the most any round draws (with the gate, one that took
+        no peer's group), so that the rounds' draws never overlap."""
+        return self.generated + (self.external if self.gated else 0)
+
+    @property
+    def batch_groups(self) -> int:
+        """I + J: the groups a round trains on, whose shares of the mix a balanced draw keeps."""
+        return self.trained + self.external
+
+    def to_publish(self, own: list[RolloutGroup]) -> list[RolloutGroup]:
+        """The node's own groups it offers peers: all, or those whose rewards differ (a receiver re-scores and drops
+        the others)."""
+        return own if self.publish_all else [g for g in own if not is_uniform(g.rewards)]
+
+    def training_batch(
+        self, own: list[RolloutGroup], peers: PeerChoice, replayed: list[Demonstration] = ()
+    ) -> TrainingBatch:
+        """The trainer's batch: the node's own groups and the peers' it chose in the policy-gradient term (SAPO's way);
+        as demonstrations, with any imitation in effect, the node's own right answers at weight 1 (a group all right
+        included: they anchor what it knows), the peers' at the weights they were chosen with, and the replayed ones."""
+        demonstrations = []
+        if self.imitation != "none":
+            demonstrations += [Demonstration(1.0, answer) for group in own for answer in group.right_answers()]
+        for group, weight in zip(peers.groups, peers.imitation_weights):
+            if weight > 0:
+                demonstrations += [Demonstration(weight, answer) for answer in group.right_answers()]
+        return TrainingBatch(own + peers.groups, demonstrations + list(replayed))
 
 
 OWN_REPLAY_CAPACITY = 512  # swarm.own_replay: the node's latest distinct right answers it draws replays from
@@ -113,10 +182,10 @@ class OwnAnswerReplay:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
 
-    def draw(self) -> list[RolloutGroup]:
-        """Up to `per_round` earlier right answers, each a one-answer demonstration group."""
+    def draw(self) -> list[Demonstration]:
+        """Up to `per_round` earlier right answers, each a demonstration of weight 1."""
         picks = self.rng.sample(list(self.answers), min(self.per_round, len(self.answers)))
-        return [RolloutGroup(spec, [answer], [1.0], correct=[True], imitation_weight=1.0) for spec, answer in picks]
+        return [Demonstration(1.0, answer) for _, answer in picks if answer.completion_ids]
 
     def add(self, own: list[RolloutGroup]) -> None:
         """The distinct right answers of this round's own groups."""
@@ -158,9 +227,7 @@ class PeerRollouts:
         self.own_accuracy = own_accuracy  # the node's per-specialty accuracy moving average (it updates it in place)
         self.mix = {(d.name, TaskSpec(d.name, d.config).config_key) for d in config.tasks.datasets}
         self.peer_rates: BoundedDict[tuple[str, str], float] = BoundedDict(MAX_PEER_RATES)
-        self.rescored_last_round = 0
-        self.rescored_completions_last_round = 0  # graded here: part of a round's work (node/compute.py)
-        self.gated_last_round = 0  # re-scored with a spread, and turned away by swarm.external_gate
+        self.imitate_stronger = RoundPlan.of(config.swarm).imitation == "own_and_stronger_peers"
         # counts each refused group
         self.on_refusal = on_refusal or (lambda item, reason, detail: stats.reject(item.peer_id, reason))
 
@@ -169,8 +236,9 @@ class PeerRollouts:
         swarm = self.config.swarm
         return swarm.max_rescored_per_round or RESCORES_PER_QUESTION * swarm.external_questions
 
-    def choose(self, received: list[ExternalGroup], seed: int) -> list[RolloutGroup]:
-        """Up to J peer groups to train on this round, re-scored here, with their imitation weights."""
+    def choose(self, received: list[ExternalGroup], seed: int) -> PeerChoice:
+        """Up to J peer groups to train on this round, re-scored here, with their imitation weights, and what choosing
+        them cost (re-scores, completions graded here: part of a round's work, node/compute.py; groups gated)."""
         limit = self.config.swarm.external_questions
         candidates = []
         for item in received:
@@ -190,27 +258,27 @@ class PeerRollouts:
             else rng.sample(candidates, len(candidates))
         )
         chosen: list[RolloutGroup] = []
-        self.rescored_last_round = 0
-        self.rescored_completions_last_round = 0
-        self.gated_last_round = 0
+        weights: list[float] = []
+        rescored_groups = rescored_completions = gated = 0
         for item in order:
-            if len(chosen) >= limit or self.rescored_last_round == self.rescore_budget:
+            if len(chosen) >= limit or rescored_groups == self.rescore_budget:
                 break
-            self.rescored_last_round += 1
+            rescored_groups += 1
             rescored = self.rescore(item)
             if rescored is None:
                 continue
-            self.rescored_completions_last_round += len(rescored[0].completions)
+            rescored_completions += len(rescored[0].completions)
             group, correct = rescored
             if is_uniform(group.rewards):
                 continue  # it claimed a spread it does not have: scored here, found empty, replaced
-            self._weigh_by_capability(group, correct / len(group.rewards))
+            weight = self._weigh_by_capability(group, correct / len(group.rewards))
             if not self.passes_gate(group.source, self.tasks.label(group.spec)):
-                self.gated_last_round += 1
+                gated += 1
                 continue
             self.stats.peer(group.source).questions_used += 1
             chosen.append(group)
-        return chosen
+            weights.append(weight)
+        return PeerChoice(chosen, weights, rescored_groups, rescored_completions, gated)
 
     def passes_gate(self, peer: str, label: str) -> bool:
         """swarm.external_gate 'stronger_peer': whether the peer's moving pass rate in the specialty (its groups
@@ -268,13 +336,12 @@ class PeerRollouts:
             self.stats.peer(item.peer_id).claimed_rewards_disagree += 1
         return group, correct
 
-    def _weigh_by_capability(self, group: RolloutGroup, pass_rate: float) -> None:
-        """The group's pass rate into its peer's moving average in the specialty, and, with swarm.imitation
-        own_and_stronger_peers, the group's imitation weight from that average and this node's accuracy there."""
+    def _weigh_by_capability(self, group: RolloutGroup, pass_rate: float) -> float:
+        """The group's pass rate into its peer's moving average in the specialty, and the group's imitation weight:
+        with swarm.imitation own_and_stronger_peers, from that average and this node's accuracy there, else 0."""
         label = self.tasks.label(group.spec)
         key = (group.source, label)
         previous = self.peer_rates.get(key)
         peer_rate = pass_rate if previous is None else (1 - PEER_RATE_WEIGHT) * previous + PEER_RATE_WEIGHT * pass_rate
         self.peer_rates[key] = peer_rate
-        if self.config.swarm.imitation_in_effect == "own_and_stronger_peers":
-            group.imitation_weight = imitation_weight(self.own_accuracy.get(label), peer_rate)
+        return imitation_weight(self.own_accuracy.get(label), peer_rate) if self.imitate_stronger else 0.0

@@ -99,5 +99,7 @@ def test_join_without_a_config_runs_what_configs_swarm_yaml_says():
     ],
 )
 def test_learning_from_stronger_peers_is_off_where_no_peer_groups_come(sets, in_effect):
+    from node.sharing import RoundPlan
+
     config = load_config(REPO / "configs" / "swarm.yaml", sets)
-    assert config.swarm.imitation_in_effect == in_effect
+    assert RoundPlan.of(config.swarm).imitation == in_effect

@@ -10,15 +10,14 @@ import pytest
 
 from node.config import SwarmConfig, TasksConfig
 from node.loop import Node
-from node.rollouts.base import Completion, RolloutGroup
+from node.rollouts.base import Completion, Demonstration, RolloutGroup
 from node.sharing import (
     OwnAnswerReplay,
     CAPABILITY_PRIOR,
-    groups_to_publish,
+    PeerChoice,
+    RoundPlan,
     imitation_weight,
-    training_batch,
     weighted_sample,
-    when_to_collect_peers,
 )
 from node.rollouts.base import ExternalGroup
 from node.tasks import TaskSource, materialize
@@ -86,18 +85,22 @@ def own_group(label: str, index: int, rewards: list[float]) -> RolloutGroup:
 # a round's sharing decisions (Node.run_round asks node/sharing.py) ------------------------------------------------
 
 
+def plan(**swarm) -> RoundPlan:
+    return RoundPlan.of(SwarmConfig(**swarm))
+
+
 def test_when_a_round_collects_peers_groups():
-    assert when_to_collect_peers(SwarmConfig(external_questions=0)) == "never"
-    assert when_to_collect_peers(SwarmConfig(external_questions=0, local_draw="balance")) == "never"  # nothing to fill
-    assert when_to_collect_peers(SwarmConfig(external_questions=2)) == "after_publishing"  # SAPO's order
-    assert when_to_collect_peers(SwarmConfig(external_questions=2, local_draw="balance")) == "before_drawing"
+    assert plan(external_questions=0).collect == "never"
+    assert plan(external_questions=0, local_draw="balance").collect == "never"  # nothing to fill
+    assert plan(external_questions=2).collect == "after_publishing"  # SAPO's order
+    assert plan(external_questions=2, local_draw="balance").collect == "before_drawing"
 
 
 def test_groups_to_publish_all_or_those_with_a_signal():
     groups = [own_group("add", 0, [1.0, 0.0]), own_group("add", 1, [0.0, 0.0]), own_group("add", 2, [1.0, 1.0])]
-    assert groups_to_publish(SwarmConfig(publish="all"), groups) == groups
-    assert groups_to_publish(SwarmConfig(publish="with_signal"), groups) == groups[:1]
-    assert groups_to_publish(SwarmConfig(publish="with_signal"), groups[1:]) == []  # nothing worth a record
+    assert plan(publish="all").to_publish(groups) == groups
+    assert plan(publish="with_signal").to_publish(groups) == groups[:1]
+    assert plan(publish="with_signal").to_publish(groups[1:]) == []  # nothing worth a record
 
 
 @pytest.mark.parametrize(
@@ -113,16 +116,22 @@ def test_own_right_answers_are_demonstrations_whenever_imitation_is_in_effect(
     imitation, external_questions, own_weight
 ):
     own = [own_group("add", 0, [1.0, 1.0]), own_group("add", 1, [1.0, 0.0])]  # one all right: an anchor all the same
-    peers = [own_group("subtract", 0, [1.0, 0.0])]
-    peers[0].imitation_weight = 0.4  # set when it was chosen: left alone here
-    training_batch(SwarmConfig(imitation=imitation, external_questions=external_questions), own, peers)
-    assert [g.imitation_weight for g in own] == [own_weight, own_weight] and peers[0].imitation_weight == 0.4
+    peers = PeerChoice([own_group("subtract", 0, [1.0, 0.0])], [0.4])  # its weight was set when it was chosen
+    replayed = [Demonstration(1.0, own[1].completions[1])]
+    batch = plan(imitation=imitation, external_questions=external_questions).training_batch(own, peers, replayed)
+    own_answers = [own[0].completions[0], own[0].completions[1], own[1].completions[0]]  # each right one, distinct
+    expected = [Demonstration(own_weight, answer) for answer in own_answers] if own_weight else []
+    assert batch.demonstrations == [*expected, Demonstration(0.4, peers.groups[0].completions[0]), *replayed]
+    assert batch.groups == own + peers.groups
 
 
 def test_peers_groups_join_the_nodes_own_in_the_policy_term():
     own, peers = [own_group("add", 0, [1.0, 0.0])], [own_group("subtract", 0, [1.0, 0.0])]
-    assert training_batch(SwarmConfig(external_questions=1), own, peers) == own + peers
-    assert training_batch(SwarmConfig(), own, []) == own  # an isolated node: its own groups alone
+    assert plan(external_questions=1).training_batch(own, PeerChoice(peers, [0.0])).groups == own + peers
+    assert plan().training_batch(own, PeerChoice()).groups == own  # an isolated node: its own groups alone
+    # a peer group no stronger than this node: in the policy term, none of its answers a demonstration
+    weightless = plan(external_questions=1).training_batch([], PeerChoice(peers, [0.0]))
+    assert weightless.demonstrations == []
 
 
 def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_node):
@@ -135,8 +144,8 @@ def test_rescoring_work_per_round_does_not_grow_with_the_number_of_peers(swarm_n
             for q in range(4)
         ]
         chosen = node.sharing.choose(received, seed=peers)
-        assert len(chosen) == 4 and all(g.source.startswith("peer") for g in chosen)
-        rescored[peers] = node.sharing.rescored_last_round
+        assert len(chosen.groups) == 4 and all(g.source.startswith("peer") for g in chosen.groups)
+        rescored[peers] = chosen.rescored
     assert rescored == {3: 4, 12: 4}  # every drawn group was honest: exactly J re-scored, with 12 received or 48
 
 
@@ -147,16 +156,17 @@ def test_groups_that_lie_about_their_spread_are_rescored_replaced_and_bounded(sw
     ]
     honest = [peer_group(spec_of("add", 100 + i), right=1, wrong=2, peer=f"honest{i}") for i in range(2)]
     chosen = node.sharing.choose(liars + honest, seed=1)
-    assert node.sharing.rescored_last_round == 8  # 2 x J re-scores at most, whatever the liars send
-    assert all(g.source.startswith("honest") for g in chosen)  # a liar's group carries no signal once scored here
+    assert chosen.rescored == 8  # 2 x J re-scores at most, whatever the liars send
+    assert all(g.source.startswith("honest") for g in chosen.groups)  # a liar's group has no signal once scored here
+    assert chosen.rescored_completions == 8 * 3  # each re-scored group's completions, graded here
     assert sum(
         counters.claimed_rewards_disagree for peer, counters in node.stats.peers.items() if peer.startswith("liar")
-    ) == 8 - len(chosen)
+    ) == 8 - len(chosen.groups)
     uniform_claims = [
         peer_group(spec_of("add", 200 + i), right=1, wrong=2, peer="modest", claimed=[0.0, 0.0, 0.0]) for i in range(3)
     ]
     # never drawn, never scored
-    assert node.sharing.choose(uniform_claims, seed=2) == [] and node.sharing.rescored_last_round == 0
+    assert node.sharing.choose(uniform_claims, seed=2) == PeerChoice()  # nothing chosen, nothing re-scored
 
 
 def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
@@ -164,10 +174,11 @@ def test_a_peer_is_judged_by_its_rescored_pass_rate_not_its_claims(swarm_node):
     node.telemetry.accuracy_by_dataset.update({"add": 0.05})
     # claims 7 right of 8; really 1 right of 8: its pass rate is 0.125, so its weight is (0.125 - 0.05) / 0.125
     liar = peer_group(spec_of("add", 0), right=1, wrong=7, peer="boaster", claimed=[1.0] * 7 + [0.0])
-    [group] = node.sharing.choose([liar], seed=0)
+    chosen = node.sharing.choose([liar], seed=0)
+    [group], [weight] = chosen.groups, chosen.imitation_weights
     assert group.rewards == [1.0] + [0.0] * 7
     assert node.sharing.peer_rates[("boaster", "add")] == pytest.approx(0.125)
-    assert group.imitation_weight == pytest.approx(0.6)
+    assert weight == pytest.approx(0.6)
 
 
 def test_imitation_weight_hand_computed():
@@ -187,15 +198,18 @@ def test_stronger_peers_right_answers_become_demonstrations_per_specialty(swarm_
         peer_group(spec_of("add", 0), right=6, wrong=2, peer="expert"),
         peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),
     ]
-    by_label = {node.tasks.label(g.spec): g for g in node.sharing.choose(received, seed=0)}
+    chosen = node.sharing.choose(received, seed=0)
+    weight = {node.tasks.label(g.spec): w for g, w in zip(chosen.groups, chosen.imitation_weights)}
+    group = {node.tasks.label(g.spec): g for g in chosen.groups}
     # this node knows add better
-    assert by_label["add"].imitation_weight == 0.0 and by_label["add"].demonstrations() == []
-    assert by_label["subtract"].imitation_weight == pytest.approx((0.75 - 0.1) / 0.75)
-    assert by_label["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
-    assert len(by_label["subtract"].demonstrations()) == 1  # six copies of the same right answer: one demonstration
+    assert weight["add"] == 0.0 and weight["subtract"] == pytest.approx((0.75 - 0.1) / 0.75)
+    assert group["subtract"].correct == [True] * 6 + [False] * 2  # the verdicts of our scorer, not the peer's claims
+    batch = node.plan.training_batch([], chosen)
+    # six copies of the same right answer: one demonstration; none of the add group's
+    assert batch.demonstrations == [Demonstration(weight["subtract"], group["subtract"].completions[0])]
     off = swarm_node()
     off.telemetry.accuracy_by_dataset.update({"subtract": 0.1})
-    assert all(g.imitation_weight == 0.0 for g in off.sharing.choose(received, seed=0))
+    assert off.sharing.choose(received, seed=0).imitation_weights == [0.0, 0.0]
 
 
 def test_imitation_needs_its_weight_and_keeps_to_own_answers_without_peers(tiny_config):
@@ -209,17 +223,19 @@ def test_imitation_needs_its_weight_and_keeps_to_own_answers_without_peers(tiny_
             "trainer.imitation_coef=0",
         )
     alone = tiny_config("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")  # isolated: no peers
-    assert alone.swarm.imitation_in_effect == "own"  # its own right answers: the best single-node recipe
+    assert RoundPlan.of(alone.swarm).imitation == "own"  # its own right answers: the best single-node recipe
 
 
 def test_a_peers_pass_rate_is_a_moving_average_of_its_groups(swarm_node):
     node = swarm_node("swarm.imitation=own_and_stronger_peers", "trainer.imitation_coef=1.0")
     node.telemetry.accuracy_by_dataset.update({"add": 0.1})
     node.sharing.choose([peer_group(spec_of("add", 0), right=4, wrong=4, peer="p")], seed=0)
-    [group] = node.sharing.choose([peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0)
+    [weight] = node.sharing.choose(
+        [peer_group(spec_of("add", 1), right=1, wrong=7, peer="p")], seed=0
+    ).imitation_weights
     # one unlucky group moves it a fifth, and the group is weighed by the average, not by its own pass rate
     assert node.sharing.peer_rates[("p", "add")] == pytest.approx(0.8 * 0.5 + 0.2 * 0.125)
-    assert group.imitation_weight == pytest.approx((0.425 - 0.1) / 0.425)
+    assert weight == pytest.approx((0.425 - 0.1) / 0.425)
 
 
 def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
@@ -228,7 +244,7 @@ def test_specs_outside_the_mix_are_refused_without_being_scored(swarm_node):
     foreign.spec = TaskSpec("gcd", {}, 1, 1)
     bomb = peer_group(spec_of("add", 1), right=1, wrong=1, peer="bomber")
     bomb.spec = TaskSpec("basic_arithmetic", {**ARITHMETIC, "max_digits": 10**6, "min_digits": 10**6}, 1, 1)
-    assert node.sharing.choose([foreign, bomb], seed=0) == [] and node.sharing.rescored_last_round == 0
+    assert node.sharing.choose([foreign, bomb], seed=0) == PeerChoice()  # refused before anything is re-scored
     assert node.stats.refusals.by_peer() == {"stranger": {"bad_spec": 1}, "bomber": {"bad_spec": 1}}
 
 
@@ -245,7 +261,7 @@ def test_weakness_selection_prefers_the_specialties_the_node_gets_wrong(swarm_no
     received = [peer_group(spec, right=1, wrong=1, peer=NodeIdentity.generate().node_id) for spec in specs.values()]
     picks = {label: 0 for label in specs}
     for round_ in range(300):
-        for group in node.sharing.choose(received, seed=round_):
+        for group in node.sharing.choose(received, seed=round_).groups:
             picks[node.tasks.label(group.spec)] += 1
     assert picks["add"] < picks["subtract"] / 5 and picks["add"] < picks["chain_sum"] / 5, picks
     # SAPO's rule stays the default until measured better
@@ -273,7 +289,7 @@ def test_the_in_process_exchange_runs_the_real_protocol(tiny_config, tmp_path):
     asyncio.run(a.transport.publish(1, 0, [RolloutGroup(spec, completions, [1.0, 0.0])]))
     [received] = asyncio.run(b.transport.collect())
     assert received.peer_id == a.identity.node_id and received.spec == spec and received.claimed_rewards == [1.0, 0.0]
-    [group] = b.sharing.choose([received], seed=0)
+    [group] = b.sharing.choose([received], seed=0).groups
     assert group.rewards == [1.0, 0.0] and group.completions[0].text == answer
     assert asyncio.run(b.transport.collect()) == []  # the same record read again is not news
     genuine = exchange.latest[a.identity.node_id]
@@ -394,13 +410,23 @@ def test_a_round_draws_its_own_questions_from_the_mix_or_to_fill_what_peers_left
     local = LocalRollouts(config, tasks, backend=None)  # drawing samples nothing
     drawn = lambda questions: [(tasks.label(q.spec), q.spec.index) for q in questions]  # noqa: E731
     # the next 4 draws of the stream each round, the mix's specialties as they come
-    assert [q.spec for q in local.draw(2)] == [tasks.spec(draw) for draw in range(8, 12)]
+    assert [q.spec for q in local.draw(8, 4)] == [tasks.spec(draw) for draw in range(8, 12)]
     # peers brought 2 subtract of a round's I + J = 8: of 8/3 per specialty 2/3 subtract and 8/3 add and chain_sum are
     # missing, and 4 split in that proportion is 2 add, 0 subtract, 2 chain_sum (draws 4, 5 of each specialty's stream)
     peers = [own_group("subtract", 0, [1.0, 0.0]), own_group("subtract", 1, [1.0, 0.0])]
-    assert drawn(local.draw(1, balance_with=peers)) == [("add", 4), ("add", 5), ("chain_sum", 4), ("chain_sum", 5)]
+    assert drawn(local.draw(4, 4, balance_with=peers, batch_groups=8)) == [
+        ("add", 4),
+        ("add", 5),
+        ("chain_sum", 4),
+        ("chain_sum", 5),
+    ]
     # balancing with no peers' group: 8/3 missing in each, 4 split 2 / 1 / 1 (largest remainder, first of the ties)
-    assert drawn(local.draw(0, balance_with=[])) == [("add", 0), ("add", 1), ("subtract", 0), ("chain_sum", 0)]
+    assert drawn(local.draw(0, 4, balance_with=[], batch_groups=8)) == [
+        ("add", 0),
+        ("add", 1),
+        ("subtract", 0),
+        ("chain_sum", 0),
+    ]
 
 
 @pytest.mark.parametrize("draw", ["mix", "balance"])
@@ -488,22 +514,23 @@ def test_the_gate_keeps_a_peers_group_only_where_that_peer_is_the_margin_stronge
         peer_group(spec_of("subtract", 0), right=6, wrong=2, peer="expert"),  # 0.75 >= 0.1 + 0.1
     ]
     chosen = node.sharing.choose(received, seed=0)
-    assert [node.tasks.label(g.spec) for g in chosen] == ["subtract"]
-    assert node.sharing.gated_last_round == 1 and node.sharing.rescored_last_round == 2
+    assert [node.tasks.label(g.spec) for g in chosen.groups] == ["subtract"]
+    assert chosen.gated == 1 and chosen.rescored == 2
     assert node.stats.peer("expert").questions_used == 1  # only what it took counts as used
     # an equal peer: right 6 times in 8 where this node is right 0.7 of the time; 0.75 is under 0.7 + 0.1 ...
     node.telemetry.accuracy_by_dataset.update({"subtract": 0.7})
     equal = [peer_group(spec_of("subtract", 1), right=6, wrong=2, peer="equal")]
-    assert node.sharing.choose(equal, seed=0) == [] and node.sharing.gated_last_round == 1
+    assert node.sharing.choose(equal, seed=0).gated == 1 and node.sharing.choose(equal, seed=0).groups == []
     # ... and over 0.7 + 0.05; a specialty the node never answered counts as an even chance (0.5 + 0.1 <= 0.75)
     looser = swarm_node("swarm.external_gate=stronger_peer", "swarm.external_gate_margin=0.05")
     looser.telemetry.accuracy_by_dataset.update({"subtract": 0.7})
-    assert len(looser.sharing.choose(equal, seed=0)) == 1
-    assert len(swarm_node("swarm.external_gate=stronger_peer").sharing.choose(equal, seed=0)) == 1
+    assert len(looser.sharing.choose(equal, seed=0).groups) == 1
+    assert len(swarm_node("swarm.external_gate=stronger_peer").sharing.choose(equal, seed=0).groups) == 1
     # SAPO's rule (no gate) keeps every group with a spread
     plain = swarm_node()
     plain.telemetry.accuracy_by_dataset.update({"add": 0.9, "subtract": 0.7})
-    assert len(plain.sharing.choose(received + equal, seed=0)) == 3 and plain.sharing.gated_last_round == 0
+    everything = plain.sharing.choose(received + equal, seed=0)
+    assert len(everything.groups) == 3 and everything.gated == 0
 
 
 # swarm.own_replay: the node's own earlier right answers, replayed as demonstrations ---------------------------------
@@ -527,33 +554,32 @@ def test_own_replay_keeps_each_groups_distinct_right_answers_and_replays_them_as
     # [1] twice is one answer; [2] is wrong; an empty completion teaches nothing
     assert [list(c.completion_ids) for _, c in replay.answers] == [[1]]
     (drawn,) = replay.draw()
-    assert drawn.spec == spec and drawn.imitation_weight == 1.0
-    assert [list(c.completion_ids) for c in drawn.demonstrations()] == [[1]]
+    assert drawn.weight == 1.0 and list(drawn.completion.completion_ids) == [1]
     # the newest `capacity` answers are kept; a round draws `per_round` of them, distinct
     replay.add([RolloutGroup(spec, [answer([k])], [1.0], correct=[True]) for k in (4, 5, 6)])
     assert [list(c.completion_ids) for _, c in replay.answers] == [[4], [5], [6]]
     drawn = replay.draw()
-    assert len(drawn) == 2 and len({tuple(g.completions[0].completion_ids) for g in drawn}) == 2
+    assert len(drawn) == 2 and len({tuple(d.completion.completion_ids) for d in drawn}) == 2
     # replay trains through the imitation term: without one (swarm.imitation none) a node replays nothing
-    assert tiny_config().swarm.replayed_per_round == 4  # the isolated default replays
-    assert tiny_config("swarm.own_replay=4", "swarm.imitation=none").swarm.replayed_per_round == 0
+    assert RoundPlan.of(tiny_config().swarm).replayed == 4  # the isolated default replays
+    assert RoundPlan.of(tiny_config("swarm.own_replay=4", "swarm.imitation=none").swarm).replayed == 0
 
 
 def test_a_gated_round_answers_one_more_of_its_own_for_each_peers_group_it_turned_away(tiny_config):
-    gated = SwarmConfig(local_questions=4, external_questions=4, external_gate="stronger_peer")
+    gated = plan(local_questions=4, external_questions=4, external_gate="stronger_peer")
     assert [gated.own_quota(taken) for taken in (None, 4, 1, 0)] == [(4, 4), (4, 4), (7, 7), (8, 8)]
-    assert gated.own_draw_stride == 8  # a round that took none draws 8: the rounds' draws never overlap
-    assert when_to_collect_peers(gated) == "before_drawing"  # it must know what it took before it draws
-    wider = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6, external_gate="stronger_peer")
-    assert wider.own_quota(2) == (8, 6) and wider.own_draw_stride == 10
+    assert gated.draw_stride == 8  # a round that took none draws 8: the rounds' draws never overlap
+    assert gated.collect == "before_drawing"  # it must know what it took before it draws
+    wider = plan(local_questions=4, external_questions=4, generated_questions=6, external_gate="stronger_peer")
+    assert wider.own_quota(2) == (8, 6) and wider.draw_stride == 10
     # without the gate what a round took does not change its own share; the stream's stride is what a round draws
-    plain = SwarmConfig(local_questions=4, external_questions=4)
-    assert plain.own_quota(0) == (4, 4) and plain.own_draw_stride == 4
-    generating = SwarmConfig(local_questions=4, external_questions=4, generated_questions=6)
-    assert generating.own_quota(0) == (6, 4) and generating.own_quota() == (6, 4) and generating.own_draw_stride == 6
+    unhurried = plan(local_questions=4, external_questions=4)
+    assert unhurried.own_quota(0) == (4, 4) and unhurried.draw_stride == 4
+    generating = plan(local_questions=4, external_questions=4, generated_questions=6)
+    assert generating.own_quota(0) == (6, 4) and generating.own_quota() == (6, 4) and generating.draw_stride == 6
     # a node that takes no peers' groups (J = 0, the shipped config trained alone) is a silo whatever the gate says
-    alone = tiny_config("swarm.external_gate=stronger_peer").swarm
-    assert when_to_collect_peers(alone) == "never" and alone.own_quota(0) == (2, 2) and alone.own_draw_stride == 2
+    alone = RoundPlan.of(tiny_config("swarm.external_gate=stronger_peer").swarm)
+    assert alone.collect == "never" and alone.own_quota(0) == (2, 2) and alone.draw_stride == 2
 
 
 def test_a_gated_nodes_rounds_take_a_stronger_peers_groups_and_answer_its_own_in_place_of_an_equals(

@@ -6,7 +6,15 @@ import torch
 
 from node.config import TrainerConfig
 from node.rollouts.base import Completion
-from node.trainer import GRPOTrainer, RolloutGroup, completion_logprobs, group_advantages, policy_loss
+from node.trainer import (
+    Demonstration,
+    GRPOTrainer,
+    RolloutGroup,
+    TrainingBatch,
+    completion_logprobs,
+    group_advantages,
+    policy_loss,
+)
 from protocol.specs import TaskSpec
 
 
@@ -96,7 +104,7 @@ def test_step_raises_logprobs_of_positive_advantage_completions(tiny_policy):
         _completion(prompt, bad, logprobs=before[1].tolist()),
     ]
     trainer = GRPOTrainer(TrainerConfig(lr=1e-2), tiny_policy, pad_id=0, temperature=1.0)
-    stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])])
+    stats = trainer.step(TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])]))
     assert stats.stepped and trainer.policy_version == 1 and stats.tokens == 6
     with torch.no_grad():
         after, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad)], 0, 1.0)
@@ -109,7 +117,7 @@ def test_uniform_and_empty_groups_do_not_step(tiny_policy):
     trainer = GRPOTrainer(TrainerConfig(), tiny_policy, pad_id=0, temperature=1.0)
     uniform = RolloutGroup(TaskSpec("x", {}, 0, 0), [_completion([3], [4]), _completion([3], [5])], [1.0, 1.0])
     empty = RolloutGroup(TaskSpec("x", {}, 0, 1), [_completion([3], []), _completion([3], [])], [1.0, 0.0])
-    stats = trainer.step([uniform, empty])
+    stats = trainer.step(TrainingBatch([uniform, empty]))
     assert not stats.stepped and stats.groups_dropped == 1 and trainer.policy_version == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, tiny_policy.parameters()))
     assert all(torch.isfinite(p).all() for p in tiny_policy.parameters())
@@ -130,7 +138,7 @@ def test_micro_batching_gives_the_same_gradient(tiny_policy):
     for micro in (1, 64):
         model = copy.deepcopy(tiny_policy)
         trainer = GRPOTrainer(TrainerConfig(micro_batch_size=micro, lr=1e-3), model, pad_id=0, temperature=1.0)
-        trainer.step(groups)
+        trainer.step(TrainingBatch(groups))
         # the gradient the step applied (kept after it, clipped), not the weights after AdamW: Adam divides by the
         # root of the second moment, so a parameter whose gradient is float noise (~1e-9) moves by up to lr either way
         # and the weights differ by more than summation order explains, on some CPUs
@@ -146,7 +154,9 @@ def test_off_policy_samples_get_a_truncated_importance_weight(tiny_policy):
     # behaviour much less likely than now -> weight capped at 2; much more likely -> weight < 1
     stale_low = _completion([3], [4, 5], version=1, logprobs=(current[0] - 5.0).tolist())
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
-    rows = trainer.training_rows([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])])
+    rows = trainer.training_rows(
+        TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), [stale_low, stale_high], [1.0, 0.0])])
+    )
     old, weights, positions = trainer.frozen_logprobs(rows)
     assert positions == 1 + 2 + 2  # its own no-grad forward: the shared prompt once, then both completions
     assert torch.allclose(old[0], current[0], atol=1e-6)
@@ -160,7 +170,9 @@ def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_polic
         current, _ = completion_logprobs(tiny_policy, [([3], [4, 5])], 0, 1.0)
     on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
     assert (
-        trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, on_policy], [1.0, 0.0])]).importance_weight_mean
+        trainer.step(
+            TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, on_policy], [1.0, 0.0])])
+        ).importance_weight_mean
         is None
     )
     with torch.no_grad():  # the first step moved the policy: take the behaviour log-probs from where it is now
@@ -168,29 +180,29 @@ def test_step_reports_the_mean_importance_weight_of_off_policy_tokens(tiny_polic
     trainer.policy_version = 5
     on_policy = _completion([3], [4, 5], version=5, logprobs=current[0].tolist())
     stale_high = _completion([3], [4, 5], version=1, logprobs=(current[0] + 0.5).tolist())
-    stats = trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])])
+    stats = trainer.step(TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), [on_policy, stale_high], [1.0, 0.0])]))
     # only the off-policy sample's two tokens count
     assert stats.importance_weight_mean == pytest.approx(math.exp(-0.5), abs=1e-4)
 
 
-def _demonstration_group(completions: list[Completion], correct: list[bool], weight: float) -> RolloutGroup:
+def _all_right(completions: list[Completion], correct: list[bool]) -> RolloutGroup:
+    """A group of right answers (all rewarded alike: no spread for the policy term)."""
     return RolloutGroup(
-        TaskSpec("x", {}, 0, 0),
-        completions,
-        rewards=[1.0] * len(completions),
-        source="peer",
-        correct=correct,
-        imitation_weight=weight,
+        TaskSpec("x", {}, 0, 0), completions, rewards=[1.0] * len(completions), source="peer", correct=correct
     )
 
 
-def test_demonstrations_are_the_distinct_right_answers_of_a_weighted_group():
+def _marked(group: RolloutGroup, weight: float) -> list[Demonstration]:
+    """The group's right answers as demonstrations of this weight (what node/sharing.py RoundPlan marks)."""
+    return [Demonstration(weight, answer) for answer in group.right_answers()]
+
+
+def test_right_answers_are_the_distinct_right_completions_of_a_group():
     right, again, wrong = _completion([3], [4, 1]), _completion([3], [4, 1]), _completion([3], [5, 1])
-    group = _demonstration_group([right, again, wrong], [True, True, False], weight=0.5)
-    assert group.demonstrations() == [right]  # the same tokens twice teach nothing twice; a wrong answer never
-    assert _demonstration_group([right, wrong], [True, False], weight=0.0).demonstrations() == []
+    group = _all_right([right, again, wrong], [True, True, False])
+    assert group.right_answers() == [right]  # the same tokens twice teach nothing twice; a wrong answer never
     # no verdicts: nothing
-    assert RolloutGroup(TaskSpec("x", {}, 0, 0), [right], [1.0], imitation_weight=1.0).demonstrations() == []
+    assert RolloutGroup(TaskSpec("x", {}, 0, 0), [right], [1.0]).right_answers() == []
 
 
 def test_the_imitation_term_learns_demonstrations_the_policy_term_drops(tiny_policy):
@@ -199,7 +211,8 @@ def test_the_imitation_term_learns_demonstrations_the_policy_term_drops(tiny_pol
     with torch.no_grad():
         before, _ = completion_logprobs(tiny_policy, [(prompt, answer)], 0, 1.0)
     trainer = GRPOTrainer(TrainerConfig(lr=1e-2, imitation_coef=1.0), tiny_policy, pad_id=0, temperature=1.0)
-    stats = trainer.step([_demonstration_group([_completion(prompt, answer)] * 2, [True, True], weight=1.0)])
+    group = _all_right([_completion(prompt, answer)] * 2, [True, True])
+    stats = trainer.step(TrainingBatch([group], _marked(group, 1.0)))
     assert (
         stats.groups_dropped == 1
         and stats.tokens == 0
@@ -224,12 +237,10 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
     with torch.no_grad():
         before, _ = completion_logprobs(tiny_policy, [(prompt, good), (prompt, bad), (prompt, demo)], 0, 1.0)
 
-    def gradient(
-        coef: float, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()
-    ) -> torch.Tensor:
+    def gradient(coef: float, groups: list[RolloutGroup], demonstrations: list[Demonstration] = ()) -> torch.Tensor:
         model = copy.deepcopy(tiny_policy)
         GRPOTrainer(TrainerConfig(imitation_coef=coef, max_grad_norm=1e9), model, pad_id=0, temperature=1.0).step(
-            groups, demonstration_groups
+            TrainingBatch(groups, list(demonstrations))
         )
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -245,30 +256,33 @@ def test_the_imitation_term_hand_computed_weighted_and_bounded(tiny_policy):
     expected = loss_gradient(
         lambda lp: (-advantage * lp[0, :2].sum() + advantage * lp[1, :2].sum()) / 4 + 2.0 * 0.5 * -lp[2, :3].sum() / 3
     )
-    demonstration = _demonstration_group([_completion(prompt, demo)], [True], weight=0.5)
-    assert torch.allclose(gradient(2.0, [policy_group, demonstration]), expected, atol=1e-5)
+    demonstration = _all_right([_completion(prompt, demo)], [True])
+    assert torch.allclose(
+        gradient(2.0, [policy_group, demonstration], _marked(demonstration, 0.5)), expected, atol=1e-5
+    )
     # a group given as demonstrations only: its reward spread stays out of the policy term, its right answer is learned
     peer = RolloutGroup(
         TaskSpec("x", {}, 0, 0),
         [_completion(prompt, demo), _completion(prompt, bad)],
         [1.0, 0.0],
         correct=[True, False],
-        imitation_weight=0.5,
     )
-    assert torch.allclose(gradient(2.0, [policy_group], [peer]), expected, atol=1e-5)
+    assert torch.allclose(gradient(2.0, [policy_group], _marked(peer, 0.5)), expected, atol=1e-5)
     # off: demonstrations ignored
-    assert torch.allclose(gradient(0.0, [policy_group, demonstration]), gradient(0.0, [policy_group]))
+    assert torch.allclose(
+        gradient(0.0, [policy_group, demonstration], _marked(demonstration, 0.5)), gradient(0.0, [policy_group])
+    )
 
     plain = GRPOTrainer(TrainerConfig(imitation_coef=0.0), copy.deepcopy(tiny_policy), pad_id=0, temperature=1.0)
-    assert not plain.step([_demonstration_group([_completion(prompt, demo)], [True], weight=1.0)]).stepped
-    many = [_demonstration_group([_completion(prompt, [4 + i, 1])], [True], weight=0.1 * (i + 1)) for i in range(6)]
+    assert not plain.step(TrainingBatch([demonstration], _marked(demonstration, 1.0))).stepped
+    many = [Demonstration(0.1 * (i + 1), _completion(prompt, [4 + i, 1])) for i in range(6)]
     capped = GRPOTrainer(
         TrainerConfig(imitation_coef=1.0, imitation_max_sequences=4),
         copy.deepcopy(tiny_policy),
         pad_id=0,
         temperature=1.0,
     )
-    assert capped.step(many).imitation_sequences == 4  # the four heaviest
+    assert capped.step(TrainingBatch([], many)).imitation_sequences == 4  # the four heaviest
 
 
 def _flat_grad(model) -> torch.Tensor:
@@ -295,7 +309,7 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     )
     model = copy.deepcopy(tiny_policy)
     trainer = GRPOTrainer(TrainerConfig(max_grad_norm=1e9), model, pad_id=0, temperature=1.0, policy_version=5)
-    stats = trainer.step([peer])
+    stats = trainer.step(TrainingBatch([peer]))
     assert stats.forward_tokens == 0 and stats.train_tokens == 1 + 2 + 2  # the shared prompt once, then each answer
     assert stats.train_calls == 1  # both answers in one micro-batch
     # by hand: ratio 1 (its gradient that of log pi), A = +-0.5 / (sqrt(0.5) + eps), weights min(2, pi / pi_behaviour)
@@ -307,12 +321,12 @@ def test_one_epoch_takes_pi_old_from_the_training_forward(tiny_policy):
     assert stats.importance_weight_mean == pytest.approx((math.exp(-0.3) + math.exp(0.2)) / 2, abs=1e-4)
     # two epochs: pi_old must stay where the round began, so it is computed first, by a no-grad pass of its own
     two = GRPOTrainer(TrainerConfig(epochs_per_round=2), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
-    two_epochs = two.step([peer])
+    two_epochs = two.step(TrainingBatch([peer]))
     assert two_epochs.forward_tokens == 1 + 2 + 2
     assert two_epochs.train_calls == 2  # one micro-batch, each epoch
     # a micro-batch a row: a call each, and each row carries its prompt again
     single = GRPOTrainer(TrainerConfig(micro_batch_size=1), copy.deepcopy(tiny_policy), 0, 1.0, policy_version=5)
-    one_by_one = single.step([peer])
+    one_by_one = single.step(TrainingBatch([peer]))
     assert (one_by_one.train_calls, one_by_one.train_tokens) == (2, (1 + 2) + (1 + 2))
 
 
@@ -326,11 +340,10 @@ def test_a_demonstration_in_the_batch_shares_its_forward(tiny_policy):
         [_completion(prompt, good), _completion(prompt, bad)],
         [1.0, 0.0],
         correct=[True, False],
-        imitation_weight=0.5,
     )
     model = copy.deepcopy(tiny_policy)
     trainer = GRPOTrainer(TrainerConfig(imitation_coef=2.0, max_grad_norm=1e9), model, 0, 1.0)
-    stats = trainer.step([group])
+    stats = trainer.step(TrainingBatch([group], _marked(group, 0.5)))
     assert stats.train_tokens == 1 + 2 + 3 and stats.forward_tokens == 0 and stats.imitation_sequences == 1
     # off-policy rows (no behaviour log-probs): ratio 1; policy term over 5 tokens; imitation 2 x 0.5 x NLL(good) / 2
     advantage = 0.5 / (math.sqrt(0.5) + TrainerConfig().advantage_eps)
@@ -428,7 +441,7 @@ def test_the_kl_penalty_moves_the_step_and_costs_one_reference_forward(tiny_poli
                 p.add_(0.05 * torch.randn_like(p))
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
-        stats = trainer.step([group])
+        stats = trainer.step(TrainingBatch([group]))
         steps[kl_beta] = (before - torch.cat([p.detach().flatten() for p in model.parameters()]), stats)
     (plain, plain_stats), (anchored, anchored_stats) = steps[0.0], steps[1.0]
     assert not torch.allclose(plain, anchored, atol=1e-6)
@@ -458,7 +471,7 @@ def test_gradient_checkpointing_steps_to_the_same_weights_and_is_refused_where_i
         )
         on = model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else None
         assert on == checkpointing or on is None and model.is_gradient_checkpointing == checkpointing
-        trainer.step([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0, 0.5])])
+        trainer.step(TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0, 0.5])]))
         stepped[checkpointing] = model.state_dict()
     for name, tensor in stepped[False].items():
         assert torch.allclose(tensor, stepped[True][name], atol=1e-6), name

@@ -1,10 +1,10 @@
 """The rollout backend interface (prompts in, sampled completions with behaviour log-probs out) and the rollout data
-types: a node's own groups, and a peer's groups as received."""
+types: a node's own groups, a peer's groups as received, and what a round trains on."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from protocol.messages import RolloutCompletion
@@ -43,12 +43,6 @@ class RolloutGroup:
     correct: list[bool] | None = None
     """Per completion, whether its answer is right (the scorer's verdict, not the reward, which may hold a format
     bonus)."""
-    imitation_weight: float = 0.0
-    """Weight of the group's right answers in the imitation term (trainer.imitation_coef; 0: not demonstrations)."""
-
-    def demonstrations(self) -> list[Completion]:
-        """The group's distinct right answers when it is marked for imitation (imitation_weight > 0)."""
-        return self.right_answers() if self.imitation_weight > 0 else []
 
     def right_answers(self) -> list[Completion]:
         """The group's distinct right answers (the same tokens twice teach nothing twice); none without verdicts."""
@@ -61,6 +55,24 @@ class RolloutGroup:
                 seen.add(key)
                 out.append(completion)
         return out
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """A right answer the trainer's imitation term learns (trainer.imitation_coef), and how much it counts there."""
+
+    weight: float
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """What one round trains on, decided by the round's plan (node/sharing.py) and taken as it is by the trainer: the
+    groups of the policy-gradient term, and the demonstrations of the imitation term, in the order they were marked
+    (the trainer keeps the heaviest, the first of equal weight)."""
+
+    groups: list[RolloutGroup]
+    demonstrations: list[Demonstration] = field(default_factory=list)
 
 
 @dataclass

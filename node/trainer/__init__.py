@@ -20,16 +20,18 @@ completions); losses.py holds the loss terms above; optim.py the optimizer, the 
 checkpointing; grpo.py the trainer, whose `step` composes them.
 """
 
-from node.rollouts.base import RolloutGroup
+from node.rollouts.base import Demonstration, RolloutGroup, TrainingBatch
 from node.trainer.grpo import GRPOTrainer, TrainingRow, TrainStats
 from node.trainer.losses import group_advantages, policy_loss
 from node.trainer.optim import enable_gradient_checkpointing
 from node.trainer.scoring import completion_logprobs, padded_positions, prompt_sharing_supported
 
 __all__ = [
+    "Demonstration",
     "GRPOTrainer",
     "RolloutGroup",
     "TrainStats",
+    "TrainingBatch",
     "TrainingRow",
     "completion_logprobs",
     "enable_gradient_checkpointing",

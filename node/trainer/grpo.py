@@ -11,7 +11,7 @@ import torch
 
 from node.config import TrainerConfig
 from node.device import model_device
-from node.rollouts.base import Completion, RolloutGroup, is_uniform
+from node.rollouts.base import Demonstration, TrainingBatch, is_uniform
 from node.trainer.losses import group_advantages, imitation_loss, policy_loss, truncated_importance_weights
 from node.trainer.optim import build_optimizer, clipped_grad_norm, enable_gradient_checkpointing, stepped_grad_norm
 from node.trainer.scoring import completion_logprobs, pad_rows, padded_positions, prompt_sharing_supported
@@ -104,14 +104,12 @@ class GRPOTrainer:
         """Where the policy's parameters are: every tensor the update makes for the policy goes there."""
         return model_device(self.model)
 
-    def training_rows(
-        self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = (), stats: TrainStats | None = None
-    ) -> list[TrainingRow]:
+    def training_rows(self, batch: TrainingBatch, stats: TrainStats | None = None) -> list[TrainingRow]:
         """The round's rows: each completion of a group with a reward spread (policy term), the demonstrations marked on
         one of them where the same tokens are there, and a row of its own for each other demonstration."""
         stats = stats if stats is not None else TrainStats()
         rows = []
-        for group in groups:
+        for group in batch.groups:
             if self.config.drop_uniform_groups and is_uniform(group.rewards):
                 stats.groups_dropped += 1
                 continue
@@ -134,17 +132,18 @@ class GRPOTrainer:
             unmarked = {}
             for row in rows:
                 unmarked.setdefault((tuple(row.prompt_ids), tuple(row.completion_ids)), row)
-            for weight, completion in self._demonstrations([*groups, *demonstration_groups]):
+            for demonstration in self._heaviest(batch.demonstrations):
+                completion = demonstration.completion
                 row = unmarked.pop((tuple(completion.prompt_ids), tuple(completion.completion_ids)), None)
                 if row is not None:
-                    row.imitation_weight = weight
+                    row.imitation_weight = demonstration.weight
                 else:
                     rows.append(
                         TrainingRow(
                             completion.prompt_ids,
                             completion.completion_ids,
                             in_policy_term=False,
-                            imitation_weight=weight,
+                            imitation_weight=demonstration.weight,
                         )
                     )
         return rows
@@ -183,11 +182,11 @@ class GRPOTrainer:
                 weights[i, :n] = truncated_importance_weights(current[i, :n], behaviour, self.config.importance_cap)
         return old, weights, positions
 
-    def step(self, groups: list[RolloutGroup], demonstration_groups: list[RolloutGroup] = ()) -> TrainStats:
-        """One optimizer step on `groups` (the policy-gradient term, and the imitation term over their marked right
-        answers) and on `demonstration_groups`, whose right answers enter the imitation term only."""
+    def step(self, batch: TrainingBatch) -> TrainStats:
+        """One optimizer step on the round's batch: its groups in the policy-gradient term, its demonstrations in the
+        imitation term."""
         stats = TrainStats()
-        rows = self.training_rows(groups, demonstration_groups, stats)
+        rows = self.training_rows(batch, stats)
         policy_tokens = sum(len(row.completion_ids) for row in rows if row.in_policy_term)
         demonstrations = [row for row in rows if row.imitation_weight > 0]
         demonstration_tokens = sum(len(row.completion_ids) for row in demonstrations)
@@ -301,10 +300,8 @@ class GRPOTrainer:
         if loss.requires_grad:
             loss.backward()
 
-    def _demonstrations(self, groups: list[RolloutGroup]) -> list[tuple[float, Completion]]:
-        """The round's right answers marked for imitation, with their weights: the heaviest, up to
-        imitation_max_sequences."""
-        weighted = sorted(
-            ((g.imitation_weight, c) for g in groups for c in g.demonstrations()), key=lambda item: -item[0]
-        )
+    def _heaviest(self, demonstrations: list[Demonstration]) -> list[Demonstration]:
+        """The demonstrations the imitation term trains: the heaviest, up to imitation_max_sequences (the first marked
+        of equal weight)."""
+        weighted = sorted((d for d in demonstrations if d.weight > 0), key=lambda d: -d.weight)
         return weighted[: self.config.imitation_max_sequences]
