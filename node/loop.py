@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from node.aio import StopRequested
+from node.aio import StopRequested, cancel_and_wait
 from node.config import ConfigError, NodeConfig, dump_config
 from node.device import describe_device, model_device
 from node.files import atomic_write_text
@@ -37,6 +37,7 @@ from node.sharing import OwnAnswerReplay, PeerChoice, PeerRollouts, RoundPlan
 from node.tasks import TaskSource
 from node.telemetry import Telemetry
 from node.transport import Transport, build_transport, needs_session
+from node.transport.null import NullTransport
 from protocol import NodeIdentity, PeerStats, Refusal
 
 RolloutBackendFactory = Callable[[Any, Any, int], RolloutBackend]
@@ -51,6 +52,17 @@ def same_model_source(a: str, b: str) -> bool:
 
 
 log = logging.getLogger(__name__)
+
+REJOIN_FIRST_S = 2.0  # a swarm connection that died is rejoined after this, then twice as long each failed attempt
+REJOIN_MAX_S = 60.0
+
+
+async def _best_effort(closing, what: str, timeout_s: float = 30.0) -> None:
+    """Close what is left of a broken connection: whatever it raises or however long it hangs, the node goes on."""
+    try:
+        await asyncio.wait_for(closing, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - it is broken already; say so and move on
+        log.info("closing the broken %s: %s: %s", what, type(exc).__name__, exc)
 
 
 class Node:
@@ -107,6 +119,8 @@ class Node:
         self._listening: dict[str, Any] | None = None  # setting -> its socket, bound by bind_service_ports
         # OuterStepService: started with the transport when averaging.method != none, unless one is given before
         self.averaging = None
+        self.swarm_lost: str | None = None  # why its swarm connection is down while it rejoins (None: joined)
+        self._rejoining: asyncio.Task | None = None
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
@@ -278,15 +292,100 @@ class Node:
         """/readyz: joined, training, and the last round within its bound (RoundProgress); a part of the swarm
         connection that died makes it "down"."""
         problem = None
-        if self.transport is not None and self.progress.up_at is not None:
+        if self.swarm_lost is not None:
+            problem = f"rejoining the swarm (training on its own questions meanwhile): {self.swarm_lost}"
+        elif self.transport is not None and self.progress.up_at is not None:
             try:
                 self.transport.check_alive()
             except Exception as exc:  # what the round loop would stop on: reported, the loop decides
                 problem = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
         return self.progress.report(problem)
 
+    # staying joined ----------------------------------------------------------------------------
+
+    @property
+    def rejoins_on_its_own(self) -> bool:
+        """Whether a swarm connection that died is rebuilt here: one this node opened itself (swarm.transport=dht),
+        for a policy whose weights are here. A transport it was given belongs to its giver; a pipeline's routes are
+        bound to the session they were found over, so such a node stops loudly instead."""
+        return needs_session(self.config) and self.policy.rejoinable
+
+    async def keep_joined(self) -> None:
+        """Before each round: when a part of the swarm connection has died (the p2p daemon, the membership, gossip, the
+        heartbeat), leave what is left of it and rejoin in the background with backoff, the same identity and p2p key;
+        the rounds meanwhile train on the node's own questions. A node that cannot rejoin on its own raises."""
+        if self._rejoining is not None:
+            if self._rejoining.done():
+                self._rejoining.result()  # it ends only once joined again (or by an error that is not the network's)
+                self._rejoining = None
+            return
+        try:
+            self.transport.check_alive()
+        except Exception as exc:
+            if not self.rejoins_on_its_own:
+                raise
+            reason = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+            await self._leave_swarm(reason)
+            self._rejoining = asyncio.create_task(self._rejoin(), name="swarm-rejoin")
+
+    async def _leave_swarm(self, reason: str) -> None:
+        self.swarm_lost = reason
+        self.stats.swarm_connections_lost += 1
+        log.warning(
+            "lost the swarm connection (%s): training on its own questions, rejoining with the same identity", reason
+        )
+        broken, self.transport = self.transport, NullTransport()
+        if self.averaging is not None:  # its exchanges ran over the old session; the outer state is kept for the next
+            self._outer_state = self.averaging.outer.state_dict()
+            averaging, self.averaging = self.averaging, None
+            await _best_effort(averaging.stop(), "averaging")
+        await _best_effort(broken.stop(), "transport")
+        if self.session is not None:
+            session, self.session = self.session, None
+            await _best_effort(session.close(), "swarm session")
+
+    async def _rejoin(self) -> None:
+        """Join again until it works, backing off from REJOIN_FIRST_S to REJOIN_MAX_S between attempts."""
+        from node.transport.session import join_swarm
+
+        delay = REJOIN_FIRST_S
+        attempt = 0
+        while True:
+            await asyncio.sleep(delay)
+            attempt += 1
+            try:
+                self.session = await join_swarm(
+                    self.config, self.identity, self.store.root, refusals=self.stats.records
+                )
+                transport = self._build_transport()
+                await transport.start()
+                if self.config.averaging.method != "none":
+                    from node.averaging.service import start_averaging
+
+                    self.averaging = await start_averaging(
+                        self.config, self.session, self.model, self.fingerprint, self.policy_version
+                    )
+                    if self._outer_state is not None:
+                        self.averaging.outer.load_state_dict(self._outer_state)
+            except Exception as exc:  # noqa: BLE001 - the network's answer; tried again, said once an attempt
+                log.warning(
+                    "rejoin attempt %d failed (%s: %s); next in %.0f s", attempt, type(exc).__name__, exc, delay
+                )
+                if self.session is not None:
+                    session, self.session = self.session, None
+                    await _best_effort(session.close(), "swarm session")
+                delay = min(REJOIN_MAX_S, 2 * delay)
+                continue
+            self.transport = transport
+            self.swarm_lost = None
+            self.stats.swarm_rejoins += 1
+            log.warning("rejoined the swarm as %s after %d attempt(s)", self.session.peer_id, attempt)
+            return
+
     async def stop_services(self) -> None:
         self.progress.stopping = True
+        if self._rejoining is not None:
+            await cancel_and_wait([self._rejoining], "swarm rejoin")
         for sock in (self._listening or {}).values():  # bound for a server that never started
             sock.close()
         if self._dashboard is not None:
@@ -412,7 +511,7 @@ class Node:
             try:
                 await self.start_services(stop)
                 while not stop.is_set() and (target is None or self.round < target):
-                    self.transport.check_alive()
+                    await self.keep_joined()
                     row = await self.run_round()
                     if on_round:
                         on_round(row)

@@ -41,6 +41,8 @@ class LocalPolicy:
     """The whole model in this process: resumed from the newest checkpoint that loads, or built from the initial
     policy."""
 
+    rejoinable = True  # nothing of it is bound to a swarm session: a node rejoins over a new one (Node.keep_joined)
+
     def __init__(self, config: NodeConfig, store: StateStore):
         self.config = config
         self.store = store
@@ -113,6 +115,8 @@ class PipelinePolicy:
     """A policy split into pipeline.num_stages stages served by peers: the initial model tells the
     architecture and the fingerprint, the weights stay with the stage servers (which recover a lost
     stage from its neighbours, CheckFree), so this node keeps only its round and policy version."""
+
+    rejoinable = False  # its routes are bound to the session they were found over: a lost session stops the node
 
     def __init__(self, config: NodeConfig, store: StateStore):
         self.config = config

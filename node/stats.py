@@ -131,6 +131,8 @@ class SwarmStats:
         self.swarm_size_estimate = (
             0  # live nodes, this one included, as the heartbeat shards last read show them (0: not measured)
         )
+        self.swarm_connections_lost = 0  # times a part of its swarm connection died (the p2p daemon, membership, ...)
+        self.swarm_rejoins = 0  # times it rejoined after one: the same identity and p2p key, a new session
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
@@ -180,6 +182,8 @@ class SwarmStats:
             "values_decoded": self.values_decoded,
             "values_left_unread": self.values_left_unread,
             "rollout_reads_failed": self.rollout_reads_failed,
+            "swarm_connections_lost": self.swarm_connections_lost,
+            "swarm_rejoins": self.swarm_rejoins,
             "swarm_size_estimate": self.swarm_size_estimate,
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
@@ -227,6 +231,8 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         "values_left_unread",
         "gossip_messages_dropped",
         "rollout_reads_failed",
+        "swarm_connections_lost",
+        "swarm_rejoins",
     ):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
     lines += [

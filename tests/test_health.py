@@ -268,3 +268,18 @@ def test_a_node_under_systemd_says_ready_and_feeds_its_watchdog(tiny_config, tmp
         assert node.interrupt() == 0
         after = systemd_messages(systemd, lambda m: any("STOPPING=1" in line for line in m), timeout=5)
         assert after  # a unit that is stopping says so, and stops feeding its watchdog
+
+
+def test_a_node_rejoining_its_swarm_is_not_ready_and_says_why(tiny_config):
+    from node.loop import Node
+
+    node = Node(tiny_config())
+    node.progress.services_up()
+    node.progress.round_done(1, 0.5)
+    assert node.readiness()["status"] == "ready"
+    node.swarm_lost = "the p2p daemon exited (status -9)"  # what Node.keep_joined records while it rejoins
+    report = node.readiness()
+    assert report["status"] == "down" and not report["ready"]
+    assert report["reason"] == (
+        "rejoining the swarm (training on its own questions meanwhile): the p2p daemon exited (status -9)"
+    )

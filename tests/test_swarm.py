@@ -121,6 +121,77 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
     assert len({peer["node_id"] for peer in wait_for_peers(cli_env, bootstrap[0], 2)}) == 2
 
 
+def daemon_of(node: SwarmProcess) -> int:
+    """The pid of the p2p daemon a node process started (its child, in a session of its own)."""
+    import os
+
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                command = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == node.process.pid and b"p2pd" in command:
+                return int(entry)
+    raise AssertionError(f"no p2p daemon under pid {node.process.pid}")
+
+
+def used_from(state_dir, peer_id: str) -> int:
+    """Questions of that node's a node trained on, from its swarm.json."""
+    path = state_dir / "swarm.json"
+    peers = json.loads(path.read_text())["peers"] if path.exists() else {}
+    return peers.get(peer_id, {}).get("questions_used", 0)
+
+
+def test_a_node_whose_p2p_daemon_is_killed_trains_on_and_rejoins_with_the_same_identity(
+    swarm_yaml, tmp_path, cli_env, nodes
+):
+    """kill -9 of a live node's p2pd (its DHT reads and writes go through it): the node says so, trains on its own
+    questions meanwhile, rejoins over a new daemon with the same peer id, and its peer trains on its rollouts again."""
+    import os
+    import signal
+    import urllib.request
+
+    from node.stats import HTTP_FILE, probe
+
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    bootstrap = first.addresses()
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "swarm.metrics_port=0"])
+    nodes.append(second)
+    peer_id = second.addresses()[0].split("/p2p/")[1]
+    b = identity_json(cli_env, second.state_dir)["node_id"]
+    wait_for(lambda: first.assert_running() or used_from(first.state_dir, b) > 0, 180, "a to use b's rollouts")
+
+    os.kill(daemon_of(second), signal.SIGKILL)
+    log = second.state_dir / "node.log"
+    wait_for(
+        lambda: second.assert_running() or "rejoined the swarm as" in log.read_text(),
+        180,
+        "b to rejoin",
+        interval=0.5,
+    )
+    text = log.read_text()
+    assert "lost the swarm connection (the p2p daemon exited (status -9))" in text
+    assert f"rejoined the swarm as {peer_id} " in text  # its p2p key, kept in the state directory
+    assert daemon_of(second) > 0  # a new daemon, under the same node process
+    used_at_rejoin = used_from(first.state_dir, b)
+    wait_for(
+        lambda: first.assert_running() or used_from(first.state_dir, b) > used_at_rejoin,
+        180,
+        "a to use b's rollouts again",
+    )
+    rows = read_rows(second.state_dir)
+    assert [r["round"] for r in rows] == list(range(1, rows[-1]["round"] + 1))  # not a round lost, none twice
+    base = (second.state_dir / HTTP_FILE).read_text().strip()
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert "swarm_node_swarm_connections_lost_total 1" in metrics and "swarm_node_swarm_rejoins_total 1" in metrics
+    status, ready = probe(base + "/readyz", 30)
+    assert ready["status"] in ("ready", "starting"), ready  # joined again (a stall floor of 120 s is far off)
+
+
 def identity_json(env, state_dir) -> dict:
     result = subprocess.run(
         cli("identity", "--state-dir", str(state_dir), "--json"),

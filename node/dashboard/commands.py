@@ -100,7 +100,7 @@ async def _serve_viewer(config, host: str, port: int, state_dir: Path | None, co
         host,
         port,
         DashboardSources(
-            SwarmWatcher(session.dht, config, stats), state_dir / "metrics.jsonl" if state_dir else None, swarm
+            SwarmWatcher(lambda: session.dht, config, stats), state_dir / "metrics.jsonl" if state_dir else None, swarm
         ),
     )
     stop = asyncio.Event()

@@ -149,7 +149,11 @@ class DashboardServer:
 
 def node_sources(node) -> DashboardSources:
     """What a training node shows: its own metrics and counters, and the peers its DHT sees."""
-    watcher = SwarmWatcher(node.session.dht, node.config) if node.session is not None else None
+    watcher = (
+        SwarmWatcher(lambda: node.session.dht if node.session is not None else None, node.config)
+        if node.session is not None
+        else None
+    )
 
     def swarm() -> dict[str, Any]:
         return {

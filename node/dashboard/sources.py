@@ -150,10 +150,12 @@ class MetricsTail:
 
 
 class SwarmWatcher:
-    """Polls the DHT for peers' heartbeats and the stage maps, keeping the latest and a history."""
+    """Polls the DHT for peers' heartbeats and the stage maps, keeping the latest and a history. `dht_of` gives the DHT
+    node to read at each poll (a node that lost its swarm connection rejoins over a new one; None meanwhile: the last
+    poll stands)."""
 
-    def __init__(self, dht, config, stats=None, poll_s: float = 2.0) -> None:
-        self.dht, self.config, self.stats, self.poll_s = dht, config, stats, poll_s
+    def __init__(self, dht_of: Callable[[], Any], config, stats=None, poll_s: float = 2.0) -> None:
+        self.dht_of, self.config, self.stats, self.poll_s = dht_of, config, stats, poll_s
         self.peers: list[dict[str, Any]] = []
         self.stages: list[dict[str, Any]] = []
         self.history = PeerHistory()
@@ -161,9 +163,12 @@ class SwarmWatcher:
         self._task: asyncio.Task | None = None
 
     async def poll(self) -> None:
-        self.peers = await read_peer_rows(self.dht, self.config, self.stats)
+        dht = self.dht_of()
+        if dht is None:
+            return
+        self.peers = await read_peer_rows(dht, self.config, self.stats)
         self.history.add(self.peers)
-        self.stages = await read_stage_list(self.dht, self.config)
+        self.stages = await read_stage_list(dht, self.config)
         self.last_poll = time.time()
 
     async def _run(self) -> None:

@@ -112,7 +112,14 @@ class SwarmSession:
         return ok
 
     def check_alive(self) -> None:
-        """Raise if a service that keeps this node joined died."""
+        """Raise if a service that keeps this node joined died: its p2p daemon (which every DHT read and write goes
+        through: without it a node would train on alone, reading and publishing nothing) or its membership."""
+        from node.transport.hivemind_p2p import daemon_process
+
+        p2p = getattr(self.dht, "p2p", None)  # None once closed
+        process = daemon_process(p2p) if p2p is not None else None
+        if process is not None and process.returncode is not None:
+            raise RuntimeError(f"the p2p daemon exited (status {process.returncode})")
         self.membership.check_alive()
 
     async def close(self) -> None:
