@@ -341,6 +341,9 @@ class SwarmConfig(_Section):
     """How often the node publishes its signed statistics."""
     heartbeat_ttl_s: float = Field(30.0, gt=0)
     """A peer whose last heartbeat is older than this is considered gone."""
+    daemon_probe_s: float = Field(30.0, gt=0)
+    """How often a `join` node asks its p2p daemon something, waiting as long for the answer: a daemon that leaves two
+    in a row unanswered (stopped, hung) is replaced, as one that exits is (docs/join.md, "Staying joined")."""
     rejoin_interval_s: float = Field(15.0, gt=0)
     """How often a joined process (any role) pings bootstrap peers and peers seen in signed records (heartbeats, stage
     announcements) that dropped out of its DHT routing table (a healed partition is otherwise never rejoined)."""

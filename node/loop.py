@@ -55,6 +55,23 @@ log = logging.getLogger(__name__)
 
 REJOIN_FIRST_S = 2.0  # a swarm connection that died is rejoined after this, then twice as long each failed attempt
 REJOIN_MAX_S = 60.0
+WATCH_INTERVAL_S = 1.0  # how often the watchdog looks at the round in flight
+DAEMON_SILENT_PROBES = 2  # unanswered probes of the p2p daemon in a row (swarm.daemon_probe_s) that count as it gone
+
+
+def thread_stacks() -> str:
+    """Where every thread of the process is, as tracebacks: a stalled round's log line says what it waits on."""
+    import sys
+    import threading
+    import traceback
+
+    frames = sys._current_frames()
+    parts = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident)
+        if frame is not None:
+            parts.append(f"thread {thread.name}:\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
 
 
 async def _best_effort(closing, what: str, timeout_s: float = 30.0) -> None:
@@ -121,6 +138,8 @@ class Node:
         self.averaging = None
         self.swarm_lost: str | None = None  # why its swarm connection is down while it rejoins (None: joined)
         self._rejoining: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
@@ -271,6 +290,7 @@ class Node:
 
             self._dashboard = await start_node_dashboard(self, self._listening.pop("swarm.dashboard_port"))
         self.progress.services_up()
+        self._watchdog = asyncio.create_task(self._watch(), name="round-watchdog")
 
     async def start_http(self) -> None:
         """Serve /metrics, /healthz and /readyz (swarm.metrics_port), from now on: a command starts it before the
@@ -312,21 +332,54 @@ class Node:
 
     async def keep_joined(self) -> None:
         """Before each round: when a part of the swarm connection has died (the p2p daemon, the membership, gossip, the
-        heartbeat), leave what is left of it and rejoin in the background with backoff, the same identity and p2p key;
-        the rounds meanwhile train on the node's own questions. A node that cannot rejoin on its own raises."""
+        heartbeat) or the daemon stopped answering (the watchdog's probes), leave what is left of it and rejoin in the
+        background with backoff, the same identity and p2p key; the rounds meanwhile train on the node's own
+        questions. A node that cannot rejoin on its own raises."""
         if self._rejoining is not None:
             if self._rejoining.done():
                 self._rejoining.result()  # it ends only once joined again (or by an error that is not the network's)
                 self._rejoining = None
             return
-        try:
-            self.transport.check_alive()
-        except Exception as exc:
-            if not self.rejoins_on_its_own:
-                raise
-            reason = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+        reason, self._daemon_silent = self._daemon_silent, None
+        if reason is None:
+            try:
+                self.transport.check_alive()
+            except Exception as exc:
+                if not self.rejoins_on_its_own:
+                    raise
+                reason = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+        if reason is not None:
             await self._leave_swarm(reason)
             self._rejoining = asyncio.create_task(self._rejoin(), name="swarm-rejoin")
+
+    async def _watch(self) -> None:
+        """The round watchdog: a round past its stall bound is logged once, with the part it is in and every thread's
+        stack, and counted; a p2p daemon that leaves DAEMON_SILENT_PROBES probes in a row unanswered is marked gone
+        (the next round's keep_joined replaces it)."""
+        probe_s = self.config.swarm.daemon_probe_s
+        reported_round, silent, last_probe = None, 0, time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            report = self.progress.report()
+            if report["status"] == "stalled" and reported_round != self.round:
+                reported_round = self.round
+                self.stats.stalls += 1
+                log.warning(
+                    "round %d stalled: %s. Where each thread is:\n%s", self.round + 1, report["reason"], thread_stacks()
+                )
+            if not self.rejoins_on_its_own or self.session is None or time.monotonic() - last_probe < probe_s:
+                continue
+            last_probe = time.monotonic()
+            try:  # the daemon's own view of its addresses: a round trip to it, and nothing else
+                await asyncio.wait_for(self.session.dht.get_visible_maddrs(latest=True), probe_s)
+                silent = 0
+            except Exception:  # noqa: BLE001 - a timeout, or a daemon that answers with an error: unanswered
+                silent += 1
+                if silent >= DAEMON_SILENT_PROBES and self._daemon_silent is None:
+                    silent = 0
+                    self._daemon_silent = (
+                        f"the p2p daemon stopped answering ({DAEMON_SILENT_PROBES} probes of {probe_s:.0f} s in a row)"
+                    )
 
     async def _leave_swarm(self, reason: str) -> None:
         self.swarm_lost = reason
@@ -384,8 +437,8 @@ class Node:
 
     async def stop_services(self) -> None:
         self.progress.stopping = True
-        if self._rejoining is not None:
-            await cancel_and_wait([self._rejoining], "swarm rejoin")
+        background = [task for task in (self._rejoining, self._watchdog) if task is not None]
+        await cancel_and_wait(background, "the node's watchdog and rejoin")
         for sock in (self._listening or {}).values():  # bound for a server that never started
             sock.close()
         if self._dashboard is not None:
@@ -420,11 +473,13 @@ class Node:
             batch_groups=plan.batch_groups,
         )
         work_before = copy.copy(self.backend.work)
+        self.progress.enter("generating")
         local_groups, summary, timings = await asyncio.to_thread(
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
         generation_work = self.backend.work.since(work_before)
         if shared := plan.to_publish(local_groups):
+            self.progress.enter("publishing")
             await self.transport.publish(round_, self.policy_version, shared)
         if plan.collect == "after_publishing":
             peers, sharing_s = await self._peer_groups(round_)
@@ -435,6 +490,7 @@ class Node:
         if self.own_replay is not None:
             replayed = self.own_replay.draw()  # before this round's answers join it: a round never replays itself
             self.own_replay.add(local_groups)
+        self.progress.enter("training")
         stats = await asyncio.to_thread(self.trainer.step, plan.training_batch(chosen_local, peers, replayed))
         timings.update_s = time.perf_counter() - start
         if self.averaging:
@@ -460,6 +516,7 @@ class Node:
         )
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
+            self.progress.enter("evaluating")
             row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluator.by_dataset)
         row["step_s"] = time.perf_counter() - round_start
         self.store.append_metrics(row)
@@ -469,6 +526,7 @@ class Node:
         if self.config.swarm.transport != "none":
             self.stats.save(self.store.root / "swarm.json")
         if round_ % self.config.checkpoint_every == 0:
+            self.progress.enter("checkpointing")
             try:
                 await asyncio.to_thread(self.save)
             except CheckpointNotSaved as exc:  # a full disk: the checkpoint before stands, and the next save retries
@@ -481,7 +539,9 @@ class Node:
         """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the
         seconds it took."""
         start = time.perf_counter()
+        self.progress.enter("collecting peers' groups")
         received = await self.transport.collect()
+        self.progress.enter("re-scoring peers' groups")
         chosen = await asyncio.to_thread(self.sharing.choose, received, self._generation_seed(round_))
         return chosen, time.perf_counter() - start
 

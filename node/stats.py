@@ -133,6 +133,7 @@ class SwarmStats:
         )
         self.swarm_connections_lost = 0  # times a part of its swarm connection died (the p2p daemon, membership, ...)
         self.swarm_rejoins = 0  # times it rejoined after one: the same identity and p2p key, a new session
+        self.stalls = 0  # rounds that ran past the stall bound (swarm.stall_factor, swarm.stall_min_s)
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
@@ -184,6 +185,7 @@ class SwarmStats:
             "rollout_reads_failed": self.rollout_reads_failed,
             "swarm_connections_lost": self.swarm_connections_lost,
             "swarm_rejoins": self.swarm_rejoins,
+            "stalls": self.stalls,
             "swarm_size_estimate": self.swarm_size_estimate,
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
@@ -233,6 +235,7 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         "rollout_reads_failed",
         "swarm_connections_lost",
         "swarm_rejoins",
+        "stalls",
     ):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
     lines += [
@@ -311,14 +314,21 @@ class RoundProgress:
         self.up_at: float | None = None  # the services are up: joined, serving
         self.last_round_at: float | None = None
         self.stopping = False
+        self.phase: str | None = None  # what the round in flight is doing ("generating", "training", ...)
+        self.phase_at: float | None = None
 
     def services_up(self) -> None:
         self.up_at = self.last_round_at = self.clock()
+
+    def enter(self, phase: str) -> None:
+        """The round in flight starts `phase`: a stall is reported with the part it is blocked in."""
+        self.phase, self.phase_at = phase, self.clock()
 
     def round_done(self, round_: int, duration_s: float) -> None:
         self.round = round_
         self.durations.append(duration_s)
         self.last_round_at = self.clock()
+        self.phase = self.phase_at = None
 
     def bound_s(self) -> float:
         if not self.durations:
@@ -334,6 +344,8 @@ class RoundProgress:
         if since is not None:
             body["since_progress_s"] = round(since, 1)
         body["bound_s"] = round(self.bound_s(), 1)
+        if self.phase is not None:
+            body["phase"], body["phase_s"] = self.phase, round(now - self.phase_at, 1)
         if self.stopping:
             status, reason = "stopping", "the node is stopping"
         elif problem is not None:
@@ -344,6 +356,8 @@ class RoundProgress:
             status, reason = "starting", f"the first round is in flight ({since:.0f} s)"
         elif since > body["bound_s"]:
             status, reason = "stalled", f"no round completed for {since:.0f} s (bound {body['bound_s']:.0f} s)"
+            if self.phase is not None:
+                reason += f", {self.phase} for {body['phase_s']:.0f} s"
         else:
             status, reason = "ready", f"round {self.round} completed {since:.0f} s ago"
         return {"ready": status == "ready", "status": status, "reason": reason, **body}

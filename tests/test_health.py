@@ -98,9 +98,10 @@ def test_a_probe_of_nothing_says_why():
     assert status is None and why == "Connection refused"
 
 
-def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp_path):
+def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp_path, caplog):
     """A real node, its rollouts scripted so that one round's generation blocks: /readyz over HTTP says stalled while
-    it blocks and ready once the round completes; the training loop itself never noticed."""
+    it blocks and ready once the round completes; the watchdog logs the stall once, with the part the round is in and
+    where each thread is."""
     from node.loop import Node
 
     release, hanging = threading.Event(), threading.Event()
@@ -133,6 +134,7 @@ def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp
             await wait_for_async(hanging.is_set, 300, "the round that hangs")
             await wait_for_async_value(readyz_status, "stalled", 300)
             assert node.round == hang_at_call  # the hanging round is still in flight
+            await wait_for_async(lambda: node.stats.stalls == 1, 300, "the watchdog to report the stall")
             release.set()
             await wait_for_async_value(readyz_status, "ready", 300)
             assert node.round > hang_at_call
@@ -142,8 +144,12 @@ def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp
             stop.set()
             await run
 
-    seen = asyncio.run(scenario())
+    with caplog.at_level("WARNING", logger="node.loop"):
+        seen = asyncio.run(scenario())
     assert (503, "stalled") in seen and seen[-1] == (200, "ready")
+    [stall] = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert stall.startswith(f"round {hang_at_call + 1} stalled: no round completed for ")
+    assert ", generating for " in stall and "release.wait(CLI_TIMEOUT_S)" in stall  # the line the thread waits on
     assert not (node.store.root / HTTP_FILE).exists()
 
 

@@ -144,11 +144,19 @@ def used_from(state_dir, peer_id: str) -> int:
     return peers.get(peer_id, {}).get("questions_used", 0)
 
 
-def test_a_node_whose_p2p_daemon_is_killed_trains_on_and_rejoins_with_the_same_identity(
-    swarm_yaml, tmp_path, cli_env, nodes
+@pytest.mark.parametrize(
+    "fault, noticed",
+    [
+        ("SIGKILL", "the p2p daemon exited (status -9)"),
+        ("SIGSTOP", "the p2p daemon stopped answering (2 probes of 2 s in a row)"),  # alive, and answering nothing
+    ],
+)
+def test_a_node_whose_p2p_daemon_dies_or_hangs_trains_on_and_rejoins_with_the_same_identity(
+    fault, noticed, swarm_yaml, tmp_path, cli_env, nodes
 ):
-    """kill -9 of a live node's p2pd (its DHT reads and writes go through it): the node says so, trains on its own
-    questions meanwhile, rejoins over a new daemon with the same peer id, and its peer trains on its rollouts again."""
+    """kill -9 of a live node's p2pd (its DHT reads and writes go through it), or SIGSTOP (it neither exits nor
+    answers): the node says so, trains on its own questions meanwhile, rejoins over a new daemon with the same peer id,
+    and its peer trains on its rollouts again."""
     import os
     import signal
     import urllib.request
@@ -158,24 +166,30 @@ def test_a_node_whose_p2p_daemon_is_killed_trains_on_and_rejoins_with_the_same_i
     first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
     nodes.append(first)
     bootstrap = first.addresses()
-    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=["--set", "swarm.metrics_port=0"])
+    settings = ["--set", "swarm.metrics_port=0", "--set", "swarm.daemon_probe_s=2"]
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", cli_env, bootstrap, extra=settings)
     nodes.append(second)
     peer_id = second.addresses()[0].split("/p2p/")[1]
     b = identity_json(cli_env, second.state_dir)["node_id"]
     wait_for(lambda: first.assert_running() or used_from(first.state_dir, b) > 0, 180, "a to use b's rollouts")
 
-    os.kill(daemon_of(second), signal.SIGKILL)
+    daemon = daemon_of(second)
+    os.kill(daemon, getattr(signal, fault))
     log = second.state_dir / "node.log"
-    wait_for(
-        lambda: second.assert_running() or "rejoined the swarm as" in log.read_text(),
-        180,
-        "b to rejoin",
-        interval=0.5,
-    )
+    try:
+        wait_for(
+            lambda: second.assert_running() or "rejoined the swarm as" in log.read_text(),
+            180,
+            "b to rejoin",
+            interval=0.5,
+        )
+    finally:
+        if fault == "SIGSTOP" and os.path.exists(f"/proc/{daemon}/cmdline"):
+            os.kill(daemon, signal.SIGKILL)  # where the node did not: a stopped process outlives every SIGTERM
     text = log.read_text()
-    assert "lost the swarm connection (the p2p daemon exited (status -9))" in text
+    assert f"lost the swarm connection ({noticed})" in text
     assert f"rejoined the swarm as {peer_id} " in text  # its p2p key, kept in the state directory
-    assert daemon_of(second) > 0  # a new daemon, under the same node process
+    assert daemon_of(second) != daemon  # a new daemon, under the same node process
     used_at_rejoin = used_from(first.state_dir, b)
     wait_for(
         lambda: first.assert_running() or used_from(first.state_dir, b) > used_at_rejoin,
