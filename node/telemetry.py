@@ -162,6 +162,7 @@ class Telemetry:
             outer_steps=averaging.stats.succeeded if averaging else 0,
             outer_steps_skipped=averaging.stats.skipped if averaging else 0,
             device=self.device,
+            rejoins=self.stats.swarm_rejoins,
         )
 
     def prometheus(self, round_: int, policy_version: int, averaging=None) -> str:

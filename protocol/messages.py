@@ -211,6 +211,9 @@ class PeerStats:
     # minor 8: where the node trains, as it describes it: "cpu", or "cuda:0 " and the card's name ("": a minor 0-7
     # sender). For people reading the peers table; unverifiable, and nothing is decided on it.
     device: str = since_minor(8, str)
+    # minor 9: times the node rebuilt its swarm connection after a part of it died (its p2p daemon, its membership):
+    # a peers table shows who keeps losing it. Unverifiable, and nothing is decided on it.
+    rejoins: int = since_minor(9, int)
 
     _COUNTS: ClassVar[tuple[str, ...]] = (
         "model_parameters",
@@ -249,6 +252,8 @@ class PeerStats:
         )
         if "device" in f:  # absent from a minor 0-7 sender
             values["device"] = check_str(f["device"], "device", limits.max_name_chars)
+        if "rejoins" in f:  # absent from a minor 0-8 sender
+            values["rejoins"] = check_int(f["rejoins"], "rejoins")
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
             if values["reachability"] not in REACHABILITY:

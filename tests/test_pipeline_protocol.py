@@ -44,13 +44,23 @@ GOLDEN_STAGE_LOST_1_7 = (  # as a 1.7 sender encoded it (minor 8 changed no fiel
 )
 
 
-GOLDEN_STAGE_LOST = (  # this minor's encoding (8): a change here breaks every deployed driver and server
+GOLDEN_STAGE_LOST_1_8 = (  # as a 1.8 sender encoded it (minor 9 changed no field of a report)
     "92c4c697920108aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
     "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000085a76e6f64655f6964d928353634373561613735343633"
     "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
     "696e792d7177656eaa6e756d5f73746167657304a6737461676573920102a76c6f73745f617492cb41d954fc40200000"
     "cb41d954fc40d00000c44009fde3a9434323f616d4432aeea6bfa97193c08b3142666ea454c535c5a68b3e01c08ad469"
     "3f426f45ce1d50d8ab2c08020e4c10e421261ad519ef9f7e8f7207"
+)
+
+
+GOLDEN_STAGE_LOST = (  # this minor's encoding (9): a change here breaks every deployed driver and server
+    "92c4c697920109aa73746167655f6c6f7374aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc09967"
+    "e4d6309ba50d5f1ddc8664125531b803cb41d954fc4020000085a76e6f64655f6964d928353634373561613735343633"
+    "34373463303238356466356462663262636162373364613635313335b16d6f64656c5f66696e6765727072696e74a974"
+    "696e792d7177656eaa6e756d5f73746167657304a6737461676573920102a76c6f73745f617492cb41d954fc40200000"
+    "cb41d954fc40d00000c440fe70280e02377d5adda038903787a33db8f9ab56795466c64f97c090a11a1f515d984c31b0"
+    "3cf49405cfcc31163351faf582f525d69c2a0b0af4bddd967cb902"
 )
 
 
@@ -72,6 +82,7 @@ def test_golden_stage_lost():
     for older in (GOLDEN_STAGE_LOST_1_4, GOLDEN_STAGE_LOST_1_5, GOLDEN_STAGE_LOST_1_6):
         assert decode(bytes.fromhex(older)).message == make_report(lost_at=[])
     assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_7)).message == make_report()
+    assert decode(bytes.fromhex(GOLDEN_STAGE_LOST_1_8)).message == make_report()
 
 
 def test_each_stage_counts_as_lost_from_when_it_was_found_and_never_after_the_report_was_signed():

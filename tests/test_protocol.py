@@ -279,7 +279,7 @@ GOLDEN_STATS_1_7 = (  # as a 1.7 sender encoded it: no device, the receiver read
     "575dba3668cdf9ca04"
 )
 
-GOLDEN_BATCH = (  # this minor's encoding (8)
+GOLDEN_BATCH_1_8 = (  # as a 1.8 sender encoded it (minor 9 added a heartbeat field)
     "92c5017297920108ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -292,7 +292,7 @@ GOLDEN_BATCH = (  # this minor's encoding (8)
     "4f3595f0d6701c0c"
 )
 
-GOLDEN_STATS = (  # this minor's encoding (8)
+GOLDEN_STATS_1_8 = (  # as a 1.8 sender encoded it: no rejoins, the receiver reads 0
     "92c5028797920108aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0018a76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -310,6 +310,38 @@ GOLDEN_STATS = (  # this minor's encoding (8)
     "500409feab0a80a4e6c2c3ad25a935e19e21d3f107544059ae5a429638e32771123fbdbff049b81035d153d203"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (9)
+    "92c5017297920109ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c440f266d98f5f95566c"
+    "ef083eb304665f3855655fd4bbb1e88fc755e0c6fb88f359ff3a5e20157fb31cfa55f5b542026482c7b0aff0fe331eec"
+    "322bf2f365a40f05"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (9)
+    "92c5029097920109aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0019a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302c440ecb0fe9445fde1631ba0"
+    "6eb87e2bcdf5e5dbc3f586948971da0f5ba05f51bff8eebcf06c11de5707f134431a13bb2b0b1f7278ef444449f2e2ee"
+    "33bd5e89db03"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 
@@ -325,6 +357,7 @@ def test_golden_rollout_batch():
         GOLDEN_BATCH_1_5,
         GOLDEN_BATCH_1_6,
         GOLDEN_BATCH_1_7,
+        GOLDEN_BATCH_1_8,
     ):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
@@ -333,7 +366,7 @@ def test_golden_peer_stats():
     assert encode(make_stats(), seq=2).hex() == GOLDEN_STATS
     assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
     for older in (GOLDEN_STATS_1_0, GOLDEN_STATS_1_1):
-        assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={}, device="")
+        assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={}, device="", rejoins=0)
     for older in (
         GOLDEN_STATS_1_2,
         GOLDEN_STATS_1_3,
@@ -342,7 +375,8 @@ def test_golden_peer_stats():
         GOLDEN_STATS_1_6,
         GOLDEN_STATS_1_7,
     ):
-        assert decode(bytes.fromhex(older)).message == make_stats(device="")
+        assert decode(bytes.fromhex(older)).message == make_stats(device="", rejoins=0)
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_8)).message == make_stats(rejoins=0)
 
 
 def test_reachability_is_one_of_its_words_and_required_from_minor_5():
@@ -372,6 +406,19 @@ def test_device_is_a_bounded_string_required_from_minor_8():
     for bad, reason in ((0, Refusal.BAD_STRUCTURE), ("x" * 300, Refusal.STRING_TOO_LONG)):
         with pytest.raises(ProtocolRejection) as caught:
             PeerStats.from_wire({**wire, "device": bad})
+        assert caught.value.reason is reason, bad
+
+
+def test_rejoins_is_a_count_required_from_minor_9():
+    wire = make_stats(rejoins=3).to_wire()
+    assert PeerStats.from_wire(wire).rejoins == 3
+    del wire["rejoins"]
+    assert PeerStats.from_wire(wire, minor=8).rejoins == 0  # an older sender omits it
+    with pytest.raises(ProtocolRejection, match="lacks rejoins"):
+        PeerStats.from_wire(wire, minor=9)
+    for bad, reason in (("3", Refusal.BAD_STRUCTURE), (-1, Refusal.BAD_VALUE)):
+        with pytest.raises(ProtocolRejection) as caught:
+            PeerStats.from_wire({**wire, "rejoins": bad})
         assert caught.value.reason is reason, bad
 
 

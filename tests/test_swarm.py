@@ -204,6 +204,13 @@ def test_a_node_whose_p2p_daemon_dies_or_hangs_trains_on_and_rejoins_with_the_sa
     assert "swarm_node_swarm_connections_lost_total 1" in metrics and "swarm_node_swarm_rejoins_total 1" in metrics
     status, ready = probe(base + "/readyz", 30)
     assert ready["status"] in ("ready", "starting"), ready  # joined again (a stall floor of 120 s is far off)
+    # and its heartbeat says so to whoever lists the swarm
+    wait_for(
+        lambda: any(p["node_id"] == b and p["rejoins"] == 1 for p in peers_json(cli_env, bootstrap[0])),
+        120,
+        "b's heartbeat to count its rejoin",
+        interval=2,
+    )
 
 
 def identity_json(env, state_dir) -> dict:

@@ -28,6 +28,7 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
     ("weakest", lambda r, now: weakest_specialty(r.get("accuracy_by_dataset") or {}), 5),
     ("tokens/s", lambda r, now: f"{r['tokens_per_s']:.0f}", 4),
     ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
+    ("rejoins", lambda r, now: str(r.get("rejoins", 0)), 5),  # swarm connections it rebuilt (a daemon that died)
     ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
 )
 

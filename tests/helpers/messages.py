@@ -68,6 +68,7 @@ def make_stats(identity: NodeIdentity = IDENTITY, **overrides) -> PeerStats:
         outer_steps_skipped=1,
         accuracy_by_dataset={"basic_arithmetic": 0.5, "chain_sum": 0.125},
         device="cuda:0 NVIDIA H100 80GB HBM3",
+        rejoins=2,
     )
     return replace(stats, **overrides)
 

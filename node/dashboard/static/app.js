@@ -23,6 +23,7 @@ const PEER_COLUMNS = [
   ["averaged", (r) => `${r.outer_steps}/${r.outer_steps + r.outer_steps_skipped}`],
   ["tokens/s", (r) => fixed(r.tokens_per_s, 0)],
   ["up", (r) => `${fixed(r.uptime_s / 60, 1)}m`],
+  ["rejoins", (r) => r.rejoins ?? 0],
   ["seen", (r, now) => `${fixed(Math.max(0, now - r.last_seen), 0)}s ago`],
 ];
 
