@@ -1222,6 +1222,32 @@ section(
         "`benchmarks/gpu_round.py --device cuda --device cuda@bfloat16` with the sizes of the notebook page",
         ("2026-11-27-gpu", "bfloat16 on a GPU"),
     ),
+    Claim(
+        "freed-memory",
+        "A training node's resident memory at the end of a run is within +10 % of its value after the warm-up",
+        "`hand_back_freed_memory` (node/host_memory.py: blocks past 256 KiB mapped apart and handed back)",
+        "glibc's defaults, and `malloc_trim(0)` after every round, side by side in the same run",
+        (Source("freed_memory.jsonl"),),
+        newest(
+            lambda r: max(f["ratio"] for f in r["arms"]["hand_back"]),
+            "x",
+            per="run, the larger of its repeats",
+            note=lambda r: (
+                "glibc's defaults x"
+                + "/x".join(f"{f['ratio']:.2f}" for f in r["arms"]["defaults"])
+                + "; trim after every round x"
+                + "/x".join(f"{f['ratio']:.2f}" for f in r["arms"]["trim"])
+                + f" at {min(f['rss_end_mib'] for f in r['arms']['trim']):.0f}-"
+                + f"{max(f['rss_end_mib'] for f in r['arms']['trim']):.0f} MiB against "
+                + f"{min(f['rss_end_mib'] for f in r['arms']['hand_back']):.0f}-"
+                + f"{max(f['rss_end_mib'] for f in r['arms']['hand_back']):.0f} MiB"
+            ),
+        ),
+        AtMost(1.10),
+        "`benchmarks/freed_memory.py --rounds 300 --warmup 30 --peers 8 --repeats 2 --results "
+        "benchmarks/results/freed_memory.jsonl`",
+        ("2026-12-02-unattended", "Handing freed memory back"),
+    ),
 )
 
 NOT_GENERATED = [

@@ -369,7 +369,10 @@ class SwarmConfig(_Section):
     max_batches_read_per_round: int = Field(128, ge=1)
     """Peers' rollout values (DHT and gossip together) a round decodes and verifies at most, drawn at random from those
     not processed before; the rest are counted as left unread (`values_left_unread`). Bounds what a flood can cost."""
-
+    rss_budget_mb: int | None = Field(None, ge=1)
+    """Resident memory (MiB) past which the node drops the buffers peers fill (gossip messages not yet read, the DHT's
+    cache of values read), hands the freed pages back and logs it in one line (`memory_sheds` in /metrics); checked
+    every round (node/host_memory.py, `MemoryBudget`). None: no budget."""
 
 
 class AveragingConfig(_Section):

@@ -27,6 +27,12 @@ the next round's differently sized tensors do not fit only grow: a SmolLM2 node'
 
 Nothing is done where the C library is not glibc, or where the user set the allocator's environment
 (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES): theirs wins.
+
+Whatever the allocator does, what peers send must not take the process's memory past what its host can give it:
+`MemoryBudget` (`swarm.rss_budget_mb`) reads the resident memory and, past the budget, drops the buffers peers fill
+(each is bounded already, in messages and bytes; this is for a host the bounds together do not fit), then hands the
+freed pages back (`malloc_trim`), and says so in one line. The node's own memory (its model, optimizer, the round in
+flight) is never shed: past the budget with nothing of peers' left to drop, it says so once, and goes on.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ import ctypes
 import logging
 import os
 import platform
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,8 @@ SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_
 
 HAND_BACK_THRESHOLD_BYTES = 256 * 2**10  # blocks beyond it are mappings of their own, unmapped when freed
 HAND_BACK_SETTINGS = ((M_MMAP_THRESHOLD, HAND_BACK_THRESHOLD_BYTES),)
+
+NOTHING_TO_SHED_LOG_S = 600.0  # over the budget with nothing to shed: said at most once in this long
 
 
 def keep_freed_memory() -> bool:
@@ -78,3 +89,88 @@ def _apply(settings: tuple[tuple[int, int], ...], otherwise: str) -> bool:
     if not applied:
         log.warning("glibc refused a malloc setting; %s", otherwise)
     return applied
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (its second field in /proc/self/statm is in pages; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def hand_back_free_pages() -> None:
+    """glibc's malloc_trim(0): every free page of every arena goes back to the system (nothing elsewhere)."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+@dataclass(frozen=True)
+class ShedReport:
+    """One time the process was over its budget: its resident bytes before and after, and what was shed."""
+
+    rss_before: int
+    rss_after: int
+    shed: dict[str, int]  # buffer's name -> bytes dropped
+
+
+class MemoryBudget:
+    """Keeps the process's resident memory under `limit_bytes` by dropping the buffers peers fill (module docstring).
+
+    `sheds` are named functions, called in order, that each drop a buffer and return the bytes they dropped; call
+    `check` every round (reading the resident size costs one small read of /proc). `resident` and `hand_back` are the
+    process's own; tests give their own."""
+
+    def __init__(
+        self,
+        limit_bytes: int,
+        sheds: dict[str, Callable[[], int]],
+        *,
+        resident: Callable[[], int] = resident_bytes,
+        hand_back: Callable[[], None] = hand_back_free_pages,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if limit_bytes < 1:
+            raise ValueError(f"limit_bytes must be at least 1, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.sheds = sheds
+        self.resident = resident
+        self.hand_back = hand_back
+        self.clock = clock
+        self.times_shed = 0
+        self.bytes_shed = 0
+        self.times_over_with_nothing_to_shed = 0
+        self._said_nothing_to_shed_at: float | None = None
+
+    def check(self) -> ShedReport | None:
+        """Shed peers' buffers if the process is over its budget; the report of what was shed (None: not over, or
+        nothing to shed)."""
+        before = self.resident()
+        if before <= self.limit_bytes:
+            return None
+        shed = {name: dropped for name, drop in self.sheds.items() if (dropped := drop())}
+        if not shed:
+            self.times_over_with_nothing_to_shed += 1
+            now = self.clock()
+            if self._said_nothing_to_shed_at is None or now - self._said_nothing_to_shed_at >= NOTHING_TO_SHED_LOG_S:
+                self._said_nothing_to_shed_at = now
+                log.warning(
+                    "resident memory %d MiB is over the budget of %d MiB, and no peers' buffer holds anything to shed: "
+                    "the node's own memory is the rest (raise swarm.rss_budget_mb, or give it a smaller model)",
+                    before >> 20,
+                    self.limit_bytes >> 20,
+                )
+            return None
+        self.hand_back()
+        report = ShedReport(before, self.resident(), shed)
+        self.times_shed += 1
+        self.bytes_shed += sum(shed.values())
+        log.warning(
+            "resident memory %d MiB was over the budget of %d MiB: shed %s; now %d MiB",
+            report.rss_before >> 20,
+            self.limit_bytes >> 20,
+            ", ".join(f"{name} {dropped / 2**20:.1f} MiB" for name, dropped in shed.items()),
+            report.rss_after >> 20,
+        )
+        return report

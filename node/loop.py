@@ -25,7 +25,7 @@ from node.aio import StopRequested, cancel_and_wait
 from node.config import ConfigError, NodeConfig, dump_config
 from node.device import describe_device, model_device
 from node.files import atomic_write_text
-from node.host_memory import hand_back_freed_memory
+from node.host_memory import MemoryBudget, hand_back_freed_memory
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import ExternalGroup, RolloutBackend
@@ -113,6 +113,16 @@ class Node:
             )
         self.tasks = TaskSource(config.tasks, seed=self.stream_seed)
         self.stats = SwarmStats()
+        # swarm.rss_budget_mb: past it the buffers peers fill are dropped; the transport is looked up at each check, as
+        # a rejoin replaces it
+        budget_mb = config.swarm.rss_budget_mb
+        self.memory_budget = (
+            MemoryBudget(
+                budget_mb << 20, {"peers' buffers": lambda: self.transport.shed_buffers() if self.transport else 0}
+            )
+            if budget_mb is not None
+            else None
+        )
         self.round = 0  # rounds completed
         self.policy = policy_for(config, self.store)  # where the weights live: here, or in pipeline stages peers serve
         self.loaded: LoadedPolicy | None = None
@@ -496,6 +506,8 @@ class Node:
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
         self.backend.sync_weights(self.model, self.policy_version)
+        if self.memory_budget is not None and (shed := self.memory_budget.check()) is not None:
+            self.stats.count_shed(shed)
         row = self.telemetry.round_row(
             round_,
             summary,

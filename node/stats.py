@@ -117,6 +117,9 @@ class SwarmStats:
         self.bytes_received = 0
         self.gossip_messages_received = 0  # pushed over gossipsub (also counted in batches once decoded)
         self.gossip_messages_dropped = 0  # lost by the gossip layer's bounded buffer between two rounds
+        self.gossip_bytes_dropped = 0  # their bytes (the buffer is bounded in messages and in bytes)
+        self.memory_sheds = 0  # times the process was over swarm.rss_budget_mb and dropped peers' buffers
+        self.memory_bytes_shed = 0  # the bytes those sheds dropped
         self.values_read = (
             0  # rollout values that reached this node: DHT values read (again each round) and gossip messages
         )
@@ -146,6 +149,11 @@ class SwarmStats:
         counters.last_seen = time.time()
         self.peers[peer_id] = counters
         return counters
+
+    def count_shed(self, report) -> None:
+        """A `ShedReport` of the node's `MemoryBudget` (node/host_memory.py)."""
+        self.memory_sheds += 1
+        self.memory_bytes_shed += sum(report.shed.values())
 
     def count_read(self, raw: object) -> None:
         self.values_read += 1
@@ -178,6 +186,9 @@ class SwarmStats:
             "bytes_received": self.bytes_received,
             "gossip_messages_received": self.gossip_messages_received,
             "gossip_messages_dropped": self.gossip_messages_dropped,
+            "gossip_bytes_dropped": self.gossip_bytes_dropped,
+            "memory_sheds": self.memory_sheds,
+            "memory_bytes_shed": self.memory_bytes_shed,
             "values_read": self.values_read,
             "bytes_read": self.bytes_read,
             "values_decoded": self.values_decoded,
@@ -232,10 +243,13 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         "values_decoded",
         "values_left_unread",
         "gossip_messages_dropped",
+        "gossip_bytes_dropped",
         "rollout_reads_failed",
         "swarm_connections_lost",
         "swarm_rejoins",
         "stalls",
+        "memory_sheds",
+        "memory_bytes_shed",
     ):
         lines += [f"# TYPE swarm_node_{name}_total counter", f"swarm_node_{name}_total {totals[name]}"]
     lines += [

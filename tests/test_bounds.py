@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from node.stats import MAX_TRACKED_PEERS, LogThrottle, RecordRefusals, SwarmStats
@@ -240,3 +242,171 @@ def test_a_bounded_dict_forgets_the_least_recently_set_first():
     assert isinstance(copied, BoundedDict) and len(copied) == 3 and list(seen) == ["d", "e", "f"]
     with pytest.raises(ValueError):
         BoundedDict(0)
+
+
+def test_gossip_receive_buffer_stays_bounded_in_bytes_and_counts_what_it_drops():
+    import random
+
+    from node.transport.gossip_libp2p import LibP2PGossip
+
+    cap = 1 << 20
+    gossip = LibP2PGossip(max_buffered=FLOOD, max_buffered_bytes=cap)  # the count never binds: only the bytes
+    rng = random.Random(0)
+    sent = [rng.randbytes(rng.randrange(1, 64 << 10)) for _ in range(FLOOD)]  # a peer chooses every message's size
+    for data in sent:
+        gossip._buffer("topic", data)
+        assert gossip.buffered_bytes() <= cap
+    kept = gossip.drain("topic")
+    assert kept == sent[-len(kept) :] and sum(map(len, kept)) > cap - (64 << 10)  # the newest, as many as fit
+    assert gossip.dropped("topic") == FLOOD - len(kept)
+    assert gossip.dropped_bytes("topic") == sum(map(len, sent)) - sum(map(len, kept))
+    assert gossip.buffered_bytes() == 0
+    oversized = LibP2PGossip(max_buffered_bytes=10)
+    oversized._buffer("topic", b"x" * 11)  # one message beyond the bound alone is not kept either
+    assert oversized.drain("topic") == [] and oversized.dropped_bytes("topic") == 11
+
+
+def test_a_shed_empties_the_gossip_buffer_and_the_dht_cache_and_counts_it(tmp_path):
+    from types import SimpleNamespace
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from node.config import load_config
+    from node.transport.dht import DHTTransport
+    from node.transport.gossip_libp2p import LibP2PGossip
+    from node.transport.null import NullTransport
+    from node.transport.session import SwarmSession
+    from protocol import NodeIdentity
+
+    cache = DHTLocalStorage()
+    cache.store(DHTID.generate(source="plain"), b"v" * 1000, get_dht_time() + 60)
+    cache.store_subkey(DHTID.generate(source="dictionary"), "subkey", b"w" * 500, get_dht_time() + 60)
+    stats = SwarmStats()
+    session = SwarmSession(
+        load_config(None, ["swarm.transport=dht"]),
+        dht=SimpleNamespace(protocol=SimpleNamespace(cache=cache)),  # a DHT node's cache, and nothing else of it
+        reachability="direct",
+        identity=NodeIdentity.generate(),
+        state_dir=tmp_path,
+    )
+    transport = DHTTransport(session, stats, "f", heartbeat=None)
+    transport.gossip = LibP2PGossip()  # never started: the buffer is what the trio thread fills
+    for i in range(10):
+        transport.gossip._buffer(transport.rollouts_topic, b"m" * 100)
+    assert transport.shed_buffers() == 10 * 100 + 1000 + 500
+    assert transport.gossip.buffered_bytes() == 0 and list(cache.items()) == []
+    assert transport.gossip.dropped(transport.rollouts_topic) == 10
+    assert transport.gossip.drain(transport.rollouts_topic) == [] and transport.shed_buffers() == 0
+    assert NullTransport().shed_buffers() == 0  # a transport that holds nothing of peers' sheds nothing
+
+
+def test_a_memory_budget_sheds_peers_buffers_says_so_in_one_line_and_metrics_count_it(caplog):
+    from node.host_memory import MemoryBudget
+    from node.stats import prometheus_text
+    from node.transport.gossip_libp2p import LibP2PGossip
+
+    gossip = LibP2PGossip(max_buffered=FLOOD)
+    for i in range(FLOOD):
+        gossip._buffer("topic", fake(i).encode())
+    resident = iter([100 << 20, 300 << 20, 250 << 20, 300 << 20, 300 << 20])  # MiB read before and after each shed
+    trims = []
+    calls = []
+    budget = MemoryBudget(
+        200 << 20,
+        {"gossip": lambda: calls.append("gossip") or gossip.shed(), "cache": lambda: calls.append("cache") or 0},
+        resident=lambda: next(resident),
+        hand_back=lambda: trims.append(1),
+    )
+    stats = SwarmStats()
+    with caplog.at_level("WARNING", logger="node.host_memory"):
+        assert budget.check() is None and calls == []  # under the budget: nothing read but the resident size
+        report = budget.check()
+        assert report is not None and report.shed == {"gossip": FLOOD * 40}  # what shed nothing is not reported
+        assert (report.rss_before, report.rss_after) == (300 << 20, 250 << 20) and trims == [1]
+        stats.count_shed(report)
+        assert budget.check() is None and budget.check() is None  # over, with nothing left of peers' to shed
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        lines[0] == ("resident memory 300 MiB was over the budget of 200 MiB: shed gossip 0.2 MiB; now 250 MiB")
+        and len(lines) == 2
+    )  # and the "nothing to shed" line once, not at every check
+    assert calls == ["gossip", "cache"] * 3 and gossip.dropped("topic") == FLOOD and trims == [1]
+    assert budget.times_shed == 1 and budget.bytes_shed == FLOOD * 40 and budget.times_over_with_nothing_to_shed == 2
+    metrics = prometheus_text({}, stats)
+    assert (
+        "swarm_node_memory_sheds_total 1" in metrics and f"swarm_node_memory_bytes_shed_total {FLOOD * 40}" in metrics
+    )
+    assert "swarm_node_gossip_bytes_dropped_total 0" in metrics
+
+
+def test_a_memory_budget_reads_the_process_resident_memory():
+    from node.host_memory import MemoryBudget, resident_bytes
+
+    assert 10 << 20 < resident_bytes() < 64 << 30
+    held = [bytearray(8 << 20)]
+    report = MemoryBudget(1, {"held": lambda: len(held.pop()) if held else 0}).check()  # every process is over 1 byte
+    assert report is not None and report.shed == {"held": 8 << 20} and report.rss_before > 0 and report.rss_after > 0
+
+
+def test_dht_storage_and_cache_stay_bounded_in_bytes_across_keys():
+    """Throwaway identities storing under ever new keys: each key is small, all of them together are refused past the
+    bound, and what expired makes room again at the next count."""
+    import time
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    from node.transport.records import STORAGE_RECOUNT_S, BoundedKeyStorage, value_bytes
+
+    refusals = RecordRefusals()
+    clock = [0.0]
+    storage = BoundedKeyStorage(refusals, max_key_bytes=1000, max_bytes=10_000, clock=lambda: clock[0])
+    soon = time.time() + 0.5
+    stored = sum(storage.store_subkey(DHTID.generate(source=f"k{i}"), fake(i), b"x" * 400, soon) for i in range(FLOOD))
+    assert stored == 25 and storage.held_bytes == storage.count_held_bytes() == 10_000
+    assert refusals.by_reason == {"storage_full": FLOOD - 25} and len(refusals.by_owner) == MAX_TRACKED_PEERS
+    time.sleep(0.6)  # every record expired: hivemind drops them when it next reads its storage
+    assert not storage.store_subkey(DHTID.generate(source="late"), "l" * 40, b"y" * 400, time.time() + 60)  # not yet
+    clock[0] += STORAGE_RECOUNT_S  # the next count finds them gone
+    assert storage.store_subkey(DHTID.generate(source="late"), "l" * 40, b"y" * 400, time.time() + 60)
+    assert storage.held_bytes == 400
+    # The cache holds whole values found (a dictionary's, or plain ones): bounded the same way.
+    cache = BoundedKeyStorage(RecordRefusals(), max_bytes=5000)
+    found = DictionaryDHTValue()
+    found.store("s" * 40, b"z" * 3000, time.time() + 60)
+    assert cache.store(DHTID.generate(source="found"), found, time.time() + 60) and cache.held_bytes == 3000
+    assert sum(cache.store(DHTID.generate(source=f"p{i}"), b"p" * 400, time.time() + 60) for i in range(100)) == 5
+    assert cache.count_held_bytes() == value_bytes(found) + 5 * 400 <= 5000
+    cache.clear()
+    assert cache.held_bytes == 0 and cache.store(DHTID.generate(source="again"), b"p" * 400, time.time() + 60)
+
+
+def test_a_node_over_its_memory_budget_sheds_its_transports_buffers_each_round(tiny_config, caplog):
+    """The budget is wired into the round: a node over swarm.rss_budget_mb (1 MiB: every process is over it) asks its
+    transport to drop what peers filled, once a round, and counts it."""
+    import asyncio
+
+    from node.loop import Node
+    from node.transport.null import NullTransport
+
+    class Holding(NullTransport):
+        """Holds 4 MiB of peers' messages until asked to drop them."""
+
+        held = 4 << 20
+
+        def shed_buffers(self) -> int:
+            dropped, self.held = self.held, 0
+            return dropped
+
+    node = Node(tiny_config("swarm.rss_budget_mb=1"), transport=Holding())
+    node.load()
+    with caplog.at_level("WARNING", logger="node.host_memory"):
+        asyncio.run(node.run_round())
+        asyncio.run(node.run_round())
+    assert node.stats.memory_sheds == 1 and node.stats.memory_bytes_shed == 4 << 20
+    said = [r.getMessage() for r in caplog.records]
+    shed_line = r"resident memory \d+ MiB was over the budget of 1 MiB: shed peers' buffers 4\.0 MiB; now \d+ MiB"
+    assert re.fullmatch(shed_line, said[0]), said[0]
+    assert "no peers' buffer holds anything to shed" in said[1]  # the second round: nothing of peers' left

@@ -29,3 +29,8 @@ class Transport(ABC):
 
     def check_alive(self) -> None:
         """Raise if one of the transport's background services died."""
+
+    def shed_buffers(self) -> int:
+        """Drop what peers' values hold of this process's memory that the node can do without, and return the bytes
+        dropped (the process is over its budget: node/host_memory.py, `MemoryBudget`); nothing by default."""
+        return 0

@@ -258,6 +258,7 @@ class DHTTransport(Transport):
             pushed = self.gossip.drain(self.rollouts_topic)
             self.stats.gossip_messages_received += len(pushed)
             self.stats.gossip_messages_dropped = self.gossip.dropped(self.rollouts_topic)
+            self.stats.gossip_bytes_dropped = self.gossip.dropped_bytes(self.rollouts_topic)
             for raw in pushed:
                 self.stats.count_read(raw)
             values += [(None, raw) for raw in pushed]
@@ -280,6 +281,17 @@ class DHTTransport(Transport):
         self.stats.batches_published += 1
         self.stats.questions_published += keep
         self.stats.bytes_published += len(record.data)
+
+    def shed_buffers(self) -> int:
+        """Drop what peers' values hold of this process's memory that the node can do without, and return the bytes:
+        the gossip messages not yet read (counted as dropped) and the DHT's local cache of the values it read (every
+        read asks the network again: `read_values` reads the latest). A `MemoryBudget` shed (node/host_memory.py)."""
+        from node.transport.records import clear_dht_cache
+
+        freed = self.gossip.shed() if self.gossip is not None else 0
+        if self.session.dht is not None:
+            freed += clear_dht_cache(self.session.dht)
+        return freed
 
     async def read_peers(self) -> list[tuple[PeerStats, float]]:
         return await read_peer_stats(self.session.dht, self.config, self.stats)

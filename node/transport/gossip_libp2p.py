@@ -6,7 +6,9 @@ asyncio are scheduled into that thread with its `TrioToken.run_sync_soon` (threa
 never blocks) and answered through `loop.call_soon_threadsafe` on an asyncio future, so
 no executor thread is held while a call is in flight and every call has a trio-side
 deadline. Received messages land in per-topic deques under a lock; `drain` empties them
-from the asyncio side.
+from the asyncio side. What the deques hold between two drains is bounded in messages and in bytes (each message is
+a peer's, of any size up to 1 MiB); past either bound the oldest go first, counted (`dropped`, `dropped_bytes`), and
+`shed` empties them when the process is short of memory (node/host_memory.py, `MemoryBudget`).
 
 Settings that differ from py-libp2p 0.8.1's defaults, and why (../shared/NOTES.md):
 - spam protection off: by default gossipsub drops everything past 10 messages per topic
@@ -80,6 +82,10 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 1_000_000  # pubsub loses messages over 1 MiB silently; the rest is margin for signature and framing
 DEFAULT_BUFFER_MESSAGES = 1024  # per topic, between two drains; the oldest is dropped beyond it
+# Bytes of all topics together between two drains; the oldest are dropped beyond it. A round decodes at most
+# swarm.max_batches_read_per_round values (128), and 128 honest batches of SmolLM2's 8 x 8 completions of 256 tokens
+# are about 32 MiB: room for them, while 256 buffered messages of 1 MiB each would be 256 MiB.
+DEFAULT_BUFFER_BYTES = 64 << 20
 THREAD_NAME_PREFIX = "libp2p-gossip"
 GOSSIPSUB_PROTOCOLS = [PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID]  # what go-libp2p (and p2pd) speak
 
@@ -135,22 +141,28 @@ class LibP2PGossip(Gossip):
         seed: bytes | None = None,
         *,
         max_buffered: int = DEFAULT_BUFFER_MESSAGES,
+        max_buffered_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         if seed is not None and len(seed) != 32:
             raise ValueError(f"seed must be 32 bytes, got {len(seed)}")
         if max_buffered < 1:
             raise ValueError("max_buffered must be at least 1")
+        if max_buffered_bytes < 1:
+            raise ValueError("max_buffered_bytes must be at least 1")
         ip = ipaddress.ip_address(listen_host)  # ValueError for host names: bind to an address
         self._listen_ip, self._listen_port = ip, int(listen_port)
         self._listen_addr = multiaddr.Multiaddr(f"/ip{ip.version}/{ip}/tcp/{self._listen_port}")
         self._seed = seed
         self.max_message_bytes = MAX_MESSAGE_BYTES
         self.max_buffered = max_buffered
+        self.max_buffered_bytes = max_buffered_bytes
 
         # Shared with the trio thread, under _inbox_lock.
         self._inbox_lock = threading.Lock()
         self._inbox: dict[str, deque[bytes]] = {}
+        self._inbox_bytes = 0  # of every topic's deque together
         self._dropped_total: dict[str, int] = {}
+        self._dropped_bytes_total: dict[str, int] = {}
         self._dropped_since_drain: dict[str, int] = {}
 
         self._thread: threading.Thread | None = None
@@ -203,14 +215,17 @@ class LibP2PGossip(Gossip):
             messages = list(buffered) if buffered else []
             if buffered:
                 buffered.clear()
+                self._inbox_bytes -= sum(len(data) for data in messages)
             dropped = self._dropped_since_drain.pop(topic, 0)
             dropped_total = self._dropped_total.get(topic, 0)
         if dropped:
             log.warning(
-                "gossip topic %r: %d oldest messages dropped since the last drain (buffer %d); %d in all",
+                "gossip topic %r: %d oldest messages dropped since the last drain (buffer %d messages, %d MiB); "
+                "%d in all",
                 topic,
                 dropped,
                 self.max_buffered,
+                self.max_buffered_bytes >> 20,
                 dropped_total,
             )
         return messages
@@ -252,9 +267,29 @@ class LibP2PGossip(Gossip):
         return thread is not None and thread.is_alive() and self._token is not None and not self._stop_flag.is_set()
 
     def dropped(self, topic: str) -> int:
-        """How many received messages on topic were dropped because the buffer was full."""
+        """How many received messages on topic were dropped: the buffer was full (in messages or bytes), or shed."""
         with self._inbox_lock:
             return self._dropped_total.get(topic, 0)
+
+    def dropped_bytes(self, topic: str) -> int:
+        """The bytes of the messages `dropped` counts."""
+        with self._inbox_lock:
+            return self._dropped_bytes_total.get(topic, 0)
+
+    def buffered_bytes(self) -> int:
+        """Bytes of received messages waiting for a drain, every topic together (at most `max_buffered_bytes`)."""
+        with self._inbox_lock:
+            return self._inbox_bytes
+
+    def shed(self) -> int:
+        """Drop every message waiting for a drain, counted as dropped, and return their bytes: the process is short
+        of memory, and the next round still reads peers' batches from the DHT."""
+        with self._inbox_lock:
+            freed = self._inbox_bytes
+            for topic, buffered in self._inbox.items():
+                while buffered:
+                    self._drop_oldest(topic, buffered, full=False)  # the shedder says so, in one line
+        return freed
 
     def mesh_size(self, topic: str) -> int:
         """How many peers our gossipsub mesh of topic holds: the peers our messages on it are pushed to. None at first:
@@ -475,19 +510,33 @@ class LibP2PGossip(Gossip):
     def _buffer(self, topic: str, data: bytes) -> None:
         with self._inbox_lock:
             buffered = self._inbox.setdefault(topic, deque())
-            first_drop = False
-            if len(buffered) >= self.max_buffered:
-                buffered.popleft()
-                self._dropped_total[topic] = self._dropped_total.get(topic, 0) + 1
-                self._dropped_since_drain[topic] = self._dropped_since_drain.get(topic, 0) + 1
-                first_drop = self._dropped_since_drain[topic] == 1
+            dropped_before = self._dropped_since_drain.get(topic, 0)
             buffered.append(data)
+            self._inbox_bytes += len(data)
+            while len(buffered) > self.max_buffered:
+                self._drop_oldest(topic, buffered)
+            # The bound is on every topic together, and the topic that grew past it gives: with this one emptied the
+            # rest hold no more than they did before, within the bound.
+            while self._inbox_bytes > self.max_buffered_bytes:
+                self._drop_oldest(topic, buffered)
+            first_drop = dropped_before == 0 and self._dropped_since_drain.get(topic, 0) > 0
         if first_drop:
             log.warning(
-                "gossip topic %r: buffer of %d full, dropping the oldest messages until drained",
+                "gossip topic %r: buffer of %d messages or %d MiB full, dropping the oldest messages until drained",
                 topic,
                 self.max_buffered,
+                self.max_buffered_bytes >> 20,
             )
+
+    def _drop_oldest(self, topic: str, buffered: deque[bytes], full: bool = True) -> None:
+        """Drop the oldest message of topic's buffer, counted; `full`: because the buffer was, which the next drain
+        reports (the caller holds _inbox_lock)."""
+        size = len(buffered.popleft())
+        self._inbox_bytes -= size
+        self._dropped_total[topic] = self._dropped_total.get(topic, 0) + 1
+        self._dropped_bytes_total[topic] = self._dropped_bytes_total.get(topic, 0) + size
+        if full:
+            self._dropped_since_drain[topic] = self._dropped_since_drain.get(topic, 0) + 1
 
     async def _publish_in_trio(self, topic: str, data: bytes) -> None:
         assert self._pubsub is not None

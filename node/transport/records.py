@@ -41,6 +41,14 @@ that key got nothing, and hivemind did not even say the read failed. With it the
 readable (the flood fills it and later writers of that shard and window are refused, "key_full"),
 and a reader decodes at most its round's budget of it.
 
+What all keys hold together is bounded as well (MAX_STORAGE_BYTES): keys cost a writer nothing, and each record lives
+its lifetime, so throwaway identities storing under ever new keys would otherwise hold as much of this node's memory
+as their rate times RECORD_TTL_S. The sum is kept as it grows and counted again, expired records gone, when it would
+pass the bound (at most once a second: a count reads every record); past it a new record is refused, "storage_full".
+The DHT node's cache (values its reads found, and those peers push to it: hivemind's `cache_nearest`) is the same
+storage with a bound of its own (MAX_CACHE_BYTES); what does not fit is not cached, and costs nothing: our reads ask
+the network for the latest values whatever the cache holds (node/transport/kv.py).
+
 Refusals are counted by reason and by claimed owner, each distinct record once
 (`RecordRefusals`, bounded) and shown in `swarm.json`, `stats` and `/metrics`; logging is
 rate-limited.
@@ -175,19 +183,68 @@ class SwarmRecordValidator(RecordValidatorBase):
 
 # all subkeys of one key together: a reply must fit p2pd's 4 MiB message (persistentConnMaxMsgSize)
 MAX_KEY_BYTES = 3 << 20
+# All keys together. A node that held every rollout key of its swarm for their 300 s, each full, would hold 30 windows
+# of 10 s x 3 MiB = 90 MiB a write level; honest swarms hold far less, as their keys spread over the DHT's nodes.
+MAX_STORAGE_BYTES = 256 << 20
+STORAGE_RECOUNT_S = 1.0  # the sum over every record is counted again at most this often
+MAX_CACHE_BYTES = 32 << 20  # the DHT node's cache of values found: what a round's reads need is a few keys
+
+
+def value_bytes(value) -> int:
+    """The bytes a stored value holds: a plain value's, or all of a dictionary's subkeys' values."""
+    if isinstance(value, DictionaryDHTValue):
+        return sum(len(item.value) for _, item in value.items())
+    return len(value)
 
 
 class BoundedKeyStorage(DHTLocalStorage):
     """hivemind's local record storage, refusing a new subkey (or a larger value for an existing one) that
-    would take its key past `max_key_bytes`, so that every key this node serves fits in one reply."""
+    would take its key past `max_key_bytes`, so that every key this node serves fits in one reply, or every key
+    together past `max_bytes`."""
 
-    def __init__(self, refusals: RecordRefusals, max_key_bytes: int = MAX_KEY_BYTES) -> None:
+    def __init__(
+        self,
+        refusals: RecordRefusals,
+        max_key_bytes: int = MAX_KEY_BYTES,
+        max_bytes: int = MAX_STORAGE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self.refusals = refusals
         self.max_key_bytes = max_key_bytes
+        self.max_bytes = max_bytes
+        self.clock = clock
+        # the values' bytes stored, less those replaced: at least what is held (an expired record stays in it until
+        # the next count)
+        self.held_bytes = 0
+        self._counted_at = -float("inf")
+
+    def count_held_bytes(self) -> int:
+        """The bytes of every value held now, expired ones gone (reads every record)."""
+        self.held_bytes = sum(value_bytes(held.value) for _, held in self.items())
+        self._counted_at = self.clock()
+        return self.held_bytes
+
+    def clear(self) -> None:
+        super().clear()
+        self.held_bytes = 0
+
+    def store(self, key, value, expiration_time: float, subkey=None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        held = self.get(key)
+        growth = value_bytes(value) - (value_bytes(held.value) if held is not None else 0)
+        if not self._room_for(growth):
+            self._refuse(key, "", value, "storage_full", self._full_detail(growth))
+            return False
+        stored = super().store(key, value, expiration_time)
+        if stored:
+            self.held_bytes += growth
+        return stored
 
     def store_subkey(self, key, subkey, value: bytes, expiration_time: float) -> bool:
         held = self.get(key)
+        replaced = None
         if held is not None and isinstance(held.value, DictionaryDHTValue):
             replaced = held.value.get(subkey)
             size = (
@@ -196,27 +253,63 @@ class BoundedKeyStorage(DHTLocalStorage):
                 + len(value)
             )
             if size > self.max_key_bytes:
-                self.refusals.record(
-                    str(subkey)[:64],
-                    "key_full",
-                    f"the key would hold {size} bytes, limit {self.max_key_bytes}",
-                    record=(key.to_bytes(), repr(subkey).encode(), value),
+                self._refuse(
+                    key, subkey, value, "key_full", f"the key would hold {size} bytes, limit {self.max_key_bytes}"
                 )
                 return False
-        return super().store_subkey(key, subkey, value, expiration_time)
+        growth = len(value) - (len(replaced.value) if replaced is not None else 0)
+        if not self._room_for(growth):
+            self._refuse(key, subkey, value, "storage_full", self._full_detail(growth))
+            return False
+        stored = super().store_subkey(key, subkey, value, expiration_time)
+        if stored:
+            self.held_bytes += growth
+        return stored
+
+    def _room_for(self, growth: int) -> bool:
+        if growth <= 0 or self.held_bytes + growth <= self.max_bytes:
+            return True
+        if self.clock() - self._counted_at < STORAGE_RECOUNT_S:
+            return False
+        return self.count_held_bytes() + growth <= self.max_bytes
+
+    def _full_detail(self, growth: int) -> str:
+        return f"the node would hold {self.held_bytes + growth} bytes of records, limit {self.max_bytes}"
+
+    def _refuse(self, key, subkey, value: bytes, reason: str, detail: str) -> None:
+        self.refusals.record(str(subkey)[:64], reason, detail, record=(key.to_bytes(), repr(subkey).encode(), value))
 
 
 def bound_key_storage(dht, refusals: RecordRefusals | None = None) -> None:
-    """Give a freshly created DHTNode a BoundedKeyStorage (hivemind takes no storage argument), keeping what it stored
-    while joining."""
-    bounded = BoundedKeyStorage(refusals if refusals is not None else RecordRefusals())
-    for key, (value, expiration) in dht.protocol.storage.items():
+    """Give a freshly created DHTNode a BoundedKeyStorage for its storage and another for its cache (hivemind takes
+    no storage argument), keeping what they held while joining."""
+    dht.protocol.storage = _bounded_copy(
+        dht.protocol.storage, BoundedKeyStorage(refusals if refusals is not None else RecordRefusals())
+    )
+    # what is not cached is asked of the network again, so nobody is told: its refusals are counted nowhere
+    dht.protocol.cache = _bounded_copy(
+        dht.protocol.cache, BoundedKeyStorage(RecordRefusals(), max_bytes=MAX_CACHE_BYTES)
+    )
+
+
+def _bounded_copy(storage: DHTLocalStorage, bounded: BoundedKeyStorage) -> BoundedKeyStorage:
+    for key, (value, expiration) in storage.items():
         if isinstance(value, DictionaryDHTValue):
             for subkey, (item, item_expiration) in value.items():
                 bounded.store_subkey(key, subkey, item, item_expiration)
         else:
             bounded.store(key, value, expiration)
-    dht.protocol.storage = bounded
+    return bounded
+
+
+def clear_dht_cache(dht) -> int:
+    """Empty the DHT node's local cache of the values its reads found, and return their bytes. Our reads ask for the
+    latest values (node/transport/kv.py), which hivemind looks up on the network whatever its cache holds, so nothing
+    is lost but memory: rollout keys of up to MAX_KEY_BYTES each, kept until they expire (RECORD_TTL_S)."""
+    cache = dht.protocol.cache
+    held = sum(value_bytes(value) for _, (value, _) in cache.items())
+    cache.clear()
+    return held
 
 
 class SignedRecord(NamedTuple):
