@@ -195,6 +195,13 @@ class RolloutConfig(_Section):
     pipeline's remote sessions cannot drop rows); the completions' distribution is the same either way."""
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of GPU memory vLLM may take (vllm backend only)."""
+    max_staleness: int = Field(0, ge=0, le=1)
+    """Policy versions the node's own rollouts may be behind the policy they train: 0, the serial round (generate,
+    then update); 1, the next round's rollouts are generated while this round's update runs, with the weights from
+    before it (a copy the sampler keeps), so they are one version behind when they are trained on and the trainer's
+    truncated importance weight corrects them. 1 needs the transformers backend, the policy in this process, and a
+    round that collects peers' groups after publishing its own, or none (no swarm.external_gate, swarm.local_draw
+    'mix'): its questions are drawn before the round before it has ended."""
 
 
 class TrainerConfig(_Section):
@@ -556,6 +563,21 @@ class NodeConfig(_Section):
             raise ValueError(
                 f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
                 "weight)"
+            )
+        ahead_blockers = [
+            what
+            for what, blocks in (
+                ("rollout.backend vllm", self.rollout.backend != "transformers"),
+                ("pipeline.objective grpo", self.pipeline.objective == "grpo"),
+                ("swarm.external_gate", self.swarm.external_questions > 0 and self.swarm.external_gate != "none"),
+                ("swarm.local_draw balance", self.swarm.external_questions > 0 and self.swarm.local_draw == "balance"),
+            )
+            if blocks
+        ]
+        if self.rollout.max_staleness > 0 and ahead_blockers:
+            raise ValueError(
+                f"rollout.max_staleness {self.rollout.max_staleness} generates a round's rollouts during the update "
+                f"before it, which {', '.join(ahead_blockers)} cannot: set rollout.max_staleness 0, or change those"
             )
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":

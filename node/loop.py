@@ -82,6 +82,12 @@ async def _best_effort(closing, what: str, timeout_s: float = 30.0) -> None:
         log.info("closing the broken %s: %s: %s", what, type(exc).__name__, exc)
 
 
+def own_staleness(groups, policy_version: int) -> dict[str, float]:
+    """Policy versions the node's own completions were behind the policy they trained (rollout.max_staleness)."""
+    behind = [policy_version - c.policy_version for g in groups for c in g.completions]
+    return {"staleness_mean": sum(behind) / max(1, len(behind)), "staleness_max": max(behind, default=0)}
+
+
 class Node:
     def __init__(
         self,
@@ -150,6 +156,8 @@ class Node:
         self._rejoining: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
+        self.sampler_model = None  # the policy the rollout backend samples from: the trainer's, or a copy of it
+        self._ahead: asyncio.Task | None = None  # the next round's own rollouts, generating (rollout.max_staleness 1)
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
@@ -249,7 +257,9 @@ class Node:
         )
 
     def _build_rollouts(self, policy_version: int) -> None:
-        self.backend = self.build_backend(self.model, self.tokenizer, policy_version)
+        # rollout.max_staleness 1: the sampler generates while the trainer steps, so it keeps weights of its own
+        self.sampler_model = copy.deepcopy(self.model) if self.config.rollout.max_staleness else self.model
+        self.backend = self.build_backend(self.sampler_model, self.tokenizer, policy_version)
         self.local = LocalRollouts(self.config, self.tasks, self.backend)
         self.sharing = PeerRollouts(
             self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse
@@ -476,23 +486,27 @@ class Node:
             peers, sharing_s = await self._peer_groups(round_)
             peers_taken = len(peers.groups)
         generated, trained = plan.own_quota(peers_taken)
-        questions = self.local.draw(
-            self.round * plan.draw_stride,  # a gated round may draw more: the stride keeps draws from overlapping
-            generated,
-            balance_with=peers.groups if plan.balance_draw else None,
-            batch_groups=plan.batch_groups,
-        )
-        work_before = copy.copy(self.backend.work)
         self.progress.enter("generating")
-        local_groups, summary, timings = await asyncio.to_thread(
-            self.local.generate_and_score, questions, self._generation_seed(round_)
-        )
-        generation_work = self.backend.work.since(work_before)
+        ahead_wait_s = None
+        if self._ahead is not None:  # generated while the round before it trained
+            waited = time.perf_counter()
+            local_groups, summary, timings, generation_work = await self._ahead
+            self._ahead, ahead_wait_s = None, time.perf_counter() - waited
+        else:
+            questions = self.local.draw(
+                self.round * plan.draw_stride,  # a gated round may draw more: the stride keeps draws from overlapping
+                generated,
+                balance_with=peers.groups if plan.balance_draw else None,
+                batch_groups=plan.batch_groups,
+            )
+            local_groups, summary, timings, generation_work = await self._generate(questions, round_)
         if shared := plan.to_publish(local_groups):
             self.progress.enter("publishing")
             await self.transport.publish(round_, self.policy_version, shared)
         if plan.collect == "after_publishing":
             peers, sharing_s = await self._peer_groups(round_)
+        if self.config.rollout.max_staleness:  # the next round's own rollouts, from the weights before this update
+            self._start_ahead(round_ + 1)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, trained)
@@ -501,11 +515,13 @@ class Node:
             replayed = self.own_replay.draw()  # before this round's answers join it: a round never replays itself
             self.own_replay.add(local_groups)
         self.progress.enter("training")
+        trained_at = self.policy_version
         stats = await asyncio.to_thread(self.trainer.step, plan.training_batch(chosen_local, peers, replayed))
         timings.update_s = time.perf_counter() - start
         if self.averaging:
             self.averaging.maybe_start(self.policy_version)
-        self.backend.sync_weights(self.model, self.policy_version)
+        if not self.config.rollout.max_staleness:  # else the sampler takes the weights when it next starts
+            self.backend.sync_weights(self.model, self.policy_version)
         if self.memory_budget is not None and (shed := self.memory_budget.check()) is not None:
             self.stats.count_shed(shed)
         row = self.telemetry.round_row(
@@ -526,8 +542,13 @@ class Node:
             update_s=timings.update_s,
             generation_work=generation_work,
         )
+        if self.config.rollout.max_staleness:
+            row.update(own_staleness(local_groups, trained_at))
+            # how long it waited for the rollouts generated during the round before (None: the first, generated now)
+            row["ahead_wait_s"] = ahead_wait_s
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
+            await self.settle_rollouts()  # the evaluation samples from the same weights: one sampler at a time
             self.progress.enter("evaluating")
             row["heldout_accuracy"], row["heldout_by_dataset"] = await asyncio.to_thread(self.evaluator.by_dataset)
         row["step_s"] = time.perf_counter() - round_start
@@ -546,6 +567,31 @@ class Node:
                     "%s; training goes on and saves again at round %d", exc, round_ + self.config.checkpoint_every
                 )
         return row
+
+    async def _generate(self, questions, round_: int):
+        """The round's own groups generated and scored in a worker thread, their summary, timings and sampling work."""
+        work_before = copy.copy(self.backend.work)
+        groups, summary, timings = await asyncio.to_thread(
+            self.local.generate_and_score, questions, self._generation_seed(round_)
+        )
+        return groups, summary, timings, self.backend.work.since(work_before)
+
+    async def settle_rollouts(self) -> None:
+        """Wait until the rollouts generating ahead (rollout.max_staleness 1), if any, are done: whatever samples next
+        (an evaluation, the next round) then has the sampler to itself."""
+        if self._ahead is not None:
+            await asyncio.wait({self._ahead})
+
+    def _start_ahead(self, round_: int) -> None:
+        """Start round `round_`'s own rollouts now, from the trainer's weights as they are (before this round's
+        update), copied into the sampler's model: the same questions and seed as the serial round would draw."""
+        with torch.no_grad():
+            for mine, trainer in zip(self.sampler_model.state_dict().values(), self.model.state_dict().values()):
+                mine.copy_(trainer)
+        self.backend.sync_weights(self.sampler_model, self.policy_version)
+        generated, _ = self.plan.own_quota(None)  # no gate with rollout.max_staleness: what it took changes nothing
+        questions = self.local.draw((round_ - 1) * self.plan.draw_stride, generated)
+        self._ahead = asyncio.create_task(self._generate(questions, round_), name="rollouts-ahead")
 
     async def _peer_groups(self, round_: int) -> tuple[PeerChoice, float]:
         """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the
@@ -597,4 +643,6 @@ class Node:
                 await asyncio.to_thread(self.save)
         finally:
             await self.stop_services()
+            await self.settle_rollouts()  # rollouts of a round that will not run: let its thread end, keep nothing
+            self._ahead = None
             self.backend.close()
