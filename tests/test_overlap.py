@@ -34,7 +34,12 @@ def test_a_node_one_version_ahead_answers_the_same_questions_and_trains_them_one
     for staleness in (0, 1):
         transport = Recording()
         node = Node(
-            tiny_config(f"rollout.max_staleness={staleness}", "eval_every=0", "tasks.format_reward=0.1", state_dir=tmp_path / str(staleness)),
+            tiny_config(
+                f"rollout.max_staleness={staleness}",
+                "eval_every=0",
+                "tasks.format_reward=0.1",  # a reward spread, so that rounds step and versions move
+                state_dir=tmp_path / str(staleness),
+            ),
             transport=transport,
         )
         node.load()
