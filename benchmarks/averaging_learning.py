@@ -38,7 +38,8 @@ from node.averaging.outer import float_parameters  # noqa: E402
 from node.weights.validation import relative_distance  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
-from swarm_vs_isolated import parse_mix, spread as value_spread  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from benchmarks.common import spread as value_spread  # noqa: E402 - `spread` here is the replicas'
+from benchmarks.swarm_vs_isolated import parse_mix  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

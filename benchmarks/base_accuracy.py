@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from node.config import DatasetConfig, load_config  # noqa: E402
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line  # noqa: E402
 from node.model import resolve_initial_policy  # noqa: E402
 from node.rollouts.transformers_backend import TransformersBackend  # noqa: E402
 from node.tasks import TaskSource  # noqa: E402
@@ -108,9 +108,7 @@ def main() -> None:
         "answer_extraction": config.tasks.answer_extraction,
         "tasks": report,
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 if __name__ == "__main__":

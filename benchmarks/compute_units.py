@@ -40,22 +40,19 @@ import asyncio
 import copy
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from node.compute import RoundWork, model_shape_key, round_layout  # noqa: E402
-from node.config import load_config  # noqa: E402
-from node.loop import Node  # noqa: E402
-from node.stats import SwarmStats  # noqa: E402
-from node.trainer import GRPOTrainer, TrainingBatch, completion_logprobs, padded_positions  # noqa: E402
-from node.transport.inprocess import InProcessExchange, InProcessTransport  # noqa: E402
-from protocol import NodeIdentity  # noqa: E402
+from node.compute import RoundWork, model_shape_key, round_layout
+from node.config import load_config
+from node.loop import Node
+from node.stats import SwarmStats
+from node.trainer import GRPOTrainer, TrainingBatch, completion_logprobs, padded_positions
+from node.transport.inprocess import InProcessExchange, InProcessTransport
+from protocol import NodeIdentity
 
 REPO = Path(__file__).resolve().parents[1]
 

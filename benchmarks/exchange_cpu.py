@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line  # noqa: E402
 from node.weights.codec import EncodedWeights, decode_weights, encode_weights  # noqa: E402
 from node.weights.validation import validate_partner_weights  # noqa: E402
 
@@ -112,9 +112,7 @@ def main() -> None:
         "check_speedup": replaced / check,
         "load_average": os.getloadavg(),
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 if __name__ == "__main__":

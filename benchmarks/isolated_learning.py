@@ -33,9 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node.config import load_config  # noqa: E402
-from benchmarks.sharing import unit_costs  # noqa: E402
+from benchmarks.arms.lockstep import unit_costs  # noqa: E402
 from node.compute import RoundWork, UnitCosts  # noqa: E402
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.tasks import SpecialtyScore  # noqa: E402
 
@@ -231,9 +231,7 @@ def main() -> None:
         "distinct_greedy_answers_before": distinct_before,  # {specialty: [given, right]}
         "distinct_greedy_answers_after": distinct_after,
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 def _distinct(scores: dict[str, SpecialtyScore]) -> dict[str, tuple[int, int]]:

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.lab import Lab, Link, lab_unavailable  # noqa: E402
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line, read_json_lines  # noqa: E402
 
 SWARM_NODE = str(REPO / ".venv" / "bin" / "swarm-node")
 
@@ -54,8 +54,7 @@ def wait_for_address(path: Path, ip: str, proc: subprocess.Popen, timeout_s: flo
 
 
 def metrics_summary(state_dir: Path) -> dict:
-    path = state_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = read_json_lines(state_dir / "metrics.jsonl")
     return {
         "rounds": len(rows),
         "external_questions": sum(r.get("external_questions", 0) for r in rows),
@@ -153,9 +152,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
         "logs": str(scratch),
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 if __name__ == "__main__":

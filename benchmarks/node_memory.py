@@ -18,7 +18,6 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line  # noqa: E402
 
 EXE = [sys.executable, "-m", "node.cli"]
 # `join`'s preset already means the DHT transport with 4 external questions; said here too so
@@ -167,9 +166,7 @@ def main() -> None:
             "max_peak_mib": max(r["peak_mib"] for r in result.values()),
             "load_average": os.getloadavg(),
         }
-        if args.results is not None:
-            append_json_line(args.results, line)
-        print(json.dumps(line))
+        print_result_line(line, args.results)
     finally:
         for proc in procs:
             if proc.poll() is None:

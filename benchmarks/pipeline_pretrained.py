@@ -28,7 +28,6 @@ order (a middle stage is rebuilt by CheckFree either way).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -41,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line, read_json_lines  # noqa: E402
 
 SWARM_NODE = str(REPO / ".venv" / "bin" / "swarm-node")
 START_S = 900.0  # a server loads the 538 MB float32 preset and cuts its stage out: minutes on a loaded machine
@@ -52,8 +51,7 @@ def settings(values: list[str]) -> list[str]:
 
 
 def rows_of(state_dir: Path) -> list[dict]:
-    path = state_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_json_lines(state_dir / "metrics.jsonl")
 
 
 def wait(condition, timeout_s: float, what: str, procs: list[subprocess.Popen]):
@@ -211,9 +209,7 @@ def main() -> None:
         "runs": runs,
         "load_average": os.getloadavg(),
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 if __name__ == "__main__":

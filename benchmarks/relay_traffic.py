@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lab import Lab, lab_unavailable, node_summary, start_swarm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lab import Lab, lab_unavailable, node_summary, start_swarm  # noqa: E402
 
 NAT = {1: 0, 2: 1}  # node -> router
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from node.config import load_config  # noqa: E402
-from node.files import append_json_line  # noqa: E402
+from benchmarks.common import print_result_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 from node.rollouts.transformers_backend import TransformersBackend, left_pad  # noqa: E402
 from node.trainer import GRPOTrainer, TrainingBatch  # noqa: E402
@@ -170,9 +169,7 @@ def main() -> None:
         "round_split_s": split,
         "update": update,
     }
-    if args.results is not None:
-        append_json_line(args.results, line)
-    print(json.dumps(line))
+    print_result_line(line, args.results)
 
 
 def update_cost(node: Node, questions, repeats: int) -> dict:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import spread  # noqa: E402
 from node.config import load_config  # noqa: E402
 from node.loop import Node  # noqa: E402
 
@@ -141,15 +142,6 @@ async def run_mix(
     finally:
         for node in swarm:
             await node.stop_services()
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "mean": statistics.fmean(values),
-        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-    }
 
 
 def main() -> None:

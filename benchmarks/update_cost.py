@@ -86,12 +86,11 @@ def legacy_inputs(batch: TrainingBatch) -> tuple[list[LegacyGroup], list[LegacyG
 
 
 async def record_rounds(arm: str, rounds: int, args) -> tuple[list, object]:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import sharing
+    from benchmarks.arms.lockstep import make_nodes
 
     recorded = []
     with tempfile.TemporaryDirectory() as scratch:
-        nodes = await sharing.make_nodes("specialists", arm, 0, scratch, args)
+        nodes = await make_nodes("specialists", arm, 0, scratch, args)
         learner = nodes[0]
         step = learner.trainer.step
 
@@ -130,15 +129,15 @@ def main() -> None:
         help="the commit whose node/trainer.py is 'before' (one from before node/trainer/ was a package)",
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import sharing
     import transformers
+
+    from benchmarks.arms.catalog import CONFIG, parse_warmup_steps
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
-    args.warmup_steps = sharing.parse_warmup_steps(args.warmup_steps)
-    args.transport, args.set, args.config, args.sparse_warmup_steps = "inprocess", [], sharing.CONFIG, 60
+    args.warmup_steps = parse_warmup_steps(args.warmup_steps)
+    args.transport, args.set, args.config, args.sparse_warmup_steps = "inprocess", [], CONFIG, 60
     old = trainer_module_at(args.before)
     from node.trainer import GRPOTrainer
 

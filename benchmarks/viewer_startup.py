@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from node.stats import SwarmStats
 
-from node.stats import SwarmStats  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_state_dir(state_dir: Path, rows: int) -> None:

@@ -19,18 +19,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from node.config import load_config  # noqa: E402
-from node.model import build_char_tokenizer, build_default_model  # noqa: E402
-from node.rollouts.transformers_backend import TransformersBackend  # noqa: E402
-from node.tasks import TaskSource  # noqa: E402
-from node.warmstart import warm_start  # noqa: E402
+from node.config import load_config
+from node.model import build_char_tokenizer, build_default_model
+from node.rollouts.transformers_backend import TransformersBackend
+from node.tasks import TaskSource
+from node.warmstart import warm_start
 
 
 def evaluate(backend: TransformersBackend, source: TaskSource, questions) -> dict:

@@ -19,8 +19,7 @@ needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_una
 # Inside the namespace: host "a" serves 3 MB from its port, host "b" uploads 2 MB to a store's port (from a port of
 # the moment, as a checkpoint upload does), and 1 MB comes from a port of no host. Prints each class's bytes.
 TRANSFERS = """
-import json, socket, sys, threading
-sys.path.insert(0, sys.argv[1])
+import json, socket, threading
 from benchmarks.host_uplinks import HostUplinks
 
 def listener():
@@ -73,7 +72,7 @@ print(json.dumps(uplinks.sent_bytes()))
 def test_each_host_s_packets_go_through_its_own_uplink_and_the_namespace_goes_after():
     with RunNamespace() as namespace:
         done = subprocess.run(
-            namespace.command([sys.executable, "-c", TRANSFERS, str(REPO)]), capture_output=True, text=True
+            namespace.command([sys.executable, "-c", TRANSFERS]), capture_output=True, text=True, cwd=REPO
         )
         assert done.returncode == 0, done.stderr
         sent = json.loads(done.stdout.splitlines()[-1])
@@ -92,12 +91,10 @@ def test_a_run_s_namespace_is_known_from_inside_and_its_loopback_is_shaped_only_
     assert not in_own_namespace()
     with pytest.raises(RuntimeError, match="namespace of its own"):
         HostUplinks(mbit=20)  # here it would shape the machine's own loopback
-    probe = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import benchmarks.host_uplinks as u; print(u.in_own_namespace())"
-    )
+    probe = "import benchmarks.host_uplinks as u; print(u.in_own_namespace())"
     with RunNamespace() as namespace:
         inside = subprocess.run(
-            namespace.command([sys.executable, "-c", probe, str(REPO)]), capture_output=True, text=True
+            namespace.command([sys.executable, "-c", probe]), capture_output=True, text=True, cwd=REPO
         )
         assert inside.stdout.strip() == "True", inside.stderr
     shaped = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout

@@ -12,11 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
-from tests.helpers.swarm import read_rows, wait_for
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import (  # noqa: E402
+from benchmarks.lab import (
     REGISTRY_DIR,
     Lab,
     Link,
@@ -26,6 +22,8 @@ from lab import (  # noqa: E402
     node_summary,
     start_swarm,
 )
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
+from tests.helpers.swarm import read_rows, wait_for
 
 needs_lab = pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 
@@ -146,9 +144,8 @@ def test_shaped_links_partitions_and_teardown(tmp_path):
 @needs_lab
 def test_a_lab_killed_with_sigkill_is_removed_by_the_next_one(tmp_path):
     script = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(REPO / 'benchmarks')!r})
-        from lab import Lab
+        import time
+        from benchmarks.lab import Lab  # python -c puts its working directory, the repository, on the path
         lab = Lab(2, host_link=False)
         lab.up()
         lab.run(1, ["sleep", "1000"], __import__("pathlib").Path({str(tmp_path / 'sleep.log')!r}))

@@ -4,16 +4,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 
+from benchmarks.lab import Lab, Link, lab_unavailable, node_summary, start_swarm
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES
 from tests.helpers.swarm import peers_listed, read_rows, wait_for
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab, Link, lab_unavailable, node_summary, start_swarm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))]
 SWARM_ID = "lab-faults"

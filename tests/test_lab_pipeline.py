@@ -21,18 +21,14 @@ check; how long the way back took is printed (run with -s), not asserted.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import pytest
 
-from tests.helpers.common import REPO
+from benchmarks.lab import Lab, lab_unavailable
 from tests.helpers.netlab import start_command
 from tests.helpers.pipeline import assert_trains, recoveries
 from tests.helpers.swarm import read_rows, wait_for
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab, lab_unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))]
 

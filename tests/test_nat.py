@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 
 import pytest
 
 from node.config import dump_config, load_config
 from protocol import NodeIdentity
+from benchmarks.lab import Lab, lab_unavailable
 from tests.helpers.common import REPO, TINY_OVERRIDES
 from tests.helpers.pipeline import PIPELINE_OVERRIDES, assert_trains, recoveries
 from tests.helpers.netlab import start_command
 from tests.helpers.swarm import peers_listed, read_rows, wait_for
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab, lab_unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))]
 

@@ -13,10 +13,8 @@ import sys
 
 import pytest
 
+from benchmarks.lab import lab_unavailable
 from tests.helpers.common import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import lab_unavailable  # noqa: E402
 
 # the tiny mode: micro-batch B = 2 sequences of T = 16 tokens, hidden H = 32, the char vocabulary V = 100;
 # 2 micro-batches per step (one straight, one with CheckFree+'s swapped order), 1 timed step
@@ -187,11 +185,11 @@ def test_lab_transport_floor_echoes_across_two_namespaces_and_charges_each_way_a
     assert all(isinstance(n, int) for n in rate["tcp_trouble"].values())
     # a count is what a namespace's counter rose by, and one the benchmark could not read would show as 0 too: a lab
     # namespace's counters are read in full, so a 0 above is no trouble
-    from benchmarks.pipeline_throughput import TCP_TROUBLE, _tcp_counters
-    from lab import Lab
+    from benchmarks.lab import Lab
+    from benchmarks.throughput.floor import TCP_TROUBLE, tcp_counters
 
     with Lab(1, host_link=False) as lab:
-        assert set(_tcp_counters(lab.ns(0))) == set(TCP_TROUBLE) == set(rate["tcp_trouble"])
+        assert set(tcp_counters(lab.ns(0))) == set(TCP_TROUBLE) == set(rate["tcp_trouble"])
 
 
 @pytest.mark.integration
@@ -224,7 +222,7 @@ def test_protobuf_cost_times_both_implementations_on_the_same_messages():
 def test_bytes_per_micro_batch_count_each_micro_batch_once_and_its_broken_attempts_apart():
     """Hand-made calls: micro-batch 0 went through on its first attempt; micro-batch 1's first attempt completed
     its hop-0 forward before its route broke, and its second attempt went through."""
-    from benchmarks.pipeline_throughput import summarize_calls
+    from benchmarks.throughput.calls import summarize_calls
 
     def row(op: str, micro_batch: str, attempt: int, out: int, into: int) -> dict:
         return {"op": op, "s": 0.01, "micro_batch": micro_batch, "attempt": attempt, "out": out, "in": into}
@@ -279,7 +277,7 @@ def test_loss_check_trains_one_process_on_the_pipeline_s_micro_batches_from_the_
 
 
 def test_recovery_stalls_are_grouped_by_size_way_and_method():
-    from benchmarks.pipeline_throughput import print_stalls
+    from benchmarks.throughput.recovery import print_stalls
 
     def event(way: str, method: str, stall: float, load: float | None, waited: float | None) -> dict:
         return {"way": way, "method": method, "stall_s": stall, "spare_load_s": load, "waited_s": waited}

@@ -10,23 +10,19 @@ import pytest
 import torch
 import yaml
 
-from benchmarks.sharing import (
+from benchmarks.arms.catalog import (
     ARMS,
     CONFIG,
     FOUR_CONFIG,
     FOUR_SPECIALTIES as FOUR,
     arm_or_variant,
-    four_specialists,
-    homogeneous_ratios,
     may_be_best,
     node_overrides,
-    own_gain_per_node,
-    round_cost_against,
-    silo_twin_differences,
     single_node_arm,
-    warm_start_mismatches,
-    weights_digest,
 )
+from benchmarks.arms.curves import own_gain_per_node, silo_twin_differences
+from benchmarks.arms.lockstep import weights_digest
+from benchmarks.arms.report import four_specialists, homogeneous_ratios, round_cost_against, warm_start_mismatches
 
 
 @pytest.mark.parametrize(("setting", "path"), [("specialists", CONFIG), ("four", FOUR_CONFIG)])

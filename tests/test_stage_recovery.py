@@ -30,34 +30,32 @@ from benchmarks.checkpoint_store import (
     store_serve,
     until_listening,
 )
-from benchmarks.stage_recovery import (
+from benchmarks.recovery.bench import LoadHold, recovery_seconds
+from benchmarks.recovery.campaign import baseline_key, config_key, read_rows
+from benchmarks.recovery.checkpoints import (
     OWN_STEPS,
-    STAGES,
     Checkpoints,
-    LoadHold,
-    baseline_key,
     checkpoint_every,
-    config_key,
     cost_with_uploads,
-    failure_schedule,
-    fixed_failures,
     load_stage_checkpoint,
     own_normal_step,
+    save_stage_checkpoint,
+    young_interval,
+)
+from benchmarks.recovery.report import rebuild_bytes, report
+from benchmarks.recovery.runs import (
+    STAGES,
+    failure_schedule,
+    fixed_failures,
     pretrain,
     pretrained_path,
-    read_rows,
-    rebuild_bytes,
-    recovery_seconds,
-    report,
     run_config,
-    save_stage_checkpoint,
     seeded_shape_overrides,
-    young_interval,
 )
 from node.config import load_config
 from node.model import build_char_tokenizer, build_default_model, ensure_default_model, load_policy
 from node.pipeline.corpus import validation_corpus
-from benchmarks.pipeline_throughput import OneProcess
+from benchmarks.throughput.harness import OneProcess
 from node.pipeline.recovery import choose_method
 from node.pipeline.stagemap import StageMap
 from node.pipeline.stages import PipelineStage, StagePlan, checkfree_plus_extra_parts, split_model

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from tests.helpers.common import REPO
+from benchmarks.lab import Lab
 from tests.helpers.swarm import wait_for
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lab import Lab  # noqa: E402
 
 
 def start_command(
