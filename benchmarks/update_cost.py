@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,6 +73,12 @@ class LegacyGroup:
 
     def demonstrations(self) -> list:
         return list(self.marked)
+
+
+def legacy_config(config):
+    """Today's trainer settings with the fields trainers of before read and that have since left the schema, at the
+    values that meant today's behaviour (per-token importance weights)."""
+    return SimpleNamespace(**config.model_dump(), importance_level="token", importance_alpha=1.0)
 
 
 def legacy_inputs(batch: TrainingBatch) -> tuple[list[LegacyGroup], list[LegacyGroup]]:
@@ -151,7 +158,13 @@ def main() -> None:
             # the policy version the groups were sampled at: the node's own count them on-policy, as in the round
             version = max((c.policy_version for g in batch.groups for c in g.completions), default=0)
             t_old, w_old = time_step(
-                old.GRPOTrainer, config.trainer, model, tokenizer, temperature, legacy_inputs(batch), version
+                old.GRPOTrainer,
+                legacy_config(config.trainer),
+                model,
+                tokenizer,
+                temperature,
+                legacy_inputs(batch),
+                version,
             )
             t_new, w_new = time_step(GRPOTrainer, config.trainer, model, tokenizer, temperature, (batch,), version)
             before_s.append(t_old)
