@@ -160,11 +160,9 @@ def main() -> None:
         "arms": figures,
         "load_average": os.getloadavg(),
     }
-    print(json.dumps(line))
-    if args.results is not None:
-        from node.files import append_json_line
+    from benchmarks.common import print_result_line
 
-        append_json_line(args.results, line)
+    print_result_line(line, args.results)
 
 
 if __name__ == "__main__":
