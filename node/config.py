@@ -202,6 +202,18 @@ class RolloutConfig(_Section):
     truncated importance weight corrects them. 1 needs the transformers backend, the policy in this process, and a
     round that collects peers' groups after publishing its own, or none (no swarm.external_gate, swarm.local_draw
     'mix'): its questions are drawn before the round before it has ended."""
+    over_sample: float = Field(0.0, ge=0, le=4)
+    """Partial rollouts (APRIL): 0, off; x > 0, a round samples groups for (1 + x) times the questions it trains on,
+    stops decoding once that many groups have every completion ended, and carries the completions it stopped to the
+    next round, which resumes them first under its newer policy (node/rollouts/partial.py; lost on a restart). A round
+    then waits for the bulk of its completions, not for the longest. The stop counts across the whole round only when
+    one generation batch holds all its rows: set generation_batch_size to at least (1 + x) * questions * G. Needs the
+    transformers backend, the policy in this process, rollout.max_staleness 0, and a round that draws its questions
+    before it collects peers' groups, or collects none (no swarm.external_gate, swarm.local_draw 'mix')."""
+    partial_prefix: Literal["keep", "mask"] = "keep"
+    """What the policy-gradient term does with a resumed completion's tokens an older policy sampled
+    (rollout.over_sample): 'keep', trained with their own behaviour log-probs, which the truncated importance weight
+    corrects exactly; 'mask', left out of the term (still the context of the tokens after them)."""
 
 
 class TrainerConfig(_Section):
@@ -564,20 +576,28 @@ class NodeConfig(_Section):
                 f"swarm.imitation {self.swarm.imitation!r} needs trainer.imitation_coef > 0 (the imitation term's "
                 "weight)"
             )
-        ahead_blockers = [
-            what
-            for what, blocks in (
-                ("rollout.backend vllm", self.rollout.backend != "transformers"),
-                ("pipeline.objective grpo", self.pipeline.objective == "grpo"),
-                ("swarm.external_gate", self.swarm.external_questions > 0 and self.swarm.external_gate != "none"),
-                ("swarm.local_draw balance", self.swarm.external_questions > 0 and self.swarm.local_draw == "balance"),
-            )
-            if blocks
-        ]
+        # what a round whose own rollouts are not sampled all at once, after peers' groups are in, cannot do with
+        ahead_blockers_of = (
+            ("rollout.backend vllm", self.rollout.backend != "transformers"),
+            ("pipeline.objective grpo", self.pipeline.objective == "grpo"),
+            ("swarm.external_gate", self.swarm.external_questions > 0 and self.swarm.external_gate != "none"),
+            ("swarm.local_draw balance", self.swarm.external_questions > 0 and self.swarm.local_draw == "balance"),
+        )
+        ahead_blockers = [what for what, blocks in ahead_blockers_of if blocks]
         if self.rollout.max_staleness > 0 and ahead_blockers:
             raise ValueError(
                 f"rollout.max_staleness {self.rollout.max_staleness} generates a round's rollouts during the update "
                 f"before it, which {', '.join(ahead_blockers)} cannot: set rollout.max_staleness 0, or change those"
+            )
+        partial_blockers = [
+            what
+            for what, blocks in (*ahead_blockers_of, ("rollout.max_staleness 1", self.rollout.max_staleness > 0))
+            if blocks
+        ]
+        if self.rollout.over_sample > 0 and partial_blockers:
+            raise ValueError(
+                f"rollout.over_sample {self.rollout.over_sample} stops a round's sampling midway and resumes it in the "
+                f"next round, which {', '.join(partial_blockers)} cannot: set rollout.over_sample 0, or change those"
             )
         if self.pipeline.objective == "grpo":
             if self.swarm.transport == "none":

@@ -29,6 +29,7 @@ from node.host_memory import MemoryBudget, hand_back_freed_memory
 from node.policy import LoadedPolicy, policy_for
 from node.rollouts import build_rollout_backend
 from node.rollouts.base import ExternalGroup, RolloutBackend
+from node.rollouts.partial import PartialRollouts, SampledCompletions
 from node.state import CheckpointNotSaved, StateStore, restore_rng
 from node.evaluation import HeldoutEvaluator
 from node.local_rollouts import LocalRollouts
@@ -158,6 +159,9 @@ class Node:
         self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
         self.sampler_model = None  # the policy the rollout backend samples from: the trainer's, or a copy of it
         self._ahead: asyncio.Task | None = None  # the next round's own rollouts, generating (rollout.max_staleness 1)
+        self.partial: PartialRollouts | None = (
+            None  # rollout.over_sample: the groups it stopped, carried (built with the backend)
+        )
         self._outer_state: dict | None = None  # restored from a checkpoint, applied when averaging starts
 
     # set-up ------------------------------------------------------------------
@@ -261,6 +265,16 @@ class Node:
         self.sampler_model = copy.deepcopy(self.model) if self.config.rollout.max_staleness else self.model
         self.backend = self.build_backend(self.sampler_model, self.tokenizer, policy_version)
         self.local = LocalRollouts(self.config, self.tasks, self.backend)
+        rollout = self.config.rollout
+        if rollout.over_sample > 0:
+            self.partial = PartialRollouts(
+                self.backend,
+                lambda prompt: self.tokenizer.encode(prompt, add_special_tokens=False),
+                self.tasks.prompt,
+                rollout.completions_per_question,
+                rollout.over_sample,
+                rollout.partial_prefix,
+            )
         self.sharing = PeerRollouts(
             self.config, self.tasks, self.tokenizer, self.stats, self.telemetry.accuracy_by_dataset, self._refuse
         )
@@ -492,6 +506,8 @@ class Node:
             waited = time.perf_counter()
             local_groups, summary, timings, generation_work = await self._ahead
             self._ahead, ahead_wait_s = None, time.perf_counter() - waited
+        elif self.partial is not None:
+            local_groups, summary, timings, generation_work, carried = await self._generate_partial(round_, generated)
         else:
             questions = self.local.draw(
                 self.round * plan.draw_stride,  # a gated round may draw more: the stride keeps draws from overlapping
@@ -546,6 +562,9 @@ class Node:
             row.update(own_staleness(local_groups, trained_at))
             # how long it waited for the rollouts generated during the round before (None: the first, generated now)
             row["ahead_wait_s"] = ahead_wait_s
+        if self.partial is not None:
+            row.update(own_staleness(local_groups, trained_at))  # of each completion's oldest token
+            row["carried_in"], row["carried_out"] = carried.carried_in, carried.carried_out
         every = self.config.eval_every
         if every and (round_ % every == 0 or round_ == 1):
             await self.settle_rollouts()  # the evaluation samples from the same weights: one sampler at a time
@@ -575,6 +594,24 @@ class Node:
             self.local.generate_and_score, questions, self._generation_seed(round_)
         )
         return groups, summary, timings, self.backend.work.since(work_before)
+
+    async def _generate_partial(self, round_: int, wanted: int):
+        """The round's own groups with partial rollouts (rollout.over_sample): the groups carried from the round before
+        resumed and new questions' sampled together until `wanted` are complete, then scored; as `_generate` returns
+        them, and what moved between rounds."""
+        work_before = copy.copy(self.backend.work)
+        # each round may draw up to all it samples: the stride keeps the rounds' draws from overlapping
+        questions = self.local.draw(self.round * self.partial.groups_sampled(wanted), self.partial.fresh_needed(wanted))
+        start = time.perf_counter()
+        sampled = await asyncio.to_thread(self.partial.sample, questions, wanted, self._generation_seed(round_))
+        generation_s = time.perf_counter() - start
+        scoring = LocalRollouts(self.config, self.tasks, SampledCompletions([c for _, c in sampled.groups]))
+        groups, summary, timings = await asyncio.to_thread(
+            scoring.generate_and_score, [q for q, _ in sampled.groups], self._generation_seed(round_)
+        )
+        timings.generation_s = generation_s  # the scoring's "generation" only handed the sampled groups over
+        summary["tokens_per_s"] = summary["tokens"] / max(generation_s, 1e-9)
+        return groups, summary, timings, self.backend.work.since(work_before), sampled
 
     async def settle_rollouts(self) -> None:
         """Wait until the rollouts generating ahead (rollout.max_staleness 1), if any, are done: whatever samples next

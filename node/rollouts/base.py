@@ -29,7 +29,25 @@ class Completion:
     text: str  # decoded completion, eos excluded
     logprobs: list[float] | None  # behaviour log-probs, one per completion id, at the sampling temperature
     finish_reason: Literal["stop", "length"]
-    policy_version: int  # version of the policy that sampled it
+    policy_version: int  # version of the policy that sampled it; of its oldest token, for a resumed completion
+    token_versions: list[int] | None = None
+    """Per completion id, the version of the policy that sampled it, for a completion resumed over rounds
+    (rollout.over_sample); None: every token policy_version's."""
+    masked_prefix: int = 0
+    """Leading completion ids the policy-gradient term leaves out (rollout.partial_prefix 'mask': those an older
+    policy sampled before the completion was resumed); they stay the context of the rest."""
+
+
+@dataclass
+class PartialCompletion:
+    """A completion to sample from its prompt (no tokens yet), or one a round stopped before it ended
+    (rollout.over_sample), resumed where it stopped: its tokens so far with their behaviour log-probs and the policy
+    version of each."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -123,6 +141,17 @@ class RolloutBackend(ABC):
     @abstractmethod
     def sync_weights(self, model: torch.nn.Module, policy_version: int) -> None:
         """Make the next `generate` use these weights (called after every policy update)."""
+
+    resumable: bool = False
+    """Whether `sample_until` works: the backend can stop a batch midway and resume its rows later."""
+
+    def sample_until(
+        self, rows: list[PartialCompletion], group_of: list[int], groups_wanted: int, seed: int
+    ) -> list[Completion | PartialCompletion]:
+        """Each row sampled on from where it is, together, until `groups_wanted` groups (rows of one `group_of` value)
+        have every row ended, or every row has: an ended row comes back a Completion, the others a PartialCompletion
+        holding their tokens so far (rollout.over_sample). Reproducible for a given seed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stop and resume completions")
 
     def close(self) -> None:
         """Release engines and memory."""

@@ -67,6 +67,13 @@ class TrainingRow:
     in_policy_term: bool = True
     imitation_weight: float = 0.0
     """Weight of this completion as a demonstration (0: none)."""
+    masked_prefix: int = 0
+    """Leading completion tokens the policy-gradient term leaves out (Completion.masked_prefix)."""
+
+    @property
+    def policy_tokens(self) -> int:
+        """Tokens this row adds to the policy-gradient term."""
+        return len(self.completion_ids) - self.masked_prefix if self.in_policy_term else 0
 
     @property
     def pair(self) -> tuple[list[int], list[int]]:
@@ -126,6 +133,7 @@ class GRPOTrainer:
                         advantage=advantage,
                         behaviour_logprobs=completion.logprobs,
                         on_policy=completion.policy_version == self.policy_version and completion.logprobs is not None,
+                        masked_prefix=completion.masked_prefix,
                     )
                 )
         if self.config.imitation_coef > 0:
@@ -187,7 +195,7 @@ class GRPOTrainer:
         imitation term."""
         stats = TrainStats()
         rows = self.training_rows(batch, stats)
-        policy_tokens = sum(len(row.completion_ids) for row in rows if row.in_policy_term)
+        policy_tokens = sum(row.policy_tokens for row in rows)
         demonstrations = [row for row in rows if row.imitation_weight > 0]
         demonstration_tokens = sum(len(row.completion_ids) for row in demonstrations)
         stats.tokens = policy_tokens
@@ -258,7 +266,7 @@ class GRPOTrainer:
             stats.forward_tokens += frozen_positions
         if first_epoch and weights is not None:
             sums.importance_weights += [
-                weights[i, : len(row.completion_ids)]
+                weights[i, row.masked_prefix : len(row.completion_ids)]
                 for i, row in enumerate(batch)
                 if row.in_policy_term and not row.on_policy and row.behaviour_logprobs is not None
             ]
@@ -266,6 +274,12 @@ class GRPOTrainer:
         # decided on the rows, not on a device tensor: no GPU sync per micro-batch
         if any(row.in_policy_term for row in batch):
             in_policy = torch.tensor([row.in_policy_term for row in batch], device=mask.device)
+            policy_mask = mask & in_policy[:, None]
+            if any(row.masked_prefix for row in batch):  # rollout.partial_prefix 'mask': an older policy's tokens
+                trained_from = torch.tensor([row.masked_prefix for row in batch], device=mask.device)
+                policy_mask = policy_mask & (
+                    torch.arange(mask.shape[1], device=mask.device)[None, :] >= trained_from[:, None]
+                )
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -278,7 +292,7 @@ class GRPOTrainer:
                 logprobs,
                 old,
                 advantages,
-                mask & in_policy[:, None],
+                policy_mask,
                 self.config.eps_low,
                 self.config.eps_high,
                 weights,
