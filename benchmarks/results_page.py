@@ -855,6 +855,7 @@ section(
 
 THEN = "the sharing without it (`sapo_balance`, shipped then)"
 ROWS_LAYOUT = "200 units, a row per completion"
+SIX_TWO = "sapo_balance[local_questions=6,external_questions=2,generated_questions=6]"  # sapo_balance_6_2, retired
 SPLIT = "sapo_balance_{}[share_prompt_forward=false,share_prompt_prefill=false]"  # seeds 1-2 ran in the same layout
 section(
     "Mechanisms that did not ship (each against the arm it would have changed)",
@@ -939,11 +940,14 @@ section(
             Source("sharing_separate.jsonl"),
             Source("sharing_long.jsonl"),
         ),
-        sharing_gain("sapo_balance_6_2", "sapo_balance", 100),
+        sharing_gain(("sapo_balance_6_2", SIX_TWO), "sapo_balance", 100),
         Gain(2.0),
         sharing_command(
-            "--setting specialists --arms sapo_balance_6_2 --seeds S --budget 100 --points 5", "sharing_6_2.jsonl"
-        ),
+            "--setting specialists --arms sapo_balance --set swarm.local_questions=6 --set swarm.external_questions=2 "
+            "--set swarm.generated_questions=6 --seeds S --budget 100 --points 5",
+            "sharing_6_2.jsonl",
+        )
+        + " (stored as the retired arm sapo_balance_6_2)",
         ("2026-11-28-sharing-compute-units", "Sharing less"),
     ),
     Claim(

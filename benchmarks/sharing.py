@@ -13,13 +13,14 @@ into two specialties by operator, `add` and `subtract`. Settings:
                --heldout-per-specialty questions of each task (50: the 100 of tasks.heldout_size).
 Arms (same seeds and warm starts; --arms picks, ARMS below lists them): `silo` generates and trains
 on 8 own questions a round; `sapo` generates 4 and trains on 4 own + 4 peers' (SAPO's 4/4, peers'
-groups drawn uniformly among those with a reward spread); `sapo_imitate` draws peers' groups by weakness and
-adds the imitation term (trainer.imitation_coef 4) over stronger peers' right answers and the node's
-own (swarm.imitation); `silo_imitate` is its fair silo, the same term over its own right answers only
-(configs/isolated.yaml); `sapo_balance_gated` is the shipped sharing (configs/specialists.yaml); `silo12` generates
-12 and keeps 8, those with a spread first (the "just more sampling" control); `paper_silo` / `paper_sapo`
-keep zero-advantage groups in the batch as the paper's baseline did. Arms of mechanisms that lost and left the
-product are gone (RETIRED_ARMS); their stored runs are still read by --report.
+groups drawn uniformly among those with a reward spread); `sapo_balance` draws peers' groups by weakness, adds the
+imitation term (trainer.imitation_coef 4) over stronger peers' right answers and the node's own (swarm.imitation),
+and draws its own questions after peers' groups (swarm.local_draw balance); `silo_imitate` is its fair silo, the same
+term over its own right answers only (configs/isolated.yaml); `sapo_balance_gated` is the shipped sharing
+(configs/specialists.yaml); `sapo_balance_noloco` / `silo_imitate_noloco` add NoLoCo's averaging; `paper_silo` /
+`paper_sapo` keep zero-advantage groups in the batch as the paper's baseline did. Arms of mechanisms that lost and
+left the product, and variants that did no better than the shipped arms, are gone (RETIRED_ARMS); their stored
+runs are still read by --report.
 
 The real path, only the network hop replaced: the 4 nodes live in this process and run in
 lockstep, one round each in turn; what a node publishes is the signed record a DHT store would

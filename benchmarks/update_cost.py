@@ -11,7 +11,7 @@ trainers step a copy of the same weights on each recorded round, alternating, on
 CPU seconds of this process (time.process_time), the median over rounds. The gradients they apply are
 checked to agree (the same update, computed once instead of twice).
 
-    .venv/bin/python benchmarks/update_cost.py --arms silo sapo_imitate
+    .venv/bin/python benchmarks/update_cost.py --arms silo sapo_balance
 
 `--before COMMIT` compares today's trainer with another commit's instead: `--before 0a775a7` is the update before
 trainer.share_prompt_forward (each completion its own row, its prompt repeated in it).
@@ -127,7 +127,7 @@ def time_step(trainer_class, config, model, tokenizer, temperature, inputs: tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", nargs="+", default=["silo", "sapo_imitate"])
+    parser.add_argument("--arms", nargs="+", default=["silo", "sapo_balance"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup-steps", nargs="+", default=["add=125", "subtract=230", "both=260"])
     parser.add_argument(

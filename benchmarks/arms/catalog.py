@@ -48,31 +48,8 @@ SAPO_BALANCE = [*SWARM_IMITATE, "trainer.imitation_coef=4.0", "swarm.local_draw=
 ARMS = {
     "silo": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=8"],
     "sapo": SWARM_4_4,
-    "sapo_imitate": [*SWARM_IMITATE, "trainer.imitation_coef=4.0"],
     "silo_imitate": SILO_IMITATE,
     "sapo_balance": SAPO_BALANCE,
-    # every completion its own row, its prompt repeated in it, in the sampler's prefill and the update's forward
-    # (before rollout.share_prompt_prefill and trainer.share_prompt_forward)
-    "silo_imitate_rows": [
-        *SILO_IMITATE,
-        "trainer.share_prompt_forward=false",
-        "rollout.share_prompt_prefill=false",
-    ],
-    "sapo_balance_rows": [
-        *SAPO_BALANCE,
-        "trainer.share_prompt_forward=false",
-        "rollout.share_prompt_prefill=false",
-    ],
-    # the shipped arm sharing less: 6 own questions and 2 of peers' groups a round (SAPO's 6/2)
-    "sapo_balance_6_2": [
-        *SAPO_BALANCE,
-        "swarm.local_questions=6",
-        "swarm.external_questions=2",
-        "swarm.generated_questions=6",
-    ],
-    # the shipped sharing generating 8 own questions and training on the 4 with a reward spread first (SAPO's
-    # equal-compute comparison): near the ceiling most of a node's own groups are all right
-    "sapo_balance_gen8": [*SAPO_BALANCE, "swarm.generated_questions=8"],
     # the shipped arm taking a peer's group only where that peer is measurably stronger in its specialty, its own
     # questions in place of the rest (issue #33 section 3's success-gated transfer): equal nodes train as silos do
     "sapo_balance_gated": [*SAPO_BALANCE, "swarm.external_gate=stronger_peer"],
@@ -81,11 +58,7 @@ ARMS = {
     # README offers help specialists or harm them?)
     "sapo_balance_noloco": [*SAPO_BALANCE, "averaging.method=noloco"],
     "silo_imitate_noloco": [*SILO_IMITATE, "averaging.method=noloco"],
-    # between equal nodes: SAPO's exchange with the silo's own-answer imitation and no peer's answer as a demonstration,
-    # peers' groups drawn by SAPO's rule (uniform) or, as shipped, where this node is weaker (with the balanced draw)
-    "sapo_own": [*SWARM_4_4, "swarm.imitation=own", "trainer.imitation_coef=4.0"],
-    "sapo_balance_own": [*SAPO_BALANCE, "swarm.imitation=own"],
-    "silo12": ["swarm.local_questions=8", "swarm.external_questions=0", "swarm.generated_questions=12"],
+    # the paper's baselines: zero-advantage groups kept in the batch, as SAPO's silo and 4/4 swarm trained
     "paper_silo": [
         "swarm.local_questions=8",
         "swarm.external_questions=0",
@@ -129,6 +102,24 @@ RETIRED_ARMS = {
     "sapo_balance_anchor": "swarm",
     # peers' groups ramped in over 200 rounds (swarm.sharing_ramp_rounds)
     "sapo_balance_ramp": "swarm",
+    # Variants of the shipped arms that did no better than them (their settings are still options; the arms ran up to
+    # commit d890880, and the same runs are `--arms <base> --set ...` now):
+    # the mix draw, no balanced draw (sapo_balance with swarm.local_draw=mix)
+    "sapo_imitate": "swarm",
+    # each completion its own row, before rollout.share_prompt_prefill and trainer.share_prompt_forward (silo_imitate
+    # or sapo_balance with both false)
+    "silo_imitate_rows": "alone",
+    "sapo_balance_rows": "swarm",
+    # SAPO's 6/2 (sapo_balance with 6 own questions, 2 of peers' groups, 6 generated)
+    "sapo_balance_6_2": "swarm",
+    # 8 own questions generated, the 4 with a reward spread trained (sapo_balance with swarm.generated_questions=8)
+    "sapo_balance_gen8": "swarm",
+    # the node's own right answers as its only demonstrations (sapo with swarm.imitation=own and
+    # trainer.imitation_coef=4, sapo_balance with swarm.imitation=own)
+    "sapo_own": "swarm",
+    "sapo_balance_own": "swarm",
+    # "just more sampling": 12 generated, 8 trained (silo with swarm.generated_questions=12)
+    "silo12": "alone",
 }
 REPORTED_SWARM_ARMS = SWARM_ARMS | {arm for arm, kind in RETIRED_ARMS.items() if kind == "swarm"}
 
