@@ -10,7 +10,7 @@ Ends with one JSON line.
     .venv/bin/python benchmarks/averaging_sync.py --sizes 2 4 8 --rounds 5
     sudo .venv/bin/python benchmarks/averaging_sync.py --lab --mbit 20 --sizes 2 4 8 16 --rounds 3
 
---lab runs one process per peer, each in its own network namespace of benchmarks/lab.py with
+--lab runs one process per peer, each in its own network namespace of benchmarks/lab/ with
 its link shaped to --mbit both ways (and --loss), and adds hivemind's DecentralizedAverager
 (butterfly all-reduce, the engine's reference) on the same tensors and links. Rounds start
 together (the parent releases each round once every peer finished the previous one); a

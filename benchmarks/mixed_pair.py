@@ -1,6 +1,6 @@
 """A mixed pair across two hosts: a SmolLM2-135M-Instruct node and a default-model node in one swarm.
 
-Two network namespaces of benchmarks/lab.py, each link shaped to --mbit both ways: node 0 runs
+Two network namespaces of benchmarks/lab/, each link shaped to --mbit both ways: node 0 runs
 `swarm-node join --config configs/smollm2_swarm.yaml` (49,152-token BPE vocabulary, chat prompts,
 final-number grading), node 1 `swarm-node join` on the embedded default model (a 100-symbol character
 vocabulary, its own template) given node 0's address. Both share one swarm and its add_sub_1d

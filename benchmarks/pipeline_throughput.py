@@ -31,7 +31,7 @@ Other modes, each instead of the above: `--variant NAME:KEY=VALUE,...` adds a `w
 servers of its own; `--loss-check STEPS` trains the split in-process with each variant's settings and
 compares the losses, with the whole model's in one process beside them (`--loss-check-one-process`: tied, as one
 process trains it; its head untied; untied with each stage's gradient clipped apart, as the pipeline's are); `--lab
-MBIT ...` runs every process in its own namespace of benchmarks/lab.py (root) on links shaped to each rate (with
+MBIT ...` runs every process in its own namespace of benchmarks/lab/ (root) on links shaped to each rate (with
 `--lab-uploads MB`, each way again while every server's host uploads MB to a store over its own link: checkpoints in
 the background beside the hidden states); `--recovery` kills servers and measures the stall per recovery method
 (replica failover, a warm spare's checkfree and checkfree_plus);

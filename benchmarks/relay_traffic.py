@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/relay_traffic.py --minutes 4
 
-Topology (benchmarks/lab.py): node 0 is public, starts the swarm and is the others' only bootstrap
+Topology (benchmarks/lab/): node 0 is public, starts the swarm and is the others' only bootstrap
 peer, hence their circuit relay; node 1 sits behind router 0 and node 2 behind router 1 (two
 home routers: MASQUERADE out, only replies in). All three run `swarm-node join` on
 configs/swarm.yaml (the default model) with NoLoCo averaging in pairs every `--every-steps`

@@ -14,7 +14,7 @@ Ends with one JSON line.
     .venv/bin/python benchmarks/swarm_propagation.py --sizes 4 8 --trials 20
     sudo .venv/bin/python benchmarks/swarm_propagation.py --lab --mbit 50 --sizes 4 8 16 --trials 20
 
---lab runs one node per process, each in its own network namespace of benchmarks/lab.py with
+--lab runs one node per process, each in its own network namespace of benchmarks/lab/ with
 its link shaped to --mbit both ways (and --loss): no shared GIL, real addresses. Processes
 share the machine's wall clock, so latency = the publisher's time.time() at the publish call
 -> the receiver's time.time() when it holds the decoded, verified batch. A receiver that has

@@ -1,4 +1,4 @@
-"""The swarm lab (benchmarks/lab.py): namespaces on a bridge, shaped links, partitions, cleanup after a
+"""The swarm lab (benchmarks/lab/): namespaces on a bridge, shaped links, partitions, cleanup after a
 crash, and a short swarm in it with loss and a node killed with -9 (the long fault runs are `slow`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Faults in the swarm lab, the long runs (`make test-slow`): churn, a partition, a lossy node. Each node is its own
 `swarm-node join` process in its own network namespace
-(benchmarks/lab.py); the short version is tests/test_lab.py in the default suite."""
+(benchmarks/lab/); the short version is tests/test_lab.py in the default suite."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A partitioned pipeline in the swarm lab (benchmarks/lab.py): one `swarm-node serve` per stage (stage i on node i)
+"""A partitioned pipeline in the swarm lab (benchmarks/lab/): one `swarm-node serve` per stage (stage i on node i)
 and a `swarm-node drive` (the last node), each in its own network namespace. The servers of the upper half of the
 stages are cut off from the others, then the link heals; no process is restarted.
 

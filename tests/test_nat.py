@@ -1,4 +1,4 @@
-"""Nodes behind home routers (benchmarks/lab.py's NAT: MASQUERADE out, only replies in) take full
+"""Nodes behind home routers (benchmarks/lab/'s NAT: MASQUERADE out, only replies in) take full
 part: rollouts both ways, NoLoCo pairing, two nodes behind two different NATs, and a stage server
 behind NAT driven by a public driver that never had a connection to it (through the bootstrap
 node's circuit relay). Each test first checks that the NAT is really there: a direct dial from a

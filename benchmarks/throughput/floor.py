@@ -177,7 +177,7 @@ def tcp_counters(namespace: str) -> Counter:
 
 
 def lab_floor(rates: list[float], sizes: list[int], calls: int, gap_s: float, root: Path) -> dict:
-    """The transport floor across the lab (benchmarks/lab.py, root): the same framed echo as `transport_floor`,
+    """The transport floor across the lab (benchmarks/lab/, root): the same framed echo as `transport_floor`,
     from one namespace to another over links shaped to each of `rates` Mbit/s both ways (each byte crosses the
     caller's upload and the server's download, as a pipeline call crosses the driver's link and a server's), through
     p2p daemons and through plain TCP. Against the payload at the link's rate (2 x size x 8 / rate): what the way

@@ -1,4 +1,4 @@
-"""--lab MBIT: every process of the pipeline in its own namespace of the lab (benchmarks/lab.py, root) on shaped
+"""--lab MBIT: every process of the pipeline in its own namespace of the lab (benchmarks/lab/, root) on shaped
 links, optionally beside checkpoint uploads (--lab-uploads)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def lab_run(
     upload_mb: float = 0.0,
 ) -> dict:
     """The size through `stages` servers and a `swarm-node drive`, each process in its own namespace of the lab
-    (benchmarks/lab.py, root) with every link shaped to each of `rates` Mbit/s both ways; for the plain settings and
+    (benchmarks/lab/, root) with every link shaped to each of `rates` Mbit/s both ways; for the plain settings and
     each variant. A variant's server settings (those not starting with `driver:`) start servers of their own.
     The driver's step_s from its metrics, its first step left out; the one-process baseline measured here before.
 

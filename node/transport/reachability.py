@@ -27,7 +27,7 @@ membership (node/transport/membership.py: it keeps links open to its DHT neighbo
 `reserve_relay_slot` while its daemon holds none, as after its relay restarted): streams run either way over
 connections it opened itself.
 
-What it took, measured in benchmarks/lab.py (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
+What it took, measured in benchmarks/lab/ (2026-11-25, hivemind 1.1.12's p2pd, go-libp2p
 0.32): with the daemon's defaults (relay discovery on) autorelay waits a fixed 3-minute boot
 delay until it has 4 candidates, and never acts on a host whose AutoNAT has not said
 "private"; with discovery off (`-relayDiscovery=0`, a flag hivemind does not expose, hence

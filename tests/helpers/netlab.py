@@ -1,4 +1,4 @@
-"""`swarm-node` commands in the swarm lab (benchmarks/lab.py): each in its own network namespace, listening on its
+"""`swarm-node` commands in the swarm lab (benchmarks/lab/): each in its own network namespace, listening on its
 lab address."""
 
 from __future__ import annotations
