@@ -18,6 +18,20 @@ def _eta(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def overlap_cells(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """(header, value) of what a round that overlaps generation with training reports (rollout.max_staleness,
+    rollout.over_sample): the policy versions its completions were behind (mean/max), the completions it resumed and
+    stopped, the seconds it waited for the rollouts generated ahead. None of them in a round with both off."""
+    cells = []
+    if row.get("staleness_mean") is not None:
+        cells.append(("stale", f"{row['staleness_mean']:.1f}/{row['staleness_max']}"))
+    if row.get("carried_in") is not None:
+        cells.append(("carried", f"{row['carried_in']}/{row['carried_out']}"))
+    if row.get("ahead_wait_s") is not None:
+        cells.append(("waited", f"{row['ahead_wait_s']:.1f}s"))
+    return cells
+
+
 class RoundDisplay:
     def __init__(self, console: Console, first_round: int, target_round: int | None, title: str):
         self.console = console
@@ -51,9 +65,20 @@ class RoundDisplay:
 
     def _render(self) -> Table:
         table = Table(title=self.title, show_header=True, header_style="bold")
-        for column in ("round", "reward", "accuracy", "held-out", "tokens/s", "step", "policy", "ETA"):
-            table.add_column(column, justify="right")
         row = self.last
+        overlap = overlap_cells(row) if row is not None else []
+        for column in (
+            "round",
+            "reward",
+            "accuracy",
+            "held-out",
+            "tokens/s",
+            "step",
+            "policy",
+            *(h for h, _ in overlap),
+        ):
+            table.add_column(column, justify="right")
+        table.add_column("ETA", justify="right")
         if row is None:
             table.add_row("-", "-", "-", "-", "-", "-", "-", "starting")
             return table
@@ -67,6 +92,7 @@ class RoundDisplay:
             f"{row['tokens_per_s']:.0f}",
             f"{row['step_s']:.2f}s",
             str(row["policy_version"]),
+            *(value for _, value in overlap),
             _eta(self.eta_s()),
         )
         return table
@@ -79,9 +105,10 @@ class RoundDisplay:
             self.live.update(self._render())
         else:
             heldout = f" heldout={row['heldout_accuracy']:.3f}" if "heldout_accuracy" in row else ""
+            overlap = "".join(f" {header}={value}" for header, value in overlap_cells(row))
             self.console.print(
                 f"round {row['round']} reward={row['reward_mean']:.3f} accuracy={row['accuracy']:.3f}{heldout} "
-                f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']} "
+                f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']}{overlap} "
                 f"eta={_eta(self.eta_s())}",
                 highlight=False,
             )

@@ -12,13 +12,16 @@ from node.config import NodeConfig
 from node.rollouts.base import GenerationWork, RolloutGroup
 from node.stats import SwarmStats, prometheus_text
 from protocol import PROTOCOL_VERSION, PeerStats
-from protocol.messages import MAX_DATASETS_REPORTED
+from protocol.messages import MAX_AHEAD_WAIT_S, MAX_CARRIED, MAX_DATASETS_REPORTED, MAX_VERSIONS_BEHIND
 
 if TYPE_CHECKING:
     from node.trainer import TrainStats
 
 SOFTWARE_VERSION = "0.1.0"
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
+# The overlap of generation with training a round's row has where it is on (rollout.max_staleness, rollout.over_sample):
+# the heartbeat and the gauges report the last round's, None (no gauge) where the feature is off.
+OVERLAP_KEYS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
 
 
 class Telemetry:
@@ -35,6 +38,7 @@ class Telemetry:
         self.accuracy_by_dataset: dict[str, float] = {}  # per specialty of the task mix
         self.tokens_per_s = 0.0  # of the last round
         self.device = ""  # where the policy trains, as node.device.describe_device says it (set once it is loaded)
+        self.overlap: dict[str, float | int | None] = dict.fromkeys(OVERLAP_KEYS)  # of the last round (OVERLAP_KEYS)
         self._records_decoded = 0  # stats.values_decoded at the last row: a round's work counts from here
 
     def round_row(
@@ -123,6 +127,7 @@ class Telemetry:
         ).items():  # a specialty absent this round keeps its average
             self.accuracy_by_dataset[label] = ema(self.accuracy_by_dataset.get(label), accuracy)
         self.tokens_per_s = row["tokens_per_s"]
+        self.overlap = last_overlap(row)
 
     def heartbeat(
         self,
@@ -163,6 +168,7 @@ class Telemetry:
             outer_steps_skipped=averaging.stats.skipped if averaging else 0,
             device=self.device,
             rejoins=self.stats.swarm_rejoins,
+            **self.overlap,
         )
 
     def prometheus(self, round_: int, policy_version: int, averaging=None) -> str:
@@ -173,9 +179,30 @@ class Telemetry:
             "accuracy": self.accuracy or 0.0,
             "tokens_per_s": self.tokens_per_s,
         }
+        gauges |= {name: value for name, value in self.overlap.items() if value is not None}
         if averaging:
             gauges |= {f"averaging_{k}": v for k, v in averaging.counters().items() if k != "refusals"}
         return prometheus_text(gauges, self.stats)
+
+
+def last_overlap(row: dict[str, Any]) -> dict[str, float | int | None]:
+    """A round row's overlap keys as the heartbeat carries them: None where absent, inside the protocol's bounds (a
+    value past them is clipped, not refused: the node's own heartbeat must never fail its check)."""
+    value = {key: row.get(key) for key in OVERLAP_KEYS}
+    if value["staleness_max"] is not None and value["staleness_mean"] is not None:
+        value["staleness_max"] = min(MAX_VERSIONS_BEHIND, max(0, int(value["staleness_max"])))
+        value["staleness_mean"] = min(float(value["staleness_max"]), max(0.0, float(value["staleness_mean"])))
+    else:
+        value["staleness_max"] = value["staleness_mean"] = None
+    if value["carried_in"] is not None and value["carried_out"] is not None:
+        value["carried_in"], value["carried_out"] = (
+            min(MAX_CARRIED, max(0, int(value[key]))) for key in ("carried_in", "carried_out")
+        )
+    else:
+        value["carried_in"] = value["carried_out"] = None
+    if value["ahead_wait_s"] is not None:
+        value["ahead_wait_s"] = min(MAX_AHEAD_WAIT_S, max(0.0, float(value["ahead_wait_s"])))
+    return value
 
 
 def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,8 +223,27 @@ def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s_mean": statistics.fmean(r["step_s"] for r in rows),
         "external_questions_total": sum(r.get("external_questions", 0) for r in rows),
         "wall_s": rows[-1]["time"] - rows[0]["time"] + rows[0]["step_s"],
+        **_overlap_summary(rows),
         "by_dataset": _by_dataset(rows, tenth),
     }
+
+
+def _overlap_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The overlap of generation with training over the rounds that had it (none: no keys, the summary as without it):
+    staleness of the node's own completions in policy versions (mean of the rounds' means, the max), completions
+    carried in and out (rollout.over_sample), the seconds rounds waited for the rollouts generated ahead
+    (rollout.max_staleness)."""
+    summary: dict[str, Any] = {}
+    if stale := [r for r in rows if r.get("staleness_mean") is not None]:
+        summary["staleness_mean"] = statistics.fmean(r["staleness_mean"] for r in stale)
+        summary["staleness_max"] = max(r["staleness_max"] for r in stale)
+    if carried := [r for r in rows if r.get("carried_in") is not None]:
+        summary["carried_in_total"] = sum(r["carried_in"] for r in carried)
+        summary["carried_out_total"] = sum(r["carried_out"] for r in carried)
+    if waits := [r["ahead_wait_s"] for r in rows if r.get("ahead_wait_s") is not None]:
+        summary["ahead_wait_s_mean"] = statistics.fmean(waits)
+        summary["ahead_wait_s_total"] = sum(waits)
+    return summary
 
 
 def _by_dataset(rows: list[dict[str, Any]], tenth: int) -> dict[str, dict[str, float | None]]:

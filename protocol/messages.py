@@ -32,6 +32,11 @@ from protocol.version import PROTOCOL_MINOR
 MAX_TOKEN_ID = 2**31 - 1  # vocabularies are far smaller; fits an int32 on every side
 MAX_FINGERPRINT_CHARS = 64  # e.g. a sha256 hex digest of the model's architecture and weights
 MAX_DATASETS_REPORTED = 32  # datasets of a task mix a heartbeat reports on
+# Bounds of a heartbeat's overlap fields (minor 10), far above what a round can reach: a completion resumes first in the
+# round after it stopped, so it is a few versions behind at most; a round carries at most (1 + 4) * questions * G.
+MAX_VERSIONS_BEHIND = 1_000_000
+MAX_CARRIED = 1_000_000  # completions carried into or out of one round
+MAX_AHEAD_WAIT_S = 86_400.0  # seconds one round waited for the rollouts generated during the round before
 # How peers can reach a node (PeerStats.reachability): dialed at its own addresses; only through a
 # circuit relay (its /p2p-circuit addresses); or not at all (behind NAT, no relay yet: it dials out,
 # and peers reach it over the connections it opened). "": not measured (a minor 0-4 sender).
@@ -214,6 +219,18 @@ class PeerStats:
     # minor 9: times the node rebuilt its swarm connection after a part of it died (its p2p daemon, its membership):
     # a peers table shows who keeps losing it. Unverifiable, and nothing is decided on it.
     rejoins: int = since_minor(9, int)
+    # minor 10: the overlap of generation with training in the node's last round; None where it is off (the default)
+    # or from a minor 0-9 sender. Unverifiable, and nothing is decided on them: a peers table shows them.
+    # Policy versions the oldest token of each of its own completions was behind the policy it trained, the mean and
+    # the max (rollout.max_staleness, rollout.over_sample); both or neither, mean <= max.
+    staleness_mean: float | None = since_minor(10, lambda: None)
+    staleness_max: int | None = since_minor(10, lambda: None)
+    # completions resumed from the round before, and stopped to resume in the next (rollout.over_sample): both or none
+    carried_in: int | None = since_minor(10, lambda: None)
+    carried_out: int | None = since_minor(10, lambda: None)
+    # seconds the round waited for the rollouts generated during the round before (rollout.max_staleness 1; None in the
+    # first round, which generated its own)
+    ahead_wait_s: float | None = since_minor(10, lambda: None)
 
     _COUNTS: ClassVar[tuple[str, ...]] = (
         "model_parameters",
@@ -254,6 +271,7 @@ class PeerStats:
             values["device"] = check_str(f["device"], "device", limits.max_name_chars)
         if "rejoins" in f:  # absent from a minor 0-8 sender
             values["rejoins"] = check_int(f["rejoins"], "rejoins")
+        values |= cls._overlap(f)  # nil, or absent from a minor 0-9 sender: None
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
             if values["reachability"] not in REACHABILITY:
@@ -276,8 +294,29 @@ class PeerStats:
             }
         return cls(**values)
 
+    @staticmethod
+    def _overlap(f: dict[str, Any]) -> dict[str, Any]:
+        """The minor 10 overlap fields, each None or in its bounds, the pairs both set or both None."""
+        for first, second in (("staleness_mean", "staleness_max"), ("carried_in", "carried_out")):
+            if (f.get(first) is None) != (f.get(second) is None):
+                reject(Refusal.BAD_STRUCTURE, f"{first} and {second} must both be set or both be nil")
+        values = {
+            "staleness_max": optional(check_int, f.get("staleness_max"), "staleness_max", hi=MAX_VERSIONS_BEHIND),
+            "carried_in": optional(check_int, f.get("carried_in"), "carried_in", hi=MAX_CARRIED),
+            "carried_out": optional(check_int, f.get("carried_out"), "carried_out", hi=MAX_CARRIED),
+            "ahead_wait_s": optional(check_float, f.get("ahead_wait_s"), "ahead_wait_s", lo=0.0, hi=MAX_AHEAD_WAIT_S),
+        }
+        hi = float(values["staleness_max"] or 0)  # a mean of counts is never above their max
+        values["staleness_mean"] = optional(check_float, f.get("staleness_mean"), "staleness_mean", lo=0.0, hi=hi)
+        return values
+
     def claimed_node_id(self) -> str | None:
         return self.node_id
+
+
+def optional(check: Any, value: Any, name: str, **bounds: Any) -> Any:
+    """None (nil on the wire: not measured), or a value `check` accepts."""
+    return None if value is None else check(value, name, **bounds)
 
 
 STAGE_STATES = ("serving", "loading", "spare")

@@ -11,6 +11,7 @@ PROTOCOL_MAJOR = 1
 # 2 PeerStats.accuracy_by_dataset; 3 p2p_maddrs in stage and averaging announcements (a caller on another host
 # dials them); 4 StageLost reports (pipeline drivers); 5 PeerStats.reachability (nodes behind NAT); 6 sharded DHT
 # keys for heartbeats and rollouts (protocol/shards.py); 7 StageLost.lost_at (when each stage was found lost);
-# 8 PeerStats.device (where the node trains); 9 PeerStats.rejoins (swarm connections it rebuilt).
-PROTOCOL_MINOR = 9
+# 8 PeerStats.device (where the node trains); 9 PeerStats.rejoins (swarm connections it rebuilt); 10 PeerStats
+# staleness_mean, staleness_max, carried_in, carried_out, ahead_wait_s (the overlap of generation with training).
+PROTOCOL_MINOR = 10
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"  # as a PeerStats.protocol_version string

@@ -67,6 +67,43 @@ def test_peers_table_fits_the_terminal_with_whole_headers(width):
         assert all(name in hidden for name, _, _ in PEER_COLUMNS if name not in shown)
 
 
+OVERLAP = dict(staleness_mean=0.3, staleness_max=2, carried_in=None, carried_out=None, ahead_wait_s=1.25)
+
+
+def test_peers_table_shows_the_overlap_columns_only_when_a_peer_reports_them():
+    """A node whose generation overlaps its training reports staleness, carried completions and its wait (protocol
+    1.10): `peers` shows a column for each some peer reports, and the table of peers that report none (the default
+    config, an older peer) is the table without them."""
+    from node.dashboard.tables import OVERLAP_COLUMNS, PEER_COLUMNS, peers_table
+
+    def render(rows: list[dict], width: int) -> tuple[list[str], str]:
+        console = Console(width=width, file=io.StringIO(), record=True)
+        console.print(peers_table(rows, "test", console.width))
+        text = console.export_text()
+        header = next(line for line in text.splitlines() if "round" in line)
+        names = [name for name, _, _ in PEER_COLUMNS + OVERLAP_COLUMNS]
+        found = {name: re.search(rf"[┃│ ]{re.escape(name)}[ ┃│]", header) for name in names}
+        return sorted((name for name in names if found[name]), key=lambda name: found[name].start()), text
+
+    now = time.time()
+    off = dict(PEER_ROW, last_seen=now, **dict.fromkeys(OVERLAP))  # nil on the wire: the feature is off
+    older = dict(PEER_ROW, node_id="12D3KooWold", last_seen=now)  # a 1.9 peer: no such keys at all
+    shown, text = render([off, older], 220)
+    assert shown == [name for name, _, _ in PEER_COLUMNS] and "not shown" not in text
+
+    on = dict(PEER_ROW, node_id="12D3KooWon", last_seen=now, **OVERLAP)
+    shown, text = render([off, on, older], 260)
+    assert shown[-4:] == ["rejoins", "stale", "waited", "seen"] and "carried" not in shown  # nobody carries any
+    line = next(line for line in text.splitlines() if "12D3KooWon" in line)
+    assert "0.3/2" in line and "1.2s" in line
+    line = next(line for line in text.splitlines() if "12D3KooWold" in line)
+    assert "0.3/2" not in line and "1.2s" not in line
+    shown, text = render([dict(on, carried_in=4, carried_out=0)], 260)
+    assert "carried" in shown and "4/0" in text
+    shown, text = render([on], 80)  # too narrow: left out, and said
+    assert "stale" not in shown and "stale" in text[text.index("not shown for width:") :]
+
+
 # bounded sources -----------------------------------------------------------------------------------
 
 
@@ -175,6 +212,56 @@ def test_server_routes_json_static_files_and_refuses_the_rest(tmp_path):
     )
     assert status["POST"].startswith(b"HTTP/1.1 405")
     assert replies["huge"] == b""  # a request head over the limit gets nothing
+
+
+@pytest.mark.integration
+def test_browser_shows_the_overlap_only_where_the_node_and_its_peers_have_it(tmp_path):
+    """The page from a server whose sources are set by hand (no swarm): with the overlap keys in the metrics rows and
+    a peer's heartbeat, the overlap section's charts and the peers' columns are drawn; without them, neither."""
+    from node.dashboard.sources import SwarmWatcher
+
+    def dom_of(name: str, peers: list[dict], rows: list[dict]) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        watcher = SwarmWatcher(lambda: None, None)
+        watcher.peers = peers
+        sources = DashboardSources(watcher, tmp_path / name / "metrics.jsonl", lambda: {})
+
+        async def scenario():
+            server = DashboardServer("127.0.0.1", 0, sources)
+            await server.start()
+            try:
+                url = f"http://127.0.0.1:{server.port}/"
+                profile = tmp_path / name / "chromium-profile"
+                return await asyncio.to_thread(run_chromium, profile, "--virtual-time-budget=5000", "--dump-dom", url)
+            finally:
+                await server.stop()
+
+        return asyncio.run(scenario())
+
+    base = {"reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 10.0, "step_s": 1.0, "policy_version": 1}
+    rows = [
+        {"round": 1, **base, "staleness_mean": 0.0, "staleness_max": 0, "carried_in": 0, "carried_out": 2},
+        {"round": 2, **base, "staleness_mean": 0.5, "staleness_max": 1, "carried_in": 2, "carried_out": 1},
+        {"round": 3, **base, "staleness_mean": 0.25, "staleness_max": 1, "carried_in": 1, "carried_out": 0},
+    ]
+    peer = dict(PEER_ROW, last_seen=time.time(), **OVERLAP)
+    dom = dom_of("on", [peer], rows)
+    assert 'data-state="ok"' in dom, dom[:3000]
+    assert re.search(r'<section id="overlap-section"[^>]*>', dom).group(0) == '<section id="overlap-section">'
+    assert chart_points(dom, "node-staleness") == 6 and chart_points(dom, "node-carried") == 6
+    assert chart_points(dom, "node-ahead-wait") == 0  # no rollouts generated ahead: over_sample only
+    head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
+    assert ">stale<" in head and ">waited<" in head and ">carried<" not in head
+    row = re.search(r"<tr[^>]*data-peer-row.*?</tr>", dom).group(0)
+    assert "0.3/2" in row and "1.3s" in row, row  # toFixed rounds 1.25 up
+
+    off = dict(PEER_ROW, last_seen=time.time(), **dict.fromkeys(OVERLAP))  # the default config: nil
+    dom = dom_of("off", [off], [{"round": 1, **base}])
+    assert 'data-state="ok"' in dom and 'data-peer-row=""' in dom
+    assert re.search(r'<section id="overlap-section"[^>]*>', dom).group(0) == '<section id="overlap-section" hidden="">'
+    head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
+    assert ">stale<" not in head and ">waited<" not in head and ">rejoins<" in head
 
 
 def test_shipped_page_loads_nothing_from_elsewhere():

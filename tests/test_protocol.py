@@ -310,7 +310,7 @@ GOLDEN_STATS_1_8 = (  # as a 1.8 sender encoded it: no rejoins, the receiver rea
     "500409feab0a80a4e6c2c3ad25a935e19e21d3f107544059ae5a429638e32771123fbdbff049b81035d153d203"
 )
 
-GOLDEN_BATCH = (  # this minor's encoding (9)
+GOLDEN_BATCH_1_9 = (  # as a 1.9 sender encoded it (minor 10 added heartbeat fields)
     "92c5017297920109ad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -323,7 +323,7 @@ GOLDEN_BATCH = (  # this minor's encoding (9)
     "322bf2f365a40f05"
 )
 
-GOLDEN_STATS = (  # this minor's encoding (9)
+GOLDEN_STATS_1_9 = (  # as a 1.9 sender encoded it: no overlap fields, the receiver reads None
     "92c5029097920109aa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0019a76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -342,6 +342,59 @@ GOLDEN_STATS = (  # this minor's encoding (9)
     "33bd5e89db03"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (10)
+    "92c501729792010aad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c44029365a3ecc507632"
+    "190e266c6b79d814fdeccd39d2d6ccc51437044fe1ac5381c4e95eb102f64cffcc2536be27b32d310d59ef2df9f3d076"
+    "fcf8f4b2428d000f"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (10): the overlap fields nil (off)
+    "92c502d69792010aaa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001ea76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ec0ad7374616c656e6573735f6d6178c0aa636172726965645f696ec0ab636172726965645f6f7574c0ac616865"
+    "61645f776169745f73c0c44059c94ebf2f28ed5cc26f7f65663ca5abe3c00070e4aa86e57a23cd8f9b4cd3ee7fd0e7cd"
+    "03556558dca404685b5c87bdedf78d1a4e9b6561f9fad4f1e5eb5302"
+)
+
+GOLDEN_STATS_OVERLAP = (  # this minor's encoding (10) of a node whose rounds overlap
+    "92c502e69792010aaa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001ea76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ecb3fe8000000000000ad7374616c656e6573735f6d617802aa636172726965645f696e03ab636172726965645f"
+    "6f757405ac61686561645f776169745f73cb3ff8000000000000c44039ea1542d11d1047daee59b96465131f4101ae94"
+    "47ad29667868859c4e0f6eb504f9f1bd09d12485c8c46fae8a7e194a7d8b597c4260fc365d26fe0751a44e0a"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 
@@ -358,6 +411,7 @@ def test_golden_rollout_batch():
         GOLDEN_BATCH_1_6,
         GOLDEN_BATCH_1_7,
         GOLDEN_BATCH_1_8,
+        GOLDEN_BATCH_1_9,
     ):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
@@ -377,6 +431,9 @@ def test_golden_peer_stats():
     ):
         assert decode(bytes.fromhex(older)).message == make_stats(device="", rejoins=0)
     assert decode(bytes.fromhex(GOLDEN_STATS_1_8)).message == make_stats(rejoins=0)
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_9)).message == make_stats()  # its overlap fields None, as when off
+    assert encode(overlapping_stats(), seq=2).hex() == GOLDEN_STATS_OVERLAP
+    assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP)).message == overlapping_stats()
 
 
 def test_reachability_is_one_of_its_words_and_required_from_minor_5():
@@ -420,6 +477,62 @@ def test_rejoins_is_a_count_required_from_minor_9():
         with pytest.raises(ProtocolRejection) as caught:
             PeerStats.from_wire({**wire, "rejoins": bad})
         assert caught.value.reason is reason, bad
+
+
+def overlapping_stats(**overrides) -> PeerStats:
+    """A heartbeat of a node whose generation overlaps its training (rollout.max_staleness, rollout.over_sample)."""
+    overlap = dict(staleness_mean=0.75, staleness_max=2, carried_in=3, carried_out=5, ahead_wait_s=1.5)
+    return make_stats(**{**overlap, **overrides})
+
+
+OVERLAP_FIELDS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
+
+
+def test_overlap_fields_round_trip_set_or_nil_and_are_required_from_minor_10():
+    assert decode(encode(overlapping_stats())).message == overlapping_stats()
+    off = decode(encode(make_stats())).message
+    assert [getattr(off, name) for name in OVERLAP_FIELDS] == [None] * 5
+    assert all(make_stats().to_wire()[name] is None for name in OVERLAP_FIELDS)  # nil on the wire: off
+    only_waits = make_stats(ahead_wait_s=0.0)  # the pairs are independent of the wait
+    assert PeerStats.from_wire(only_waits.to_wire()) == only_waits
+    wire = overlapping_stats().to_wire()
+    for name in OVERLAP_FIELDS:
+        del wire[name]
+    assert PeerStats.from_wire(wire, minor=9) == make_stats()  # an older sender omits them
+    with pytest.raises(ProtocolRejection, match="lacks staleness_mean, staleness_max, carried_in"):
+        PeerStats.from_wire(wire, minor=10)
+
+
+@pytest.mark.parametrize(
+    "field, bad, reason",
+    [
+        ("staleness_mean", -0.5, Refusal.BAD_VALUE),
+        ("staleness_mean", math.nan, Refusal.BAD_VALUE),
+        ("staleness_mean", math.inf, Refusal.BAD_VALUE),
+        ("staleness_mean", 2.5, Refusal.BAD_VALUE),  # above staleness_max: a mean never is
+        ("staleness_mean", 1, Refusal.BAD_STRUCTURE),
+        ("staleness_max", -1, Refusal.BAD_VALUE),
+        ("staleness_max", 1_000_001, Refusal.BAD_VALUE),
+        ("staleness_max", 2.0, Refusal.BAD_STRUCTURE),
+        ("staleness_max", True, Refusal.BAD_STRUCTURE),
+        ("carried_in", -3, Refusal.BAD_VALUE),
+        ("carried_in", 2**70, Refusal.BAD_VALUE),
+        ("carried_out", 1_000_001, Refusal.BAD_VALUE),
+        ("carried_out", "5", Refusal.BAD_STRUCTURE),
+        ("ahead_wait_s", -0.1, Refusal.BAD_VALUE),
+        ("ahead_wait_s", math.nan, Refusal.BAD_VALUE),
+        ("ahead_wait_s", 86_400.5, Refusal.BAD_VALUE),
+        ("ahead_wait_s", 2, Refusal.BAD_STRUCTURE),
+        ("staleness_max", None, Refusal.BAD_STRUCTURE),  # a mean without its max
+        ("carried_in", None, Refusal.BAD_STRUCTURE),  # carried out, nothing said of in
+    ],
+)
+def test_overlap_fields_refuse_what_no_round_makes(field, bad, reason):
+    with pytest.raises(ProtocolRejection) as caught:
+        PeerStats.from_wire({**overlapping_stats().to_wire(), field: bad})
+    assert caught.value.reason is reason
+    with pytest.raises(ProtocolRejection):  # the sender runs the same check before signing
+        encode(overlapping_stats(**{field: bad}))
 
 
 def test_a_heartbeat_with_ten_thousand_addresses_is_refused():

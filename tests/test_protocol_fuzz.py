@@ -3,6 +3,9 @@ ProtocolRejection, never anything else; and every valid message survives a round
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +23,7 @@ from protocol import (
     encode_message,
 )
 from protocol.envelope import SIGNING_CONTEXT
+from protocol.messages import MAX_AHEAD_WAIT_S, MAX_CARRIED, MAX_VERSIONS_BEHIND
 from test_protocol import IDENTITY, SWARM, T0, encode, make_batch, make_stats, signed
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,35 +133,58 @@ batches = st.builds(
     st.text(max_size=64),
     st.lists(questions, max_size=3),
 )
+# the overlap fields (minor 10): each pair set or nil, the mean never above the max
+overlaps = st.fixed_dictionaries(
+    {},
+    optional={
+        "staleness": st.tuples(st.integers(0, MAX_VERSIONS_BEHIND), st.floats(0, 1)),
+        "carried": st.tuples(st.integers(0, MAX_CARRIED), st.integers(0, MAX_CARRIED)),
+        "ahead_wait_s": st.floats(0, MAX_AHEAD_WAIT_S),
+    },
+).map(
+    lambda o: {
+        **(
+            {"staleness_max": o["staleness"][0], "staleness_mean": o["staleness"][0] * o["staleness"][1]}
+            if "staleness" in o
+            else {}
+        ),
+        **({"carried_in": o["carried"][0], "carried_out": o["carried"][1]} if "carried" in o else {}),
+        **({"ahead_wait_s": o["ahead_wait_s"]} if "ahead_wait_s" in o else {}),
+    }
+)
 stats = st.builds(
-    lambda count, rate, unit, text, addresses: PeerStats(
-        IDENTITY.node_id,
-        text,
-        text,
-        "1.0",
-        text,
-        count,
-        count,
-        count,
-        -rate,
-        unit,
-        count,
-        count,
-        count,
-        count,
-        rate,
-        rate,
-        rate,
-        addresses,
-        addresses[:2],
-        count,
-        count,
+    lambda count, rate, unit, text, addresses, overlap: dataclasses.replace(
+        PeerStats(
+            IDENTITY.node_id,
+            text,
+            text,
+            "1.0",
+            text,
+            count,
+            count,
+            count,
+            -rate,
+            unit,
+            count,
+            count,
+            count,
+            count,
+            rate,
+            rate,
+            rate,
+            addresses,
+            addresses[:2],
+            count,
+            count,
+        ),
+        **overlap,
     ),
     st.integers(0, 2**63 - 1),
     finite.map(abs),
     st.floats(0, 1),
     short_text,
     st.lists(short_text, max_size=16),
+    overlaps,
 )
 
 
@@ -166,6 +193,38 @@ stats = st.builds(
 def test_valid_messages_round_trip(message, seq):
     envelope = decode_message(encode(message, seq=seq), swarm_id=SWARM, now=T0)
     assert envelope.message == message and envelope.seq == seq
+
+
+@FUZZ
+@given(
+    st.sampled_from(["staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s"]),
+    st.booleans(),
+    msgpack_values,
+)
+def test_an_overlap_field_decodes_in_its_bounds_or_is_refused(field, overlapping, junk):
+    base = make_stats(staleness_mean=0.5, staleness_max=1, carried_in=2, carried_out=3, ahead_wait_s=0.25)
+    envelope = decodes_or_refuses(
+        signed({**(base if overlapping else make_stats()).to_wire(), field: junk}, kind="peer_stats")
+    )
+    if envelope is None:
+        return
+    stats = envelope.message
+    assert (
+        stats.staleness_max is None
+        or type(stats.staleness_max) is int
+        and 0 <= stats.staleness_max <= MAX_VERSIONS_BEHIND
+    )
+    assert (stats.staleness_mean is None) == (stats.staleness_max is None)
+    assert (
+        stats.staleness_mean is None
+        or math.isfinite(stats.staleness_mean)
+        and 0 <= stats.staleness_mean <= stats.staleness_max
+    )
+    assert (stats.carried_in is None) == (stats.carried_out is None)
+    for count in (stats.carried_in, stats.carried_out):
+        assert count is None or type(count) is int and 0 <= count <= MAX_CARRIED
+    wait = stats.ahead_wait_s
+    assert wait is None or type(wait) is float and 0 <= wait <= MAX_AHEAD_WAIT_S
 
 
 def test_encode_message_is_deterministic():

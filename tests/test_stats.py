@@ -179,3 +179,97 @@ def test_a_rounds_metrics_row_hand_computed():
     assert swarm["external_questions"] == 2 and swarm["work"]["scored_completions"] == 8 + 6  # its own, and re-scored
     assert (swarm["work"]["records_decoded"], swarm["work"]["groups_rederived"]) == (2, 3)
     assert (isolated["work"]["records_decoded"], isolated["work"]["groups_rederived"]) == (0, 0)
+
+
+def test_the_heartbeat_and_gauges_carry_the_last_rounds_overlap_and_nothing_where_it_is_off():
+    """Telemetry.record_round takes a round's overlap keys (rollout.max_staleness, rollout.over_sample); the heartbeat
+    carries them, clipped into the protocol's bounds so that the node's own check never refuses it, and /metrics has a
+    gauge for each one set."""
+    from node.config import load_config
+    from node.telemetry import Telemetry
+    from protocol.messages import MAX_AHEAD_WAIT_S, MAX_VERSIONS_BEHIND
+    from tests.helpers.common import REPO
+    from tests.helpers.messages import IDENTITY, decode, encode
+
+    telemetry = Telemetry(load_config(REPO / "configs" / "isolated.yaml", []), SwarmStats())
+    base = {"reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 10.0}
+    heartbeat = lambda: telemetry.heartbeat(IDENTITY.node_id, 1, 3, 2, [])  # noqa: E731
+    overlap = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
+    telemetry.record_round(base)  # the default config: no overlap keys in the row
+    assert [getattr(heartbeat(), name) for name in overlap] == [None] * 5
+    assert "staleness" not in telemetry.prometheus(3, 2) and "carried" not in telemetry.prometheus(3, 2)
+
+    telemetry.record_round({**base, "staleness_mean": 0.75, "staleness_max": 1, "ahead_wait_s": None})  # a first round
+    sent = decode(encode(heartbeat())).message
+    assert (sent.staleness_mean, sent.staleness_max, sent.carried_in, sent.ahead_wait_s) == (0.75, 1, None, None)
+    telemetry.record_round(
+        {**base, "staleness_mean": 1.5, "staleness_max": 3, "carried_in": 4, "carried_out": 6, "ahead_wait_s": 0.25}
+    )
+    sent = decode(encode(heartbeat())).message
+    assert [getattr(sent, name) for name in overlap] == [1.5, 3, 4, 6, 0.25]
+    gauges = telemetry.prometheus(3, 2)
+    for line in (
+        "swarm_node_staleness_mean 1.5",
+        "swarm_node_staleness_max 3.0",
+        "swarm_node_carried_in 4.0",
+        "swarm_node_carried_out 6.0",
+        "swarm_node_ahead_wait_s 0.25",
+    ):
+        assert line in gauges.splitlines(), line
+    assert "# TYPE swarm_node_staleness_mean gauge" in gauges
+
+    telemetry.record_round({**base, "staleness_mean": 5e6, "staleness_max": 5_000_000, "ahead_wait_s": 1e9})
+    sent = decode(encode(heartbeat())).message  # past the bounds: clipped, still sent
+    assert (sent.staleness_mean, sent.staleness_max) == (float(MAX_VERSIONS_BEHIND), MAX_VERSIONS_BEHIND)
+    assert sent.ahead_wait_s == MAX_AHEAD_WAIT_S and sent.carried_in is None
+    telemetry.record_round(base)  # the feature off again (a restart with the default config): nothing stays
+    assert [getattr(heartbeat(), name) for name in overlap] == [None] * 5
+
+
+def test_the_stats_command_summarizes_the_overlap_only_where_rounds_had_it(tmp_path):
+    import argparse
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from node.commands import cmd_stats
+
+    def row(round_: int, **overlap) -> dict:
+        return {
+            "round": round_,
+            "time": float(round_),
+            "policy_version": round_,
+            "reward_mean": 0.5,
+            "accuracy": 0.25,
+            "tokens_per_s": 10.0,
+            "step_s": 1.0,
+            **overlap,
+        }
+
+    def stats(rows: list[dict]) -> tuple[dict, str]:
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        args = argparse.Namespace(state_dir=str(tmp_path), json=False)
+        printed = io.StringIO()
+        assert cmd_stats(args, Console(file=printed, width=200)) == 0
+        printed_json = io.StringIO()
+        with contextlib.redirect_stdout(printed_json):  # --json prints with print()
+            assert cmd_stats(argparse.Namespace(state_dir=str(tmp_path), json=True), Console(file=io.StringIO())) == 0
+        return json.loads(printed_json.getvalue()), printed.getvalue()
+
+    summary, table = stats([row(1), row(2)])
+    assert not {"staleness_mean", "staleness_max", "carried_in_total", "ahead_wait_s_mean"} & summary.keys()
+    assert "stale" not in table and "carried" not in table and "ahead_wait" not in table
+
+    summary, table = stats(
+        [
+            row(1, staleness_mean=1.0, staleness_max=1, ahead_wait_s=None),  # the first round generates its own
+            row(2, staleness_mean=0.5, staleness_max=2, ahead_wait_s=0.5, carried_in=3, carried_out=1),
+            row(3, staleness_mean=0.0, staleness_max=0, ahead_wait_s=1.5, carried_in=1, carried_out=0),
+        ]
+    )
+    assert summary["staleness_mean"] == 0.5 and summary["staleness_max"] == 2
+    assert (summary["carried_in_total"], summary["carried_out_total"]) == (4, 1)
+    assert (summary["ahead_wait_s_mean"], summary["ahead_wait_s_total"]) == (1.0, 2.0)
+    for line in ("staleness_mean", "staleness_max", "carried_in_total", "carried_out_total", "ahead_wait_s_mean"):
+        assert line in table, line

@@ -33,6 +33,31 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
 )
 
 
+# Shown only when some peer reports them (protocol 1.10; a node whose generation overlaps its training, which is off by
+# default), before "seen": the policy versions its own completions were behind (mean/max), the completions it carried
+# into/out of its last round (rollout.over_sample), the seconds it waited for the rollouts generated ahead.
+OVERLAP_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
+    ("stale", lambda r, now: pair(r, "staleness_mean", "staleness_max", "{:.1f}/{}"), 3),
+    ("carried", lambda r, now: pair(r, "carried_in", "carried_out", "{}/{}"), 4),
+    ("waited", lambda r, now: "-" if r.get("ahead_wait_s") is None else f"{r['ahead_wait_s']:.1f}s", 4),
+)
+# the field that says whether a row has the column
+OVERLAP_FIELDS = {"stale": "staleness_mean", "carried": "carried_in", "waited": "ahead_wait_s"}
+
+
+def pair(row: dict[str, Any], first: str, second: str, form: str) -> str:
+    """Two of a row's fields in `form`, or '-' where the peer does not report them (off, or an older peer)."""
+    if row.get(first) is None or row.get(second) is None:
+        return "-"
+    return form.format(row[first], row[second])
+
+
+def peer_columns(rows: list[dict[str, Any]]) -> tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...]:
+    """PEER_COLUMNS, with the overlap columns some row has before the last one ("seen")."""
+    overlap = tuple(c for c in OVERLAP_COLUMNS if any(r.get(OVERLAP_FIELDS[c[0]]) is not None for r in rows))
+    return PEER_COLUMNS[:-1] + overlap + PEER_COLUMNS[-1:]
+
+
 def short_device(device: str) -> str:
     """'cuda:0 NVIDIA GeForce RTX 4090' as 'RTX 4090', 'cpu' as itself: the card's model, in 12 characters at most
     (`--json` has the whole description)."""
@@ -51,15 +76,16 @@ def weakest_specialty(by_dataset: dict[str, float]) -> str:
 def peers_table(rows: list[dict[str, Any]], swarm_id: str, width: int = 200) -> Table:
     """The peers as a table no wider than `width`: columns that do not fit are left out (and named in the caption)."""
     now = time.time()
-    cells = {header: [cell(row, now) for row in rows] for header, cell, _ in PEER_COLUMNS}
+    columns = peer_columns(rows)
+    cells = {header: [cell(row, now) for row in rows] for header, cell, _ in columns}
     column_width = {header: max([len(header), *map(len, cells[header])]) for header in cells}
-    shown = [header for header, _, _ in PEER_COLUMNS]
+    shown = [header for header, _, _ in columns]
     table_width = lambda headers: sum(column_width[h] + 3 for h in headers) + 1  # noqa: E731 - padding 1+1 and a border per column
-    for header, _, _ in sorted(PEER_COLUMNS, key=lambda column: -column[2]):
+    for header, _, _ in sorted(columns, key=lambda column: -column[2]):
         if table_width(shown) <= width or len(shown) == 1:
             break
         shown.remove(header)
-    hidden = [header for header, _, _ in PEER_COLUMNS if header not in shown]
+    hidden = [header for header, _, _ in columns if header not in shown]
     table = Table(
         title=f"swarm {swarm_id}: {len(rows)} live peer(s)",
         caption=f"not shown for width: {', '.join(hidden)} (see --json)" if hidden else None,

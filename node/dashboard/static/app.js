@@ -26,6 +26,17 @@ const PEER_COLUMNS = [
   ["rejoins", (r) => r.rejoins ?? 0],
   ["seen", (r, now) => `${fixed(Math.max(0, now - r.last_seen), 0)}s ago`],
 ];
+// Shown before "seen" only when some peer reports them (protocol 1.10, a node whose generation overlaps its training;
+// off by default), as `swarm-node peers` does: [header, cell text, css class, the field that says a row has it].
+const OVERLAP_COLUMNS = [
+  ["stale", (r) => (r.staleness_mean == null ? "-" : `${fixed(r.staleness_mean, 1)}/${r.staleness_max}`), "", "staleness_mean"],
+  ["carried", (r) => (r.carried_in == null ? "-" : `${r.carried_in}/${r.carried_out}`), "", "carried_in"],
+  ["waited", (r) => (r.ahead_wait_s == null ? "-" : `${fixed(r.ahead_wait_s, 1)}s`), "", "ahead_wait_s"],
+];
+function peerColumns(peers) {
+  const overlap = OVERLAP_COLUMNS.filter((c) => peers.some((r) => r[c[3]] != null));
+  return [...PEER_COLUMNS.slice(0, -1), ...overlap, ...PEER_COLUMNS.slice(-1)];
+}
 
 // helpers -----------------------------------------------------------------------------------
 
@@ -134,20 +145,21 @@ const MAX_PEER_ROWS = 256;
 
 function renderPeers(peers, now) {
   const datasetKeys = byDatasetKeys(peers);
+  const columns = peerColumns(peers);
   const head = el("tr", {});
-  for (const [name, , cls] of PEER_COLUMNS) head.append(el("th", { class: cls || "" }, name));
+  for (const [name, , cls] of columns) head.append(el("th", { class: cls || "" }, name));
   for (const key of datasetKeys) head.append(el("th", { class: "text" }, key.replace(/_by_dataset$/, "")));
   document.getElementById("peer-head").replaceChildren(head);
   const body = document.getElementById("peer-rows");
   body.replaceChildren();
   for (const row of peers.slice(0, MAX_PEER_ROWS)) {
     const tr = el("tr", { "data-peer-row": "", "data-node-id": row.node_id });
-    for (const [, cell, cls] of PEER_COLUMNS) tr.append(el("td", { class: cls || "" }, cell(row, now)));
+    for (const [, cell, cls] of columns) tr.append(el("td", { class: cls || "" }, cell(row, now)));
     for (const key of datasetKeys) tr.append(el("td", { class: "text" }, Object.entries(row[key] || {}).map(([d, v]) => `${d} ${percent(v)}`).join(" · ")));
     tr.firstChild.style.borderLeft = `4px solid ${colour(row.node_id)}`;
     body.append(tr);
   }
-  if (!peers.length) body.append(el("tr", {}, el("td", { class: "text empty-note", colspan: PEER_COLUMNS.length }, "no live peer seen yet")));
+  if (!peers.length) body.append(el("tr", {}, el("td", { class: "text empty-note", colspan: columns.length }, "no live peer seen yet")));
   document.getElementById("peer-count").textContent = peers.length > MAX_PEER_ROWS
     ? `${peers.length} live, the first ${MAX_PEER_ROWS} shown (curves: the ${MAX_PEER_ROWS} seen last); swarm-node peers --json lists all`
     : `${peers.length} live`;
@@ -184,6 +196,19 @@ function renderPeerCurves(history, peers) {
     ids.map((id) => ({ name: label(id), colour: colour(id), points: history[id].map((p) => [p.time, p.reward_mean]) })), { xFormat: clock });
   lineChart(document.getElementById("chart-peer-accuracy"),
     ids.map((id) => ({ name: label(id), colour: colour(id), points: history[id].map((p) => [p.time, p.accuracy]) })), { xFormat: clock, yMin: 0, yMax: 1, yFormat: (y) => `${Math.round(100 * y)}%` });
+}
+
+// The overlap of generation with training (rollout.max_staleness, rollout.over_sample): its keys are in the rows only
+// where it is on, and the section shows only then.
+function renderOverlap(rows) {
+  const has = (key) => rows.filter((r) => r[key] !== undefined && r[key] !== null);
+  const section = document.getElementById("overlap-section");
+  section.hidden = !["staleness_mean", "carried_in", "ahead_wait_s"].some((key) => has(key).length);
+  if (section.hidden) return;
+  const series = (key, colour) => ({ name: key, colour, points: has(key).map((r) => [r.round, r[key]]) });
+  lineChart(document.getElementById("chart-node-staleness"), [series("staleness_mean", PALETTE[0]), series("staleness_max", PALETTE[1])]);
+  lineChart(document.getElementById("chart-node-carried"), [series("carried_in", PALETTE[2]), series("carried_out", PALETTE[3])]);
+  lineChart(document.getElementById("chart-node-ahead-wait"), [series("ahead_wait_s", PALETTE[4])], { yMin: 0 });
 }
 
 // Any `<metric>_by_dataset: {dataset: value}` field of the metrics rows: a chart per field, a curve per dataset.
@@ -290,6 +315,7 @@ async function refresh() {
     renderNodeInfo(swarm);
     renderPeers(peers, now);
     renderNodeCurves(metrics);
+    renderOverlap(metrics);
     renderPeerCurves(history, peers);
     renderByDataset(metrics);
     renderRefusals(swarm.stats);

@@ -1,0 +1,36 @@
+"""The round display a person watching `train` or `join` sees: the overlap's figures appear only in rounds that have
+them, in the live table and in the line printed per round off a terminal."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from node.display import RoundDisplay
+
+ROW = {"round": 3, "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 120.0, "step_s": 1.5, "policy_version": 3}
+
+
+def printed(row: dict, terminal: bool) -> str:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=terminal, width=160, color_system=None)
+    display = RoundDisplay(console, first_round=0, target_round=10, title="node")
+    with display:
+        display.update(row)
+    return out.getvalue()
+
+
+def test_a_serial_round_shows_no_overlap_figures():
+    for terminal in (False, True):
+        text = printed(ROW, terminal)
+        assert "policy" in text and "stale" not in text and "carried" not in text and "waited" not in text
+
+
+def test_the_overlap_figures_show_where_a_round_has_them():
+    row = {**ROW, "staleness_mean": 0.34, "staleness_max": 2, "carried_in": 5, "carried_out": 3, "ahead_wait_s": 1.25}
+    line = printed(row, terminal=False)
+    assert "policy=3 stale=0.3/2 carried=5/3 waited=1.2s eta=" in line, line
+    table = printed(row, terminal=True)
+    for header, value in (("stale", "0.3/2"), ("carried", "5/3"), ("waited", "1.2s")):
+        assert header in table and value in table, table
