@@ -13,7 +13,7 @@ from rich.console import Console
 
 from node.commands import cmd_health, cmd_identity, cmd_peers, cmd_stats, cmd_train
 from node.config import ConfigError
-from node.runtime import error
+from node.runtime import EXIT_INTERRUPTED, error, stopped_while_starting, take_startup_signals
 
 
 # parser ----------------------------------------------------------------------------------
@@ -145,10 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, soft_wrap=True)
     if getattr(args, "rounds", None) is not None and args.rounds < 1:
         return error("--rounds must be at least 1")
+    take_startup_signals()
     try:
         return args.handler(args, console)
     except ConfigError as exc:
         return error(str(exc))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception:
+        if not stopped_while_starting():
+            raise
+        print("swarm-node: stopped while starting", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

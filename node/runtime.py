@@ -104,6 +104,27 @@ def setup_viewer_logging() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
 
 
+_SIGNALS_WHILE_STARTING: list[int] = []
+
+
+def take_startup_signals() -> None:
+    """Until a command's event loop takes them (on_stop_signals), a Ctrl-C or SIGTERM stops the command where it
+    stands, as a KeyboardInterrupt, and is remembered: one that lands inside an import (torch, transformers and
+    hivemind take seconds to import) leaves that module half made, and whatever then fails is that stop, not a fault
+    to print a traceback for (`stopped_while_starting`)."""
+
+    def handle(signum: int, frame) -> None:
+        _SIGNALS_WHILE_STARTING.append(signum)
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handle)
+
+
+def stopped_while_starting() -> bool:
+    return bool(_SIGNALS_WHILE_STARTING)
+
+
 def on_stop_signals(request_stop: Callable[[], None], on_second: Callable[[], None] | None = None) -> None:
     """Call `request_stop` on the first SIGINT or SIGTERM (from inside the running event loop); on a second, leave at
     once with EXIT_INTERRUPTED, after `on_second` says what was kept."""

@@ -108,6 +108,41 @@ def test_a_stop_while_the_policy_still_builds_leaves_at_once(tiny_config, tmp_pa
     assert "Traceback" not in output and not (state / "checkpoints").exists()
 
 
+def importing_torch(pid: int) -> bool:
+    """Whether process `pid` has begun to load torch's libraries (its imports are under way, seconds from done)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_a_stop_during_the_imports_prints_no_traceback(stop, pipeline_yaml, tmp_path, cli_env):
+    """A stage server stopped while it still imports torch and transformers (a soak stopped a spare it had just
+    started): a KeyboardInterrupt inside an import leaves a module half made and the next import failed with a
+    traceback (transformers' "Could not import module 'Qwen2ForCausalLM'"). It must stop, and say so in one line."""
+    with open(tmp_path / "serve.out", "w") as out:
+        process = subprocess.Popen(
+            cli("serve", "--config", str(pipeline_yaml), "--state-dir", str(tmp_path / "state"), "--stage", "0"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=cli_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: process.poll() is not None or importing_torch(process.pid), STOPPED_S, "torch to load")
+        os.killpg(process.pid, signal.SIGINT if stop == "Ctrl-C" else signal.SIGTERM)
+        code = process.wait(timeout=STOPPED_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+    output = (tmp_path / "serve.out").read_text()
+    assert code in (0, 130), output
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
 def test_a_driver_waiting_for_a_stage_that_never_comes_stops_on_the_first_signal(
     stop, pipeline_yaml, tmp_path, cli_env, procs
