@@ -145,3 +145,22 @@ def daemon_process(p2p: P2P) -> asyncio.subprocess.Process | None:
     answering must still be killed when its node's shutdown hangs (`joining.shutdown_dht`); tests read a daemon's
     command line through it."""
     return p2p._child
+
+
+def retire_control_connection(p2p: P2P) -> None:
+    """Stop the tasks of `p2p`'s persistent control connection to its daemon, and take what they ended with.
+
+    Why private (`P2P._client.control._read_task`, `_write_task`): when the daemon dies, the writing task fails on
+    the next message it sends (ConnectionResetError) and nothing in hivemind awaits it, so asyncio prints a "Task
+    exception was never retrieved" traceback when the task is collected, at the node's stop at the latest. The node
+    has said that its daemon died (and rejoined over a new one): this is the old connection's end, not news."""
+    control = getattr(getattr(p2p, "_client", None), "control", None)
+    for task in (getattr(control, "_read_task", None), getattr(control, "_write_task", None)):
+        if task is not None:
+            task.add_done_callback(_take_outcome)
+            task.cancel()
+
+
+def _take_outcome(task) -> None:
+    if not task.cancelled():
+        task.exception()

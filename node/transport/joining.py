@@ -198,16 +198,19 @@ async def shutdown_dht(dht, timeout: float = 10.0) -> None:
     A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
     signal that asked the node to stop, and a polite shutdown would then wait forever.
     """
+    from node.transport import hivemind_p2p
+
+    p2p = getattr(dht, "p2p", None)
     try:
         await asyncio.wait_for(dht.shutdown(), timeout)
     except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
         log.warning("DHT shutdown did not complete (%s); leaving anyway", type(exc).__name__)
-        from node.transport import hivemind_p2p
-
-        p2p = getattr(dht, "p2p", None)
         process = hivemind_p2p.daemon_process(p2p) if p2p is not None else None
         if process is not None and process.returncode is None:
             process.kill()
+    finally:
+        if p2p is not None:
+            hivemind_p2p.retire_control_connection(p2p)
 
 
 def dht_addresses_by_peer(addresses: Iterable[str]) -> dict[str, list[str]]:
