@@ -75,6 +75,14 @@ def send(lab: Lab, source: int, target: int, nbytes: int, connect_timeout: float
     return int(received), float(seconds)
 
 
+def test_the_lab_runs_its_processes_from_the_repository():
+    """A process the lab starts runs in the repository (the packages it imports by `-m`, the configs by path): the
+    lab became a package one level deeper and for a while pointed at benchmarks/ instead."""
+    from benchmarks.lab import REPO
+
+    assert (REPO / "pyproject.toml").exists() and (REPO / "benchmarks" / "lab" / "__init__.py").exists()
+
+
 def test_link_profiles_are_checked():
     assert Link(mbit=50).up == 50 and Link(mbit=50, up_mbit=5).up == 5 and Link(mbit=50, up_mbit=5).down == 50
     for bad in (dict(mbit=0), dict(loss=1.0), dict(loss=-0.1), dict(up_mbit=1e9)):

@@ -55,7 +55,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REGISTRY_DIR = Path("/tmp/swarm-lab")
 BENCH_NET = "198.18"  # RFC 2544's benchmarking range: routed nowhere, so the host may join the bridge
 NAT_LAB_NET = "198.20"  # a lab with routers: an "internet" that libp2p counts as public (module docstring)
