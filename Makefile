@@ -36,13 +36,15 @@ browser:
 	} || echo "warning: could not install chromium; tests/test_dashboard.py's browser test fails until it is installed"
 
 # The swarm lab's tests (tests/test_lab.py) give each node its own network namespace and cut links with iptables;
-# a fresh Debian machine has iproute2 but not iptables, and without it those tests are skipped, so install it.
+# a fresh Debian machine has iproute2 but not iptables, and without it those tests are skipped, so install it. The
+# soak (benchmarks/soak/, tests/test_soak.py) also asks each node's /readyz from its namespace (curl) and jumps one
+# node's clock (libfaketime).
 netlab:
-	@command -v iptables >/dev/null 2>&1 || { \
+	@{ command -v iptables && command -v curl && ls /usr/lib/*/faketime/libfaketime.so.1; } >/dev/null 2>&1 || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  echo "installing iptables (apt-get) for the swarm lab's tests"; \
-	  $$SUDO apt-get update -qq >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null; \
-	} || echo "warning: could not install iptables; tests/test_lab.py skips its namespace tests until it is installed"
+	  echo "installing iptables, curl and faketime (apt-get) for the swarm lab's tests"; \
+	  $$SUDO apt-get update -qq >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 curl faketime >/dev/null; \
+	} || echo "warning: could not install iptables, curl or faketime; the swarm lab's tests skip or fail until they are"
 
 run: install
 	$(BIN)/swarm-node train --config configs/isolated.yaml

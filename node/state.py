@@ -150,6 +150,14 @@ class StateStore:
             return [f"checkpoints/LATEST names {name}, which is gone"]
         return []
 
+    def damage(self, path: Path, dtype: str = "float32") -> str | None:
+        """Why the checkpoint at `path` would not load (None: it loads whole, as a resume would read it)."""
+        try:
+            self._read(path, dtype)
+        except CheckpointDamaged as damage:
+            return str(damage)
+        return None
+
     def _read(self, path: Path, dtype: str) -> Checkpoint:
         # trainer.pt first: a damaged one is found before the policy's weights are read for nothing
         try:
