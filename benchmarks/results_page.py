@@ -1300,6 +1300,114 @@ section(
     ),
 )
 
+SOAK = (Source("soak.jsonl"),)
+SOAK_COMMAND = (
+    "`sudo .venv/bin/python -m benchmarks.soak --cycles 1 --gap-s 30 --fault-s 60 --results "
+    "benchmarks/results/soak.jsonl` (each fault kind once, accelerated)"
+)
+SOAK_NOTEBOOK = ("2026-12-03-soak", "The soak")
+SOAK_TOPOLOGY = "8 join nodes (two behind NAT), a 3-stage pipeline with a spare and its driver, each in its namespace"
+
+
+def soak_lost(row: dict) -> float:
+    """What the soak found lost or broken: crashes, metrics not contiguous, policy versions gone back, kept
+    checkpoints that do not load, processes not alive at the end or printing a traceback when stopped."""
+    return (
+        row["crashes"]
+        + sum(reason is not None for reason in row["rows_contiguous"].values())
+        + sum(reason is not None for reason in row["versions_forward"].values())
+        + sum(len(damaged) for damaged in row["unloadable_checkpoints"].values())
+        + (not row["alive_at_end"])
+        + len(row["tracebacks_on_stop"])
+    )
+
+
+section(
+    "A node that runs unattended (the soak)",
+    Claim(
+        "soak",
+        f"In the soak ({SOAK_TOPOLOGY}) nothing is lost: no crash, metrics contiguous across every restart, policy "
+        "versions only forward, every kept checkpoint loadable, every process alive and stopping cleanly on Ctrl-C "
+        "(the figure: how many of these failed)",
+        "the node as it ships (its supervision, state directory and stops)",
+        "-",
+        SOAK,
+        newest(
+            soak_lost,
+            "failures",
+            note=lambda r: (
+                f"{r['hours']:.2f} h at load {r['load_average'][0]:.0f}, exit codes at the stop "
+                f"{sorted(set(r['exit_codes_on_stop'].values()))} (130: stopped while starting)"
+            ),
+        ),
+        AtMost(0),
+        SOAK_COMMAND,
+        SOAK_NOTEBOOK,
+    ),
+    Claim(
+        "soak-recovery",
+        "Every injected fault is recovered from within 60 s: lifted to the hit processes' next exchange with a peer "
+        "(the figure: the slowest kind)",
+        "the node as it ships",
+        "-",
+        SOAK,
+        newest(
+            lambda r: max(float("inf") if v is None else v for v in r["recovery_s_by_kind"].values()),
+            "s",
+            note=lambda r: ", ".join(f"{k} {v}" for k, v in r["recovery_s_by_kind"].items()),
+        ),
+        AtMost(60),
+        SOAK_COMMAND,
+        SOAK_NOTEBOOK,
+    ),
+    Claim(
+        "soak-stall",
+        "No training stall longer than 2 minutes on any node or the driver (the longest gap between two metrics rows "
+        "outside a process's scheduled downtime)",
+        "the node as it ships",
+        "-",
+        SOAK,
+        newest(lambda r: r["max_stall_s_overall"], "s"),
+        AtMost(120),
+        SOAK_COMMAND,
+        SOAK_NOTEBOOK,
+    ),
+    Claim(
+        "soak-readyz",
+        "/readyz says not ready within 30 s of a node's p2p daemon dying, and ready again once it rejoined",
+        "`swarm.metrics_port` (the node's HTTP endpoint)",
+        "-",
+        SOAK,
+        newest(
+            lambda r: max(e["not_ready_after_s"] for e in r["readyz"]),
+            "s",
+            note=lambda r: "ready again after " + ", ".join(f"{e['ready_again_after_s']} s" for e in r["readyz"]),
+        ),
+        AtMost(30),
+        SOAK_COMMAND,
+        SOAK_NOTEBOOK,
+    ),
+    Claim(
+        "soak-rss",
+        "RSS at the soak's end within +10 % of its value 10 minutes after each process's (last) start, on every "
+        "process that lived that long",
+        "the node as it ships",
+        "-",
+        SOAK,
+        newest(
+            lambda r: r["rss_max_ratio"],
+            "x",
+            note=lambda r: (
+                f"{sum(g is not None for g in r['rss'].values())} of {len(r['rss'])} processes lived "
+                "10 minutes past their last start"
+            ),
+        ),
+        AtMost(1.10),
+        SOAK_COMMAND,
+        SOAK_NOTEBOOK,
+    ),
+)
+
 NOT_GENERATED = [
     (
         "swarm_propagation (publish to received, join time, bytes a round)",
