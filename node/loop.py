@@ -374,14 +374,15 @@ class Node:
                 self._rejoining.result()  # it ends only once joined again (or by an error that is not the network's)
                 self._rejoining = None
             return
-        reason, self._daemon_silent = self._daemon_silent, None
-        if reason is None:
-            try:
-                self.transport.check_alive()
-            except Exception as exc:
-                if not self.rejoins_on_its_own:
-                    raise
-                reason = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+        silent, self._daemon_silent = self._daemon_silent, None
+        reason = None
+        try:  # asked even when the watchdog found the daemon silent: a daemon that exited says how, which is news
+            self.transport.check_alive()
+        except Exception as exc:
+            if not self.rejoins_on_its_own and silent is None:
+                raise
+            reason = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
+        reason = reason or silent
         if reason is not None:
             await self._leave_swarm(reason)
             self._rejoining = asyncio.create_task(self._rejoin(), name="swarm-rejoin")
