@@ -9,6 +9,7 @@ already there is not run again.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -56,3 +57,33 @@ def print_result_line(line: dict, results: Path | None = None) -> None:
     if results is not None:
         append_json_line(results, line)
     print(json.dumps(line))
+
+
+def seeds_parser(description: str, config: Path, rounds: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that runs one config's arms per seed: --config, --seeds, --first-seed, --rounds,
+    --set and --results; the benchmark adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", type=Path, default=config)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    parser.add_argument("--results", type=Path, help="append each seed's row to this file")
+    return parser
+
+
+def run_seeds(args: argparse.Namespace, run_seed: Callable, describe: Callable[[int, dict], str]) -> list[dict]:
+    """`run_seed(args, seed)` for each seed in turn, transformers' warnings and bars off; each seed's row is appended to
+    --results as it finishes (so that seeds accumulate over sessions) and `describe(seed, row)` printed; the rows."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    rows = []
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        row = run_seed(args, seed)
+        rows.append(row)
+        if args.results is not None:
+            append_json_line(args.results, row)
+        print(describe(seed, row), flush=True)
+    return rows

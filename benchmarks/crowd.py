@@ -35,9 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.transport.protobuf_shim import import_hivemind_isolated
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
 
 import_hivemind_isolated()
+
+from benchmarks.lab.presets import TINY_MODEL  # noqa: E402
 
 from node.config import NodeConfig, load_config  # noqa: E402
 from node.tasks import materialize  # noqa: E402
@@ -202,15 +206,9 @@ class Crowd:
 
 # --- the benchmark ------------------------------------------------------------------------------
 
-# the tests' tiny model (tests/conftest.py TINY_OVERRIDES), so that rounds are short and the swarm's share shows
+# the tests' tiny model, so that rounds are short and the swarm's share shows
 NODE_OVERRIDES = [
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=5",
-    "model.default.warmup_batch_size=8",
+    *TINY_MODEL,
     "rollout.completions_per_question=4",
     "rollout.max_new_tokens=16",
     "tasks.heldout_size=8",

@@ -15,16 +15,18 @@ Ends with one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import REPO, run_seeds, seeds_parser  # noqa: E402
 
 
 def node_for(config_path: Path, seed: int, staleness: int, state_dir: Path, settings: list[str]):
@@ -95,36 +97,20 @@ def run_seed(args, seed: int) -> dict:
     }
 
 
+def describe(seed: int, row: dict) -> str:
+    return (
+        f"seed {seed}: {row['serial_rounds_per_s']:.2f} -> {row['ahead_rounds_per_s']:.2f} rounds/s "
+        f"({row['ratio']:.2f}x; CPU s a round {row['serial_cpu_s_per_round']:.2f} -> "
+        f"{row['ahead_cpu_s_per_round']:.2f}; waited for rollouts {row['ahead_wait_s_median']}); held-out "
+        f"{row['serial_heldout']:.3f} serial, {row['ahead_heldout_equal_compute']:.3f} ahead at equal compute, "
+        f"{row['ahead_heldout_equal_wall']:.3f} ahead at equal wall clock "
+        f"({row['ahead_rounds_equal_wall']} rounds)"
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "isolated.yaml")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
-    parser.add_argument("--results", type=Path, help="append each seed's row to this file")
-    args = parser.parse_args()
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    from node.files import append_json_line
-
-    rows = []
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        row = run_seed(args, seed)
-        rows.append(row)
-        if args.results is not None:
-            append_json_line(args.results, row)
-        print(
-            f"seed {seed}: {row['serial_rounds_per_s']:.2f} -> {row['ahead_rounds_per_s']:.2f} rounds/s "
-            f"({row['ratio']:.2f}x; CPU s a round {row['serial_cpu_s_per_round']:.2f} -> "
-            f"{row['ahead_cpu_s_per_round']:.2f}; waited for rollouts {row['ahead_wait_s_median']}); held-out "
-            f"{row['serial_heldout']:.3f} serial, {row['ahead_heldout_equal_compute']:.3f} ahead at equal compute, "
-            f"{row['ahead_heldout_equal_wall']:.3f} ahead at equal wall clock "
-            f"({row['ahead_rounds_equal_wall']} rounds)",
-            flush=True,
-        )
+    args = seeds_parser(__doc__.split("\n")[0], REPO / "configs" / "isolated.yaml", rounds=40).parse_args()
+    rows = run_seeds(args, run_seed, describe)
     print(
         json.dumps(
             {

@@ -18,7 +18,6 @@ Ends with one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -30,10 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.arms.lockstep import unit_costs  # noqa: E402
-from benchmarks.common import REPO, print_result_line, spread  # noqa: E402
+from benchmarks.common import REPO, print_result_line, run_seeds, seeds_parser, spread  # noqa: E402
 from node.compute import RoundWork  # noqa: E402
 from node.config import load_config  # noqa: E402
-from node.files import append_json_line  # noqa: E402
 from node.loop import Node  # noqa: E402
 
 ARMS = {"without": [], "keep": ["rollout.partial_prefix=keep"], "mask": ["rollout.partial_prefix=mask"]}
@@ -111,41 +109,27 @@ def run_seed(args, seed: int) -> dict:
     }
 
 
+def describe(seed: int, row: dict) -> str:
+    arms = row["arms"]
+    return (
+        f"seed {seed}: completions/generation-s {arms['without']['completions_per_generation_s']:.1f} without, "
+        f"{arms['keep']['completions_per_generation_s']:.1f} keep ({row['throughput_ratio_keep']:.2f}x), "
+        f"{arms['mask']['completions_per_generation_s']:.1f} mask ({row['throughput_ratio_mask']:.2f}x); "
+        f"held-out at equal units {arms['without']['heldout_equal_units']:.3f} / "
+        f"{arms['keep']['heldout_equal_units']:.3f} / {arms['mask']['heldout_equal_units']:.3f}; "
+        f"tail mean/p90/max {arms['without']['completion_len_mean']:.1f}/"
+        f"{arms['without']['completion_len_p90']}/{arms['without']['completion_len_max']} tokens; "
+        f"carried {arms['keep']['carried_share']:.2f}, staleness {arms['keep']['staleness_mean']:.2f} "
+        f"(max {arms['keep']['staleness_max']})"
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "long_tail.yaml")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=60)
+    parser = seeds_parser(__doc__.split("\n")[0], REPO / "configs" / "long_tail.yaml", rounds=60)
     parser.add_argument("--over-sample", type=float, default=0.5)
     parser.add_argument("--costs", type=Path, default=REPO / "benchmarks" / "compute_costs.json")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
-    parser.add_argument("--results", type=Path, help="append each seed's row to this file")
     args = parser.parse_args()
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-    seeds = []
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        row = run_seed(args, seed)
-        seeds.append(row)
-        if args.results is not None:
-            append_json_line(args.results, row)
-        arms = row["arms"]
-        print(
-            f"seed {seed}: completions/generation-s {arms['without']['completions_per_generation_s']:.1f} without, "
-            f"{arms['keep']['completions_per_generation_s']:.1f} keep ({row['throughput_ratio_keep']:.2f}x), "
-            f"{arms['mask']['completions_per_generation_s']:.1f} mask ({row['throughput_ratio_mask']:.2f}x); "
-            f"held-out at equal units {arms['without']['heldout_equal_units']:.3f} / "
-            f"{arms['keep']['heldout_equal_units']:.3f} / {arms['mask']['heldout_equal_units']:.3f}; "
-            f"tail mean/p90/max {arms['without']['completion_len_mean']:.1f}/"
-            f"{arms['without']['completion_len_p90']}/{arms['without']['completion_len_max']} tokens; "
-            f"carried {arms['keep']['carried_share']:.2f}, staleness {arms['keep']['staleness_mean']:.2f} "
-            f"(max {arms['keep']['staleness_max']})",
-            flush=True,
-        )
+    seeds = run_seeds(args, run_seed, describe)
     print_result_line(
         {
             "benchmark": "partial_rollouts",

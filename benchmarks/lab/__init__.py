@@ -4,6 +4,7 @@
   and cleanup of what a killed lab left (`Lab`, `Link`);
 - swarm.py: a swarm of `join` nodes in the lab and what their state directories say;
 - workers.py: benchmarks that run one worker process per node, coordinated through files;
+- presets.py: the tiny models, the pipeline's timings and the node command line that the lab's runs and the tests share;
 - __main__.py: the command (`sudo .venv/bin/python -m benchmarks.lab --nodes 8 ...`, docs/lab.md).
 """
 

@@ -10,28 +10,14 @@ import time
 from pathlib import Path
 
 from benchmarks.lab.network import REPO, Lab
+from benchmarks.lab.presets import lab_command
 
 
 def node_argv(lab: Lab, index: int, state_dir: Path, bootstrap: str | None, sets: list[str], fresh: bool) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "node.cli",
-        "join",
-        "--state-dir",
-        str(state_dir),
-        "--set",
-        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
-        "--set",
-        f"name=lab-{index}",
-    ]
-    for item in sets:
-        argv += ["--set", item]
-    if bootstrap:
-        argv += ["--initial-peers", bootstrap]
-    if fresh:
-        argv.append("--fresh")
-    return argv
+    extra = [argument for item in sets for argument in ("--set", item)] + (["--fresh"] if fresh else [])
+    return lab_command(
+        "join", state_dir, lab.ip(index), f"lab-{index}", extra=extra, peers=[bootstrap] if bootstrap else []
+    )
 
 
 def wait_for_address(state_dir: Path, ip: str, timeout_s: float, proc: subprocess.Popen) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.lab.presets import PIPELINE_TIMINGS, TINY_MODEL
+
 FAULT_KINDS = (
     "p2pd_kill",  # kill -9 the p2p daemon under a live join node
     "relay_restart",  # kill -9 the bootstrap node, the NAT'd nodes' relay, and start it again
@@ -25,15 +27,6 @@ STATE_DISK_MB = 64
 REJOINED = "rejoined the swarm as"  # the node's line once it is joined again over a new daemon (node/loop.py)
 CLOCK_JUMP_S = 300  # protocol.MAX_CLOCK_SKEW_S's bound itself
 
-TINY_MODEL = [
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=5",
-    "model.default.warmup_batch_size=8",
-]
 JOIN_SETS = [
     *TINY_MODEL,
     "rollout.completions_per_question=4",
@@ -56,28 +49,10 @@ JOIN_SETS = [
     "torch_threads=1",
 ]
 PIPELINE_SETS = [
-    "model.default.hidden_size=32",
+    *PIPELINE_TIMINGS,
     "model.default.num_layers=3",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=0",
     "swarm.swarm_id=soak-pipeline",
-    "swarm.bootstrap_backoff_s=0.5",
     f"swarm.metrics_port={METRICS_PORT}",
-    "pipeline.micro_batch_size=4",
-    "pipeline.micro_batches=2",
-    "pipeline.sequence_length=32",
-    "pipeline.corpus_sequences=64",
-    "pipeline.validation_sequences=8",
-    "pipeline.eval_every=0",
-    "pipeline.announce_interval_s=0.5",
-    "pipeline.announce_ttl_s=10",
-    "pipeline.avoid_s=6",
-    "pipeline.replica_sync_every=1",
-    "pipeline.rebalance_grace_s=3",
-    "pipeline.balance_quality=0.2",
-    "torch_threads=1",
 ]
 
 

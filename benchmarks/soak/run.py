@@ -18,11 +18,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.lab import REPO, Lab
+from benchmarks.lab.presets import lab_command
 from benchmarks.soak import figures
 from benchmarks.soak.faults import FAULTS
 from benchmarks.soak.figures import Downtime
@@ -101,22 +101,16 @@ class Soak:
 
     def argv(self, index: int, command: str, config: Path, extra: list[str] = (), peers: list[str] = ()) -> list[str]:
         port = RELAY_PORT if index == 0 else 0
-        argv = [
-            sys.executable,
-            "-m",
-            "node.cli",
+        return lab_command(
             command,
-            "--config",
-            str(config),
-            "--state-dir",
-            str(self.state(index)),
-            "--set",
-            f'swarm.host_maddrs=["/ip4/{self.lab.ip(index)}/tcp/{port}"]',
-            "--set",
-            f"name=soak-{index}",
-            *extra,
-        ]
-        return argv + (["--initial-peers", *peers] if peers else [])
+            self.state(index),
+            self.lab.ip(index),
+            f"soak-{index}",
+            config=config,
+            port=port,
+            extra=extra,
+            peers=peers,
+        )
 
     def env_of(self, index: int) -> dict[str, str]:
         if "clock_jump" in self.plan.faults and index == self.plan.target("clock_jump"):

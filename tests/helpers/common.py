@@ -7,19 +7,15 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from benchmarks.lab.presets import TINY_MODEL
+
 REPO = Path(__file__).resolve().parents[2]
 # How long a CLI subprocess may take before a test calls it hung. A hang guard, never a speed check:
 # on a machine shared with other work, importing torch alone has taken minutes.
 CLI_TIMEOUT_S = 900
 
 TINY_OVERRIDES = [
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=5",
-    "model.default.warmup_batch_size=8",
+    *TINY_MODEL,
     "swarm.local_questions=2",
     "rollout.completions_per_question=4",
     "rollout.max_new_tokens=4",

@@ -3,9 +3,8 @@ lab address."""
 
 from __future__ import annotations
 
-import sys
-
 from benchmarks.lab import Lab
+from benchmarks.lab.presets import lab_command
 from tests.helpers.swarm import wait_for
 
 
@@ -23,23 +22,7 @@ def start_command(
     """Run `swarm-node COMMAND` as node `index` (state in tmp_path/n<index>, output in tmp_path/n<index>.out, display
     name <name>-<index>); its first address once it listens."""
     state = tmp_path / f"n{index}"
-    argv = [
-        sys.executable,
-        "-m",
-        "node.cli",
-        command,
-        "--config",
-        str(config),
-        "--state-dir",
-        str(state),
-        "--set",
-        f'swarm.host_maddrs=["/ip4/{lab.ip(index)}/tcp/0"]',
-        "--set",
-        f"name={name}-{index}",
-        *extra,
-    ]
-    if bootstrap:
-        argv += ["--initial-peers", *bootstrap]
+    argv = lab_command(command, state, lab.ip(index), f"{name}-{index}", config=config, extra=extra, peers=bootstrap)
     process = lab.run(index, argv, tmp_path / f"n{index}.out", env)
 
     def listening():

@@ -8,35 +8,16 @@ import math
 import shutil
 import subprocess
 
+from benchmarks.lab.presets import PIPELINE_TIMINGS
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.swarm import SwarmProcess, read_rows, wait_for
 
 PIPELINE_OVERRIDES = [
-    "model.default.hidden_size=32",
+    *PIPELINE_TIMINGS,
     "model.default.num_layers=4",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=0",
     'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
     "swarm.swarm_id=test-pipeline",
-    "swarm.bootstrap_backoff_s=0.5",
     "pipeline.num_stages=4",
-    "pipeline.micro_batch_size=4",
-    "pipeline.micro_batches=2",
-    "pipeline.sequence_length=32",
-    "pipeline.corpus_sequences=64",
-    "pipeline.validation_sequences=8",
-    "pipeline.eval_every=0",
-    "pipeline.announce_interval_s=0.5",
-    # generous: a server starved by a neighbour's start must not look dead; a killed one is reported by the driver
-    "pipeline.announce_ttl_s=10",
-    "pipeline.avoid_s=6",
-    "pipeline.replica_sync_every=1",
-    "pipeline.rebalance_grace_s=3",
-    # throughput moves (unit-tested) only for a 5x gain: a loaded machine's samples/s is noisy
-    "pipeline.balance_quality=0.2",
-    "torch_threads=1",
 ]
 START_S = 180  # a process imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
 
