@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,10 @@ RECANCEL_EVERY_S = 1.0  # a task in its own cleanup gets this long before it is 
 
 class StopRequested(Exception):
     """A wait that may never end (a pipeline driver's for a lost stage) ended because the process is to stop."""
+
+
+class ServiceDied(RuntimeError):
+    """A background service that `run_supervised` watched died of an exception (the cause): the part to restart."""
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], what: str, grace_s: float = 15.0) -> None:
@@ -69,8 +73,8 @@ async def gather_or_cancel(*works: Awaitable[T], what: str) -> list[T]:
 
 async def run_supervised(work: Awaitable[T], services: Iterable[asyncio.Task], what: str) -> T:
     """Await `work` while the background `services` run. If one of them dies of an exception first, `work` is
-    cancelled and a RuntimeError raised from that exception: a dead service stops the process loudly instead of
-    leaving it to limp on. Cancelling the caller cancels `work` too."""
+    cancelled and ServiceDied raised from that exception: the caller restarts what died, or stops loudly instead of
+    leaving the process to limp on. Cancelling the caller cancels `work` too."""
     main = asyncio.ensure_future(work)
     watched = set(services)
     try:
@@ -81,7 +85,24 @@ async def run_supervised(work: Awaitable[T], services: Iterable[asyncio.Task], w
             watched.discard(main)
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
-                    raise RuntimeError(f"{what}: the {task.get_name()} service died") from task.exception()
+                    raise ServiceDied(f"{what}: the {task.get_name()} service died") from task.exception()
     finally:
         if not main.done():
             await cancel_and_wait([main], what)
+
+
+async def retry_with_backoff(
+    attempt: Callable[[], Awaitable[T]], what: str, first_s: float, max_s: float
+) -> tuple[T, int]:
+    """Call `attempt` until it returns, waiting `first_s` before the first call and twice as long after each failure,
+    at most `max_s`; each failure is one warning line. Its result and the number of calls. Cancelling the caller ends
+    the wait or the call in flight."""
+    delay, calls = first_s, 0
+    while True:
+        await asyncio.sleep(delay)
+        calls += 1
+        try:
+            return await attempt(), calls
+        except Exception as exc:  # noqa: BLE001 - the network's answer, most often: tried again, said once a call
+            delay = min(max_s, 2 * delay)
+            log.warning("%s attempt %d failed (%s: %s); next in %.0f s", what, calls, type(exc).__name__, exc, delay)

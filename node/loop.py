@@ -54,10 +54,7 @@ def same_model_source(a: str, b: str) -> bool:
 
 log = logging.getLogger(__name__)
 
-REJOIN_FIRST_S = 2.0  # a swarm connection that died is rejoined after this, then twice as long each failed attempt
-REJOIN_MAX_S = 60.0
 WATCH_INTERVAL_S = 1.0  # how often the watchdog looks at the round in flight
-DAEMON_SILENT_PROBES = 2  # unanswered probes of the p2p daemon in a row (swarm.daemon_probe_s) that count as it gone
 
 
 def thread_stacks() -> str:
@@ -389,10 +386,10 @@ class Node:
 
     async def _watch(self) -> None:
         """The round watchdog: a round past its stall bound is logged once, with the part it is in and every thread's
-        stack, and counted; a p2p daemon that leaves DAEMON_SILENT_PROBES probes in a row unanswered is marked gone
+        stack, and counted; a p2p daemon that leaves its probes unanswered (SwarmSession.probe_daemon) is marked gone
         (the next round's keep_joined replaces it)."""
         probe_s = self.config.swarm.daemon_probe_s
-        reported_round, silent, last_probe = None, 0, time.monotonic()
+        reported_round, last_probe = None, time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             report = self.progress.report()
@@ -405,16 +402,9 @@ class Node:
             if not self.rejoins_on_its_own or self.session is None or time.monotonic() - last_probe < probe_s:
                 continue
             last_probe = time.monotonic()
-            try:  # the daemon's own view of its addresses: a round trip to it, and nothing else
-                await asyncio.wait_for(self.session.dht.get_visible_maddrs(latest=True), probe_s)
-                silent = 0
-            except Exception:  # noqa: BLE001 - a timeout, or a daemon that answers with an error: unanswered
-                silent += 1
-                if silent >= DAEMON_SILENT_PROBES and self._daemon_silent is None:
-                    silent = 0
-                    self._daemon_silent = (
-                        f"the p2p daemon stopped answering ({DAEMON_SILENT_PROBES} probes of {probe_s:.0f} s in a row)"
-                    )
+            silent = await self.session.probe_daemon(probe_s)
+            if silent is not None and self._daemon_silent is None:
+                self._daemon_silent = silent
 
     async def _leave_swarm(self, reason: str) -> None:
         self.swarm_lost = reason
@@ -433,18 +423,12 @@ class Node:
             await _best_effort(session.close(), "swarm session")
 
     async def _rejoin(self) -> None:
-        """Join again until it works, backing off from REJOIN_FIRST_S to REJOIN_MAX_S between attempts."""
-        from node.transport.session import join_swarm
+        """Join again until it works (node.transport.session.rejoin: with backoff)."""
+        from node.transport.session import join_swarm, rejoin
 
-        delay = REJOIN_FIRST_S
-        attempt = 0
-        while True:
-            await asyncio.sleep(delay)
-            attempt += 1
+        async def attempt() -> Transport:
+            self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
             try:
-                self.session = await join_swarm(
-                    self.config, self.identity, self.store.root, refusals=self.stats.records
-                )
                 transport = self._build_transport()
                 await transport.start()
                 if self.config.averaging.method != "none":
@@ -455,20 +439,16 @@ class Node:
                     )
                     if self._outer_state is not None:
                         self.averaging.outer.load_state_dict(self._outer_state)
-            except Exception as exc:  # noqa: BLE001 - the network's answer; tried again, said once an attempt
-                log.warning(
-                    "rejoin attempt %d failed (%s: %s); next in %.0f s", attempt, type(exc).__name__, exc, delay
-                )
-                if self.session is not None:
-                    session, self.session = self.session, None
-                    await _best_effort(session.close(), "swarm session")
-                delay = min(REJOIN_MAX_S, 2 * delay)
-                continue
-            self.transport = transport
-            self.swarm_lost = None
-            self.stats.swarm_rejoins += 1
-            log.warning("rejoined the swarm as %s after %d attempt(s)", self.session.peer_id, attempt)
-            return
+            except BaseException:
+                session, self.session = self.session, None
+                await _best_effort(session.close(), "swarm session")
+                raise
+            return transport
+
+        self.transport, attempts = await rejoin(attempt)
+        self.swarm_lost = None
+        self.stats.swarm_rejoins += 1
+        log.warning("rejoined the swarm as %s after %d attempt(s)", self.session.peer_id, attempts)
 
     async def stop_services(self) -> None:
         self.progress.stopping = True

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from node.aio import cancel_and_wait, gather_or_cancel, run_supervised
+from node.aio import ServiceDied, cancel_and_wait, gather_or_cancel, retry_with_backoff, run_supervised
 
 
 def test_a_loop_that_swallows_a_cancellation_still_ends():
@@ -98,7 +98,7 @@ def test_a_service_that_dies_stops_the_work_beside_it_loudly():
         task = asyncio.create_task(service(), name="membership")
         try:
             await run_supervised(work(), [task], "stage server")
-        except RuntimeError as failure:
+        except ServiceDied as failure:  # the part to restart, told from a failure of the work itself
             assert "membership" in str(failure) and isinstance(failure.__cause__, ValueError)
         else:
             raise AssertionError("the dead service went unnoticed")
@@ -166,5 +166,49 @@ def test_gather_or_cancel_returns_in_order_and_the_first_failure_cancels_the_res
         with pytest.raises(asyncio.CancelledError):
             await gather_or_cancel(victim, waits_for_ever(), what="test")
         assert cancelled == [True, True, True]
+
+    asyncio.run(scenario())
+
+
+def test_retry_with_backoff_calls_until_it_works_doubling_the_wait_and_saying_each_failure(caplog, monkeypatch):
+    waits = []
+
+    async def no_wait(seconds):  # the waits are recorded, not slept: what is checked is their sequence
+        waits.append(seconds)
+
+    async def scenario():
+        calls = []
+
+        async def attempt():
+            calls.append(len(calls))
+            if len(calls) < 4:
+                raise ConnectionError(f"no peer answered ({len(calls)})")
+            return "joined"
+
+        monkeypatch.setattr(asyncio, "sleep", no_wait)
+        return await retry_with_backoff(attempt, "rejoin", first_s=2.0, max_s=5.0), calls
+
+    with caplog.at_level(logging.WARNING, logger="node.aio"):
+        (result, attempts), calls = asyncio.run(scenario())
+    assert (result, attempts, len(calls)) == ("joined", 4, 4)
+    assert waits == [2.0, 4.0, 5.0, 5.0]  # doubled, and capped at max_s
+    failures = [r.getMessage() for r in caplog.records]
+    assert failures == [
+        "rejoin attempt 1 failed (ConnectionError: no peer answered (1)); next in 4 s",
+        "rejoin attempt 2 failed (ConnectionError: no peer answered (2)); next in 5 s",
+        "rejoin attempt 3 failed (ConnectionError: no peer answered (3)); next in 5 s",
+    ]
+
+
+def test_retry_with_backoff_ends_with_its_caller():
+    async def scenario():
+        async def never_works():
+            raise ConnectionError("down")
+
+        task = asyncio.create_task(retry_with_backoff(never_works, "rejoin", first_s=0.01, max_s=0.01))
+        await asyncio.sleep(0.1)  # some attempts fail meanwhile
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(scenario())

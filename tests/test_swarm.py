@@ -9,7 +9,7 @@ import pytest
 
 from node.config import load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
-from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, peers_listed, read_rows, wait_for
+from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, daemon_of, peers_listed, read_rows, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -119,22 +119,6 @@ def test_kill_9_one_node_others_continue_and_it_rejoins(swarm_yaml, tmp_path, cl
     assert rows[-1]["round"] > rounds_at_kill - 1  # resumed, not restarted from scratch
     assert "resuming at round" in restarted.output()
     assert len({peer["node_id"] for peer in wait_for_peers(cli_env, bootstrap[0], 2)}) == 2
-
-
-def daemon_of(node: SwarmProcess) -> int:
-    """The pid of the p2p daemon a node process started (its child, in a session of its own)."""
-    import os
-
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                command = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[1]) == node.process.pid and b"p2pd" in command:
-                return int(entry)
-    raise AssertionError(f"no p2p daemon under pid {node.process.pid}")
 
 
 def used_from(state_dir, peer_id: str) -> int:

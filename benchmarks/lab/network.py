@@ -523,3 +523,17 @@ def cleanup_stale() -> list[str]:
         path.unlink(missing_ok=True)
         removed.append(record["tag"])
     return removed
+
+
+def p2p_daemon_of(pid: int) -> int | None:
+    """The p2pd process started by process `pid` (None: none is running)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if parent == pid and name == "p2pd":
+                return int(entry.name)
+    return None

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.lab.network import p2p_daemon_of
 from benchmarks.soak import figures
 from benchmarks.soak.plan import CLOCK_JUMP_S, REJOINED, Event
 
@@ -244,20 +245,6 @@ FAULTS = {
     "clock_jump": clock_jump,
     "stage_kill": stage_kill,
 }
-
-
-def p2p_daemon_of(pid: int) -> int | None:
-    """The p2pd process started by process `pid` (None: none is running)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if parent == pid and name == "p2pd":
-                return int(entry.name)
-    return None
 
 
 def longest_without_peers(rows: list[dict], start: float, end: float) -> float:

@@ -6,7 +6,9 @@ initial model only to know its architecture and fingerprint (and, for a server o
 pipeline that has not trained yet, its first weights), and stop cleanly on Ctrl-C/SIGTERM.
 Their session's membership keeps them joined (node/transport/membership.py), as it does a
 training node: it learns where its peers are from the stage announcements, since neither
-role reads heartbeats, and a membership service that dies stops the command.
+role reads heartbeats. A connection that dies (the p2p daemon exits or stops answering, a
+membership service dies) is rejoined with backoff and the same identity, as a training node's
+is: a server takes its stage up again over the new session, a driver takes its step again.
 """
 
 from __future__ import annotations
@@ -82,8 +84,6 @@ async def _join(config, console: Console, role: str):
     from node.device import HOST
     from node.host_memory import keep_freed_memory
     from node.model import model_fingerprint, resolve_initial_policy
-    from node.pipeline.stagemap import announced_addresses
-    from node.transport.session import join_swarm
     from protocol import NodeIdentity
 
     if config.pipeline.keep_freed_memory:  # before the worker threads start: the arena limit binds only new arenas
@@ -96,8 +96,7 @@ async def _join(config, console: Console, role: str):
     # on the CPU: a stage server copies its stage out of it, and moves only that to model.device (pipeline/server.py)
     model, tokenizer = await asyncio.to_thread(resolve_initial_policy, config, None, HOST)
     fingerprint = model_fingerprint(model, tokenizer)
-    session = await join_swarm(config, identity, state_dir)
-    session.membership.add_source(lambda: announced_addresses(session.dht, config))
+    session = await _open_session(config, identity)
     console.print(
         f"{role} {identity.node_id} ({session.reachability}) in swarm {config.swarm.swarm_id}, model {fingerprint} in "
         f"{config.pipeline.num_stages} stages; others can join with --initial-peers {' '.join(session.addresses)}",
@@ -106,18 +105,78 @@ async def _join(config, console: Console, role: str):
     return session, model, tokenizer, fingerprint
 
 
+async def _open_session(config, identity):
+    """Join the swarm (the same p2p key and so the same peer id each time: it is kept in the state directory); the
+    membership learns where the pipeline's peers are from their stage announcements."""
+    from node.pipeline.stagemap import announced_addresses
+    from node.transport.session import join_swarm
+
+    session = await join_swarm(config, identity, config.resolved_state_dir())
+    session.membership.add_source(lambda: announced_addresses(session.dht, config))
+    return session
+
+
+async def _while_joined(work, session, what: str) -> str | None:
+    """Await `work` while `session` stays joined: None once it is done, or why the connection died (`work` cancelled
+    then: the caller rejoins and starts it again)."""
+    from node.aio import ServiceDied, cancel_and_wait, run_supervised
+    from node.transport.session import watch_joined
+
+    watcher = asyncio.create_task(watch_joined(session), name="session-watch")
+    try:
+        await run_supervised(work, [watcher, *session.membership.tasks], what)
+        return None
+    except ServiceDied as died:
+        return str(died.__cause__ or died)
+    finally:
+        await cancel_and_wait([watcher], "session watch")
+
+
+async def _rejoin(config, session, reason: str, stop: asyncio.Event | None = None):
+    """Leave what is left of a session whose connection died (`reason`) and join again until it works, with the same
+    identity: the new session. Raises StopRequested when `stop` is set first (a driver asked to stop while it rejoins;
+    a stage server's stop cancels its task instead)."""
+    from node.aio import StopRequested, cancel_and_wait
+    from node.transport.session import rejoin
+
+    log.warning("lost the swarm connection (%s): rejoining with the same identity", reason)
+    try:
+        await session.close()
+    except Exception as exc:  # noqa: BLE001 - a dead daemon's session leaves what it can; the rejoin starts anew
+        log.info("closing the lost session: %s: %s", type(exc).__name__, exc)
+    joining = asyncio.ensure_future(rejoin(lambda: _open_session(config, session.identity)))
+    if stop is not None:
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({joining, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait([stopping, *([] if joining.done() else [joining])], "rejoin")
+        if joining.cancelled():
+            raise StopRequested("stopped while rejoining the swarm")
+    session, attempts = await joining
+    log.warning("rejoined the swarm as %s after %d attempt(s)", session.peer_id, attempts)
+    return session
+
+
+def _rejoins_metric(rejoins: int) -> str:
+    return f"# TYPE swarm_node_swarm_rejoins_total counter\nswarm_node_swarm_rejoins_total {rejoins}\n"
+
+
 async def _serve(config, console: Console) -> int:
-    from node.aio import run_supervised
     from node.pipeline.server import StageServer
 
     session, model, _, fingerprint = await _join(config, console, "stage server")
     server = StageServer(session, model, fingerprint)
+    lost: str | None = None  # why the swarm connection is down while it rejoins
+    rejoins = 0
     task = asyncio.current_task()
     on_stop_signals(task.cancel)
 
     def readiness() -> dict:
         """Ready while it serves a stage, or waits as a spare, and its membership runs; loading a stage is not."""
         try:
+            if lost is not None:
+                raise RuntimeError(f"rejoining the swarm: {lost}")
             session.membership.check_alive()
         except RuntimeError as exc:
             return {"ready": False, "status": "down", "reason": str(exc), "stage": server.index}
@@ -128,10 +187,15 @@ async def _serve(config, console: Console) -> int:
             reason = f"{server.state} stage {server.index} at step {server.step}"
         return {"ready": ready, "status": "ready" if ready else "starting", "reason": reason, "stage": server.index}
 
-    metrics = await _http_server(config, server.prometheus, readiness)
+    metrics = await _http_server(config, lambda: server.prometheus() + _rejoins_metric(rejoins), readiness)
     notifier = start_systemd_notifier(readiness)
     try:
-        await run_supervised(server.run(), session.membership.tasks, "stage server")
+        # a connection that dies (its p2p daemon, the membership) is rejoined and the stage taken up again over it: its
+        # weights come from the swarm (replicas, or its neighbours' recovery), as for a server that restarted
+        while (lost := await _while_joined(server.run(), session, "stage server")) is not None:
+            session = await _rejoin(config, session, lost)
+            server, lost = StageServer(session, model, fingerprint), None
+            rejoins += 1
     except asyncio.CancelledError:
         console.print(f"stopped serving stage {server.index} at step {server.step}", highlight=False)
     finally:
@@ -145,7 +209,7 @@ async def _serve(config, console: Console) -> int:
 
 
 async def _drive(config, console: Console, steps: int | None) -> int:
-    from node.aio import run_supervised
+    from node.aio import StopRequested
     from node.pipeline.corpus import training_corpus, validation_corpus
     from node.pipeline.driver import PipelineRouter
     from node.pipeline.lm import LMDriver
@@ -194,15 +258,20 @@ async def _drive(config, console: Console, steps: int | None) -> int:
 
     progress = RoundProgress(config.swarm.stall_factor, config.swarm.stall_min_s)
 
+    lost: str | None = None  # why the swarm connection is down while it rejoins
+    rejoins = 0
+
     def readiness() -> dict:
         try:
+            if lost is not None:
+                raise RuntimeError(f"rejoining the swarm: {lost}")
             session.membership.check_alive()
         except RuntimeError as exc:
             return progress.report(str(exc))
         return progress.report()
 
     def prometheus() -> str:
-        return f"# TYPE swarm_node_driver_step gauge\nswarm_node_driver_step {driver.step}\n"
+        return f"# TYPE swarm_node_driver_step gauge\nswarm_node_driver_step {driver.step}\n" + _rejoins_metric(rejoins)
 
     def on_step(row: dict) -> None:
         progress.round_done(row["step"], row["step_s"])
@@ -211,8 +280,21 @@ async def _drive(config, console: Console, steps: int | None) -> int:
     metrics = await _http_server(config, prometheus, readiness)
     notifier = start_systemd_notifier(readiness)
     progress.services_up()
+    target = None if steps is None else driver.step + steps
     try:
-        await run_supervised(driver.run(steps, stop, on_step=on_step), session.membership.tasks, "driver")
+        # a connection that dies (its p2p daemon, the membership) is rejoined, and the step in flight taken again over
+        # the new one: a step counts only once every stage has taken its update
+        while (
+            lost := await _while_joined(
+                driver.run(None if target is None else target - driver.step, stop, on_step=on_step), session, "driver"
+            )
+        ) is not None:
+            session = await _rejoin(config, session, lost, stop)
+            router.rebind(session.dht, LostReporter(session, fingerprint))
+            lost = None
+            rejoins += 1
+    except StopRequested as stopped:
+        console.print(f"{stopped}", highlight=False)
     finally:
         progress.stopping = True
         if notifier is not None:

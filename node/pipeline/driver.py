@@ -163,6 +163,12 @@ class PipelineRouter:
         self.chain_paused_until = 0.0  # monotonic time until which forwards go hop by hop
         self.chain_strikes = 0  # chains in a row that broke between servers that all answered hop by hop
 
+    def rebind(self, dht, reporter: LostReporter | None) -> None:
+        """Route over another session's DHT (the driver rejoined the swarm): what it learnt of the servers is kept, the
+        stage map is read again before the next call."""
+        self.dht, self.reporter = dht, reporter
+        self._map_read_at = -1e9
+
     async def refresh(self, force: bool = False) -> StageMap:
         now = time.monotonic()
         if force or now - self._map_read_at >= self.pipeline.announce_interval_s:

@@ -13,10 +13,13 @@ rejoining after a partition), for every role alike.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from pathlib import Path
 
+from node.aio import retry_with_backoff
 from node.config import NodeConfig
 from node.transport.joining import create_dht_node, key_prefix, shutdown_dht, start_swarm_dht
 from node.transport.membership import Membership
@@ -24,7 +27,13 @@ from protocol import Message, NodeIdentity
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 ADDRESSES_FILE = "addresses.txt"  # where peers reach this node, one multiaddr a line: for scripts and `--initial-peers`
+DAEMON_SILENT_PROBES = 2  # unanswered probes of the p2p daemon in a row (swarm.daemon_probe_s) that count as it gone
+WATCH_INTERVAL_S = 1.0  # how often `watch_joined` looks at the daemon's process and the membership's tasks
+REJOIN_FIRST_S = 2.0  # a swarm connection that died is rejoined after this, then twice as long each failed attempt
+REJOIN_MAX_S = 60.0
 
 
 class SwarmSession:
@@ -50,6 +59,7 @@ class SwarmSession:
         self.prefix = key_prefix(config.swarm.swarm_id)
         self.writer = RecordWriter(identity, config.swarm.swarm_id) if identity is not None else None
         self.addresses: list[str] = []
+        self._silent_probes = 0  # probe_daemon's unanswered probes in a row
         # whether the daemon's own autorelay holds a relay slot (else the membership reserves one: membership.py)
         self.daemon_relayed = False
         self.address_listeners: list[Callable[[list[str]], None]] = []  # told the new addresses when they change
@@ -122,6 +132,21 @@ class SwarmSession:
             raise RuntimeError(f"the p2p daemon exited (status {process.returncode})")
         self.membership.check_alive()
 
+    async def probe_daemon(self, timeout_s: float) -> str | None:
+        """Ask the p2p daemon its own view of its addresses (a round trip to it, and nothing else) within `timeout_s`:
+        why it counts as gone once DAEMON_SILENT_PROBES probes in a row went unanswered (a stopped or hung daemon
+        neither exits nor answers), else None."""
+        try:
+            await asyncio.wait_for(self.dht.get_visible_maddrs(latest=True), timeout_s)
+            self._silent_probes = 0
+            return None
+        except Exception:  # noqa: BLE001 - a timeout, or a daemon that answers with an error: unanswered
+            self._silent_probes += 1
+        if self._silent_probes < DAEMON_SILENT_PROBES:
+            return None
+        self._silent_probes = 0
+        return f"the p2p daemon stopped answering ({DAEMON_SILENT_PROBES} probes of {timeout_s:.0f} s in a row)"
+
     async def close(self) -> None:
         await self.membership.stop()
         if self.dht is not None:
@@ -141,6 +166,37 @@ async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path
     await session.refresh_addresses()
     await session.membership.start()
     return session
+
+
+class SessionLost(RuntimeError):
+    """A joined session's connection died: its p2p daemon exited or stopped answering, or a membership service died."""
+
+
+async def watch_joined(session: SwarmSession) -> None:
+    """Run until the session's connection dies, then raise SessionLost saying how: its daemon exited or a membership
+    service died (looked at every WATCH_INTERVAL_S), or the daemon left its probes (one each swarm.daemon_probe_s)
+    unanswered. For a process whose work runs over the session (a stage server, a pipeline
+    driver): `node.aio.run_supervised` beside it, and the caller rejoins."""
+    probe_s = session.config.swarm.daemon_probe_s
+    last_probe = asyncio.get_running_loop().time()
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL_S)
+        try:
+            session.check_alive()
+        except RuntimeError as exc:
+            raise SessionLost(f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")) from exc
+        if asyncio.get_running_loop().time() - last_probe < probe_s:
+            continue
+        last_probe = asyncio.get_running_loop().time()
+        if (silent := await session.probe_daemon(probe_s)) is not None:
+            raise SessionLost(silent)
+
+
+async def rejoin(join: Callable[[], Awaitable[T]]) -> tuple[T, int]:
+    """`join` (a join_swarm, and whatever the caller runs over the session) until it works, backing off from
+    REJOIN_FIRST_S to REJOIN_MAX_S between attempts: what it returned and the attempts it took. A `join` that fails
+    closes what it opened."""
+    return await retry_with_backoff(join, "rejoin", REJOIN_FIRST_S, REJOIN_MAX_S)
 
 
 async def watch_swarm(config: NodeConfig, refusals=None) -> SwarmSession:

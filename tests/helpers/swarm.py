@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from benchmarks.lab.network import p2p_daemon_of
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, TINY_OVERRIDES, cli
 
 SWARM_OVERRIDES = [
@@ -83,6 +84,13 @@ def read_rows(state_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def daemon_of(node: "SwarmProcess") -> int:
+    """The pid of the p2p daemon a node process started (its child, in a session of its own)."""
+    daemon = p2p_daemon_of(node.process.pid)
+    assert daemon is not None, f"no p2p daemon under pid {node.process.pid}"
+    return daemon
 
 
 class SwarmProcess:
