@@ -82,6 +82,8 @@ def test_a_plan_refuses_what_it_cannot_run():
         SoakPlan(faults=("p2pd_kill", "meteor"))
     with pytest.raises(ValueError, match="stage_kill needs"):
         SoakPlan(stages=0)
+    with pytest.raises(ValueError, match="pipeline_p2pd_kill needs a pipeline"):
+        SoakPlan(stages=0, faults=("pipeline_p2pd_kill",))
     with pytest.raises(ValueError, match="node 0 is the relay"):
         SoakPlan(join_nodes=3, natted=(0,))
     assert set(FAULTS) == set(FAULT_KINDS)  # each kind has its fault

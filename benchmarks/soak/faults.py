@@ -234,6 +234,38 @@ def stage_kill(soak: Soak, event: Event) -> None:
     soak.up(index, argv)
 
 
+def pipeline_p2pd_kill(soak: Soak, event: Event) -> None:
+    driver, server = soak.plan.driver, soak.server_of(soak.plan.stages - 1)
+    if server is None:
+        event.details["error"] = "no process serves the last stage"
+        return
+    daemons = {index: p2p_daemon_of(soak.lab.processes[index].popen.pid) for index in (server, driver)}
+    if None in daemons.values():
+        event.details["error"] = f"no p2pd child found: {daemons}"
+        return
+    rejoins = {index: soak.logged(index, REJOINED) for index in daemons}
+    event.target = [server, driver]
+    event.start = time.time()
+    for daemon in daemons.values():
+        os.kill(daemon, signal.SIGKILL)
+    event.end = event.start
+    timeout = soak.plan.recover_timeout_s
+    rejoined = {
+        index: soak.wait(lambda index=index: soak.logged(index, REJOINED) > rejoins[index] and time.time(), timeout)
+        for index in daemons
+    }
+    event.details["rejoined_after_s"] = {
+        i: None if t is None else round(t - event.start, 1) for i, t in rejoined.items()
+    }
+    if None in rejoined.values():
+        return
+    # the server: serving a stage again over its new session (its stage.json says so); the driver: a step after both
+    # rejoined, which went through every stage
+    event.recovered[server] = soak.wait(lambda: soak.serving_since(server, rejoined[server]), timeout)
+    event.recovered[driver] = soak.wait(lambda: soak.driver_step_after(max(rejoined.values())), timeout)
+    event.details["p2pd_again"] = {i: p2p_daemon_of(soak.lab.processes[i].popen.pid) for i in daemons}
+
+
 FAULTS = {
     "p2pd_kill": p2pd_kill,
     "relay_restart": relay_restart,
@@ -244,6 +276,7 @@ FAULTS = {
     "checkpoint_damage": checkpoint_damage,
     "clock_jump": clock_jump,
     "stage_kill": stage_kill,
+    "pipeline_p2pd_kill": pipeline_p2pd_kill,
 }
 
 

@@ -18,6 +18,7 @@ FAULT_KINDS = (
     "checkpoint_damage",  # a node stopped, its newest checkpoint's weights cut in half, killed and started again
     "clock_jump",  # a node's clocks 5 minutes ahead of its peers' from then on
     "stage_kill",  # kill -9 the server of pipeline stage 1 (the spare takes it; the killed one comes back as a spare)
+    "pipeline_p2pd_kill",  # kill -9 the p2p daemons under the driver and the last stage's server (both rejoin)
 )
 NODE_FAULTS = ("p2pd_kill", "node_kill", "disk_full", "checkpoint_damage", "clock_jump")  # each on one join node
 RELAY_PORT = 40100  # the bootstrap node's: a restarted relay must be found where the others were told it is
@@ -64,7 +65,7 @@ class SoakPlan:
 
     join_nodes: int = 8
     natted: tuple[int, ...] = (6, 7)
-    stages: int = 3  # 0: no pipeline (and no stage_kill)
+    stages: int = 3  # 0: no pipeline (and neither stage_kill nor pipeline_p2pd_kill)
     spares: int = 1
     faults: tuple[str, ...] = FAULT_KINDS
     cycles: int = 1  # the fault list, this many times over (a clock jump happens in the first cycle only)
@@ -84,6 +85,8 @@ class SoakPlan:
             raise ValueError("2 to 64 join nodes; the NAT'd ones among 1..join_nodes-1 (node 0 is the relay)")
         if "stage_kill" in self.faults and (self.stages < 2 or self.spares < 1):
             raise ValueError("stage_kill needs a pipeline of at least 2 stages and a spare")
+        if "pipeline_p2pd_kill" in self.faults and self.stages < 1:
+            raise ValueError("pipeline_p2pd_kill needs a pipeline")
         if len(self.public) < 1:
             raise ValueError("at least one public join node besides node 0")
 

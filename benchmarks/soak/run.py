@@ -284,7 +284,7 @@ class Soak:
 
     def logged(self, index: int, needle: str) -> int:
         """How many lines of process `index`'s node.log hold `needle`."""
-        path = self.state(index) / "node.log"
+        path = self.running_state(index) / "node.log"
         return path.read_text(errors="replace").count(needle) if path.exists() else 0
 
     def driver_step_after(self, moment: float):
@@ -331,14 +331,27 @@ class Soak:
         ]:
             if not self.lab.alive(index):
                 continue
-            argv = self.lab.processes[index].argv
-            state = Path(argv[argv.index("--state-dir") + 1])
             try:
-                if json.loads((state / "stage.json").read_text()).get("stage") == stage:
+                if json.loads((self.running_state(index) / "stage.json").read_text()).get("stage") == stage:
                     return index
             except (OSError, ValueError):
                 continue
         return None
+
+    def running_state(self, index: int) -> Path:
+        """The state directory process `index` runs in now (a killed stage server comes back as a spare elsewhere)."""
+        argv = self.lab.processes[index].argv
+        return Path(argv[argv.index("--state-dir") + 1])
+
+    def serving_since(self, index: int, moment: float) -> float | None:
+        """When stage server `index` last wrote that it serves a stage, if after `moment` (None: not yet)."""
+        path = self.running_state(index) / "stage.json"
+        try:
+            written = path.stat().st_mtime
+            serving = json.loads(path.read_text()).get("state") == "serving"
+        except (OSError, ValueError):
+            return None
+        return written if serving and written > moment else None
 
     # the schedule ------------------------------------------------------------------------------
 
