@@ -21,7 +21,8 @@ def _eta(seconds: float | None) -> str:
 def overlap_cells(row: dict[str, Any]) -> list[tuple[str, str]]:
     """(header, value) of what a round that overlaps generation with training reports (rollout.max_staleness,
     rollout.over_sample): the policy versions its completions were behind (mean/max), the completions it resumed and
-    stopped, the seconds it waited for the rollouts generated ahead. None of them in a round with both off."""
+    stopped, the seconds it waited for the rollouts generated ahead and the seconds the sampler waited for it. None of
+    them in a round with both off."""
     cells = []
     if row.get("staleness_mean") is not None:
         cells.append(("stale", f"{row['staleness_mean']:.1f}/{row['staleness_max']}"))
@@ -29,6 +30,8 @@ def overlap_cells(row: dict[str, Any]) -> list[tuple[str, str]]:
         cells.append(("carried", f"{row['carried_in']}/{row['carried_out']}"))
     if row.get("ahead_wait_s") is not None:
         cells.append(("waited", f"{row['ahead_wait_s']:.1f}s"))
+    if row.get("sampler_idle_s") is not None:
+        cells.append(("idle", f"{row['sampler_idle_s']:.1f}s"))
     return cells
 
 

@@ -156,6 +156,9 @@ class Node:
         self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
         self.sampler_model = None  # the policy the rollout backend samples from: the trainer's, or a copy of it
         self._ahead: asyncio.Task | None = None  # the next round's own rollouts, generating (rollout.max_staleness 1)
+        self._ahead_done_at: float | None = (
+            None  # when the last of them finished (perf_counter): the sampler idles since
+        )
         self.partial: PartialRollouts | None = (
             None  # rollout.over_sample: the groups it stopped, carried (built with the backend)
         )
@@ -502,8 +505,9 @@ class Node:
             await self.transport.publish(round_, self.policy_version, shared)
         if plan.collect == "after_publishing":
             peers, sharing_s = await self._peer_groups(round_)
+        sampler_idle_s = None
         if self.config.rollout.max_staleness:  # the next round's own rollouts, from the weights before this update
-            self._start_ahead(round_ + 1)
+            sampler_idle_s = self._start_ahead(round_ + 1)
         start = time.perf_counter()
         # not the stream peers' groups are drawn from
         chosen_local = self.local.choose(local_groups, self._generation_seed(round_) ^ 0x5EED, trained)
@@ -541,8 +545,11 @@ class Node:
         )
         if self.config.rollout.max_staleness:
             row.update(own_staleness(local_groups, trained_at))
-            # how long it waited for the rollouts generated during the round before (None: the first, generated now)
+            # the overlap's idle time on each side: the round waiting for the rollouts generated during the round before
+            # (None: the first, generated now), and the sampler waiting for the round to hand it the next questions and
+            # weights (None: it had generated nothing ahead yet)
             row["ahead_wait_s"] = ahead_wait_s
+            row["sampler_idle_s"] = sampler_idle_s
         if self.partial is not None:
             row.update(own_staleness(local_groups, trained_at))  # of each completion's oldest token
             row["carried_in"], row["carried_out"] = carried.carried_in, carried.carried_out
@@ -600,9 +607,11 @@ class Node:
         if self._ahead is not None:
             await asyncio.wait({self._ahead})
 
-    def _start_ahead(self, round_: int) -> None:
+    def _start_ahead(self, round_: int) -> float | None:
         """Start round `round_`'s own rollouts now, from the trainer's weights as they are (before this round's
-        update), copied into the sampler's model: the same questions and seed as the serial round would draw."""
+        update), copied into the sampler's model: the same questions and seed as the serial round would draw. Returns
+        how long the sampler sat idle since its last rollouts were done (None: none were generated ahead before)."""
+        idle_s = None if self._ahead_done_at is None else time.perf_counter() - self._ahead_done_at
         with torch.no_grad():
             for mine, trainer in zip(self.sampler_model.state_dict().values(), self.model.state_dict().values()):
                 mine.copy_(trainer)
@@ -610,6 +619,11 @@ class Node:
         generated, _ = self.plan.own_quota(None)  # no gate with rollout.max_staleness: what it took changes nothing
         questions = self.local.draw((round_ - 1) * self.plan.draw_stride, generated)
         self._ahead = asyncio.create_task(self._generate(questions, round_), name="rollouts-ahead")
+        self._ahead.add_done_callback(self._ahead_finished)
+        return idle_s
+
+    def _ahead_finished(self, _: asyncio.Task) -> None:
+        self._ahead_done_at = time.perf_counter()
 
     async def _peer_groups(self, round_: int) -> tuple[PeerChoice, float]:
         """Up to J of the peers' groups received, checked, drawn and re-scored here (node/sharing.py), and the

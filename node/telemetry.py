@@ -12,7 +12,13 @@ from node.config import NodeConfig
 from node.rollouts.base import GenerationWork, RolloutGroup
 from node.stats import SwarmStats, prometheus_text
 from protocol import PROTOCOL_VERSION, PeerStats
-from protocol.messages import MAX_AHEAD_WAIT_S, MAX_CARRIED, MAX_DATASETS_REPORTED, MAX_VERSIONS_BEHIND
+from protocol.messages import (
+    MAX_AHEAD_WAIT_S,
+    MAX_CARRIED,
+    MAX_DATASETS_REPORTED,
+    MAX_SAMPLER_IDLE_S,
+    MAX_VERSIONS_BEHIND,
+)
 
 if TYPE_CHECKING:
     from node.trainer import TrainStats
@@ -21,7 +27,7 @@ SOFTWARE_VERSION = "0.1.0"
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 # The overlap of generation with training a round's row has where it is on (rollout.max_staleness, rollout.over_sample):
 # the heartbeat and the gauges report the last round's, None (no gauge) where the feature is off.
-OVERLAP_KEYS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
+OVERLAP_KEYS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s", "sampler_idle_s")
 
 
 class Telemetry:
@@ -202,6 +208,8 @@ def last_overlap(row: dict[str, Any]) -> dict[str, float | int | None]:
         value["carried_in"] = value["carried_out"] = None
     if value["ahead_wait_s"] is not None:
         value["ahead_wait_s"] = min(MAX_AHEAD_WAIT_S, max(0.0, float(value["ahead_wait_s"])))
+    if value["sampler_idle_s"] is not None:
+        value["sampler_idle_s"] = min(MAX_SAMPLER_IDLE_S, max(0.0, float(value["sampler_idle_s"])))
     return value
 
 
@@ -231,8 +239,8 @@ def summarize_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _overlap_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The overlap of generation with training over the rounds that had it (none: no keys, the summary as without it):
     staleness of the node's own completions in policy versions (mean of the rounds' means, the max), completions
-    carried in and out (rollout.over_sample), the seconds rounds waited for the rollouts generated ahead
-    (rollout.max_staleness)."""
+    carried in and out (rollout.over_sample), the seconds rounds waited for the rollouts generated ahead and the seconds
+    the sampler waited for the rounds to hand it the next questions (rollout.max_staleness)."""
     summary: dict[str, Any] = {}
     if stale := [r for r in rows if r.get("staleness_mean") is not None]:
         summary["staleness_mean"] = statistics.fmean(r["staleness_mean"] for r in stale)
@@ -243,6 +251,9 @@ def _overlap_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if waits := [r["ahead_wait_s"] for r in rows if r.get("ahead_wait_s") is not None]:
         summary["ahead_wait_s_mean"] = statistics.fmean(waits)
         summary["ahead_wait_s_total"] = sum(waits)
+    if idles := [r["sampler_idle_s"] for r in rows if r.get("sampler_idle_s") is not None]:
+        summary["sampler_idle_s_mean"] = statistics.fmean(idles)
+        summary["sampler_idle_s_total"] = sum(idles)
     return summary
 
 

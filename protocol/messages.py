@@ -37,6 +37,7 @@ MAX_DATASETS_REPORTED = 32  # datasets of a task mix a heartbeat reports on
 MAX_VERSIONS_BEHIND = 1_000_000
 MAX_CARRIED = 1_000_000  # completions carried into or out of one round
 MAX_AHEAD_WAIT_S = 86_400.0  # seconds one round waited for the rollouts generated during the round before
+MAX_SAMPLER_IDLE_S = 86_400.0  # minor 11: seconds the sampler waited for a round to hand it the next questions
 # How peers can reach a node (PeerStats.reachability): dialed at its own addresses; only through a
 # circuit relay (its /p2p-circuit addresses); or not at all (behind NAT, no relay yet: it dials out,
 # and peers reach it over the connections it opened). "": not measured (a minor 0-4 sender).
@@ -231,6 +232,10 @@ class PeerStats:
     # seconds the round waited for the rollouts generated during the round before (rollout.max_staleness 1; None in the
     # first round, which generated its own)
     ahead_wait_s: float | None = since_minor(10, lambda: None)
+    # minor 11: the other side of that wait: seconds the sampler sat idle between finishing the rollouts it generated
+    # ahead and being handed the next round's questions and weights (rollout.max_staleness 1; None where it is off, in
+    # the node's first round, before it had generated any ahead, and from a minor 0-10 sender)
+    sampler_idle_s: float | None = since_minor(11, lambda: None)
 
     _COUNTS: ClassVar[tuple[str, ...]] = (
         "model_parameters",
@@ -271,7 +276,7 @@ class PeerStats:
             values["device"] = check_str(f["device"], "device", limits.max_name_chars)
         if "rejoins" in f:  # absent from a minor 0-8 sender
             values["rejoins"] = check_int(f["rejoins"], "rejoins")
-        values |= cls._overlap(f)  # nil, or absent from a minor 0-9 sender: None
+        values |= cls._overlap(f)  # nil, or absent from a minor 0-9 sender (sampler_idle_s: 0-10): None
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)
             if values["reachability"] not in REACHABILITY:
@@ -296,7 +301,8 @@ class PeerStats:
 
     @staticmethod
     def _overlap(f: dict[str, Any]) -> dict[str, Any]:
-        """The minor 10 overlap fields, each None or in its bounds, the pairs both set or both None."""
+        """The overlap fields (minor 10; sampler_idle_s minor 11), each None or in its bounds, the pairs both set or
+        both None."""
         for first, second in (("staleness_mean", "staleness_max"), ("carried_in", "carried_out")):
             if (f.get(first) is None) != (f.get(second) is None):
                 reject(Refusal.BAD_STRUCTURE, f"{first} and {second} must both be set or both be nil")
@@ -305,6 +311,9 @@ class PeerStats:
             "carried_in": optional(check_int, f.get("carried_in"), "carried_in", hi=MAX_CARRIED),
             "carried_out": optional(check_int, f.get("carried_out"), "carried_out", hi=MAX_CARRIED),
             "ahead_wait_s": optional(check_float, f.get("ahead_wait_s"), "ahead_wait_s", lo=0.0, hi=MAX_AHEAD_WAIT_S),
+            "sampler_idle_s": optional(
+                check_float, f.get("sampler_idle_s"), "sampler_idle_s", lo=0.0, hi=MAX_SAMPLER_IDLE_S
+            ),
         }
         hi = float(values["staleness_max"] or 0)  # a mean of counts is never above their max
         values["staleness_mean"] = optional(check_float, f.get("staleness_mean"), "staleness_mean", lo=0.0, hi=hi)

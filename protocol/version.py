@@ -12,6 +12,7 @@ PROTOCOL_MAJOR = 1
 # dials them); 4 StageLost reports (pipeline drivers); 5 PeerStats.reachability (nodes behind NAT); 6 sharded DHT
 # keys for heartbeats and rollouts (protocol/shards.py); 7 StageLost.lost_at (when each stage was found lost);
 # 8 PeerStats.device (where the node trains); 9 PeerStats.rejoins (swarm connections it rebuilt); 10 PeerStats
-# staleness_mean, staleness_max, carried_in, carried_out, ahead_wait_s (the overlap of generation with training).
-PROTOCOL_MINOR = 10
+# staleness_mean, staleness_max, carried_in, carried_out, ahead_wait_s (the overlap of generation with training);
+# 11 PeerStats.sampler_idle_s (the overlap's other idle time: the sampler waiting for the round).
+PROTOCOL_MINOR = 11
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"  # as a PeerStats.protocol_version string

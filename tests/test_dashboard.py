@@ -67,13 +67,15 @@ def test_peers_table_fits_the_terminal_with_whole_headers(width):
         assert all(name in hidden for name, _, _ in PEER_COLUMNS if name not in shown)
 
 
-OVERLAP = dict(staleness_mean=0.3, staleness_max=2, carried_in=None, carried_out=None, ahead_wait_s=1.25)
+OVERLAP = dict(
+    staleness_mean=0.3, staleness_max=2, carried_in=None, carried_out=None, ahead_wait_s=1.25, sampler_idle_s=0.5
+)
 
 
 def test_peers_table_shows_the_overlap_columns_only_when_a_peer_reports_them():
     """A node whose generation overlaps its training reports staleness, carried completions and its wait (protocol
-    1.10): `peers` shows a column for each some peer reports, and the table of peers that report none (the default
-    config, an older peer) is the table without them."""
+    1.10), and its sampler's idle time (1.11): `peers` shows a column for each some peer reports, and the table of
+    peers that report none (the default config, an older peer) is the table without them."""
     from node.dashboard.tables import OVERLAP_COLUMNS, PEER_COLUMNS, peers_table
 
     def render(rows: list[dict], width: int) -> tuple[list[str], str]:
@@ -93,11 +95,14 @@ def test_peers_table_shows_the_overlap_columns_only_when_a_peer_reports_them():
 
     on = dict(PEER_ROW, node_id="12D3KooWon", last_seen=now, **OVERLAP)
     shown, text = render([off, on, older], 260)
-    assert shown[-4:] == ["rejoins", "stale", "waited", "seen"] and "carried" not in shown  # nobody carries any
+    assert shown[-5:] == ["rejoins", "stale", "waited", "idle", "seen"] and "carried" not in shown  # nobody carries any
     line = next(line for line in text.splitlines() if "12D3KooWon" in line)
-    assert "0.3/2" in line and "1.2s" in line
+    assert "0.3/2" in line and "1.2s" in line and "0.5s" in line
     line = next(line for line in text.splitlines() if "12D3KooWold" in line)
-    assert "0.3/2" not in line and "1.2s" not in line
+    assert "0.3/2" not in line and "1.2s" not in line and "0.5s" not in line
+    minor_10 = {key: value for key, value in on.items() if key != "sampler_idle_s"}  # waits, but says nothing of idling
+    shown, text = render([off, minor_10], 260)
+    assert shown[-4:] == ["rejoins", "stale", "waited", "seen"] and "idle" not in shown
     shown, text = render([dict(on, carried_in=4, carried_out=0)], 260)
     assert "carried" in shown and "4/0" in text
     shown, text = render([on], 80)  # too narrow: left out, and said
@@ -253,15 +258,30 @@ def test_browser_shows_the_overlap_only_where_the_node_and_its_peers_have_it(tmp
     assert chart_points(dom, "node-ahead-wait") == 0  # no rollouts generated ahead: over_sample only
     head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
     assert ">stale<" in head and ">waited<" in head and ">carried<" not in head
+    assert ">idle<" in head
     row = re.search(r"<tr[^>]*data-peer-row.*?</tr>", dom).group(0)
-    assert "0.3/2" in row and "1.3s" in row, row  # toFixed rounds 1.25 up
+    assert "0.3/2" in row and "1.3s" in row and "0.5s" in row, row  # toFixed rounds 1.25 up
+
+    # rollout.max_staleness 1: both sides of the overlap's idle time charted, none in the first round
+    ahead = [
+        {"round": 1, **base, "staleness_mean": 0.0, "staleness_max": 0, "ahead_wait_s": None, "sampler_idle_s": None},
+        {"round": 2, **base, "staleness_mean": 1.0, "staleness_max": 1, "ahead_wait_s": 0.5, "sampler_idle_s": 0.25},
+        {"round": 3, **base, "staleness_mean": 1.0, "staleness_max": 1, "ahead_wait_s": 0.0, "sampler_idle_s": 1.5},
+    ]
+    minor_10 = {key: value for key, value in peer.items() if key != "sampler_idle_s"}
+    dom = dom_of("ahead", [minor_10], ahead)
+    assert 'data-state="ok"' in dom, dom[:3000]
+    assert chart_points(dom, "node-ahead-wait") == 4
+    assert re.search(r'<path[^>]*data-series="sampler_idle_s"[^>]*data-points="2"', dom), dom[:3000]
+    head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
+    assert ">waited<" in head and ">idle<" not in head  # a 1.10 peer says nothing of its sampler
 
     off = dict(PEER_ROW, last_seen=time.time(), **dict.fromkeys(OVERLAP))  # the default config: nil
     dom = dom_of("off", [off], [{"round": 1, **base}])
     assert 'data-state="ok"' in dom and 'data-peer-row=""' in dom
     assert re.search(r'<section id="overlap-section"[^>]*>', dom).group(0) == '<section id="overlap-section" hidden="">'
     head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
-    assert ">stale<" not in head and ">waited<" not in head and ">rejoins<" in head
+    assert ">stale<" not in head and ">waited<" not in head and ">idle<" not in head and ">rejoins<" in head
 
 
 def test_shipped_page_loads_nothing_from_elsewhere():

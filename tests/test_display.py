@@ -25,12 +25,27 @@ def test_a_serial_round_shows_no_overlap_figures():
     for terminal in (False, True):
         text = printed(ROW, terminal)
         assert "policy" in text and "stale" not in text and "carried" not in text and "waited" not in text
+        assert "idle" not in text
 
 
 def test_the_overlap_figures_show_where_a_round_has_them():
-    row = {**ROW, "staleness_mean": 0.34, "staleness_max": 2, "carried_in": 5, "carried_out": 3, "ahead_wait_s": 1.25}
+    row = {
+        **ROW,
+        "staleness_mean": 0.34,
+        "staleness_max": 2,
+        "carried_in": 5,
+        "carried_out": 3,
+        "ahead_wait_s": 1.25,
+        "sampler_idle_s": 0.5,
+    }
     line = printed(row, terminal=False)
-    assert "policy=3 stale=0.3/2 carried=5/3 waited=1.2s eta=" in line, line
+    assert "policy=3 stale=0.3/2 carried=5/3 waited=1.2s idle=0.5s eta=" in line, line
     table = printed(row, terminal=True)
-    for header, value in (("stale", "0.3/2"), ("carried", "5/3"), ("waited", "1.2s")):
+    for header, value in (("stale", "0.3/2"), ("carried", "5/3"), ("waited", "1.2s"), ("idle", "0.5s")):
         assert header in table and value in table, table
+
+
+def test_the_first_round_generating_ahead_has_waited_on_nothing_either_way():
+    first = {**ROW, "staleness_mean": 0.0, "staleness_max": 0, "ahead_wait_s": None, "sampler_idle_s": None}
+    line = printed(first, terminal=False)
+    assert "policy=3 stale=0.0/0 eta=" in line, line

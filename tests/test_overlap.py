@@ -54,6 +54,11 @@ def test_a_node_one_version_ahead_answers_the_same_questions_and_trains_them_one
     assert [row["staleness_max"] for row in ahead] == behind and 1 in behind
     assert [row["staleness_mean"] for row in ahead] == [float(b) for b in behind]
     assert ahead[0]["ahead_wait_s"] is None and all(row["ahead_wait_s"] >= 0 for row in ahead[1:])
+    # the sampler's side of it: idle from the end of the rollouts it generated ahead until the round handed it the next
+    # questions; round 1 started it from nothing generated ahead, so it says none
+    assert ahead[0]["sampler_idle_s"] is None
+    assert all(type(row["sampler_idle_s"]) is float and row["sampler_idle_s"] >= 0 for row in ahead[1:])
+    assert all("sampler_idle_s" not in row for row in serial)
     # the first round is the serial one, bit for bit; later ones train on rollouts of older weights
     assert ahead[0]["loss"] == serial[0]["loss"] and ahead[0]["reward_mean"] == serial[0]["reward_mean"]
     # a round whose completions were sampled a version behind weighs each token min(c, pi_now / pi_then); a serial

@@ -342,7 +342,7 @@ GOLDEN_STATS_1_9 = (  # as a 1.9 sender encoded it: no overlap fields, the recei
     "33bd5e89db03"
 )
 
-GOLDEN_BATCH = (  # this minor's encoding (10)
+GOLDEN_BATCH_1_10 = (  # as a 1.10 sender encoded it (minor 11 added a heartbeat field)
     "92c501729792010aad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -355,7 +355,7 @@ GOLDEN_BATCH = (  # this minor's encoding (10)
     "fcf8f4b2428d000f"
 )
 
-GOLDEN_STATS = (  # this minor's encoding (10): the overlap fields nil (off)
+GOLDEN_STATS_1_10 = (  # as a 1.10 sender encoded it: no sampler_idle_s, the receiver reads None
     "92c502d69792010aaa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001ea76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -375,7 +375,7 @@ GOLDEN_STATS = (  # this minor's encoding (10): the overlap fields nil (off)
     "03556558dca404685b5c87bdedf78d1a4e9b6561f9fad4f1e5eb5302"
 )
 
-GOLDEN_STATS_OVERLAP = (  # this minor's encoding (10) of a node whose rounds overlap
+GOLDEN_STATS_OVERLAP_1_10 = (  # as a 1.10 sender encoded it, of a node whose rounds overlap: no sampler_idle_s
     "92c502e69792010aaa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001ea76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -395,6 +395,60 @@ GOLDEN_STATS_OVERLAP = (  # this minor's encoding (10) of a node whose rounds ov
     "47ad29667868859c4e0f6eb504f9f1bd09d12485c8c46fae8a7e194a7d8b597c4260fc365d26fe0751a44e0a"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (11)
+    "92c501729792010bad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c4400d153c8edd6e0b42"
+    "b914b54e4cdbe72f7cfdc4568392bcececf443a1c351f5723589bfdd4b36352d9f87989f0dc529427d96a6d68619b05c"
+    "402422329defb209"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (11): the overlap fields nil (off)
+    "92c502e69792010baa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001fa76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ec0ad7374616c656e6573735f6d6178c0aa636172726965645f696ec0ab636172726965645f6f7574c0ac616865"
+    "61645f776169745f73c0ae73616d706c65725f69646c655f73c0c440d70c82dab7b67fa62012770a32e2cbde21092e56"
+    "605ced380b7ecb6573142f626e7b7fa688fff14b301f12dd481f81ac6343a655350b2c0dd3bd4e35d8fa0d0f"
+)
+
+GOLDEN_STATS_OVERLAP = (  # this minor's encoding (11) of a node whose rounds overlap
+    "92c502fe9792010baa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001fa76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ecb3fe8000000000000ad7374616c656e6573735f6d617802aa636172726965645f696e03ab636172726965645f"
+    "6f757405ac61686561645f776169745f73cb3ff8000000000000ae73616d706c65725f69646c655f73cb3fe000000000"
+    "0000c440346a6ba410251e60b0f47d7e4b95811e393155b20679de32219545dee943cefd36463d684618bbd7f63d61bf"
+    "2bbd315335123242c6771ad54fdf9bac7f947f01"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 
@@ -412,6 +466,7 @@ def test_golden_rollout_batch():
         GOLDEN_BATCH_1_7,
         GOLDEN_BATCH_1_8,
         GOLDEN_BATCH_1_9,
+        GOLDEN_BATCH_1_10,
     ):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
@@ -432,8 +487,11 @@ def test_golden_peer_stats():
         assert decode(bytes.fromhex(older)).message == make_stats(device="", rejoins=0)
     assert decode(bytes.fromhex(GOLDEN_STATS_1_8)).message == make_stats(rejoins=0)
     assert decode(bytes.fromhex(GOLDEN_STATS_1_9)).message == make_stats()  # its overlap fields None, as when off
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_10)).message == make_stats()
     assert encode(overlapping_stats(), seq=2).hex() == GOLDEN_STATS_OVERLAP
     assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP)).message == overlapping_stats()
+    # a 1.10 node overlapping its rounds says how long it waited, never how long its sampler idled
+    assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP_1_10)).message == overlapping_stats(sampler_idle_s=None)
 
 
 def test_reachability_is_one_of_its_words_and_required_from_minor_5():
@@ -481,17 +539,19 @@ def test_rejoins_is_a_count_required_from_minor_9():
 
 def overlapping_stats(**overrides) -> PeerStats:
     """A heartbeat of a node whose generation overlaps its training (rollout.max_staleness, rollout.over_sample)."""
-    overlap = dict(staleness_mean=0.75, staleness_max=2, carried_in=3, carried_out=5, ahead_wait_s=1.5)
+    overlap = dict(
+        staleness_mean=0.75, staleness_max=2, carried_in=3, carried_out=5, ahead_wait_s=1.5, sampler_idle_s=0.5
+    )
     return make_stats(**{**overlap, **overrides})
 
 
-OVERLAP_FIELDS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
+OVERLAP_FIELDS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s", "sampler_idle_s")
 
 
 def test_overlap_fields_round_trip_set_or_nil_and_are_required_from_minor_10():
     assert decode(encode(overlapping_stats())).message == overlapping_stats()
     off = decode(encode(make_stats())).message
-    assert [getattr(off, name) for name in OVERLAP_FIELDS] == [None] * 5
+    assert [getattr(off, name) for name in OVERLAP_FIELDS] == [None] * len(OVERLAP_FIELDS)
     assert all(make_stats().to_wire()[name] is None for name in OVERLAP_FIELDS)  # nil on the wire: off
     only_waits = make_stats(ahead_wait_s=0.0)  # the pairs are independent of the wait
     assert PeerStats.from_wire(only_waits.to_wire()) == only_waits
@@ -501,6 +561,17 @@ def test_overlap_fields_round_trip_set_or_nil_and_are_required_from_minor_10():
     assert PeerStats.from_wire(wire, minor=9) == make_stats()  # an older sender omits them
     with pytest.raises(ProtocolRejection, match="lacks staleness_mean, staleness_max, carried_in"):
         PeerStats.from_wire(wire, minor=10)
+
+
+def test_sampler_idle_s_round_trips_set_or_nil_and_is_required_from_minor_11():
+    only_idle = make_stats(sampler_idle_s=0.0)  # independent of the other overlap fields, as ahead_wait_s is
+    assert decode(encode(only_idle)).message == only_idle
+    assert decode(encode(make_stats())).message.sampler_idle_s is None
+    wire = overlapping_stats().to_wire()
+    del wire["sampler_idle_s"]
+    assert PeerStats.from_wire(wire, minor=10) == overlapping_stats(sampler_idle_s=None)  # a 1.10 sender omits it
+    with pytest.raises(ProtocolRejection, match="lacks sampler_idle_s"):
+        PeerStats.from_wire(wire, minor=11)
 
 
 @pytest.mark.parametrize(
@@ -523,6 +594,12 @@ def test_overlap_fields_round_trip_set_or_nil_and_are_required_from_minor_10():
         ("ahead_wait_s", math.nan, Refusal.BAD_VALUE),
         ("ahead_wait_s", 86_400.5, Refusal.BAD_VALUE),
         ("ahead_wait_s", 2, Refusal.BAD_STRUCTURE),
+        ("sampler_idle_s", -0.1, Refusal.BAD_VALUE),
+        ("sampler_idle_s", math.nan, Refusal.BAD_VALUE),
+        ("sampler_idle_s", -math.inf, Refusal.BAD_VALUE),
+        ("sampler_idle_s", 86_400.5, Refusal.BAD_VALUE),
+        ("sampler_idle_s", 2, Refusal.BAD_STRUCTURE),
+        ("sampler_idle_s", "0.5", Refusal.BAD_STRUCTURE),
         ("staleness_max", None, Refusal.BAD_STRUCTURE),  # a mean without its max
         ("carried_in", None, Refusal.BAD_STRUCTURE),  # carried out, nothing said of in
     ],

@@ -23,7 +23,7 @@ from protocol import (
     encode_message,
 )
 from protocol.envelope import SIGNING_CONTEXT
-from protocol.messages import MAX_AHEAD_WAIT_S, MAX_CARRIED, MAX_VERSIONS_BEHIND
+from protocol.messages import MAX_AHEAD_WAIT_S, MAX_CARRIED, MAX_SAMPLER_IDLE_S, MAX_VERSIONS_BEHIND
 from test_protocol import IDENTITY, SWARM, T0, encode, make_batch, make_stats, signed
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,13 +133,14 @@ batches = st.builds(
     st.text(max_size=64),
     st.lists(questions, max_size=3),
 )
-# the overlap fields (minor 10): each pair set or nil, the mean never above the max
+# the overlap fields (minor 10, sampler_idle_s 11): each pair set or nil, the mean never above the max
 overlaps = st.fixed_dictionaries(
     {},
     optional={
         "staleness": st.tuples(st.integers(0, MAX_VERSIONS_BEHIND), st.floats(0, 1)),
         "carried": st.tuples(st.integers(0, MAX_CARRIED), st.integers(0, MAX_CARRIED)),
         "ahead_wait_s": st.floats(0, MAX_AHEAD_WAIT_S),
+        "sampler_idle_s": st.floats(0, MAX_SAMPLER_IDLE_S),
     },
 ).map(
     lambda o: {
@@ -150,6 +151,7 @@ overlaps = st.fixed_dictionaries(
         ),
         **({"carried_in": o["carried"][0], "carried_out": o["carried"][1]} if "carried" in o else {}),
         **({"ahead_wait_s": o["ahead_wait_s"]} if "ahead_wait_s" in o else {}),
+        **({"sampler_idle_s": o["sampler_idle_s"]} if "sampler_idle_s" in o else {}),
     }
 )
 stats = st.builds(
@@ -197,12 +199,14 @@ def test_valid_messages_round_trip(message, seq):
 
 @FUZZ
 @given(
-    st.sampled_from(["staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s"]),
+    st.sampled_from(["staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s", "sampler_idle_s"]),
     st.booleans(),
     msgpack_values,
 )
 def test_an_overlap_field_decodes_in_its_bounds_or_is_refused(field, overlapping, junk):
-    base = make_stats(staleness_mean=0.5, staleness_max=1, carried_in=2, carried_out=3, ahead_wait_s=0.25)
+    base = make_stats(
+        staleness_mean=0.5, staleness_max=1, carried_in=2, carried_out=3, ahead_wait_s=0.25, sampler_idle_s=0.75
+    )
     envelope = decodes_or_refuses(
         signed({**(base if overlapping else make_stats()).to_wire(), field: junk}, kind="peer_stats")
     )
@@ -225,6 +229,8 @@ def test_an_overlap_field_decodes_in_its_bounds_or_is_refused(field, overlapping
         assert count is None or type(count) is int and 0 <= count <= MAX_CARRIED
     wait = stats.ahead_wait_s
     assert wait is None or type(wait) is float and 0 <= wait <= MAX_AHEAD_WAIT_S
+    idle = stats.sampler_idle_s
+    assert idle is None or type(idle) is float and 0 <= idle <= MAX_SAMPLER_IDLE_S
 
 
 def test_encode_message_is_deterministic():

@@ -187,26 +187,37 @@ def test_the_heartbeat_and_gauges_carry_the_last_rounds_overlap_and_nothing_wher
     gauge for each one set."""
     from node.config import load_config
     from node.telemetry import Telemetry
-    from protocol.messages import MAX_AHEAD_WAIT_S, MAX_VERSIONS_BEHIND
+    from protocol.messages import MAX_AHEAD_WAIT_S, MAX_SAMPLER_IDLE_S, MAX_VERSIONS_BEHIND
     from tests.helpers.common import REPO
     from tests.helpers.messages import IDENTITY, decode, encode
 
     telemetry = Telemetry(load_config(REPO / "configs" / "isolated.yaml", []), SwarmStats())
     base = {"reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 10.0}
     heartbeat = lambda: telemetry.heartbeat(IDENTITY.node_id, 1, 3, 2, [])  # noqa: E731
-    overlap = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s")
+    overlap = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s", "sampler_idle_s")
     telemetry.record_round(base)  # the default config: no overlap keys in the row
-    assert [getattr(heartbeat(), name) for name in overlap] == [None] * 5
-    assert "staleness" not in telemetry.prometheus(3, 2) and "carried" not in telemetry.prometheus(3, 2)
+    assert [getattr(heartbeat(), name) for name in overlap] == [None] * len(overlap)
+    gauges = telemetry.prometheus(3, 2)
+    assert "staleness" not in gauges and "carried" not in gauges and "sampler_idle" not in gauges
 
-    telemetry.record_round({**base, "staleness_mean": 0.75, "staleness_max": 1, "ahead_wait_s": None})  # a first round
+    first = {"staleness_mean": 0.75, "staleness_max": 1, "ahead_wait_s": None, "sampler_idle_s": None}
+    telemetry.record_round({**base, **first})
     sent = decode(encode(heartbeat())).message
     assert (sent.staleness_mean, sent.staleness_max, sent.carried_in, sent.ahead_wait_s) == (0.75, 1, None, None)
+    assert sent.sampler_idle_s is None and "sampler_idle" not in telemetry.prometheus(3, 2)
     telemetry.record_round(
-        {**base, "staleness_mean": 1.5, "staleness_max": 3, "carried_in": 4, "carried_out": 6, "ahead_wait_s": 0.25}
+        {
+            **base,
+            "staleness_mean": 1.5,
+            "staleness_max": 3,
+            "carried_in": 4,
+            "carried_out": 6,
+            "ahead_wait_s": 0.25,
+            "sampler_idle_s": 0.125,
+        }
     )
     sent = decode(encode(heartbeat())).message
-    assert [getattr(sent, name) for name in overlap] == [1.5, 3, 4, 6, 0.25]
+    assert [getattr(sent, name) for name in overlap] == [1.5, 3, 4, 6, 0.25, 0.125]
     gauges = telemetry.prometheus(3, 2)
     for line in (
         "swarm_node_staleness_mean 1.5",
@@ -214,16 +225,22 @@ def test_the_heartbeat_and_gauges_carry_the_last_rounds_overlap_and_nothing_wher
         "swarm_node_carried_in 4.0",
         "swarm_node_carried_out 6.0",
         "swarm_node_ahead_wait_s 0.25",
+        "swarm_node_sampler_idle_s 0.125",
     ):
         assert line in gauges.splitlines(), line
     assert "# TYPE swarm_node_staleness_mean gauge" in gauges
 
-    telemetry.record_round({**base, "staleness_mean": 5e6, "staleness_max": 5_000_000, "ahead_wait_s": 1e9})
+    telemetry.record_round(
+        {**base, "staleness_mean": 5e6, "staleness_max": 5_000_000, "ahead_wait_s": 1e9, "sampler_idle_s": 1e9}
+    )
     sent = decode(encode(heartbeat())).message  # past the bounds: clipped, still sent
     assert (sent.staleness_mean, sent.staleness_max) == (float(MAX_VERSIONS_BEHIND), MAX_VERSIONS_BEHIND)
-    assert sent.ahead_wait_s == MAX_AHEAD_WAIT_S and sent.carried_in is None
+    assert sent.ahead_wait_s == MAX_AHEAD_WAIT_S and sent.sampler_idle_s == MAX_SAMPLER_IDLE_S
+    assert sent.carried_in is None
+    telemetry.record_round({**base, "sampler_idle_s": -0.5})  # a clock that stepped back: clipped to none idle
+    assert decode(encode(heartbeat())).message.sampler_idle_s == 0.0
     telemetry.record_round(base)  # the feature off again (a restart with the default config): nothing stays
-    assert [getattr(heartbeat(), name) for name in overlap] == [None] * 5
+    assert [getattr(heartbeat(), name) for name in overlap] == [None] * len(overlap)
 
 
 def test_the_stats_command_summarizes_the_overlap_only_where_rounds_had_it(tmp_path):
@@ -259,17 +276,44 @@ def test_the_stats_command_summarizes_the_overlap_only_where_rounds_had_it(tmp_p
 
     summary, table = stats([row(1), row(2)])
     assert not {"staleness_mean", "staleness_max", "carried_in_total", "ahead_wait_s_mean"} & summary.keys()
-    assert "stale" not in table and "carried" not in table and "ahead_wait" not in table
+    assert not {"sampler_idle_s_mean", "sampler_idle_s_total"} & summary.keys()
+    assert "stale" not in table and "carried" not in table and "ahead_wait" not in table and "idle" not in table
 
     summary, table = stats(
         [
-            row(1, staleness_mean=1.0, staleness_max=1, ahead_wait_s=None),  # the first round generates its own
-            row(2, staleness_mean=0.5, staleness_max=2, ahead_wait_s=0.5, carried_in=3, carried_out=1),
-            row(3, staleness_mean=0.0, staleness_max=0, ahead_wait_s=1.5, carried_in=1, carried_out=0),
+            # the first round generates its own: nothing waited on, either way
+            row(1, staleness_mean=1.0, staleness_max=1, ahead_wait_s=None, sampler_idle_s=None),
+            row(
+                2,
+                staleness_mean=0.5,
+                staleness_max=2,
+                ahead_wait_s=0.5,
+                sampler_idle_s=0.25,
+                carried_in=3,
+                carried_out=1,
+            ),
+            row(
+                3,
+                staleness_mean=0.0,
+                staleness_max=0,
+                ahead_wait_s=1.5,
+                sampler_idle_s=0.75,
+                carried_in=1,
+                carried_out=0,
+            ),
         ]
     )
     assert summary["staleness_mean"] == 0.5 and summary["staleness_max"] == 2
     assert (summary["carried_in_total"], summary["carried_out_total"]) == (4, 1)
     assert (summary["ahead_wait_s_mean"], summary["ahead_wait_s_total"]) == (1.0, 2.0)
-    for line in ("staleness_mean", "staleness_max", "carried_in_total", "carried_out_total", "ahead_wait_s_mean"):
+    assert (summary["sampler_idle_s_mean"], summary["sampler_idle_s_total"]) == (0.5, 1.0)
+    for line in (
+        "staleness_mean",
+        "staleness_max",
+        "carried_in_total",
+        "carried_out_total",
+        "ahead_wait_s_mean",
+        "sampler_idle_s_mean",
+        "sampler_idle_s_total",
+    ):
         assert line in table, line

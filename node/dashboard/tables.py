@@ -33,16 +33,23 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
 )
 
 
-# Shown only when some peer reports them (protocol 1.10; a node whose generation overlaps its training, which is off by
-# default), before "seen": the policy versions its own completions were behind (mean/max), the completions it carried
-# into/out of its last round (rollout.over_sample), the seconds it waited for the rollouts generated ahead.
+# Shown only when some peer reports them (protocol 1.10, "idle" 1.11; a node whose generation overlaps its training,
+# which is off by default), before "seen": the policy versions its own completions were behind (mean/max), the
+# completions it carried into/out of its last round (rollout.over_sample), the seconds it waited for the rollouts
+# generated ahead, and the seconds its sampler waited for the round to hand it the next questions.
 OVERLAP_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...] = (
     ("stale", lambda r, now: pair(r, "staleness_mean", "staleness_max", "{:.1f}/{}"), 3),
     ("carried", lambda r, now: pair(r, "carried_in", "carried_out", "{}/{}"), 4),
     ("waited", lambda r, now: "-" if r.get("ahead_wait_s") is None else f"{r['ahead_wait_s']:.1f}s", 4),
+    ("idle", lambda r, now: "-" if r.get("sampler_idle_s") is None else f"{r['sampler_idle_s']:.1f}s", 4),
 )
 # the field that says whether a row has the column
-OVERLAP_FIELDS = {"stale": "staleness_mean", "carried": "carried_in", "waited": "ahead_wait_s"}
+OVERLAP_FIELDS = {
+    "stale": "staleness_mean",
+    "carried": "carried_in",
+    "waited": "ahead_wait_s",
+    "idle": "sampler_idle_s",
+}
 
 
 def pair(row: dict[str, Any], first: str, second: str, form: str) -> str:

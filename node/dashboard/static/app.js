@@ -26,12 +26,14 @@ const PEER_COLUMNS = [
   ["rejoins", (r) => r.rejoins ?? 0],
   ["seen", (r, now) => `${fixed(Math.max(0, now - r.last_seen), 0)}s ago`],
 ];
-// Shown before "seen" only when some peer reports them (protocol 1.10, a node whose generation overlaps its training;
-// off by default), as `swarm-node peers` does: [header, cell text, css class, the field that says a row has it].
+// Shown before "seen" only when some peer reports them (protocol 1.10, "idle" 1.11; a node whose generation overlaps
+// its training, off by default), as `swarm-node peers` does: [header, cell text, css class, the field that says a row
+// has it].
 const OVERLAP_COLUMNS = [
   ["stale", (r) => (r.staleness_mean == null ? "-" : `${fixed(r.staleness_mean, 1)}/${r.staleness_max}`), "", "staleness_mean"],
   ["carried", (r) => (r.carried_in == null ? "-" : `${r.carried_in}/${r.carried_out}`), "", "carried_in"],
   ["waited", (r) => (r.ahead_wait_s == null ? "-" : `${fixed(r.ahead_wait_s, 1)}s`), "", "ahead_wait_s"],
+  ["idle", (r) => (r.sampler_idle_s == null ? "-" : `${fixed(r.sampler_idle_s, 1)}s`), "", "sampler_idle_s"],
 ];
 function peerColumns(peers) {
   const overlap = OVERLAP_COLUMNS.filter((c) => peers.some((r) => r[c[3]] != null));
@@ -203,12 +205,13 @@ function renderPeerCurves(history, peers) {
 function renderOverlap(rows) {
   const has = (key) => rows.filter((r) => r[key] !== undefined && r[key] !== null);
   const section = document.getElementById("overlap-section");
-  section.hidden = !["staleness_mean", "carried_in", "ahead_wait_s"].some((key) => has(key).length);
+  section.hidden = !["staleness_mean", "carried_in", "ahead_wait_s", "sampler_idle_s"].some((key) => has(key).length);
   if (section.hidden) return;
   const series = (key, colour) => ({ name: key, colour, points: has(key).map((r) => [r.round, r[key]]) });
   lineChart(document.getElementById("chart-node-staleness"), [series("staleness_mean", PALETTE[0]), series("staleness_max", PALETTE[1])]);
   lineChart(document.getElementById("chart-node-carried"), [series("carried_in", PALETTE[2]), series("carried_out", PALETTE[3])]);
-  lineChart(document.getElementById("chart-node-ahead-wait"), [series("ahead_wait_s", PALETTE[4])], { yMin: 0 });
+  // both sides of the overlap's idle time, in the same seconds: the round waiting for the sampler, and the other way
+  lineChart(document.getElementById("chart-node-ahead-wait"), [series("ahead_wait_s", PALETTE[4]), series("sampler_idle_s", PALETTE[5])], { yMin: 0 });
 }
 
 // Any `<metric>_by_dataset: {dataset: value}` field of the metrics rows: a chart per field, a curve per dataset.
