@@ -109,7 +109,8 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
             else f"{config.name} in {config.swarm.swarm_id}"
         ) + f" on {device}"
         try:
-            with RoundDisplay(console, node.round, target, title=title) as display:
+            restarts = lambda: {"rejoins": node.stats.swarm_rejoins, "stalls": node.stats.stalls}  # noqa: E731
+            with RoundDisplay(console, node.round, target, title=title, restarts=restarts) as display:
                 await node.run(config.rounds, stop, on_round=display.update)
         except CheckpointNotSaved as exc:  # the save on the way out: a full disk
             return error(str(exc), EXIT_ERROR)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -35,9 +36,24 @@ def overlap_cells(row: dict[str, Any]) -> list[tuple[str, str]]:
     return cells
 
 
+def restart_cells(restarts: dict[str, int]) -> list[tuple[str, str]]:
+    """(header, value) of each part the node restarted or reported since it started (swarm connections rejoined,
+    rounds stalled): shown once one has happened, so that a node that heals itself says so where it is watched."""
+    return [(name, str(count)) for name, count in restarts.items() if count]
+
+
 class RoundDisplay:
-    def __init__(self, console: Console, first_round: int, target_round: int | None, title: str):
+    def __init__(
+        self,
+        console: Console,
+        first_round: int,
+        target_round: int | None,
+        title: str,
+        restarts: Callable[[], dict[str, int]] = dict,
+    ):
+        """`restarts` counts what the node rejoined or reported since it started, by name (none: an empty dict)."""
         self.console = console
+        self.restarts = restarts
         self.first_round = first_round
         self.target_round = target_round
         self.title = title
@@ -70,6 +86,7 @@ class RoundDisplay:
         table = Table(title=self.title, show_header=True, header_style="bold")
         row = self.last
         overlap = overlap_cells(row) if row is not None else []
+        overlap += restart_cells(self.restarts()) if row is not None else []
         for column in (
             "round",
             "reward",
@@ -108,7 +125,8 @@ class RoundDisplay:
             self.live.update(self._render())
         else:
             heldout = f" heldout={row['heldout_accuracy']:.3f}" if "heldout_accuracy" in row else ""
-            overlap = "".join(f" {header}={value}" for header, value in overlap_cells(row))
+            cells = overlap_cells(row) + restart_cells(self.restarts())
+            overlap = "".join(f" {header}={value}" for header, value in cells)
             self.console.print(
                 f"round {row['round']} reward={row['reward_mean']:.3f} accuracy={row['accuracy']:.3f}{heldout} "
                 f"tokens/s={row['tokens_per_s']:.0f} step={row['step_s']:.2f}s policy={row['policy_version']}{overlap} "

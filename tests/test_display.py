@@ -12,10 +12,10 @@ from node.display import RoundDisplay
 ROW = {"round": 3, "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 120.0, "step_s": 1.5, "policy_version": 3}
 
 
-def printed(row: dict, terminal: bool) -> str:
+def printed(row: dict, terminal: bool, restarts: dict[str, int] | None = None) -> str:
     out = io.StringIO()
     console = Console(file=out, force_terminal=terminal, width=160, color_system=None)
-    display = RoundDisplay(console, first_round=0, target_round=10, title="node")
+    display = RoundDisplay(console, first_round=0, target_round=10, title="node", restarts=lambda: restarts or {})
     with display:
         display.update(row)
     return out.getvalue()
@@ -49,3 +49,13 @@ def test_the_first_round_generating_ahead_has_waited_on_nothing_either_way():
     first = {**ROW, "staleness_mean": 0.0, "staleness_max": 0, "ahead_wait_s": None, "sampler_idle_s": None}
     line = printed(first, terminal=False)
     assert "policy=3 stale=0.0/0 eta=" in line, line
+
+
+def test_what_the_node_restarted_shows_once_it_has_happened():
+    assert "rejoins" not in printed(ROW, False, {"rejoins": 0, "stalls": 0})
+    line = printed(ROW, False, {"rejoins": 2, "stalls": 0})
+    assert "rejoins=2" in line and "stalls" not in line
+    table = printed(ROW, True, {"rejoins": 1, "stalls": 3})
+    # the last render: the one with the round in it (the first, before any round, has no cells to add)
+    header = [text for text in table.splitlines() if "round" in text and "policy" in text][-1]
+    assert "rejoins" in header and "stalls" in header
