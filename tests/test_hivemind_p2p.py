@@ -50,3 +50,39 @@ def test_importing_the_adapter_checks_the_installed_version():
     refusal, hivemind_loaded = result.stdout.strip().splitlines()
     assert refusal.startswith("HivemindVersionError hivemind 1.2.0 found") and HIVEMIND_VERSION in refusal
     assert hivemind_loaded == "False"
+
+
+@pytest.mark.integration
+def test_a_stream_whose_daemon_hangs_up_before_its_header_ends_quietly(caplog):
+    """The daemon connects to the node once per incoming stream and sends the stream's header first; one killed before
+    the header was whole left asyncio's "Unhandled exception in client_connected_cb" and a traceback in a stage
+    server's log (seen when the soak killed its p2pd). Hanging up on the listener as such a daemon does ends quietly."""
+    import asyncio
+    import logging
+
+    from node.transport.hivemind_p2p import create_p2p, stream_listener_path
+
+    async def scenario():
+        p2p = await create_p2p()
+        try:
+
+            async def handler(stream_info, reader, writer):  # never reached: no header comes
+                writer.close()
+
+            await p2p.add_binary_stream_handler("/test/hang-up", handler)
+            for _ in range(3):
+                reader, writer = await asyncio.open_unix_connection(stream_listener_path(p2p))
+                writer.write(b"\x05")  # a header's length, then nothing: the daemon died mid-header
+                await writer.drain()
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.sleep(0.5)  # the listener's callbacks run and end
+        finally:
+            await p2p.shutdown()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(scenario())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    ended = [r for r in caplog.records if "an incoming stream ended early" in r.getMessage()]
+    assert len(ended) == 3  # each hang-up reached the listener and was taken as the stream's end

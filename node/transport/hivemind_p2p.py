@@ -3,10 +3,10 @@
 hivemind's public `P2P` and `DHTNode` cover what hivemind itself needs (handlers, calls to them, the daemon it
 starts); the node needs a few things more, and gets them from attributes hivemind does not promise to keep: dialing
 a peer at given addresses, opening a stream by a libp2p protocol id, starting p2pd in a session of its own and with
-flags of our choosing, handing a DHT node a daemon it should stop with itself, and reaching that daemon's process.
-Each is one function here, whose docstring says what the public API lacks. Everything else in the node (and every
-test that fakes a dial) goes through these functions, so that a hivemind upgrade is checked here, function by
-function, and nowhere else.
+flags of our choosing, handing a DHT node a daemon it should stop with itself, reaching that daemon's process, and
+ending quietly an incoming stream whose daemon died before its header. Each is one function here, whose docstring
+says what the public API lacks. Everything else in the node (and every test that fakes a dial) goes through these
+functions, so that a hivemind upgrade is checked here, function by function, and nowhere else.
 
 Importing this module checks the installed hivemind against HIVEMIND_VERSION (pyproject.toml pins the same one):
 private attributes change without notice between releases, and a node that dialed through a renamed one would
@@ -20,8 +20,11 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
+
+log = logging.getLogger(__name__)
 
 HIVEMIND_VERSION = "1.1.12"  # the release whose private attributes this module uses; pyproject.toml pins it
 
@@ -53,6 +56,7 @@ from node.transport.protobuf_shim import import_hivemind_isolated  # noqa: E402
 import_hivemind_isolated()  # before any hivemind import: keeps its protobuf names out of libp2p's way
 
 from hivemind.p2p import P2P  # noqa: E402
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient  # noqa: E402
 
 if TYPE_CHECKING:
     from hivemind.p2p import PeerID
@@ -164,3 +168,30 @@ def retire_control_connection(p2p: P2P) -> None:
 def _take_outcome(task) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def stream_listener_path(p2p: P2P) -> str:
+    """The unix socket this process listens on for the streams `p2p`'s daemon brings in: the daemon connects to it
+    once per incoming stream (tests connect and hang up as a dying daemon does).
+
+    Why private (`P2P._client_listen_maddr`): hivemind keeps where its handlers listen to itself."""
+    return p2p._client_listen_maddr.value_for_protocol("unix")
+
+
+_serve_incoming_stream = ControlClient._handler
+
+
+async def _serve_incoming_stream_to_its_end(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        await _serve_incoming_stream(self, reader, writer)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        log.debug("an incoming stream ended early (its daemon or caller went away): %s: %s", type(exc).__name__, exc)
+        writer.close()
+
+
+# Why private (`ControlClient._handler`): the daemon connects to our listening socket once per incoming stream and
+# sends the stream's header first; hivemind reads it outside any try, so a daemon killed (or a caller gone) before the
+# header is whole ends the callback with IncompleteReadError, which asyncio logs as an ERROR with its traceback
+# ("Unhandled exception in client_connected_cb"). The stream is gone with the daemon, whose death the node's session
+# watch reports and rejoins after (`session.watch_joined`): this is the old stream's end, not news.
+ControlClient._handler = _serve_incoming_stream_to_its_end
