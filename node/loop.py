@@ -156,9 +156,8 @@ class Node:
         self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
         self.sampler_model = None  # the policy the rollout backend samples from: the trainer's, or a copy of it
         self._ahead: asyncio.Task | None = None  # the next round's own rollouts, generating (rollout.max_staleness 1)
-        self._ahead_done_at: float | None = (
-            None  # when the last of them finished (perf_counter): the sampler idles since
-        )
+        # when the last of them finished (perf_counter): the sampler has been idle since
+        self._ahead_done_at: float | None = None
         self.partial: PartialRollouts | None = (
             None  # rollout.over_sample: the groups it stopped, carried (built with the backend)
         )

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from node.aio import retry_with_backoff
 from node.config import NodeConfig
