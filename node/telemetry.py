@@ -28,6 +28,9 @@ EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat repor
 # The overlap of generation with training a round's row has where it is on (rollout.max_staleness, rollout.over_sample):
 # the heartbeat and the gauges report the last round's, None (no gauge) where the feature is off.
 OVERLAP_KEYS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", "ahead_wait_s", "sampler_idle_s")
+# the overlap's idle seconds on each side (the round waiting for the sampler, the sampler for the round), each with the
+# bound its heartbeat field is validated against
+IDLE_BOUNDS = {"ahead_wait_s": MAX_AHEAD_WAIT_S, "sampler_idle_s": MAX_SAMPLER_IDLE_S}
 
 
 class Telemetry:
@@ -206,10 +209,9 @@ def last_overlap(row: dict[str, Any]) -> dict[str, float | int | None]:
         )
     else:
         value["carried_in"] = value["carried_out"] = None
-    if value["ahead_wait_s"] is not None:
-        value["ahead_wait_s"] = min(MAX_AHEAD_WAIT_S, max(0.0, float(value["ahead_wait_s"])))
-    if value["sampler_idle_s"] is not None:
-        value["sampler_idle_s"] = min(MAX_SAMPLER_IDLE_S, max(0.0, float(value["sampler_idle_s"])))
+    for key, bound in IDLE_BOUNDS.items():
+        if value[key] is not None:
+            value[key] = min(bound, max(0.0, float(value[key])))
     return value
 
 
@@ -248,12 +250,10 @@ def _overlap_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if carried := [r for r in rows if r.get("carried_in") is not None]:
         summary["carried_in_total"] = sum(r["carried_in"] for r in carried)
         summary["carried_out_total"] = sum(r["carried_out"] for r in carried)
-    if waits := [r["ahead_wait_s"] for r in rows if r.get("ahead_wait_s") is not None]:
-        summary["ahead_wait_s_mean"] = statistics.fmean(waits)
-        summary["ahead_wait_s_total"] = sum(waits)
-    if idles := [r["sampler_idle_s"] for r in rows if r.get("sampler_idle_s") is not None]:
-        summary["sampler_idle_s_mean"] = statistics.fmean(idles)
-        summary["sampler_idle_s_total"] = sum(idles)
+    for key in IDLE_BOUNDS:
+        if seconds := [r[key] for r in rows if r.get(key) is not None]:
+            summary[f"{key}_mean"] = statistics.fmean(seconds)
+            summary[f"{key}_total"] = sum(seconds)
     return summary
 
 
