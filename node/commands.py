@@ -62,6 +62,7 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
     from node.display import RoundDisplay
     from node.loop import Node
     from node.state import CheckpointNotSaved
+    from node.stats import CLOCK_WARN_S
 
     stop = asyncio.Event()
     loading = True
@@ -110,7 +111,9 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
         ) + f" on {device}"
         try:
             restarts = lambda: {"rejoins": node.stats.swarm_rejoins, "stalls": node.stats.stalls}  # noqa: E731
-            with RoundDisplay(console, node.round, target, title=title, restarts=restarts) as display:
+            with RoundDisplay(
+                console, node.round, target, title=title, restarts=restarts, clock_warn_s=CLOCK_WARN_S
+            ) as display:
                 await node.run(config.rounds, stop, on_round=display.update)
         except CheckpointNotSaved as exc:  # the save on the way out: a full disk
             return error(str(exc), EXIT_ERROR)
@@ -270,6 +273,8 @@ def cmd_health(args: argparse.Namespace, console: Console) -> int:
             )
         else:
             print(f"{'ready' if healthy else 'not ready'} ({body.get('status')}): {body.get('reason')}")
+            if body.get("warning"):
+                print(f"warning: {body['warning']}")
     return EXIT_OK if healthy else EXIT_ERROR
 
 

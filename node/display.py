@@ -42,6 +42,13 @@ def restart_cells(restarts: dict[str, int]) -> list[tuple[str, str]]:
     return [(name, str(count)) for name, count in restarts.items() if count]
 
 
+def clock_cells(row: dict[str, Any], warn_s: float | None) -> list[tuple[str, str]]:
+    """The node's clock against the swarm's, shown once it is off by `warn_s` or more (None: never; the log says what
+    that costs)."""
+    offset = row.get("clock_offset_s")
+    return [("clock", f"{offset:+.0f}s")] if warn_s is not None and offset is not None and abs(offset) >= warn_s else []
+
+
 class RoundDisplay:
     def __init__(
         self,
@@ -50,10 +57,13 @@ class RoundDisplay:
         target_round: int | None,
         title: str,
         restarts: Callable[[], dict[str, int]] = dict,
+        clock_warn_s: float | None = None,
     ):
-        """`restarts` counts what the node rejoined or reported since it started, by name (none: an empty dict)."""
+        """`restarts` counts what the node rejoined or reported since it started, by name (none: an empty dict);
+        a row's clock offset is shown from `clock_warn_s` on (None: never)."""
         self.console = console
         self.restarts = restarts
+        self.clock_warn_s = clock_warn_s
         self.first_round = first_round
         self.target_round = target_round
         self.title = title
@@ -86,7 +96,7 @@ class RoundDisplay:
         table = Table(title=self.title, show_header=True, header_style="bold")
         row = self.last
         overlap = overlap_cells(row) if row is not None else []
-        overlap += restart_cells(self.restarts()) if row is not None else []
+        overlap += restart_cells(self.restarts()) + clock_cells(row, self.clock_warn_s) if row is not None else []
         for column in (
             "round",
             "reward",
@@ -125,7 +135,7 @@ class RoundDisplay:
             self.live.update(self._render())
         else:
             heldout = f" heldout={row['heldout_accuracy']:.3f}" if "heldout_accuracy" in row else ""
-            cells = overlap_cells(row) + restart_cells(self.restarts())
+            cells = overlap_cells(row) + restart_cells(self.restarts()) + clock_cells(row, self.clock_warn_s)
             overlap = "".join(f" {header}={value}" for header, value in cells)
             self.console.print(
                 f"round {row['round']} reward={row['reward_mean']:.3f} accuracy={row['accuracy']:.3f}{heldout} "

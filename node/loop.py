@@ -116,7 +116,7 @@ class Node:
                 hashlib.sha256(f"{config.seed}:{self.identity.node_id}".encode()).hexdigest()[:15], 16
             )
         self.tasks = TaskSource(config.tasks, seed=self.stream_seed)
-        self.stats = SwarmStats()
+        self.stats = SwarmStats(self.identity.node_id if self.identity is not None else None)
         # swarm.rss_budget_mb: past it the buffers peers fill are dropped; the transport is looked up at each check, as
         # a rejoin replaces it
         budget_mb = config.swarm.rss_budget_mb
@@ -299,7 +299,9 @@ class Node:
         if self.transport is None:  # one that runs over the swarm session (load() built any other)
             from node.transport.session import join_swarm
 
-            self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
+            self.session = await join_swarm(
+                self.config, self.identity, self.store.root, refusals=self.stats.records, clock_offsets=self.stats.clock
+            )
             self.transport = self._build_transport()
         await self.transport.start()
         await self.policy.attach(self.session, self.loaded, seed=self.stream_seed, stop=stop)
@@ -343,7 +345,8 @@ class Node:
 
     def readiness(self) -> dict[str, Any]:
         """/readyz: joined, training, and the last round within its bound (RoundProgress); a part of the swarm
-        connection that died makes it "down"."""
+        connection that died makes it "down". A clock off the swarm's is a `warning` beside: the node still trains,
+        and no restart sets a clock right."""
         problem = None
         if self.swarm_lost is not None:
             problem = f"rejoining the swarm (training on its own questions meanwhile): {self.swarm_lost}"
@@ -352,7 +355,12 @@ class Node:
                 self.transport.check_alive()
             except Exception as exc:  # what the round loop would stop on: reported, the loop decides
                 problem = f"{exc}" + (f": {exc.__cause__}" if exc.__cause__ is not None else "")
-        return self.progress.report(problem)
+        report = self.progress.report(problem)
+        if (offset := self.stats.clock_totals()["clock_offset_s"]) is not None:
+            report["clock_offset_s"] = offset
+        if (advice := self.telemetry.clock_advice()) is not None:
+            report["warning"] = advice
+        return report
 
     # staying joined ----------------------------------------------------------------------------
 
@@ -429,7 +437,9 @@ class Node:
         from node.transport.session import join_swarm, rejoin
 
         async def attempt() -> Transport:
-            self.session = await join_swarm(self.config, self.identity, self.store.root, refusals=self.stats.records)
+            self.session = await join_swarm(
+                self.config, self.identity, self.store.root, refusals=self.stats.records, clock_offsets=self.stats.clock
+            )
             try:
                 transport = self._build_transport()
                 await transport.start()

@@ -106,8 +106,96 @@ class RecordRefusals:
         return {"by_reason": dict(self.by_reason), "by_owner": {owner: dict(c) for owner, c in self.by_owner.items()}}
 
 
+CLOCK_WINDOW_S = 40.0  # a peer's lead is read off its messages of about this long ago at most (two halves kept)
+CLOCK_WARN_S = 30.0  # an offset past this is said: the heartbeats' and the gossip's own delays stay well below it
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    offset_s: float  # this node's clock minus the swarm's (the median of its peers'): positive when it is ahead
+    peers: int  # how many peers' signed times it was read off
+
+
+class ClockOffsets:
+    """How far this node's clock is from its peers', read off the times they sign their messages.
+
+    A message arrives after it was signed, so (its signed time - this node's clock) is at most how far its sender's
+    clock leads this node's, and nearest it for the freshest messages: a peer's lead is the largest over its messages
+    of the last `window_s` (by the monotonic clock, so that a jump of the wall clock shows within one window). The
+    swarm's clock is the median of its peers': peers that sign false times move it no further than the honest ones'
+    spread while they are a minority. Every signed time counts, a refused one's too ("signed in the future"), except
+    this node's own (`own_id`: its records come back to it through the DHT, and would pull the median to zero)."""
+
+    def __init__(
+        self,
+        own_id: str | None = None,
+        window_s: float = CLOCK_WINDOW_S,
+        cap: int = MAX_TRACKED_PEERS,
+        clock=time.monotonic,
+    ) -> None:
+        self.own_id = own_id
+        self.half_s = window_s / 2
+        self.clock = clock
+        # per peer: (start of the current half, the largest lead in it, the largest lead in the half before)
+        self._leads: BoundedDict[str, tuple[float, float, float]] = BoundedDict(cap)
+
+    def observe(self, peer: str, signed_at: float, now: float) -> None:
+        if peer == self.own_id:
+            return
+        lead, at = signed_at - now, self.clock()
+        started, current, before = self._leads.get(peer, (at, -math.inf, -math.inf))
+        if at - started >= 2 * self.half_s:
+            started, current, before = at, -math.inf, -math.inf
+        elif at - started >= self.half_s:
+            started, current, before = at, -math.inf, current
+        self._leads[peer] = (started, max(current, lead), before)
+
+    def peer_leads(self) -> dict[str, float]:
+        """How far each peer's clock leads this node's, in seconds, for the peers heard from within the window."""
+        at = self.clock()
+        leads = {}
+        for peer, (started, current, before) in self._leads.items():
+            if at - started < self.half_s:
+                leads[peer] = max(current, before)
+            elif at - started < 2 * self.half_s:
+                leads[peer] = current
+        return leads
+
+    def reading(self) -> ClockReading | None:
+        """This node's offset from the swarm's clock (None: no peer heard from within the window)."""
+        leads = list(self.peer_leads().values())
+        return ClockReading(-statistics.median(leads), len(leads)) if leads else None
+
+
+def clock_advice(reading: ClockReading | None, max_batch_age_s: float, max_clock_skew_s: float) -> str | None:
+    """What the operator must hear of this node's clock, with what it costs (None: within CLOCK_WARN_S of the
+    swarm's, or not measured)."""
+    if reading is None or abs(reading.offset_s) < CLOCK_WARN_S:
+        return None
+    off = abs(reading.offset_s)
+    source = (
+        "its one peer's signed times" if reading.peers == 1 else f"the median of {reading.peers} peers' signed times"
+    )
+    where = "ahead of" if reading.offset_s > 0 else "behind"
+    said = f"this node's clock looks {off:.0f} s {where} the swarm's ({source}): "
+    if reading.offset_s > 0:
+        said += (
+            f"its peers' rollouts look {off:.0f} s older to it than they are (it drops those past "
+            f"swarm.max_batch_age_s={max_batch_age_s:.0f} s)"
+        )
+        beyond = "its peers refuse whatever it signs as signed in the future"
+    else:
+        said += (
+            f"its rollouts look {off:.0f} s older to its peers than they are (they drop those past their "
+            "swarm.max_batch_age_s)"
+        )
+        beyond = "it refuses whatever its peers sign as signed in the future"
+    return said + f", and past {max_clock_skew_s:.0f} s {beyond}; set the system clock right (timedatectl set-ntp true)"
+
+
 class SwarmStats:
-    def __init__(self) -> None:
+    def __init__(self, own_id: str | None = None) -> None:
+        """`own_id`: the node's own id, where it has one (its own records are no peer's)."""
         self.started = time.time()
         self.peers: BoundedDict[str, PeerCounters] = BoundedDict(MAX_TRACKED_PEERS)  # least recently seen first
         self.refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)
@@ -143,6 +231,7 @@ class SwarmStats:
         # DHT records refused by the validator (node/transport/records.py), by claimed owner
         self.records = RecordRefusals()
         self.heartbeat_log_throttle = LogThrottle()
+        self.clock = ClockOffsets(own_id)  # fed by every peer's record and push this node decodes
 
     def peer(self, peer_id: str) -> PeerCounters:
         counters = self.peers.get(peer_id) or PeerCounters()
@@ -198,6 +287,7 @@ class SwarmStats:
             "swarm_rejoins": self.swarm_rejoins,
             "stalls": self.stalls,
             "swarm_size_estimate": self.swarm_size_estimate,
+            **self.clock_totals(),
             "batches_received": sum(c.batches_received for c in self.peers.values()),
             "batches_accepted": sum(c.batches_accepted for c in self.peers.values()),
             "questions_used": sum(c.questions_used for c in self.peers.values()),
@@ -205,6 +295,13 @@ class SwarmStats:
             "rejected": self.refusals.by_reason(),
             "heartbeats_rejected": self.heartbeat_refusals.by_reason(),
             "dht_records_rejected": dict(self.records.by_reason),
+        }
+
+    def clock_totals(self) -> dict[str, Any]:
+        reading = self.clock.reading()
+        return {
+            "clock_offset_s": None if reading is None else round(reading.offset_s, 1),
+            "clock_peers": 0 if reading is None else reading.peers,
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -217,6 +314,8 @@ class SwarmStats:
             "peers": peers,
             "heartbeat_refusals": self.heartbeat_refusals.by_peer(),
             "dht_record_refusals": self.records.snapshot()["by_owner"],
+            # how far each peer heard from lately leads this node's clock (ClockOffsets), in s
+            "clock_leads": {peer: round(lead, 1) for peer, lead in self.clock.peer_leads().items()},
         }
 
     def save(self, path: Path) -> None:
@@ -256,6 +355,12 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         "# TYPE swarm_node_swarm_size_estimate gauge",
         f"swarm_node_swarm_size_estimate {totals['swarm_size_estimate']}",
     ]
+    if totals["clock_offset_s"] is not None:  # no sample: no figure, rather than a zero that reads as "in time"
+        lines += [
+            "# TYPE swarm_node_clock_offset_seconds gauge",
+            f"swarm_node_clock_offset_seconds {totals['clock_offset_s']}",
+        ]
+    lines += ["# TYPE swarm_node_clock_peers gauge", f"swarm_node_clock_peers {totals['clock_peers']}"]
     per_peer = (
         "batches_received",
         "batches_accepted",
@@ -267,6 +372,9 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         lines.append(f"# TYPE swarm_node_peer_{name}_total counter")
         for peer, counters in stats.peers.items():
             lines.append(f'swarm_node_peer_{name}_total{{peer="{_escape(peer)}"}} {getattr(counters, name)}')
+    lines.append("# TYPE swarm_node_peer_clock_lead_seconds gauge")
+    for peer, lead in stats.clock.peer_leads().items():
+        lines.append(f'swarm_node_peer_clock_lead_seconds{{peer="{_escape(peer)}"}} {lead}')
     lines.append("# TYPE swarm_node_peer_rejected_total counter")
     for peer, counts in stats.refusals.by_peer().items():
         for reason, count in counts.items():

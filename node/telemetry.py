@@ -3,6 +3,7 @@ content, its Prometheus gauges."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -10,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from node.compute import RoundWork
 from node.config import NodeConfig
 from node.rollouts.base import GenerationWork, RolloutGroup
-from node.stats import SwarmStats, prometheus_text
-from protocol import PROTOCOL_VERSION, PeerStats
+from node.stats import CLOCK_WARN_S, LogThrottle, SwarmStats, clock_advice, prometheus_text
+from protocol import DEFAULT_LIMITS, PROTOCOL_VERSION, PeerStats
 from protocol.messages import (
     MAX_AHEAD_WAIT_S,
     MAX_CARRIED,
@@ -23,6 +24,8 @@ from protocol.messages import (
 if TYPE_CHECKING:
     from node.trainer import TrainStats
 
+log = logging.getLogger(__name__)
+
 SOFTWARE_VERSION = "0.1.0"
 EMA_WEIGHT = 0.1  # of the newest round in the moving averages a heartbeat reports
 # The overlap of generation with training a round's row has where it is on (rollout.max_staleness, rollout.over_sample):
@@ -31,6 +34,7 @@ OVERLAP_KEYS = ("staleness_mean", "staleness_max", "carried_in", "carried_out", 
 # the overlap's idle seconds on each side (the round waiting for the sampler, the sampler for the round), each with the
 # bound its heartbeat field is validated against
 IDLE_BOUNDS = {"ahead_wait_s": MAX_AHEAD_WAIT_S, "sampler_idle_s": MAX_SAMPLER_IDLE_S}
+CLOCK_SAY_EVERY_S = 600.0  # a clock that stays off is said again this often: once is easy to miss in a week's log
 
 
 class Telemetry:
@@ -49,6 +53,8 @@ class Telemetry:
         self.device = ""  # where the policy trains, as node.device.describe_device says it (set once it is loaded)
         self.overlap: dict[str, float | int | None] = dict.fromkeys(OVERLAP_KEYS)  # of the last round (OVERLAP_KEYS)
         self._records_decoded = 0  # stats.values_decoded at the last row: a round's work counts from here
+        self._clock_throttle = LogThrottle(every_s=CLOCK_SAY_EVERY_S)
+        self._clock_said = False  # the clock was said to be off, and not yet said to be back
 
     def round_row(
         self,
@@ -101,6 +107,7 @@ class Telemetry:
             **({"external_gated": peers_gated} if swarm.external_gate != "none" else {}),
             "rejected": self.stats.take_round_rejections(),
             **({"outer_step": outer_step} if outer_step else {}),
+            **self._clock_offset(),
             "generation_s": generation_s,
             "scoring_s": scoring_s,
             **({"sharing_s": sharing_s} if swarm.external_questions else {}),
@@ -121,6 +128,27 @@ class Telemetry:
             ).as_dict(),
         }
 
+    def _clock_offset(self) -> dict[str, float]:
+        """The row's clock_offset_s: this node's clock minus the swarm's, where its peers' signed times measured it."""
+        offset = self.stats.clock_totals()["clock_offset_s"]
+        return {} if offset is None else {"clock_offset_s": offset}
+
+    def clock_advice(self) -> str | None:
+        """What is wrong with this node's clock, if anything (node.stats.clock_advice), for the log and /readyz."""
+        reading = self.stats.clock.reading()
+        return clock_advice(reading, self.config.swarm.max_batch_age_s, DEFAULT_LIMITS.max_clock_skew_s)
+
+    def say_clock(self) -> None:
+        """Log a clock that went off the swarm's (again every CLOCK_SAY_EVERY_S while it stays off), and its return."""
+        advice = self.clock_advice()
+        if advice is not None and self._clock_throttle.due("clock"):
+            log.warning("%s", advice)
+            self._clock_said = True
+        elif advice is None and self._clock_said and (reading := self.stats.clock.reading()) is not None:
+            log.info("this node's clock is back within %.0f s of the swarm's (%+.0f s)", CLOCK_WARN_S, reading.offset_s)
+            self._clock_said = False
+            self._clock_throttle = LogThrottle(every_s=CLOCK_SAY_EVERY_S)
+
     def _take_records_decoded(self) -> int:
         """Peers' records decoded since the last row (the transport's receiver counts them)."""
         decoded = self.stats.values_decoded - self._records_decoded
@@ -137,6 +165,7 @@ class Telemetry:
             self.accuracy_by_dataset[label] = ema(self.accuracy_by_dataset.get(label), accuracy)
         self.tokens_per_s = row["tokens_per_s"]
         self.overlap = last_overlap(row)
+        self.say_clock()
 
     def heartbeat(
         self,

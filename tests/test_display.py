@@ -12,10 +12,17 @@ from node.display import RoundDisplay
 ROW = {"round": 3, "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 120.0, "step_s": 1.5, "policy_version": 3}
 
 
-def printed(row: dict, terminal: bool, restarts: dict[str, int] | None = None) -> str:
+def printed(row: dict, terminal: bool, restarts: dict[str, int] | None = None, clock_warn_s: float | None = 30) -> str:
     out = io.StringIO()
     console = Console(file=out, force_terminal=terminal, width=160, color_system=None)
-    display = RoundDisplay(console, first_round=0, target_round=10, title="node", restarts=lambda: restarts or {})
+    display = RoundDisplay(
+        console,
+        first_round=0,
+        target_round=10,
+        title="node",
+        restarts=lambda: restarts or {},
+        clock_warn_s=clock_warn_s,
+    )
     with display:
         display.update(row)
     return out.getvalue()
@@ -59,3 +66,12 @@ def test_what_the_node_restarted_shows_once_it_has_happened():
     # the last render: the one with the round in it (the first, before any round, has no cells to add)
     header = [text for text in table.splitlines() if "round" in text and "policy" in text][-1]
     assert "rejoins" in header and "stalls" in header
+
+
+def test_a_clock_off_the_swarms_shows_from_its_bound_on():
+    assert "clock" not in printed({**ROW, "clock_offset_s": 29.9}, False)
+    assert "clock" not in printed({**ROW, "clock_offset_s": 300.0}, False, clock_warn_s=None)
+    assert "policy=3 clock=+300s eta=" in printed({**ROW, "clock_offset_s": 300.2}, False)
+    assert "clock=-45s" in printed({**ROW, "clock_offset_s": -45.0}, False)
+    table = printed({**ROW, "clock_offset_s": 300.0}, True)
+    assert "clock" in table and "+300s" in table, table

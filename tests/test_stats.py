@@ -1,7 +1,7 @@
 import asyncio
 import json
 
-from node.stats import MAX_TRACKED_PEERS, MetricsServer, SwarmStats, prometheus_text
+from node.stats import MAX_TRACKED_PEERS, ClockReading, MetricsServer, SwarmStats, prometheus_text
 from protocol import Refusal
 
 
@@ -317,3 +317,71 @@ def test_the_stats_command_summarizes_the_overlap_only_where_rounds_had_it(tmp_p
         "sampler_idle_s_total",
     ):
         assert line in table, line
+
+
+def test_a_nodes_clock_offset_is_minus_the_median_of_its_peers_leads_hand_computed():
+    """A message arrives after it is signed, so a peer's lead is the largest (signed time - arrival) of its recent
+    messages; the node's offset is minus the median over peers, which a minority signing false times cannot move far."""
+    from node.stats import ClockOffsets
+
+    monotonic = [0.0]
+    clock = ClockOffsets(own_id="me", window_s=40.0, clock=lambda: monotonic[0])
+    assert clock.reading() is None
+    clock.observe("me", signed_at=1300.0, now=1300.0)  # its own record, read back from the DHT: no peer's clock
+    clock.observe("a", signed_at=1000.0, now=1300.0)  # a heartbeat read 300 s "late": this node is ahead
+    clock.observe("a", signed_at=990.0, now=1300.0)  # an older record of a's: not its lead
+    clock.observe("b", signed_at=995.0, now=1300.0)
+    clock.observe("c", signed_at=1001.0, now=1302.0)
+    clock.observe("liar", signed_at=1600.0, now=1300.0)  # claims to be 300 s ahead of this node
+    assert clock.peer_leads() == {"a": -300.0, "b": -305.0, "c": -301.0, "liar": 300.0}
+    # median of (-305, -301, -300, 300) = (-301 - 300) / 2
+    assert clock.reading() == ClockReading(offset_s=300.5, peers=4)
+    monotonic[0] = 25.0  # a's clock heard again in a new half of the window: the earlier half still counts
+    clock.observe("a", signed_at=1330.0, now=1330.0)
+    assert clock.peer_leads()["a"] == 0.0 and clock.peer_leads()["b"] == -305.0
+    monotonic[0] = 45.0  # b, c and the liar not heard for a whole window: forgotten; a's newer half stays
+    assert clock.peer_leads() == {"a": 0.0}
+    monotonic[0] = 80.0
+    assert clock.reading() is None
+
+
+def test_what_a_node_is_told_of_its_clock_names_the_direction_the_figure_and_the_fix():
+    from node.stats import CLOCK_WARN_S, clock_advice
+
+    assert clock_advice(None, 120, 300) is None
+    assert clock_advice(ClockReading(CLOCK_WARN_S - 1, 3), 120, 300) is None
+    ahead = clock_advice(ClockReading(300.4, 3), 120, 300)
+    assert ahead.startswith("this node's clock looks 300 s ahead of the swarm's (the median of 3 peers' signed times)")
+    assert "swarm.max_batch_age_s=120 s" in ahead and "its peers refuse whatever it signs" in ahead
+    assert ahead.endswith("set the system clock right (timedatectl set-ntp true)")
+    behind = clock_advice(ClockReading(-45.0, 1), 120, 300)
+    assert behind.startswith("this node's clock looks 45 s behind the swarm's (its one peer's signed times)")
+    assert "it refuses whatever its peers sign" in behind
+
+
+def test_a_refused_batch_signed_in_the_future_still_tells_the_clock_and_the_gauges_say_it():
+    """A peer whose clock is ahead past the skew bound has every batch refused as stale; its signed time is what tells
+    this node (or that peer) which clock is off."""
+    import time
+
+    from node.transport.batches import BatchReceiver
+    from protocol import NodeIdentity, RolloutBatch, encode_message
+    from node.config import load_config
+    from tests.helpers.common import REPO
+
+    config = load_config(REPO / "configs" / "isolated.yaml", ["swarm.transport=dht"])
+    stats = SwarmStats()
+    assert "swarm_node_clock_offset_seconds" not in prometheus_text({}, stats)  # not measured: no figure at all
+    receiver = BatchReceiver(config.swarm, "f" * 40, "fingerprint", stats)
+    peer = NodeIdentity.generate()
+    batch = RolloutBatch(round=1, policy_version=1, model_fingerprint="fingerprint", questions=[])
+    now = time.time()
+    ahead = encode_message(batch, identity=peer, swarm_id=config.swarm.swarm_id, seq=1, timestamp=now + 400.0)
+    assert receiver.receive([(peer.node_id, ahead)], now) == []
+    assert stats.refusals.by_peer() == {peer.node_id: {"stale": 1}}
+    assert stats.clock.peer_leads() == {peer.node_id: 400.0}
+    assert stats.totals()["clock_offset_s"] == -400.0 and stats.totals()["clock_peers"] == 1
+    text = prometheus_text({}, stats)
+    assert "swarm_node_clock_offset_seconds -400.0" in text and "swarm_node_clock_peers 1" in text
+    assert f'swarm_node_peer_clock_lead_seconds{{peer="{peer.node_id}"}} 400.0' in text
+    assert stats.snapshot()["clock_leads"] == {peer.node_id: 400.0}

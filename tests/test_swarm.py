@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
 
+from benchmarks.soak.plan import LIBFAKETIME
 from node.config import load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.swarm import SWARM_OVERRIDES, SwarmProcess, daemon_of, peers_listed, read_rows, wait_for
 
 pytestmark = pytest.mark.integration
+
+AHEAD_S = 120
+CLOCK_SAID = r"this node's clock looks (\d+) s ahead of the swarm's.*"
 
 
 def uses_peers(state_dir) -> bool:
@@ -353,3 +358,71 @@ def test_both_gossip_channels_deliver_batches(gossip, model_cache, tmp_path):
         assert all(t["gossip_messages_received"] == 0 for t in totals)
     else:
         assert all(t["gossip_messages_received"] > 0 for t in totals)
+
+
+faketime = pytest.mark.skipif(not LIBFAKETIME.exists(), reason=f"no {LIBFAKETIME} (make install puts it there)")
+
+
+@faketime
+def test_a_node_whose_clock_is_off_is_refused_at_join_and_told_why(swarm_yaml, tmp_path, cli_env, nodes):
+    """hivemind's DHT refuses a bootstrap whose clocks differ by more than 3 s; a node must say it is its clock."""
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    ahead = {**cli_env, "LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": f"+{AHEAD_S}"}
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", ahead, first.addresses())
+    nodes.append(second)
+    second.process.wait(timeout=CLI_TIMEOUT_S)
+    assert second.process.returncode == 1, second.output()
+    assert (
+        f"could not join the swarm after 5 attempts: this node's clock is {AHEAD_S} s ahead of its bootstrap peer's, "
+        "and the DHT (hivemind) refuses a peer more than 3 s off; set the system clock right (timedatectl set-ntp true)"
+    ) in " ".join(second.output().split()), second.output()
+
+
+@faketime
+def test_a_node_whose_clock_jumps_says_by_how_much_and_its_peer_sees_it(swarm_yaml, tmp_path, cli_env, nodes):
+    """b's clock jumps 120 s ahead once it is joined (libfaketime, as a resumed VM's would): a's rollouts look 120 s
+    old to it, past swarm.max_batch_age_s. It must say so, with the figure and the fix, in its log, its rows and
+    /readyz, and a must see b's lead. A signed time arrives after it was signed, so b's figure is at least 120 s, and
+    what a measures at most."""
+    first = SwarmProcess(swarm_yaml, tmp_path / "a", cli_env)
+    nodes.append(first)
+    offset = tmp_path / "clock-offset"
+    offset.write_text("+0\n")
+    jumps = {
+        **cli_env,
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME_TIMESTAMP_FILE": str(offset),
+        "FAKETIME_CACHE_DURATION": "1",
+    }
+    second = SwarmProcess(swarm_yaml, tmp_path / "b", jumps, first.addresses(), extra=["--set", "swarm.metrics_port=0"])
+    nodes.append(second)
+    wait_for(lambda: second.assert_running() or uses_peers(second.state_dir), 180, "b to use a's rollouts")
+    log = second.state_dir / "node.log"
+    assert not re.search(CLOCK_SAID, log.read_text())
+    offset.write_text(f"+{AHEAD_S}\n")
+    said = wait_for(
+        lambda: second.assert_running() or re.search(CLOCK_SAID, log.read_text()), 180, "b to say its clock is ahead"
+    )
+    assert AHEAD_S - 1 <= int(said[1]) <= AHEAD_S + 60, said[0]
+    assert "swarm.max_batch_age_s=120 s" in said[0] and "timedatectl set-ntp true" in said[0]
+    rows = read_rows(second.state_dir)
+    assert AHEAD_S - 1 <= rows[-1]["clock_offset_s"] <= AHEAD_S + 60, rows[-1]
+    health = subprocess.run(
+        cli("health", "--state-dir", str(second.state_dir)),
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert "\nwarning: this node's clock looks" in health.stdout, health.stdout + health.stderr
+    b = identity_json(cli_env, second.state_dir)["node_id"]
+
+    def lead_of_b() -> float | None:
+        path = first.state_dir / "swarm.json"
+        return json.loads(path.read_text()).get("clock_leads", {}).get(b) if path.exists() else None
+
+    lead = wait_for(
+        lambda: first.assert_running() or ((x := lead_of_b()) is not None and x > 60 and x), 120, "a to hear b's lead"
+    )
+    assert lead <= AHEAD_S + 1, lead

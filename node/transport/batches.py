@@ -21,7 +21,7 @@ import logging
 import random
 
 from node.config import SwarmConfig
-from node.stats import SwarmStats
+from node.stats import ClockOffsets, SwarmStats
 from node.rollouts.base import ExternalGroup, RolloutGroup
 from protocol import (
     DEFAULT_LIMITS,
@@ -84,17 +84,26 @@ def sign_rollout_batch(writer, fingerprint: str, round_: int, policy_version: in
 
 
 def decode_verified(
-    raw: object, subkey: object, swarm_id: str, kind: MessageKind, now: float, limits: Limits = DEFAULT_LIMITS
+    raw: object,
+    subkey: object,
+    swarm_id: str,
+    kind: MessageKind,
+    now: float,
+    limits: Limits = DEFAULT_LIMITS,
+    clock_offsets: ClockOffsets | None = None,
 ):
     """Decode a DHT or gossip value and check that it is what its DHT subkey (if any) claims.
 
     A value signed in the future (past the clock skew allowed) is refused as stale; how old a
     value may be is the caller's to decide (a heartbeat, a batch and an announcement differ),
-    so a record the DHT still holds is never refused for its age alone. Raises ProtocolRejection.
+    so a record the DHT still holds is never refused for its age alone. Its signing time is given to
+    `clock_offsets` once its signature holds, whatever is refused after. Raises ProtocolRejection.
     """
     if not isinstance(raw, bytes):
         raise ProtocolRejection(Refusal.BAD_STRUCTURE, f"DHT value is {type(raw).__name__}, not bytes")
     envelope = decode_message(raw, swarm_id=swarm_id, limits=dataclasses.replace(limits, max_clock_skew_s=float("inf")))
+    if clock_offsets is not None:
+        clock_offsets.observe(envelope.sender_id, envelope.timestamp, now)
     if envelope.timestamp > now + limits.max_clock_skew_s:
         raise ProtocolRejection(
             Refusal.STALE, f"signed {envelope.timestamp - now:.0f}s in the future, limit {limits.max_clock_skew_s:.0f}s"
@@ -185,7 +194,14 @@ class BatchReceiver:
         for subkey, raw, digest in fresh:
             self.processed[digest] = None
             try:
-                envelope = decode_verified(raw, subkey, self.config.swarm_id, MessageKind.ROLLOUT_BATCH, now)
+                envelope = decode_verified(
+                    raw,
+                    subkey,
+                    self.config.swarm_id,
+                    MessageKind.ROLLOUT_BATCH,
+                    now,
+                    clock_offsets=self.stats.clock,
+                )
             except ProtocolRejection as exc:
                 self.refuse_once(str(subkey)[:64] if subkey is not None else "gossip", raw, exc)
                 continue

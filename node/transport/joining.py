@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,6 +29,26 @@ class SwarmJoinError(RuntimeError):
     """The node could not start its p2p daemon or reach any initial peer."""
 
 
+# hivemind's DHT pings each peer it bootstraps from and refuses one whose clock is more than
+# MAX_DHT_TIME_DISCREPANCY_SECONDS (3 s) off its own, in a ValidationError that says only this
+HIVEMIND_CLOCK_REFUSAL = re.compile(
+    r"local time must be within (?P<bound>[\d.]+) seconds.*local: (?P<local>[\d.]+), peer: (?P<peer>[\d.]+)"
+)
+
+
+def clock_refusal(exc: BaseException) -> str | None:
+    """What a join refused for this node's clock should say (None: refused for another reason)."""
+    found = HIVEMIND_CLOCK_REFUSAL.search(str(exc))
+    if found is None:
+        return None
+    off = float(found["local"]) - float(found["peer"])
+    return (
+        f"this node's clock is {abs(off):.0f} s {'ahead of' if off > 0 else 'behind'} its bootstrap peer's, and the "
+        f"DHT (hivemind) refuses a peer more than {float(found['bound']):.0f} s off; set the system clock right "
+        "(timedatectl set-ntp true)"
+    )
+
+
 def key_prefix(swarm_id: str) -> str:
     return f"swarm-node/v{PROTOCOL_MAJOR}/{swarm_id}"
 
@@ -38,6 +59,7 @@ async def create_dht_node(
     refusals=None,
     identity_path: Path | None = None,
     behind_nat: bool = False,
+    clock_offsets=None,
 ):
     """Start a DHT node (and its p2pd), retrying unreachable bootstrap peers with backoff.
 
@@ -45,7 +67,8 @@ async def create_dht_node(
     daemon's key file (node/transport/p2p_key.py): with it the node keeps its /p2p/ id across
     restarts; without it (viewers, `peers`) the daemon takes a throwaway one. Its records are
     validated (node/transport/records.py); refused ones are counted in `refusals` (a
-    stats.RecordRefusals) when given. `behind_nat`: nobody can dial this node, so it is a DHT
+    stats.RecordRefusals) when given, and every verified record's signing time is given to `clock_offsets` (a
+    stats.ClockOffsets) when given. `behind_nat`: nobody can dial this node, so it is a DHT
     client (no peer keeps it in a routing table it could not answer from) and its daemon asks
     the bootstrap peers for a circuit relay slot; a DHT server's daemon is told it is public,
     so that it relays for them (node/transport/reachability.py says why both are forced)."""
@@ -86,7 +109,7 @@ async def create_dht_node(
             dht_options = dict(
                 initial_peers=swarm.initial_peers or None,
                 client_mode=client_mode,
-                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals),
+                record_validator=SwarmRecordValidator(swarm.swarm_id, refusals=refusals, clock_offsets=clock_offsets),
             )
             if relay_client:
                 from node.transport.reachability import start_relay_client
@@ -106,13 +129,15 @@ async def create_dht_node(
                 "cannot join the swarm (attempt %d/%d): %s; retrying in %.0fs",
                 attempt,
                 swarm.bootstrap_attempts,
-                exc,
+                clock_refusal(exc) or exc,
                 delay,
             )
             await asyncio.sleep(delay)
             delay *= 2
     if not swarm.initial_peers:
         raise SwarmJoinError(f"could not start a new swarm after {swarm.bootstrap_attempts} attempts: {last_error}")
+    if (clock := clock_refusal(last_error)) is not None:  # a peer answered: its answer was about this node's clock
+        raise SwarmJoinError(f"could not join the swarm after {swarm.bootstrap_attempts} attempts: {clock}")
     tried = "; ".join(
         [
             f"{maddr} ({verdict})"
@@ -128,7 +153,7 @@ async def create_dht_node(
     )
 
 
-async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None):
+async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None, clock_offsets=None):
     """Start a node's DHT node and measure its reachability (node/transport/reachability.py);
     a node found behind NAT restarts its daemon as one (same key, so the same peer id) and waits a while for a relay
     slot. Returns (dht, reachability); the session's membership keeps such a node's links (hold_links)."""
@@ -136,7 +161,11 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
 
     swarm = config.swarm
     dht = await create_dht_node(
-        config, refusals=refusals, identity_path=identity_path, behind_nat=swarm.reachability == "outbound-only"
+        config,
+        refusals=refusals,
+        identity_path=identity_path,
+        behind_nat=swarm.reachability == "outbound-only",
+        clock_offsets=clock_offsets,
     )
     reachability = swarm.reachability
     if reachability == "auto":
@@ -156,7 +185,9 @@ async def start_swarm_dht(config: NodeConfig, identity_path: Path, refusals=None
                     observed,
                 )
                 await shutdown_dht(dht)
-                dht = await create_dht_node(config, refusals=refusals, identity_path=identity_path, behind_nat=True)
+                dht = await create_dht_node(
+                    config, refusals=refusals, identity_path=identity_path, behind_nat=True, clock_offsets=clock_offsets
+                )
     if reachability == "direct":
         await serve_observed_address(dht.p2p)  # only a node others can dial tells others where it sees them
     else:

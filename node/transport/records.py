@@ -86,7 +86,7 @@ from protocol import (  # noqa: E402
 )
 from protocol.messages import NODE_ID_PATTERN  # noqa: E402
 
-from node.stats import RecordRefusals, RefusedOnce  # noqa: E402
+from node.stats import ClockOffsets, RecordRefusals, RefusedOnce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         limits: Limits = DEFAULT_LIMITS,
         refusals: RecordRefusals | None = None,
         clock: Callable[[], float] = time.time,
+        clock_offsets: ClockOffsets | None = None,
     ) -> None:
         self.swarm_id = swarm_id
         self.limits = limits
@@ -119,6 +120,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._ageless = dataclasses.replace(limits, max_clock_skew_s=float("inf"))
         self.refusals = refusals if refusals is not None else RecordRefusals()
         self.clock = clock
+        self.clock_offsets = clock_offsets  # told each verified record's signing time, a refused one's too
 
     def validate(self, record: DHTRecord) -> bool:
         reason, owner, detail = self.check(record)
@@ -165,6 +167,8 @@ class SwarmRecordValidator(RecordValidatorBase):
             return exc.reason.value, subkey, exc.detail
         if envelope.sender_id != subkey:
             return Refusal.SENDER_MISMATCH.value, subkey, f"signed by {envelope.sender_id[:12]}"
+        if self.clock_offsets is not None:
+            self.clock_offsets.observe(subkey, envelope.timestamp, self.clock())
         if envelope.timestamp > self.clock() + self.limits.max_clock_skew_s:
             return Refusal.STALE.value, subkey, f"signed {envelope.timestamp - self.clock():.0f}s in the future"
         lifetime = RECORD_TTL_S.get(envelope.kind)

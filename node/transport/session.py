@@ -154,14 +154,19 @@ class SwarmSession:
             self.dht = None
 
 
-async def join_swarm(config: NodeConfig, identity: NodeIdentity, state_dir: Path, refusals=None) -> SwarmSession:
+async def join_swarm(
+    config: NodeConfig, identity: NodeIdentity, state_dir: Path, refusals=None, clock_offsets=None
+) -> SwarmSession:
     """Join as a node that signs records: its daemon key is kept in `state_dir` (the same /p2p/ id after
     a restart), its reachability measured, its addresses written to `state_dir`/addresses.txt.
-    Refused DHT records are counted in `refusals` (a stats.RecordRefusals) when given; raises
+    Refused DHT records are counted in `refusals` (a stats.RecordRefusals) and the verified ones' signing times given
+    to `clock_offsets` (a stats.ClockOffsets) when given; raises
     joining.SwarmJoinError when no initial peer answers. Its membership runs until the session closes."""
     from node.transport.p2p_key import P2P_KEY_FILE
 
-    dht, reachability = await start_swarm_dht(config, state_dir / P2P_KEY_FILE, refusals=refusals)
+    dht, reachability = await start_swarm_dht(
+        config, state_dir / P2P_KEY_FILE, refusals=refusals, clock_offsets=clock_offsets
+    )
     session = SwarmSession(config, dht, reachability, identity, state_dir)
     await session.refresh_addresses()
     await session.membership.start()
