@@ -14,7 +14,7 @@ from benchmarks.lab import lab_unavailable
 from benchmarks.soak import figures
 from benchmarks.soak.figures import Downtime
 from benchmarks.soak.faults import FAULTS
-from benchmarks.soak.plan import FAULT_KINDS, LIBFAKETIME, SoakPlan
+from benchmarks.soak.plan import CLOCK_JUMP_S, FAULT_KINDS, LIBFAKETIME, SoakPlan
 from benchmarks.soak.run import Soak
 
 
@@ -122,6 +122,8 @@ def check(result: dict, plan: SoakPlan) -> None:
             assert event["details"]["fell_back"], event
         if event["kind"] == "disk_full":
             assert event["details"]["named_no_space"] and event["details"]["free_bytes_while_full"] == 0, event
+        if event["kind"] == "clock_jump":  # said, with the figure: a signed time arrives after it was signed
+            assert CLOCK_JUMP_S - 1 <= (event["details"]["said_ahead_s"] or 0) <= CLOCK_JUMP_S + 60, event
         if event["kind"] == "relay_restart":
             assert event["details"]["same_address"], event
         if event["kind"] == "hostile_peer":

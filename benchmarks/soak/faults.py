@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.lab.network import p2p_daemon_of
 from benchmarks.soak import figures
-from benchmarks.soak.plan import CLOCK_JUMP_S, REJOINED, Event
+from benchmarks.soak.plan import CLOCK_JUMP_S, CLOCK_SAID, REJOINED, Event
 
 if TYPE_CHECKING:
     from benchmarks.soak.run import Soak
@@ -191,22 +192,26 @@ def checkpoint_damage(soak: Soak, event: Event) -> None:
 
 
 def clock_jump(soak: Soak, event: Event) -> None:
+    """The node's clock jumps CLOCK_JUMP_S ahead, as a resumed VM's or a bad RTC's does: past the rollouts' age bound,
+    so it can no longer use its peers' rollouts, nor they its records. It must say so, with the figure, while the fault
+    lasts (fault_s, or until it says so); then its operator sets the clock right and restarts it (a running process's
+    clocks cannot go back under libfaketime: see Soak.env_of). Its recovery is its next exchange after the restart."""
     index = event.target
-    if soak.clock_jumped:
-        event.details["skipped"] = "the clock jumps once a soak (it cannot go back: see env_of)"
-        return
-    baseline = figures.used_by_peer(soak.state(index))
-    event.start = event.end = time.time()
+    said_before = soak.logged(index, CLOCK_SAID)
+    event.start = time.time()
     soak.clock_file.write_text(f"+{CLOCK_JUMP_S}\n")
-    soak.clock_jumped = True
-    # its own clock is ahead now: when it trained on a peer's questions, by its rows, not by file times
-    event.recovered[index] = soak.wait(
-        lambda: (
-            soak.round_with_peers_after(index, event.start + CLOCK_JUMP_S)
-            and soak.exchanged(index, baseline, event.start)
-        ),
-        soak.plan.recover_timeout_s,
-    )
+    said = soak.wait(lambda: soak.logged(index, CLOCK_SAID) > said_before and time.time(), soak.plan.recover_timeout_s)
+    event.details["said_after_s"] = None if said is None else round(said - event.start, 1)
+    log = soak.running_state(index) / "node.log"
+    figures_said = re.findall(CLOCK_SAID + r" (\d+) s ahead", log.read_text(errors="replace")) if log.exists() else []
+    event.details["said_ahead_s"] = int(figures_said[-1]) if said is not None and figures_said else None
+    soak.sleep(max(0.0, event.start + soak.plan.fault_s - time.time()))
+    killed = soak.down(index, signal.SIGTERM)  # how an operator restarts it: a clean stop
+    if soak.lab.alive(index):
+        soak.down(index)
+    soak.clock_file.write_text("+0\n")
+    event.end = soak.up(index)
+    soak.restarted_node(event, index, killed)
 
 
 def stage_kill(soak: Soak, event: Event) -> None:

@@ -16,7 +16,7 @@ FAULT_KINDS = (
     "hostile_peer",  # a DHT peer storing malformed and oversized values for fault_s
     "disk_full",  # a node's state disk filled for fault_s, then freed
     "checkpoint_damage",  # a node stopped, its newest checkpoint's weights cut in half, killed and started again
-    "clock_jump",  # a node's clocks 5 minutes ahead of its peers' from then on
+    "clock_jump",  # a node's clocks 5 minutes ahead of its peers' for fault_s, then set right and the node restarted
     "stage_kill",  # kill -9 the server of pipeline stage 1 (the spare takes it; the killed one comes back as a spare)
     "pipeline_p2pd_kill",  # kill -9 the p2p daemons under the driver and the last stage's server (both rejoin)
 )
@@ -27,6 +27,7 @@ LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 STATE_DISK_MB = 64
 REJOINED = "rejoined the swarm as"  # the node's line once it is joined again over a new daemon (node/loop.py)
 CLOCK_JUMP_S = 300  # protocol.MAX_CLOCK_SKEW_S's bound itself
+CLOCK_SAID = "this node's clock looks"  # the node's line once its clock is off its peers' (node/stats.py clock_advice)
 
 JOIN_SETS = [
     *TINY_MODEL,
@@ -68,7 +69,7 @@ class SoakPlan:
     stages: int = 3  # 0: no pipeline (and neither stage_kill nor pipeline_p2pd_kill)
     spares: int = 1
     faults: tuple[str, ...] = FAULT_KINDS
-    cycles: int = 1  # the fault list, this many times over (a clock jump happens in the first cycle only)
+    cycles: int = 1  # the fault list, this many times over
     gap_s: float = 60.0  # calm after each fault's recovery, before the next
     fault_s: float = 60.0  # how long a partition, a full disk and the hostile peer last
     down_s: float = 10.0  # how long a killed process stays down before the soak starts it again

@@ -28,7 +28,6 @@ from benchmarks.soak.faults import FAULTS
 from benchmarks.soak.figures import Downtime
 from benchmarks.soak.plan import (
     NODE_FAULTS,
-    CLOCK_JUMP_S,
     JOIN_SETS,
     LIBFAKETIME,
     PIPELINE_SETS,
@@ -53,7 +52,6 @@ class Soak:
         self.watch_ready: set[int] = set()
         self.mounted: list[Path] = []
         self.clock_file = root / "clock-offset"
-        self.clock_jumped = False
         self.began = time.time()
         self.join_config = root / "join.yaml"
         self.pipeline_config = root / "pipeline.yaml"
@@ -116,7 +114,8 @@ class Soak:
         if "clock_jump" in self.plan.faults and index == self.plan.target("clock_jump"):
             # libfaketime 0.9.10 moves CLOCK_MONOTONIC with the wall clock: with FAKETIME_DONT_FAKE_MONOTONIC its
             # clock_nanosleep fails (EINVAL) and Python's time.sleep with it. So a jump moves both clocks forward,
-            # as a process frozen for that long sees, and it never goes back (a monotonic clock never does).
+            # as a process frozen for that long sees, and they go back only for a process started anew: the fault
+            # restarts the node once its clock is set right.
             return {
                 **self.env,
                 "LD_PRELOAD": str(LIBFAKETIME),
@@ -382,13 +381,11 @@ class Soak:
         tracebacks = {i: n for i in alive if (n := self.tail(i, 10**9).count("Traceback"))}
         workers = [i for i in alive if i < plan.join_nodes] + ([plan.driver] if plan.stages else [])
         rows = {i: figures.read_rows(self.state(i)) for i in workers}
-        jumped = plan.target("clock_jump") if self.clock_jumped else None
         gaps = {}
         for i in workers:
+            # a clock jump's rows are stamped ahead until the node restarts with the clock set right: that restart's
+            # downtime covers the stretch from the last row before the jump to the first after it
             downtimes = [d for d in self.downtimes if d.index == i]
-            if i == jumped:  # its rows' times are 5 minutes ahead from the jump on: a gap there is the clock's
-                jump = next(e.start for e in self.events if e.kind == "clock_jump")
-                downtimes.append(Downtime(i, jump - 5, jump + CLOCK_JUMP_S + 5))
             found = figures.row_gaps([r for r in rows[i] if r.get("time", 0) >= self.began], downtimes)
             gaps[i] = round(max((s for _, s in found), default=0.0), 1)
         by_kind: dict[str, list[float | None]] = {}
