@@ -379,6 +379,12 @@ class Soak:
         stops = {i: self.lab.processes[i].popen.returncode for i in alive}
         stop_tracebacks = [i for i in alive if "Traceback" in self.tail(i, 10**9)[printed[i] :]]
         tracebacks = {i: n for i in alive if (n := self.tail(i, 10**9).count("Traceback"))}
+        # the state root is usually temporary: what each process's last traceback said must outlive it
+        last_traceback = {
+            i: printed_text[printed_text.rindex("Traceback") :][:2000]
+            for i in tracebacks
+            if (printed_text := self.tail(i, 10**9))
+        }
         workers = [i for i in alive if i < plan.join_nodes] + ([plan.driver] if plan.stages else [])
         rows = {i: figures.read_rows(self.state(i)) for i in workers}
         gaps = {}
@@ -413,6 +419,7 @@ class Soak:
             "exit_codes_on_stop": stops,  # 0: stopped cleanly on the first Ctrl-C
             "tracebacks_on_stop": stop_tracebacks,
             "tracebacks": tracebacks,  # printed over the whole soak, per process (the faults' own included)
+            "last_traceback": last_traceback,  # its first 2,000 characters, per process that printed one
             "max_stall_s": gaps,
             "max_stall_s_overall": max(gaps.values(), default=None),
             "recovery_s_by_kind": {
