@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +22,7 @@ from node.runtime import (
     error,
     leave_now,
     on_stop_signals,
+    restart_process,
     run_command,
     setup_logging,
     setup_viewer_logging,
@@ -29,7 +30,12 @@ from node.runtime import (
     state_dir_errors,
 )
 
+if TYPE_CHECKING:
+    from node.state import Runs
+
 log = logging.getLogger("node")
+
+STALL_POLL_S = 5.0  # how often `train`/`join` ask whether a stalled round has stayed so past swarm.stall_restart_s
 
 
 # `swarm-node join` without --config: the built-in defaults turned into a swarm node.
@@ -58,10 +64,10 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 # train -----------------------------------------------------------------------------------
 
 
-async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
+async def _train(config: NodeConfig, fresh: bool, console: Console, runs: Runs) -> int:
     from node.display import RoundDisplay
     from node.loop import Node
-    from node.state import CheckpointNotSaved
+    from node.state import CheckpointNotSaved, record_stop
     from node.stats import CLOCK_WARN_S
 
     stop = asyncio.Event()
@@ -80,13 +86,13 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
             highlight=False,
         )
 
-    on_stop_signals(
-        request_stop,
-        on_second=lambda: console.print(
-            "[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"
-        ),
-    )
+    def quit_now() -> None:
+        record_stop(config.resolved_state_dir(), runs)  # the user's own stop, not a restart
+        console.print("[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]")
+
+    on_stop_signals(request_stop, on_second=quit_now)
     node = Node(config, on_addresses=show_addresses)
+    node.stats.restarts = runs.restarts
     node.bind_service_ports()  # a port that is taken is refused before the policy loads
     await node.start_http()  # /healthz answers while it loads (a first start converts or builds its model)
     notifier = start_systemd_notifier(node.readiness)  # under systemd: READY=1, STATUS= and its watchdog
@@ -110,11 +116,33 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
             else f"{config.name} in {config.swarm.swarm_id}"
         ) + f" on {device}"
         try:
-            restarts = lambda: {"rejoins": node.stats.swarm_rejoins, "stalls": node.stats.stalls}  # noqa: E731
+            restarts = lambda: {  # noqa: E731
+                "rejoins": node.stats.swarm_rejoins,
+                "stalls": node.stats.stalls,
+                "restarts": node.stats.restarts,
+            }
             with RoundDisplay(
                 console, node.round, target, title=title, restarts=restarts, clock_warn_s=CLOCK_WARN_S
             ) as display:
-                await node.run(config.rounds, stop, on_round=display.update)
+                running = asyncio.ensure_future(node.run(config.rounds, stop, on_round=display.update))
+                if config.swarm.stall_restart_s is not None:
+                    stalled = asyncio.ensure_future(
+                        stalled_round_to_restart(node, runs, config.swarm.stall_restart_s, stop)
+                    )
+                    await asyncio.wait({running, stalled}, return_when=asyncio.FIRST_COMPLETED)
+                    if not running.done():
+                        round_, reason = stalled.result()
+                        display.stop()
+                        log.warning(
+                            "round %d stalled (%s): starting the process again; the round in flight is lost, the "
+                            "last checkpoint stands",
+                            round_,
+                            reason,
+                        )
+                        record_stop(config.resolved_state_dir(), runs, stalled_round=round_)
+                        restart_process()
+                    stalled.cancel()
+                await running
         except CheckpointNotSaved as exc:  # the save on the way out: a full disk
             return error(str(exc), EXIT_ERROR)
     finally:
@@ -124,6 +152,33 @@ async def _train(config: NodeConfig, fresh: bool, console: Console) -> int:
         f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False
     )
     return 0
+
+
+async def stalled_round_to_restart(
+    node, runs: Runs, restart_after_s: float, stop: asyncio.Event, poll_s: float = STALL_POLL_S
+) -> tuple[int, str]:
+    """The round in flight and /readyz's reason once that round has stayed stalled `restart_after_s` past its bound
+    (swarm.stall_restart_s). A round that already restarted the process once is only reported: a round that is only
+    very slow (a long evaluation) must not restart the node forever. Nor does a node asked to stop start again (a
+    second Ctrl-C leaves at once)."""
+    from node.stats import stall_restart_due
+
+    said_for = None
+    while True:
+        await asyncio.sleep(poll_s)
+        report = node.progress.report()
+        if stop.is_set() or not stall_restart_due(report, restart_after_s):
+            continue
+        in_flight = node.round + 1
+        if runs.stall_round != in_flight:
+            return in_flight, report["reason"]
+        if said_for != in_flight:
+            said_for = in_flight
+            log.warning(
+                "round %d stalled again after the process restarted on it (%s): not restarting it again",
+                in_flight,
+                report["reason"],
+            )
 
 
 async def _until_stopped(work: Awaitable[Any], stop: asyncio.Event) -> bool:
@@ -142,19 +197,29 @@ async def _until_stopped(work: Awaitable[Any], stop: asyncio.Event) -> bool:
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
-    from node.state import lock_state_dir
+    from node.state import lock_state_dir, record_start, record_stop
 
     config = config_from_args(args)
     state_dir = config.resolved_state_dir()
     with state_dir_errors(state_dir):
         lock_state_dir(state_dir)  # before anything, --fresh's wipe too, touches the directory
         setup_logging(state_dir, args.verbose, console)
-    return run_command(
-        _train(config, args.fresh, console),
+        runs = record_start(state_dir)
+    if runs.after_unclean_end or runs.stall_restarts:
+        log.info(
+            "start %d of this state directory: %d after a process that did not stop cleanly, %d on a stalled round",
+            runs.starts,
+            runs.after_unclean_end,
+            runs.stall_restarts,
+        )
+    code = run_command(
+        _train(config, args.fresh, console, runs),
         on_interrupt=lambda: console.print(
             "[yellow]interrupted: the round in flight is lost, the last checkpoint stands[/]"
         ),
     )
+    record_stop(state_dir, runs)
+    return code
 
 
 # peers and identity ------------------------------------------------------------------------

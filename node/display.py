@@ -85,6 +85,11 @@ class RoundDisplay:
         if self.live:
             self.live.__exit__(*exc)
 
+    def stop(self) -> None:
+        """Leave the terminal as a plain one before the process goes on without the display (a restart)."""
+        if self.live:
+            self.live.stop()
+
     def eta_s(self) -> float | None:
         if self.target_round is None or self.last is None:
             return None

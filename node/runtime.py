@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -202,6 +202,26 @@ def leave_now(code: int) -> None:
             stream.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def restart_process() -> NoReturn:
+    """Run this command again in this process (execve: the same PID, arguments and environment, less `--fresh`, which
+    the first start has done): every thread ends, a hung one too, and the new image resumes from what is on disk.
+    The process's children go first (the p2p daemon, the DHT's process): a forked one holds the state directory's
+    lock, and the new image takes it again."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=30)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    argv = [arg for arg in sys.orig_argv[1:] if arg != "--fresh"]
+    os.execv(sys.executable, [sys.executable, *argv])
 
 
 def error(message: str, code: int = EXIT_USAGE) -> int:

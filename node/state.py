@@ -5,6 +5,7 @@ Layout of a state directory:
     metrics.jsonl            one JSON object per completed round
     node.log                 the log
     lock                     the PID of the process that holds the directory (lock_state_dir)
+    runs.json                its processes counted across restarts (Runs: starts, unclean ends, stall restarts)
     checkpoints/LATEST       name of the newest complete checkpoint
     checkpoints/round-000042/{config.json, model.safetensors, tokenizer/, trainer.pt}
 
@@ -27,6 +28,7 @@ append that fits.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import pickle
@@ -34,7 +36,7 @@ import random
 import shutil
 import tempfile
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ from safetensors import SafetensorError
 
 from node.config import ConfigError
 from node.device import HOST
-from node.files import atomic_write_text, fsync_dir, fsync_tree, no_space
+from node.files import atomic_write_text, fsync_dir, fsync_tree, no_space, write_snapshot
 from node.metrics import METRICS_FILE, MetricsFile
 from node.model import load_policy, save_policy
 
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "round-"
 LOCK_FILE = "lock"
+RUNS_FILE = "runs.json"
+_HELD: set[Path] = set()  # the lock files this process holds (lock_state_dir)
 HELD_ROWS = 10_000  # metrics rows held in memory while the disk is full (the oldest go first beyond)
 # what reading a damaged checkpoint raises: a safetensors file its header does not cover, a trainer.pt torch cannot
 # unzip or unpickle, a cut JSON file (the model's config, the tokenizer), a file that is gone
@@ -304,17 +308,18 @@ def lock_state_dir(root: Path) -> None:
     """Hold `root` for this process until it ends: two processes on one state directory would resume the same
     checkpoint and write over each other's rounds. The OS releases the lock of a process that dies (kill -9 too), so
     nothing is left to clean up; the lock file names the holder's PID for the refusal. Called again by the holder, it
-    returns at once."""
+    returns at once. The PID alone does not say who holds it: a process that restarted itself (execve, the same PID)
+    is refused while a child of its old image still holds the lock."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_FILE
+    if path.resolve() in _HELD:
+        return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        if holder == str(os.getpid()):
-            return
         # a holder that has not written its PID yet is named without one
         by = f"process {holder}" if holder.isdigit() else "another process"
         raise ConfigError(
@@ -322,7 +327,60 @@ def lock_state_dir(root: Path) -> None:
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    # fd stays open, the lock with it, until the process ends
+    _HELD.add(path.resolve())  # fd stays open, the lock with it, until the process ends
+
+
+@dataclass
+class Runs:
+    """The processes a state directory has had, counted across restarts (runs.json): a start after a process that
+    did not stop cleanly (killed, crashed, its machine lost power) is a restart, and so is one the node made itself
+    because a round stalled (swarm.stall_restart_s). A user's own stop and start is neither."""
+
+    starts: int = 0
+    after_unclean_end: int = 0
+    stall_restarts: int = 0
+    running: bool = False  # a process holds the directory; still true at the next start: that one did not stop cleanly
+    stall_round: int | None = None  # the round in flight at the last stall restart: one round restarts a node once
+
+    @property
+    def restarts(self) -> int:
+        return self.after_unclean_end + self.stall_restarts
+
+
+def read_runs(root: Path) -> Runs:
+    """runs.json; a missing one is a directory's first start, and a damaged one starts the count again (said once):
+    the count is for people to read, and no bad file stops a node."""
+    path = root / RUNS_FILE
+    try:
+        saved = json.loads(path.read_text())
+        known = {f.name for f in fields(Runs)}
+        return Runs(**{key: value for key, value in saved.items() if key in known})
+    except FileNotFoundError:
+        return Runs()
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s is damaged (%s): counting this state directory's restarts from now", path, exc)
+        return Runs()
+
+
+def record_start(root: Path) -> Runs:
+    """Count this process's start (its caller holds the directory's lock): a restart when the last one did not stop
+    cleanly."""
+    runs = read_runs(root)
+    if runs.running:
+        runs.after_unclean_end += 1
+    runs.starts += 1
+    runs.running = True
+    write_snapshot(root / RUNS_FILE, json.dumps(asdict(runs)))  # a full disk skips it: a count, not a state
+    return runs
+
+
+def record_stop(root: Path, runs: Runs, stalled_round: int | None = None) -> None:
+    """This process ends cleanly, or (`stalled_round`) restarts itself because that round stalled."""
+    runs.running = False
+    if stalled_round is not None:
+        runs.stall_restarts += 1
+        runs.stall_round = stalled_round
+    write_snapshot(root / RUNS_FILE, json.dumps(asdict(runs)))
 
 
 def restore_rng(rng: dict[str, Any]) -> None:

@@ -225,6 +225,8 @@ class SwarmStats:
         self.swarm_connections_lost = 0  # times a part of its swarm connection died (the p2p daemon, membership, ...)
         self.swarm_rejoins = 0  # times it rejoined after one: the same identity and p2p key, a new session
         self.stalls = 0  # rounds that ran past the stall bound (swarm.stall_factor, swarm.stall_min_s)
+        # the state directory's process restarts (node.state.Runs): after one that did not stop cleanly, or on a stall
+        self.restarts = 0
         self.round_rejected: Counter = Counter()  # since the last metrics row
         self.heartbeat_refusals = RefusalCounter(max_peers=MAX_TRACKED_PEERS)  # peers' heartbeats refused when read
         self.heartbeats_refused_once = RefusedOnce()  # a refused heartbeat is read every beat: count it once
@@ -286,6 +288,7 @@ class SwarmStats:
             "swarm_connections_lost": self.swarm_connections_lost,
             "swarm_rejoins": self.swarm_rejoins,
             "stalls": self.stalls,
+            "restarts": self.restarts,
             "swarm_size_estimate": self.swarm_size_estimate,
             **self.clock_totals(),
             "batches_received": sum(c.batches_received for c in self.peers.values()),
@@ -347,6 +350,7 @@ def prometheus_text(node_gauges: dict[str, float], stats: SwarmStats) -> str:
         "swarm_connections_lost",
         "swarm_rejoins",
         "stalls",
+        "restarts",
         "memory_sheds",
         "memory_bytes_shed",
     ):
@@ -483,6 +487,14 @@ class RoundProgress:
         else:
             status, reason = "ready", f"round {self.round} completed {since:.0f} s ago"
         return {"ready": status == "ready", "status": status, "reason": reason, **body}
+
+
+def stall_restart_due(report: dict[str, Any], restart_after_s: float | None) -> bool:
+    """Whether a round /readyz calls stalled (RoundProgress.report) has stayed so `restart_after_s` past its bound
+    (swarm.stall_restart_s; None: never)."""
+    if restart_after_s is None or report["status"] != "stalled":
+        return False
+    return report.get("since_progress_s", 0.0) >= report["bound_s"] + restart_after_s
 
 
 def local_url(host: str, port: int) -> str:

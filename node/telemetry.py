@@ -206,6 +206,7 @@ class Telemetry:
             outer_steps_skipped=averaging.stats.skipped if averaging else 0,
             device=self.device,
             rejoins=self.stats.swarm_rejoins,
+            restarts=self.stats.restarts,
             **self.overlap,
         )
 

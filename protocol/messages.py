@@ -236,6 +236,10 @@ class PeerStats:
     # ahead and being handed the next round's questions and weights (rollout.max_staleness 1; None where it is off, in
     # the node's first round, before it had generated any ahead, and from a minor 0-10 sender)
     sampler_idle_s: float | None = since_minor(11, lambda: None)
+    # minor 12: times the node's process started again over its state directory after one that did not stop cleanly
+    # (killed, crashed) or because a round stalled (swarm.stall_restart_s): a peers table shows who keeps restarting.
+    # Unverifiable, and nothing is decided on it.
+    restarts: int = since_minor(12, int)
 
     _COUNTS: ClassVar[tuple[str, ...]] = (
         "model_parameters",
@@ -276,6 +280,8 @@ class PeerStats:
             values["device"] = check_str(f["device"], "device", limits.max_name_chars)
         if "rejoins" in f:  # absent from a minor 0-8 sender
             values["rejoins"] = check_int(f["rejoins"], "rejoins")
+        if "restarts" in f:  # absent from a minor 0-11 sender
+            values["restarts"] = check_int(f["restarts"], "restarts")
         values |= cls._overlap(f)  # nil, or absent from a minor 0-9 sender (sampler_idle_s: 0-10): None
         if "reachability" in f:  # absent from a minor 0-4 sender
             values["reachability"] = check_str(f["reachability"], "reachability", limits.max_name_chars)

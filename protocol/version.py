@@ -13,6 +13,7 @@ PROTOCOL_MAJOR = 1
 # keys for heartbeats and rollouts (protocol/shards.py); 7 StageLost.lost_at (when each stage was found lost);
 # 8 PeerStats.device (where the node trains); 9 PeerStats.rejoins (swarm connections it rebuilt); 10 PeerStats
 # staleness_mean, staleness_max, carried_in, carried_out, ahead_wait_s (the overlap of generation with training);
-# 11 PeerStats.sampler_idle_s (the overlap's other idle time: the sampler waiting for the round).
-PROTOCOL_MINOR = 11
+# 11 PeerStats.sampler_idle_s (the overlap's other idle time: the sampler waiting for the round); 12 PeerStats.restarts
+# (the node's process started again after one that did not stop cleanly, or on a stalled round).
+PROTOCOL_MINOR = 12
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"  # as a PeerStats.protocol_version string

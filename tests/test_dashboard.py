@@ -95,14 +95,16 @@ def test_peers_table_shows_the_overlap_columns_only_when_a_peer_reports_them():
 
     on = dict(PEER_ROW, node_id="12D3KooWon", last_seen=now, **OVERLAP)
     shown, text = render([off, on, older], 260)
-    assert shown[-5:] == ["rejoins", "stale", "waited", "idle", "seen"] and "carried" not in shown  # nobody carries any
+    assert (
+        shown[-6:] == ["rejoins", "restarts", "stale", "waited", "idle", "seen"] and "carried" not in shown
+    )  # nobody carries any
     line = next(line for line in text.splitlines() if "12D3KooWon" in line)
     assert "0.3/2" in line and "1.2s" in line and "0.5s" in line
     line = next(line for line in text.splitlines() if "12D3KooWold" in line)
     assert "0.3/2" not in line and "1.2s" not in line and "0.5s" not in line
     minor_10 = {key: value for key, value in on.items() if key != "sampler_idle_s"}  # waits, but says nothing of idling
     shown, text = render([off, minor_10], 260)
-    assert shown[-4:] == ["rejoins", "stale", "waited", "seen"] and "idle" not in shown
+    assert shown[-5:] == ["rejoins", "restarts", "stale", "waited", "seen"] and "idle" not in shown
     shown, text = render([dict(on, carried_in=4, carried_out=0)], 260)
     assert "carried" in shown and "4/0" in text
     shown, text = render([on], 80)  # too narrow: left out, and said
@@ -281,7 +283,13 @@ def test_browser_shows_the_overlap_only_where_the_node_and_its_peers_have_it(tmp
     assert 'data-state="ok"' in dom and 'data-peer-row=""' in dom
     assert re.search(r'<section id="overlap-section"[^>]*>', dom).group(0) == '<section id="overlap-section" hidden="">'
     head = re.search(r'<thead id="peer-head">.*?</thead>', dom).group(0)
-    assert ">stale<" not in head and ">waited<" not in head and ">idle<" not in head and ">rejoins<" in head
+    assert (
+        ">stale<" not in head
+        and ">waited<" not in head
+        and ">idle<" not in head
+        and ">rejoins<" in head
+        and ">restarts<" in head
+    )
 
 
 def test_shipped_page_loads_nothing_from_elsewhere():

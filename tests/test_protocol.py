@@ -395,7 +395,7 @@ GOLDEN_STATS_OVERLAP_1_10 = (  # as a 1.10 sender encoded it, of a node whose ro
     "47ad29667868859c4e0f6eb504f9f1bd09d12485c8c46fae8a7e194a7d8b597c4260fc365d26fe0751a44e0a"
 )
 
-GOLDEN_BATCH = (  # this minor's encoding (11)
+GOLDEN_BATCH_1_11 = (  # as a 1.11 sender encoded it (minor 12 added a heartbeat field)
     "92c501729792010bad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
     "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
     "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
@@ -408,7 +408,7 @@ GOLDEN_BATCH = (  # this minor's encoding (11)
     "402422329defb209"
 )
 
-GOLDEN_STATS = (  # this minor's encoding (11): the overlap fields nil (off)
+GOLDEN_STATS_1_11 = (  # as a 1.11 sender encoded it: no restarts, the receiver reads 0
     "92c502e69792010baa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001fa76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -428,7 +428,7 @@ GOLDEN_STATS = (  # this minor's encoding (11): the overlap fields nil (off)
     "605ced380b7ecb6573142f626e7b7fa688fff14b301f12dd481f81ac6343a655350b2c0dd3bd4e35d8fa0d0f"
 )
 
-GOLDEN_STATS_OVERLAP = (  # this minor's encoding (11) of a node whose rounds overlap
+GOLDEN_STATS_OVERLAP_1_11 = (  # as a 1.11 sender encoded it, of a node whose rounds overlap: no restarts
     "92c502fe9792010baa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
     "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de001fa76e6f64655f6964d928353634373561613735"
     "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
@@ -449,6 +449,61 @@ GOLDEN_STATS_OVERLAP = (  # this minor's encoding (11) of a node whose rounds ov
     "2bbd315335123242c6771ad54fdf9bac7f947f01"
 )
 
+GOLDEN_BATCH = (  # this minor's encoding (12)
+    "92c501729792010cad726f6c6c6f75745f6261746368aa746573742d737761726dc42003a107bff3ce10be1d70dd18e7"
+    "4bc09967e4d6309ba50d5f1ddc8664125531b801cb41d954fc4020000084a5726f756e6403ae706f6c6963795f766572"
+    "73696f6e02b16d6f64656c5f66696e6765727072696e74a974696e792d7177656ea97175657374696f6e739183a47370"
+    "656384a764617461736574b062617369635f61726974686d65746963a6636f6e66696781a96d696e5f7465726d7302a4"
+    "7365656407a5696e64657801ab636f6d706c6574696f6e739284a474657874a134a9746f6b656e5f696473921302a86c"
+    "6f6770726f627392cbbfe0000000000000cbbfd0000000000000ad66696e6973685f726561736f6ea473746f7084a474"
+    "657874a466697665a9746f6b656e5f6964739114a86c6f6770726f6273c0ad66696e6973685f726561736f6ea66c656e"
+    "677468af636c61696d65645f7265776172647392cb3ff0000000000000cb0000000000000000c440bdeb292ae5e4e08b"
+    "efc19b4782151e17d460e59197a6892d4d44746d32c9402338606ca1aabc874b64575a3eed97a2cdaaac47e3dcec1222"
+    "d798e435afbd2704"
+)
+
+GOLDEN_STATS = (  # this minor's encoding (12): the overlap fields nil (off)
+    "92c502f09792010caa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0020a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ec0ad7374616c656e6573735f6d6178c0aa636172726965645f696ec0ab636172726965645f6f7574c0ac616865"
+    "61645f776169745f73c0ae73616d706c65725f69646c655f73c0a8726573746172747301c440f8c07f7958a8536ca43f"
+    "86c89574ded5e668104bb6b10fe6884fa85f9c1e7cb61f3d11cecdb2db3b3bfbe72b021a11c5a1d173bd6f0984028346"
+    "a44e8a94ee08"
+)
+
+GOLDEN_STATS_OVERLAP = (  # this minor's encoding (12) of a node whose rounds overlap
+    "92c503089792010caa706565725f7374617473aa746573742d737761726dc42003a107bff3ce10be1d70dd18e74bc099"
+    "67e4d6309ba50d5f1ddc8664125531b802cb41d954fc40200000de0020a76e6f64655f6964d928353634373561613735"
+    "34363334373463303238356466356462663262636162373364613635313335ac646973706c61795f6e616d65a5616c69"
+    "6365b0736f6674776172655f76657273696f6ea5302e312e30b070726f746f636f6c5f76657273696f6ea3312e30aa6d"
+    "6f64656c5f6e616d65a474696e79b06d6f64656c5f706172616d6574657273cd3039a5726f756e6403ae706f6c696379"
+    "5f76657273696f6e02ab7265776172645f6d65616ecb3fe0000000000000a86163637572616379cb3fd0000000000000"
+    "b2726f6c6c6f7574735f7075626c69736865640ab1726f6c6c6f7574735f726563656976656414b1726f6c6c6f757473"
+    "5f61636365707465640fb1726f6c6c6f7574735f72656a656374656405ac746f6b656e735f7065725f73cb405ee00000"
+    "000000a8757074696d655f73cb404e000000000000a96c6173745f7365656ecb41d954fc40000000a961646472657373"
+    "657391b72f6970342f3132372e302e302e312f7463702f34303031b0676f737369705f61646472657373657391b72f69"
+    "70342f3132372e302e302e312f7463702f34303032ab6f757465725f737465707304b36f757465725f73746570735f73"
+    "6b697070656401b361636375726163795f62795f6461746173657482b062617369635f61726974686d65746963cb3fe0"
+    "000000000000a9636861696e5f73756dcb3fc0000000000000ac72656163686162696c697479a0a6646576696365bc63"
+    "7564613a30204e5649444941204831303020383047422048424d33a772656a6f696e7302ae7374616c656e6573735f6d"
+    "65616ecb3fe8000000000000ad7374616c656e6573735f6d617802aa636172726965645f696e03ab636172726965645f"
+    "6f757405ac61686561645f776169745f73cb3ff8000000000000ae73616d706c65725f69646c655f73cb3fe000000000"
+    "0000a8726573746172747301c440390a2271a3436e95f23330d97026ca80ab7ac33ae2cb0e20354aa75fb8dfd14d8abc"
+    "1f42845bc255901928c8f9a0412a274df0cd8b2089ef4f3e47efe664280b"
+)
+
 # --- golden bytes: the encoding is pinned; a change here breaks every deployed peer ----------------
 
 
@@ -467,6 +522,7 @@ def test_golden_rollout_batch():
         GOLDEN_BATCH_1_8,
         GOLDEN_BATCH_1_9,
         GOLDEN_BATCH_1_10,
+        GOLDEN_BATCH_1_11,
     ):
         assert decode(bytes.fromhex(older)).message == make_batch()
 
@@ -475,7 +531,9 @@ def test_golden_peer_stats():
     assert encode(make_stats(), seq=2).hex() == GOLDEN_STATS
     assert decode(bytes.fromhex(GOLDEN_STATS)).message == make_stats()
     for older in (GOLDEN_STATS_1_0, GOLDEN_STATS_1_1):
-        assert decode(bytes.fromhex(older)).message == make_stats(accuracy_by_dataset={}, device="", rejoins=0)
+        assert decode(bytes.fromhex(older)).message == make_stats(
+            accuracy_by_dataset={}, device="", rejoins=0, restarts=0
+        )
     for older in (
         GOLDEN_STATS_1_2,
         GOLDEN_STATS_1_3,
@@ -484,14 +542,19 @@ def test_golden_peer_stats():
         GOLDEN_STATS_1_6,
         GOLDEN_STATS_1_7,
     ):
-        assert decode(bytes.fromhex(older)).message == make_stats(device="", rejoins=0)
-    assert decode(bytes.fromhex(GOLDEN_STATS_1_8)).message == make_stats(rejoins=0)
-    assert decode(bytes.fromhex(GOLDEN_STATS_1_9)).message == make_stats()  # its overlap fields None, as when off
-    assert decode(bytes.fromhex(GOLDEN_STATS_1_10)).message == make_stats()
+        assert decode(bytes.fromhex(older)).message == make_stats(device="", rejoins=0, restarts=0)
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_8)).message == make_stats(rejoins=0, restarts=0)
+    # its overlap fields None, as when off
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_9)).message == make_stats(restarts=0)
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_10)).message == make_stats(restarts=0)
+    assert decode(bytes.fromhex(GOLDEN_STATS_1_11)).message == make_stats(restarts=0)
     assert encode(overlapping_stats(), seq=2).hex() == GOLDEN_STATS_OVERLAP
     assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP)).message == overlapping_stats()
     # a 1.10 node overlapping its rounds says how long it waited, never how long its sampler idled
-    assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP_1_10)).message == overlapping_stats(sampler_idle_s=None)
+    assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP_1_10)).message == overlapping_stats(
+        sampler_idle_s=None, restarts=0
+    )
+    assert decode(bytes.fromhex(GOLDEN_STATS_OVERLAP_1_11)).message == overlapping_stats(restarts=0)
 
 
 def test_reachability_is_one_of_its_words_and_required_from_minor_5():
@@ -521,6 +584,19 @@ def test_device_is_a_bounded_string_required_from_minor_8():
     for bad, reason in ((0, Refusal.BAD_STRUCTURE), ("x" * 300, Refusal.STRING_TOO_LONG)):
         with pytest.raises(ProtocolRejection) as caught:
             PeerStats.from_wire({**wire, "device": bad})
+        assert caught.value.reason is reason, bad
+
+
+def test_restarts_is_a_count_required_from_minor_12():
+    wire = make_stats(restarts=4).to_wire()
+    assert PeerStats.from_wire(wire).restarts == 4
+    del wire["restarts"]
+    assert PeerStats.from_wire(wire, minor=11).restarts == 0  # an older sender omits it
+    with pytest.raises(ProtocolRejection, match="lacks restarts"):
+        PeerStats.from_wire(wire, minor=12)
+    for bad, reason in (("3", Refusal.BAD_STRUCTURE), (-1, Refusal.BAD_VALUE)):
+        with pytest.raises(ProtocolRejection) as caught:
+            PeerStats.from_wire({**wire, "restarts": bad})
         assert caught.value.reason is reason, bad
 
 

@@ -29,6 +29,7 @@ PEER_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any], float], str], int], ...
     ("tokens/s", lambda r, now: f"{r['tokens_per_s']:.0f}", 4),
     ("up", lambda r, now: f"{r['uptime_s'] / 60:.1f}m", 5),
     ("rejoins", lambda r, now: str(r.get("rejoins", 0)), 5),  # swarm connections it rebuilt (a daemon that died)
+    ("restarts", lambda r, now: str(r.get("restarts", 0)), 5),  # its process started again (killed, crashed, stalled)
     ("seen", lambda r, now: f"{max(0.0, now - r['last_seen']):.0f}s ago", 1),
 )
 

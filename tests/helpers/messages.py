@@ -69,6 +69,7 @@ def make_stats(identity: NodeIdentity = IDENTITY, **overrides) -> PeerStats:
         accuracy_by_dataset={"basic_arithmetic": 0.5, "chain_sum": 0.125},
         device="cuda:0 NVIDIA H100 80GB HBM3",
         rejoins=2,
+        restarts=1,
     )
     return replace(stats, **overrides)
 

@@ -24,6 +24,7 @@ const PEER_COLUMNS = [
   ["tokens/s", (r) => fixed(r.tokens_per_s, 0)],
   ["up", (r) => `${fixed(r.uptime_s / 60, 1)}m`],
   ["rejoins", (r) => r.rejoins ?? 0],
+  ["restarts", (r) => r.restarts ?? 0],
   ["seen", (r, now) => `${fixed(Math.max(0, now - r.last_seen), 0)}s ago`],
 ];
 // Shown before "seen" only when some peer reports them (protocol 1.10, "idle" 1.11; a node whose generation overlaps
