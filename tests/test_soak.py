@@ -126,6 +126,9 @@ def check(result: dict, plan: SoakPlan) -> None:
             assert CLOCK_JUMP_S - 1 <= (event["details"]["said_ahead_s"] or 0) <= CLOCK_JUMP_S + 60, event
         if event["kind"] == "relay_restart":
             assert event["details"]["same_address"], event
+        if "restart_s" in event["details"]:  # a process started again: where its time went, read from its log
+            moments = event["details"]["restart_s"]
+            assert None not in moments.values() and moments["resumed"] <= moments["joined"], event
         if event["kind"] == "hostile_peer":
             assert all(count > 0 for count in event["details"]["refused_by_node"].values()), event
 

@@ -5,6 +5,7 @@ soak's belief of what should have happened."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +108,31 @@ def unloadable_checkpoints(state_dir: Path) -> dict[str, str]:
 
     store = StateStore(state_dir)
     return {path.name: why for path in store.kept_checkpoints() if (why := store.damage(path))}
+
+
+def logged_after(log: Path, needle: str, since: float) -> float | None:
+    """Seconds from `since` to the first line of a node.log (its default asctime, local time) at or after `since` that
+    holds `needle` (None: none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if needle not in line:
+            continue
+        try:
+            stamp, millis = line[:23].split(",")
+            at = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+        except ValueError:
+            continue
+        if at >= since:
+            return round(at - since, 1)
+    return None
+
+
+def spread(values: list[float | None]) -> dict | None:
+    """The median and the max of the values measured (None: none was)."""
+    measured = sorted(v for v in values if v is not None)
+    if not measured:
+        return None
+    return {"median": measured[len(measured) // 2], "max": measured[-1], "n": len(measured)}

@@ -28,6 +28,8 @@ STATE_DISK_MB = 64
 REJOINED = "rejoined the swarm as"  # the node's line once it is joined again over a new daemon (node/loop.py)
 CLOCK_JUMP_S = 300  # protocol.MAX_CLOCK_SKEW_S's bound itself
 CLOCK_SAID = "this node's clock looks"  # the node's line once its clock is off its peers' (node/stats.py clock_advice)
+RESUMED = "resumed from round-"  # a restarted node's line once its policy is loaded (node/policy.py)
+LISTENING = " listening on "  # ...and once it is joined (node/loop.py)
 
 JOIN_SETS = [
     *TINY_MODEL,

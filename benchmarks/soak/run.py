@@ -30,8 +30,10 @@ from benchmarks.soak.plan import (
     NODE_FAULTS,
     JOIN_SETS,
     LIBFAKETIME,
+    LISTENING,
     PIPELINE_SETS,
     RELAY_PORT,
+    RESUMED,
     STATE_DISK_MB,
     Event,
     SoakPlan,
@@ -318,6 +320,18 @@ class Soak:
         first = self.first_row_after(index, back, self.plan.recover_timeout_s)
         self.downtimes.append(Downtime(index, killed, first))
         event.recovered[index] = self.wait(lambda: self.exchanged(index, {}, back), self.plan.recover_timeout_s)
+        event.details["restart_s"] = self.restart_moments(index, back, first, event.recovered[index])
+
+    def restart_moments(self, index: int, back: float, first_row: float | None, exchanged: float | None) -> dict:
+        """Where a restarted process's time went, in seconds after it was started: its policy resumed (the imports
+        included), it listened on the swarm, it ended its first round, it trained on a peer's questions."""
+        log = self.running_state(index) / "node.log"
+        return {
+            "resumed": figures.logged_after(log, RESUMED, back),
+            "joined": figures.logged_after(log, LISTENING, back),
+            "first_round": None if first_row is None else round(first_row - back, 1),
+            "exchanged": None if exchanged is None else round(exchanged - back, 1),
+        }
 
     def round_with_peers_after(self, index: int, moment: float):
         """When node `index` ended a round after `moment` (by its own clock) that trained on a peer's questions."""
@@ -402,6 +416,11 @@ class Soak:
             i: figures.rss_growth(self.rss.get(i, []), self.started_at.get(i, 0), plan.rss_baseline_s) for i in alive
         }
         ratios = [g["ratio"] for g in rss.values() if g]
+        restarts = [e.details["restart_s"] for e in self.events if "restart_s" in e.details]
+        restart_breakdown = {
+            moment: figures.spread([r[moment] for r in restarts])
+            for moment in ("resumed", "joined", "first_round", "exchanged")
+        }
         readyz = [
             {k: e.details.get(k) for k in ("not_ready_after_s", "ready_again_after_s")}
             for e in self.events
@@ -425,6 +444,9 @@ class Soak:
             "recovery_s_by_kind": {
                 kind: (None if None in values else round(max(values), 1)) for kind, values in by_kind.items()
             },
+            # the processes the soak started again (node kill, relay, damaged checkpoint, clock): seconds from their
+            # start to each moment, median and max over those restarts
+            "restart_breakdown_s": restart_breakdown,
             "rows_contiguous": {
                 i: figures.contiguous(rows[i], "step" if i == plan.driver else "round") for i in workers
             },
