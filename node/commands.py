@@ -21,6 +21,7 @@ from node.runtime import (
     EXIT_OK,
     error,
     leave_now,
+    LoopWatchdog,
     on_stop_signals,
     restart_process,
     run_command,
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("node")
 
 STALL_POLL_S = 5.0  # how often `train`/`join` ask whether a stalled round has stayed so past swarm.stall_restart_s
+# a node's event loop blocked this long is hung (nothing it serves answers): with swarm.stall_restart_s set, it restarts
+LOOP_HANG_S = 300.0
 
 
 # `swarm-node join` without --config: the built-in defaults turned into a swarm node.
@@ -126,22 +129,7 @@ async def _train(config: NodeConfig, fresh: bool, console: Console, runs: Runs) 
             ) as display:
                 running = asyncio.ensure_future(node.run(config.rounds, stop, on_round=display.update))
                 if config.swarm.stall_restart_s is not None:
-                    stalled = asyncio.ensure_future(
-                        stalled_round_to_restart(node, runs, config.swarm.stall_restart_s, stop)
-                    )
-                    await asyncio.wait({running, stalled}, return_when=asyncio.FIRST_COMPLETED)
-                    if not running.done():
-                        round_, reason = stalled.result()
-                        display.stop()
-                        log.warning(
-                            "round %d stalled (%s): starting the process again; the round in flight is lost, the "
-                            "last checkpoint stands",
-                            round_,
-                            reason,
-                        )
-                        record_stop(config.resolved_state_dir(), runs, stalled_round=round_)
-                        restart_process()
-                    stalled.cancel()
+                    await _restart_when_stalled(node, runs, config.swarm.stall_restart_s, stop, running, display)
                 await running
         except CheckpointNotSaved as exc:  # the save on the way out: a full disk
             return error(str(exc), EXIT_ERROR)
@@ -152,6 +140,53 @@ async def _train(config: NodeConfig, fresh: bool, console: Console, runs: Runs) 
         f"saved round {node.round} (policy version {node.policy_version}) to {node.store.root}", highlight=False
     )
     return 0
+
+
+async def _restart_when_stalled(node, runs: Runs, restart_after_s: float, stop, running, display) -> None:
+    """Await `running` (the node's rounds) unless its round in flight stays stalled `restart_after_s` past its bound,
+    or its event loop stops turning for LOOP_HANG_S: then start the process again (runtime.restart_process)."""
+    from node.loop import thread_stacks
+    from node.state import record_stop
+
+    def restart(round_: int, why: str) -> None:
+        display.stop()
+        log.warning(
+            "round %d %s: starting the process again; the round in flight is lost, the last checkpoint stands",
+            round_,
+            why,
+        )
+        record_stop(node.store.root, runs, stalled_round=round_)
+        restart_process()
+
+    def loop_hung(blocked_s: float) -> None:  # on the watchdog's thread: the loop is blocked
+        in_flight, stacks = node.round + 1, thread_stacks()
+        if stop.is_set():  # the user asked it to stop: a second Ctrl-C leaves at once
+            log.warning("the event loop has not turned for %.0f s. Where each thread is:\n%s", blocked_s, stacks)
+            return
+        if runs.stall_round == in_flight:
+            log.warning(
+                "the event loop has not turned for %.0f s in round %d, which restarted the process once: not "
+                "restarting it again. Where each thread is:\n%s",
+                blocked_s,
+                in_flight,
+                stacks,
+            )
+            return
+        restart(
+            in_flight, f"stalled: the event loop has not turned for {blocked_s:.0f} s. Where each thread is:\n{stacks}"
+        )
+
+    loop_watchdog = LoopWatchdog(LOOP_HANG_S, loop_hung)
+    loop_watchdog.start()
+    stalled = asyncio.ensure_future(stalled_round_to_restart(node, runs, restart_after_s, stop))
+    try:
+        await asyncio.wait({running, stalled}, return_when=asyncio.FIRST_COMPLETED)
+        if not running.done():
+            round_, reason = stalled.result()
+            restart(round_, f"stalled ({reason})")
+    finally:
+        stalled.cancel()
+        loop_watchdog.stop()
 
 
 async def stalled_round_to_restart(

@@ -379,8 +379,9 @@ class SwarmConfig(_Section):
     stall_restart_s: float | None = Field(1800.0, gt=0)
     """A `train` or `join` node whose round has stayed stalled this long past its bound starts its process again (the
     same command; the round in flight is lost, the last checkpoint stands): a thread hung in the model or a library
-    is ended by nothing less. At most once per round, so a round that is only very slow is not retried forever. None:
-    only reported (/readyz, the log)."""
+    is ended by nothing less; so is one whose event loop has not turned for 5 minutes (node/commands.py LOOP_HANG_S).
+    At most once per round, so a round that is only very slow is not retried forever. None: only reported (/readyz, the
+    log)."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
     """Serve the web dashboard (peers, curves, refusals, stage map) on http://HOST:PORT/ (None: off; 0: any free port,
     written to <state-dir>/dashboard.txt)."""

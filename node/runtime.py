@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -202,6 +204,42 @@ def leave_now(code: int) -> None:
             stream.flush()
     logging.shutdown()
     os._exit(code)
+
+
+class LoopWatchdog:
+    """Whether the event loop itself still turns: a task on it ticks every `tick_s`, and a thread of its own calls
+    `on_hang(seconds)` once no tick has come for `hang_s`. Everything a node serves (its rounds' bookkeeping, /healthz,
+    the dashboard, its swarm session) runs on that loop, so a call that blocks it stops them all, and no task on the
+    loop can notice; the round watchdog only sees rounds whose work hangs in a thread."""
+
+    def __init__(self, hang_s: float, on_hang: Callable[[float], None], tick_s: float = 1.0) -> None:
+        self.hang_s, self.on_hang, self.tick_s = hang_s, on_hang, tick_s
+        self.last_tick = time.monotonic()
+        self._ticking: asyncio.Task | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.last_tick = time.monotonic()
+        self._ticking = asyncio.get_running_loop().create_task(self._tick(), name="loop-watchdog-tick")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._ticking is not None:
+            self._ticking.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(self.tick_s)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(self.tick_s, self.hang_s / 4)):
+            blocked = time.monotonic() - self.last_tick
+            if blocked >= self.hang_s:
+                self.on_hang(blocked)
+                return
 
 
 def restart_process() -> NoReturn:

@@ -207,3 +207,30 @@ def test_a_node_killed_counts_a_restart_at_its_next_start_and_a_stop_does_not(ti
     )
     assert train_one().returncode == 0
     assert read_runs(state).restarts == 1  # that clean stop was no restart
+
+
+def test_a_blocked_event_loop_is_found_by_a_thread_of_its_own():
+    """A call that blocks the event loop stops every task on it, the round watchdog's too: the loop watchdog's thread
+    still sees it, once, and a loop that turns is never called hung."""
+    from node.runtime import LoopWatchdog
+
+    hangs: list[float] = []
+    found = threading.Event()
+
+    def on_hang(blocked_s: float) -> None:
+        hangs.append(blocked_s)
+        found.set()
+
+    async def scenario() -> None:
+        watchdog = LoopWatchdog(10.0, on_hang, tick_s=0.05)  # far past what a loaded machine delays a loop by
+        watchdog.start()
+        try:
+            for _ in range(10):  # a loop that turns
+                await asyncio.sleep(0.05)
+            assert not hangs
+            assert found.wait(CLI_TIMEOUT_S)  # blocks the loop (a blocking call on it) until the thread saw it
+        finally:
+            watchdog.stop()
+
+    asyncio.run(scenario())
+    assert len(hangs) == 1 and hangs[0] >= 10.0
