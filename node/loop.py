@@ -349,7 +349,12 @@ class Node:
         and no restart sets a clock right."""
         problem = None
         if self.swarm_lost is not None:
-            problem = f"rejoining the swarm (training on its own questions meanwhile): {self.swarm_lost}"
+            meanwhile = (
+                "training on its own questions meanwhile"
+                if self.policy.trains_while_rejoining
+                else "the round waits for the swarm, which serves its policy's stages"
+            )
+            problem = f"rejoining the swarm ({meanwhile}): {self.swarm_lost}"
         elif self.transport is not None and self.progress.up_at is not None:
             try:
                 self.transport.check_alive()
@@ -367,15 +372,16 @@ class Node:
     @property
     def rejoins_on_its_own(self) -> bool:
         """Whether a swarm connection that died is rebuilt here: one this node opened itself (swarm.transport=dht),
-        for a policy whose weights are here. A transport it was given belongs to its giver; a pipeline's routes are
-        bound to the session they were found over, so such a node stops loudly instead."""
+        for a policy that can be carried over to a new session (both can: a pipeline's router is rebound to it). A
+        transport it was given belongs to its giver."""
         return needs_session(self.config) and self.policy.rejoinable
 
     async def keep_joined(self) -> None:
         """Before each round: when a part of the swarm connection has died (the p2p daemon, the membership, gossip, the
         heartbeat) or the daemon stopped answering (the watchdog's probes), leave what is left of it and rejoin in the
         background with backoff, the same identity and p2p key; the rounds meanwhile train on the node's own
-        questions. A node that cannot rejoin on its own raises."""
+        questions (a pipeline policy's round waits for the swarm: the watchdog also calls this while it does). A node
+        that cannot rejoin on its own raises."""
         if self._rejoining is not None:
             if self._rejoining.done():
                 self._rejoining.result()  # it ends only once joined again (or by an error that is not the network's)
@@ -397,31 +403,43 @@ class Node:
     async def _watch(self) -> None:
         """The round watchdog: a round past its stall bound is logged once, with the part it is in and every thread's
         stack, and counted; a p2p daemon that leaves its probes unanswered (SwarmSession.probe_daemon) is marked gone
-        (the next round's keep_joined replaces it)."""
+        (the next round's keep_joined replaces it). A round of a policy that cannot train without the swarm (a
+        pipeline's: it is blocked on the stages' calls) would never reach the next keep_joined, so for it the watchdog
+        runs keep_joined itself, while the round is in a part that calls only the pipeline (never while it publishes
+        or collects over the transport that leaving stops); such a round waiting for the rejoin is no stall."""
         probe_s = self.config.swarm.daemon_probe_s
         reported_round, last_probe = None, time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             report = self.progress.report()
-            if report["status"] == "stalled" and reported_round != self.round:
+            waits_for_swarm = self.swarm_lost is not None and not self.policy.trains_while_rejoining
+            if report["status"] == "stalled" and reported_round != self.round and not waits_for_swarm:
                 reported_round = self.round
                 self.stats.stalls += 1
                 log.warning(
                     "round %d stalled: %s. Where each thread is:\n%s", self.round + 1, report["reason"], thread_stacks()
                 )
-            if not self.rejoins_on_its_own or self.session is None or time.monotonic() - last_probe < probe_s:
+            if not self.rejoins_on_its_own or self.session is None:
                 continue
-            last_probe = time.monotonic()
-            silent = await self.session.probe_daemon(probe_s)
-            if silent is not None and self._daemon_silent is None:
-                self._daemon_silent = silent
+            if time.monotonic() - last_probe >= probe_s:
+                last_probe = time.monotonic()
+                silent = await self.session.probe_daemon(probe_s)
+                if silent is not None and self._daemon_silent is None:
+                    self._daemon_silent = silent
+            if (
+                not self.policy.trains_while_rejoining
+                and self.swarm_lost is None  # not leaving or rejoining already
+                and self.progress.phase in ("generating", "training", "evaluating")
+            ):
+                await self.keep_joined()
 
     async def _leave_swarm(self, reason: str) -> None:
         self.swarm_lost = reason
         self.stats.swarm_connections_lost += 1
-        log.warning(
-            "lost the swarm connection (%s): training on its own questions, rejoining with the same identity", reason
+        meanwhile = (
+            "training on its own questions" if self.policy.trains_while_rejoining else "the round waits for its stages"
         )
+        log.warning("lost the swarm connection (%s): %s, rejoining with the same identity", reason, meanwhile)
         broken, self.transport = self.transport, NullTransport()
         if self.averaging is not None:  # its exchanges ran over the old session; the outer state is kept for the next
             self._outer_state = self.averaging.outer.state_dict()
@@ -458,6 +476,7 @@ class Node:
             return transport
 
         self.transport, attempts = await rejoin(attempt)
+        self.policy.rebind(self.session)  # a pipeline policy's round waiting for its stages goes on over the new one
         self.swarm_lost = None
         self.stats.swarm_rejoins += 1
         log.warning("rejoined the swarm as %s after %d attempt(s)", self.session.peer_id, attempts)

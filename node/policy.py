@@ -42,6 +42,7 @@ class LocalPolicy:
     policy."""
 
     rejoinable = True  # nothing of it is bound to a swarm session: a node rejoins over a new one (Node.keep_joined)
+    trains_while_rejoining = True  # its rounds need no swarm: they train on the node's own questions meanwhile
 
     def __init__(self, config: NodeConfig, store: StateStore):
         self.config = config
@@ -94,6 +95,9 @@ class LocalPolicy:
     async def attach(self, session, policy: LoadedPolicy, seed: int, stop: asyncio.Event | None = None) -> None:
         """Nothing to join: the weights are here."""
 
+    def rebind(self, session) -> None:
+        """Nothing is bound to the session the node lost: the weights are here."""
+
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
         trainer = policy.trainer
         self.store.save(
@@ -116,11 +120,14 @@ class PipelinePolicy:
     architecture and the fingerprint, the weights stay with the stage servers (which recover a lost
     stage from its neighbours, CheckFree), so this node keeps only its round and policy version."""
 
-    rejoinable = False  # its routes are bound to the session they were found over: a lost session stops the node
+    rejoinable = True  # its router is rebound to the new session (rebind)
+    # a round is blocked on pipeline calls while the node has no session: the node's watchdog rejoins under it
+    trains_while_rejoining = False
 
     def __init__(self, config: NodeConfig, store: StateStore):
         self.config = config
         self.store = store
+        self.router = None  # node.pipeline.driver.PipelineRouter: built by attach, rebound by rebind
 
     def load(self, progress: bool | None = None) -> LoadedPolicy:
         from node.pipeline.remote_model import RemoteCausalLM, RemoteOptimizer
@@ -176,8 +183,15 @@ class PipelinePolicy:
             seed=seed,
             stop=stop,
         )
+        self.router = router
         policy.model.attach(router, asyncio.get_running_loop())
         await router.wait_until_served()
+
+    def rebind(self, session) -> None:
+        """Route over the node's new session (it rejoined the swarm with the same identity and p2p key): the round
+        waiting for its stages reads the stage map over it and goes on."""
+        if self.router is not None:
+            self.router.rebind(session.dht, None)
 
     def save(self, round_: int, policy: LoadedPolicy, outer_state: dict | None, node_state: dict | None) -> None:
         try:

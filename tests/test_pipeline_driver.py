@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import pytest
 import torch
 
+from node.aio import StopRequested
 from node.config import load_config
 from node.pipeline.client import HopFailed, until_answered
-from node.pipeline.driver import PipelineRouter
+from node.pipeline.driver import PipelineRouter, route_hops
 from node.pipeline.lm import LMDriver
 from node.pipeline.stagemap import Announcer, LostReporter, read_stage_map
 from node.pipeline.tensors import from_wire, to_wire
 from node.state import StateStore
+from node.transport.joining import shutdown_dht
 from node.transport.session import SwarmSession
 from protocol import NodeIdentity, StageAnnouncement
 from protocol.pipeline import DEFAULT_PIPELINE_LIMITS, PIPELINE_VERSION, StageResult
 from tests.helpers.averaging import swarm
+from tests.helpers.swarm import wait_for_async
 
 VOCAB, HIDDEN = 16, 4
 FINGERPRINTS = ["fp0", "fp1"]
@@ -415,3 +419,195 @@ def test_until_answered_repeats_only_a_broken_stream_and_at_most_three_times():
     assert asyncio.run(outcome("unreachable", "unreachable", "unreachable")) == ("unreachable", 3, ["unreachable"] * 2)
     assert asyncio.run(outcome("timeout")) == ("timeout", 1, [])
     assert asyncio.run(outcome("unreachable", "refused:busy")) == ("refused:busy", 2, ["unreachable"])
+
+
+class CancelledTryRouter(FixedRouter):
+    """FixedRouter that notes every call as (op, stage, call id, scale); the first backward to stage 0 (stage 1 has
+    accumulated that micro-batch's gradients by then) never answers, as over a connection that died, until the step
+    is cancelled."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.calls: list[tuple[str, int, str, float]] = []
+        self.hung = False
+
+    async def call(self, server, call, timeout=None):
+        self.calls.append((call.op, server.stage, call.call_id, call.scale))
+        if call.op == "backward" and server.stage == 0 and not self.hung:
+            self.hung = True
+            await asyncio.Event().wait()
+        return await super().call(server, call, timeout)
+
+
+def test_a_step_taken_again_after_its_try_was_cancelled_first_drops_what_that_try_left_on_the_servers(tmp_path):
+    """`drive` cancels the step in flight when its connection dies and takes it again once rejoined: the servers the
+    cancelled try touched get a drop (a step of scale 0) before the retake's first forward, so that the gradients it
+    left do not add to the retake's."""
+
+    async def scenario():
+        cfg = config(tmp_path).model_copy(deep=True)
+        cfg.pipeline.checkfree_plus = False
+        router = CancelledTryRouter(cfg)
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+        first = asyncio.create_task(driver.train_step())
+        await wait_for_async(lambda: router.hung, 20, "the first try to hang in its backward")
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        tried = len(router.calls)
+        row = await driver.train_step()
+        return router.calls[:tried], router.calls[tried:], row
+
+    tried, retake, row = asyncio.run(scenario())
+    assert [op for op, *_ in tried] == ["forward", "forward", "backward", "backward"]  # stage 1 holds a gradient
+    first_forward = next(k for k, (op, *_) in enumerate(retake) if op == "forward")
+    drops = [(stage, scale) for op, stage, _, scale in retake[:first_forward] if op == "step"]
+    assert sorted(drops) == [(0, 0.0), (1, 0.0)]
+    steps = [(stage, call_id, scale) for op, stage, call_id, scale in retake[first_forward:] if op == "step"]
+    assert sorted((stage, scale) for stage, _, scale in steps) == [(0, 1.0), (1, 1.0)]
+    dropped_as = {call_id for op, _, call_id, _ in retake[:first_forward] if op == "step"}
+    assert dropped_as.isdisjoint(call_id for _, call_id, _ in steps)  # the retake's step is a call of its own
+    assert row["step"] == 1 and row["grad_norms"] == {0: 0.5, 1: 0.5}
+
+
+class StepCallsRouter(FixedRouter):
+    """FixedRouter whose first `breaks` step calls to stage 1 time out; it notes every step call as (stage, call id,
+    scale)."""
+
+    def __init__(self, cfg, breaks: int) -> None:
+        super().__init__(cfg)
+        self.breaks = breaks
+        self.step_calls: list[tuple[int, str, float]] = []
+
+    async def call(self, server, call, timeout=None):
+        if call.op == "step":
+            self.step_calls.append((server.stage, call.call_id, call.scale))
+            if server.stage == 1 and self.breaks:
+                self.breaks -= 1
+                raise HopFailed(server, "timeout", "scripted: no answer")
+        return await super().call(server, call, timeout)
+
+
+def grpo_rounds(tmp_path, breaks: int, rounds: int) -> tuple[StepCallsRouter, list[tuple[list, object, int]]]:
+    """`rounds` GRPO updates of a policy split over the two stages (node/pipeline/remote_model.py), through a router
+    whose first `breaks` step calls to stage 1 time out: the router, and each round's step calls, stats and policy
+    version."""
+    from node.pipeline.remote_model import RemoteCausalLM, RemoteOptimizer
+    from node.rollouts.base import Completion, RolloutGroup, TrainingBatch
+    from node.trainer import GRPOTrainer
+    from protocol.specs import TaskSpec
+
+    cfg = config(tmp_path).model_copy(deep=True)
+    cfg.pipeline.checkfree_plus = False
+    uniform = -math.log(VOCAB)  # the log-prob of every token under the zero logits the scripted servers give
+    completions = [
+        Completion(
+            prompt_ids=[3, 4],
+            completion_ids=ids,
+            text="",
+            logprobs=[uniform] * 2,
+            finish_reason="stop",
+            policy_version=0,
+        )
+        for ids in ([5, 6], [7, 8])
+    ]
+    batch = TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])])
+
+    async def scenario():
+        router = StepCallsRouter(cfg, breaks)
+        model = RemoteCausalLM(None, cfg.pipeline)
+        model.attach(router, asyncio.get_running_loop())
+        trainer = GRPOTrainer(cfg.trainer, model, 0, 1.0, optimizer=RemoteOptimizer(model))
+        seen = []
+        for _ in range(rounds):
+            before = len(router.step_calls)
+            for completion in completions:  # on-policy each round: the scripted servers' logits never move
+                completion.policy_version = trainer.policy_version
+            stats = await asyncio.to_thread(trainer.step, batch)
+            seen.append((router.step_calls[before:], stats, trainer.policy_version))
+        return router, seen
+
+    return asyncio.run(scenario())
+
+
+def test_a_grpo_update_that_a_stage_did_not_apply_is_no_policy_version_and_its_gradients_are_dropped(tmp_path):
+    """The stage-1 server does not answer the step: the round reports no step and keeps the policy version, and that
+    server is sent a drop (scale 0) under a call id of its own, so that what it may still hold does not add to the next
+    update; the next round steps both stages and counts."""
+    _, seen = grpo_rounds(tmp_path / "once", breaks=1, rounds=2)
+    (calls, stats, version), (again, next_stats, next_version) = seen
+    assert not stats.stepped and version == 0
+    step_id = next(call_id for stage, call_id, scale in calls if stage == 0)
+    assert sorted((stage, call_id) for stage, call_id, scale in calls if scale == 1.0) == [(0, step_id), (1, step_id)]
+    drops = [(stage, call_id) for stage, call_id, scale in calls if scale == 0.0]
+    assert [stage for stage, _ in drops] == [1] and drops[0][1] != step_id  # a call of its own: not the step's repeat
+    assert next_stats.stepped and next_version == 1
+    assert sorted((stage, scale) for stage, _, scale in again) == [(0, 1.0), (1, 1.0)]  # nothing left to drop
+
+
+def test_a_drop_that_finds_no_answer_is_tried_once_more_before_the_next_update_then_nothing_is_owed(tmp_path):
+    """A server that answers neither the step nor its drop (our connection down, or the server): the drop is sent
+    again before the next round's update adds gradients there; one that answers that neither is owed nothing more."""
+    _, seen = grpo_rounds(tmp_path / "twice", breaks=2, rounds=2)
+    (_, stats, version), (again, next_stats, next_version) = seen
+    assert not stats.stepped and version == 0
+    first_apply = next(k for k, (_, _, scale) in enumerate(again) if scale == 1.0)
+    assert [(stage, scale) for stage, _, scale in again[:first_apply]] == [(1, 0.0)]  # before any new gradient
+    assert next_stats.stepped and next_version == 1
+
+    _, seen = grpo_rounds(tmp_path / "never", breaks=3, rounds=3)
+    (_, first, _), (second_calls, second, _), (third_calls, third, version) = seen
+    assert not first.stepped and [scale for stage, _, scale in second_calls if stage == 1] == [0.0, 1.0]
+    assert second.stepped and third.stepped and version == 2
+    assert all(scale == 1.0 for _, _, scale in third_calls)  # nothing owed to a server that answered no drop
+
+
+class CountingRouter(PipelineRouter):
+    """A router that counts its stage-map reads."""
+
+    reads = 0
+
+    async def refresh(self, force: bool = False):
+        self.reads += 1
+        return await super().refresh(force)
+
+
+@pytest.mark.integration
+def test_a_router_whose_dht_was_shut_down_waits_and_routes_over_the_new_one_once_rebound(tmp_path):
+    """A join node's pipeline policy loses its session mid-round: its router's DHT is shut down while the round waits
+    for the stages. The wait goes on (nothing raises out of it), ends once the router is rebound to the new session's
+    DHT, and routes to the servers that failed over the dead connection (the failures were the connection's); a stop
+    ends such a wait."""
+    cfg = config(tmp_path).model_copy(deep=True)
+    cfg.pipeline.avoid_s = 3600.0  # far past the test: a failure seen over the dead connection must not be waited out
+    hops = route_hops(2, [0, 1])
+
+    async def scenario():
+        async with swarm(1) as (old,), swarm(1) as (new,):
+            stop = asyncio.Event()
+            router = CountingRouter(old, cfg, "m", FINGERPRINTS, DEFAULT_PIPELINE_LIMITS, stop=stop)
+            servers = [Server(cfg, old, stage) for stage in (0, 1)]
+            await asyncio.gather(*(server.announce() for server in servers))
+            await asyncio.wait_for(router.wait_until_served(), 60)
+            for server in (await router.pick_route(hops)).values():  # its calls fail: our daemon is dead
+                router.fail(HopFailed(server, "timeout", "scripted: over a dead daemon"))
+            await shutdown_dht(old)
+            waiting = asyncio.create_task(router.wait_until_served())
+            reads = router.reads
+            await wait_for_async(lambda: waiting.done() or router.reads >= reads + 3, 30, "reads of the dead DHT")
+            assert not waiting.done()  # still waiting: it raised nothing
+            for server in servers:  # the same servers, as the new session reads them
+                server.session = SwarmSession(cfg, new, "direct", server.session.identity)
+                await server.announce()
+            router.rebind(new, None)
+            await asyncio.wait_for(waiting, 60)
+            route = await router.pick_route(hops)
+            assert {s.node_id for s in route.values()} == {server.node_id for server in servers}
+
+            router.rebind(old, None)  # a wait over a dead DHT again, and the node is asked to stop
+            waiting = asyncio.create_task(router.wait_until_served())
+            stop.set()
+            with pytest.raises(StopRequested):
+                await asyncio.wait_for(waiting, 60)
+
+    asyncio.run(scenario())

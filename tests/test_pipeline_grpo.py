@@ -11,34 +11,9 @@ import pytest
 from node.config import dump_config, load_config
 from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
 from tests.helpers.swarm import read_rows, wait_for
-from tests.helpers.pipeline import START_S, Pipeline
+from tests.helpers.pipeline import GRPO_OVERRIDES, START_S, Pipeline
 
 pytestmark = pytest.mark.integration
-
-GRPO_OVERRIDES = [
-    "model.default.hidden_size=32",
-    "model.default.num_layers=2",
-    "model.default.num_heads=2",
-    "model.default.intermediate_size=64",
-    "model.default.max_position_embeddings=128",
-    "model.default.warmup_steps=60",
-    "model.default.warmup_batch_size=8",
-    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
-    "swarm.swarm_id=test-pipeline-grpo",
-    "swarm.local_questions=2",
-    "swarm.external_questions=0",
-    "swarm.gossip=dht",
-    "swarm.bootstrap_backoff_s=0.5",
-    "rollout.completions_per_question=4",
-    "rollout.max_new_tokens=6",
-    "tasks.format_reward=0.1",
-    "tasks.heldout_size=8",
-    "eval_every=2",
-    "pipeline.num_stages=2",
-    "pipeline.announce_interval_s=0.5",
-    "pipeline.announce_ttl_s=4",
-    "torch_threads=1",
-]
 
 
 def stage_json(server) -> dict | None:
@@ -49,7 +24,7 @@ def stage_json(server) -> dict | None:
 def test_grpo_rounds_run_through_the_pipeline(model_cache, tmp_path, cli_env):
     from node.model import ensure_default_model
 
-    config = load_config(REPO / "configs" / "pipeline.yaml", GRPO_OVERRIDES)
+    config = load_config(REPO / "configs" / "pipeline.yaml", [*GRPO_OVERRIDES, "swarm.swarm_id=test-pipeline-grpo"])
     ensure_default_model(config, progress=False)
     path = tmp_path / "grpo.yaml"
     path.write_text(dump_config(config))

@@ -1,6 +1,7 @@
-"""A stage server and a pipeline driver whose p2p daemon dies under them rejoin the swarm in the same process, with
-the same peer id, and the pipeline trains on: the server takes its stage up again over the new session, the driver
-takes its step again."""
+"""A stage server, a pipeline driver and a `join` node whose policy the stage servers hold (pipeline.objective=grpo),
+whose p2p daemon dies under them, rejoin the swarm in the same process, with the same peer id, and the pipeline trains
+on: the server takes its stage up again over the new session, the driver takes its step again, the join node's round
+goes on over the new session."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.common import CLI_TIMEOUT_S
-from tests.helpers.pipeline import START_S, Pipeline, assert_trains, recoveries
-from tests.helpers.swarm import daemon_of, read_rows, wait_for
+from node.config import dump_config, load_config
+from node.model import ensure_default_model
+from tests.helpers.common import CLI_TIMEOUT_S, REPO
+from tests.helpers.pipeline import GRPO_OVERRIDES, START_S, Pipeline, assert_trains, recoveries
+from tests.helpers.swarm import SwarmProcess, daemon_of, read_rows, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +84,77 @@ def test_a_server_and_a_driver_whose_p2p_daemon_dies_rejoin_and_the_pipeline_tra
         out = proc.output()
         assert "Traceback" not in out and "never retrieved" not in out, out[-3000:]
     assert read_rows(driver.state_dir)
+
+
+def grpo_join(pipe: Pipeline, config_path, tmp_path, cli_env, procs) -> SwarmProcess:
+    """A `join` node whose policy is split over the pipeline's stage servers (pipeline.objective=grpo)."""
+    proc = SwarmProcess(
+        config_path,
+        tmp_path / "grpo-driver",
+        cli_env,
+        pipe.live_peers(),
+        extra=["--set", "pipeline.objective=grpo", "--set", "swarm.metrics_port=0"],
+    )
+    procs.append(proc)
+    return proc
+
+
+def rounds(proc, more: int, after: int) -> list[dict]:
+    """Wait until `proc` has `more` rounds after its first `after`; all rows."""
+    return wait_for(
+        lambda: proc.assert_running() or (rows if len(rows := read_rows(proc.state_dir)) >= after + more else None),
+        START_S,
+        f"{proc.state_dir.name} to finish round {after + more}",
+        interval=0.5,
+    )
+
+
+def test_a_grpo_join_node_whose_policy_the_stage_servers_hold_rejoins_when_its_p2p_daemon_dies(
+    model_cache, tmp_path, cli_env, procs
+):
+    """The round in flight is blocked on pipeline calls while the daemon is gone: the watchdog leaves and rejoins
+    under it, the router is rebound to the new session, and the round goes on over it; no round is lost or taken
+    twice, and the policy version only moves forward."""
+    config = load_config(
+        REPO / "configs" / "pipeline.yaml", [*GRPO_OVERRIDES, "swarm.swarm_id=test-pipeline-grpo-rejoin"]
+    )
+    ensure_default_model(config, progress=False)
+    path = tmp_path / "grpo.yaml"
+    path.write_text(dump_config(config))
+    pipe = Pipeline(path, tmp_path, cli_env, procs)
+    for server in [pipe.serve("0"), pipe.serve("1")]:
+        pipe.serving(server)
+    node = grpo_join(pipe, path, tmp_path, cli_env, procs)
+    peer_id = node.addresses()[0].split("/p2p/")[1]
+    before = rounds(node, 2, 0)
+
+    daemon = daemon_of(node)
+    os.kill(daemon, signal.SIGKILL)
+    rejoined(node, peer_id)
+    assert daemon_of(node) != daemon  # a new daemon under the same process
+    rows = rounds(node, 2, len(before) + 1)  # the round in flight, then two over the new session
+
+    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1))  # no round lost, none twice
+    versions = [r["policy_version"] for r in rows]
+    assert versions == sorted(versions) and versions[-1] > 0, versions
+    assert "swarm_node_swarm_rejoins_total 1" in metrics(node)
+    os.killpg(node.process.pid, signal.SIGTERM)  # the node only: its daemon runs in a session of its own
+    assert node.process.wait(timeout=CLI_TIMEOUT_S) == 0
+    out = node.output()
+    assert "Traceback" not in out and "never retrieved" not in out, out[-3000:]
+    after = read_rows(node.state_dir)
+    assert [r["round"] for r in after] == list(range(1, len(after) + 1))
+
+
+def test_readiness_of_a_pipeline_node_that_rejoins_says_its_rounds_wait_for_the_swarm(tmp_path):
+    """A node whose policy is split over stage servers cannot train on its own questions while it rejoins."""
+    from node.loop import Node
+
+    config = load_config(
+        REPO / "configs" / "pipeline.yaml", ["pipeline.objective=grpo"], state_dir=str(tmp_path / "node")
+    )
+    node = Node(config)
+    node.swarm_lost = "the p2p daemon exited (status -9)"
+    reason = node.readiness()["reason"]
+    assert "waits for the swarm" in reason and "own questions" not in reason, reason
+    assert reason.endswith("the p2p daemon exited (status -9)")

@@ -484,3 +484,45 @@ def test_gradient_checkpointing_steps_to_the_same_weights_and_is_refused_where_i
 
     with pytest.raises(ConfigError, match="gradient_checkpointing: RemoteModel does not support it"):
         GRPOTrainer(TrainerConfig(gradient_checkpointing=True), RemoteModel(), 0, 1.0)
+
+
+def test_an_update_whose_step_the_optimizer_could_not_apply_is_no_policy_version(tiny_policy):
+    """An optimizer whose step did not reach every part of the policy (a stage server of a split policy that did not
+    answer) says so with StepNotApplied: the round takes no further epoch, and reports no step and keeps its policy
+    version unless an earlier epoch was applied."""
+    from node.trainer.grpo import StepNotApplied
+
+    class Unapplied:
+        param_groups: list = []
+
+        def __init__(self, applied: int) -> None:
+            self.steps, self.applied = 0, applied
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            tiny_policy.zero_grad(set_to_none=set_to_none)
+
+        def step(self) -> None:
+            self.steps += 1
+            if self.steps > self.applied:
+                raise StepNotApplied("stage 1 did not apply the step")
+
+    prompt = [3, 4, 5]
+    with torch.no_grad():
+        before, _ = completion_logprobs(tiny_policy, [(prompt, [8, 9]), (prompt, [10, 11])], 0, 1.0)
+    completions = [
+        _completion(prompt, [8, 9], logprobs=before[0].tolist()),
+        _completion(prompt, [10, 11], logprobs=before[1].tolist()),
+    ]
+    batch = TrainingBatch([RolloutGroup(TaskSpec("x", {}, 0, 0), completions, rewards=[1.0, 0.0])])
+    optimizer = Unapplied(applied=0)
+    trainer = GRPOTrainer(TrainerConfig(epochs_per_round=3), tiny_policy, 0, 1.0, optimizer=optimizer)
+    stats = trainer.step(batch)
+    assert not stats.stepped and trainer.policy_version == 0
+    assert optimizer.steps == 1 and stats.optimizer_steps == 0
+    assert math.isfinite(stats.loss) and stats.tokens == 4
+
+    optimizer = Unapplied(applied=1)  # the first epoch applied, the second not: the policy moved once
+    trainer = GRPOTrainer(TrainerConfig(epochs_per_round=3), tiny_policy, 0, 1.0, optimizer=optimizer)
+    stats = trainer.step(batch)
+    assert stats.stepped and trainer.policy_version == 1
+    assert optimizer.steps == 2 and stats.optimizer_steps == 1

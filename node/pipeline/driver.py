@@ -118,6 +118,15 @@ class StepReport:
     grad_norms: dict[int, float] = field(default_factory=dict)  # per stage, as the servers report after stepping
 
 
+@dataclass
+class StepOutcome:
+    """What a `step` call to the servers of a step came back with."""
+
+    grad_norms: dict[int, float] = field(default_factory=dict)  # per stage, from the servers that answered
+    # node id -> a server whose call failed (HopFailed): it applied it, or still holds its gradients, or is gone
+    unanswered: dict[str, StageAnnouncement] = field(default_factory=dict)
+
+
 class PipelineRouter:
     """Calls into the pipeline of one model: routes, retries, avoidance, stage-map refresh."""
 
@@ -164,13 +173,23 @@ class PipelineRouter:
         self.chain_strikes = 0  # chains in a row that broke between servers that all answered hop by hop
 
     def rebind(self, dht, reporter: LostReporter | None) -> None:
-        """Route over another session's DHT (the driver rejoined the swarm): what it learnt of the servers is kept, the
-        stage map is read again before the next call."""
+        """Route over another session's DHT (the driver rejoined the swarm): who served each stage is kept, the stage
+        map is read again before the next call. The failures its calls met are forgotten: they were, for all it
+        knows, the dead connection's, and a server avoided for them would keep its stage from being served, or be
+        reported lost, for nothing."""
         self.dht, self.reporter = dht, reporter
         self._map_read_at = -1e9
+        self.avoid.clear()
+        self.strikes.clear()
+        self.failed_at.clear()
 
     async def refresh(self, force: bool = False) -> StageMap:
+        """The stage map, read again when `force` or older than an announce interval. A DHT that was shut down (its
+        session closed: this process rejoins the swarm) is not read: nothing is served over it until `rebind`."""
         now = time.monotonic()
+        if not getattr(self.dht, "is_alive", True):
+            self.map = StageMap(self.pipeline.num_stages)
+            return self.map
         if force or now - self._map_read_at >= self.pipeline.announce_interval_s:
             stage_map = await read_stage_map(self.dht, self.config, self.model_fingerprint)
             for stage, servers in stage_map.servers.items():
@@ -449,19 +468,21 @@ class PipelineRouter:
     def missing_stages(self) -> list[int]:
         return [i for i in range(self.pipeline.num_stages) if not self.map.live(i, self.avoided())]
 
-    async def step(self, servers: dict[str, StageAnnouncement], scale: float, step_id: str) -> dict[int, float]:
-        """Ask every server used in this step to apply (scale > 0) or drop (scale 0) its gradients; their grad norms.
+    async def step(self, servers: dict[str, StageAnnouncement], scale: float, step_id: str) -> StepOutcome:
+        """Ask every server used in this step to apply (scale > 0) or drop (scale 0) its gradients: their grad norms,
+        and the servers that did not answer.
 
         A step call whose stream broke is sent again, the same call: a server that applied it answers without applying
         it twice (StageHandler.steps_answered), and one that never received it applies it now. Without that, a server
         whose answer was lost keeps this step's gradients and adds them to the next one's."""
         calls = [self.call_until_answered(s, self._call("step", s, step_id, scale=scale)) for s in servers.values()]
-        norms = {}
-        for server, outcome in zip(servers.values(), await asyncio.gather(*calls, return_exceptions=True)):
-            if isinstance(outcome, HopFailed):
-                self.fail(outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
+        outcome = StepOutcome()
+        for server, answer in zip(servers.values(), await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(answer, HopFailed):
+                self.fail(answer)
+                outcome.unanswered[server.node_id] = server
+            elif isinstance(answer, BaseException):
+                raise answer
             else:
-                norms[server.stage] = outcome.grad_norm
-        return norms
+                outcome.grad_norms[server.stage] = answer.grad_norm
+        return outcome

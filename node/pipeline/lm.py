@@ -3,7 +3,9 @@
 One step = `micro_batches` micro-batches, each forward and backward through its own
 random route (`micro_batches_in_flight` of them at once), then `step` on every server
 used. A lost stage abandons the step, waits for the stage to be served again and retries
-the same step (same micro-batches), so a failure costs time, never data. Each step
+the same step (same micro-batches), so a failure costs time, never data; a try cut short
+otherwise (cancelled when the connection died: `drive` takes the step again once rejoined)
+has what it accumulated on its servers dropped before the retake. Each step
 appends a row to metrics.jsonl: loss, the validation loss every `eval_every` steps,
 retries, hop failures, the servers used and their gradient norms, and a `recovery`
 record on the first step after a lost stage (`swarm-node stats` sums them up: step_metrics.py).
@@ -26,6 +28,7 @@ from node.pipeline.corpus import micro_batch
 from node.aio import StopRequested
 from node.pipeline.driver import PipelineRouter, StageLost, route_hops, route_order
 from node.state import StateStore
+from protocol import StageAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,9 @@ class LMDriver:
         # stage -> (monotonic time it was found lost, cause, the servers that served it last)
         self.lost_since: dict[int, tuple[float, str, frozenset[str]]] = {}
         self.served_again_at = 0.0  # monotonic time the last wait for lost stages ended
+        # node id -> a server a try that did not finish (cancelled: its connection died; or failed) may have left
+        # gradients on: dropped before the step is taken again
+        self.left_on: dict[str, StageAnnouncement] = {}
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
@@ -118,16 +124,26 @@ class LMDriver:
     async def train_step(self) -> dict[str, Any]:
         step = self.step + 1
         started = time.perf_counter()
-        while True:
-            touched: dict = {}
-            report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
-            try:
-                losses = await self._micro_batches(step, touched, report)
-                break
-            except StageLost as lost:
-                await self._abandon(touched, step, lost)
-        # unique per try: a driver restarted at this step must not be answered with the step its last run applied
-        norms = await self.router.step(touched, scale=1.0, step_id=f"step-{step}-{time.time_ns() % 10**9}")
+        if self.left_on:
+            await self._drop_left(step)
+        touched: dict = {}
+        try:
+            while True:
+                touched = {}
+                report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
+                try:
+                    losses = await self._micro_batches(step, touched, report)
+                    break
+                except StageLost as lost:
+                    await self._abandon(touched, step, lost)
+            # unique per try: a driver restarted at this step must not be answered with the step its last run applied
+            stepped = await self.router.step(touched, scale=1.0, step_id=f"step-{step}-{time.time_ns() % 10**9}")
+        except BaseException:
+            # cancelled (`drive` takes the step again over a new session once rejoined) or failed: what this try
+            # accumulated must not add to the next try's gradients
+            self.left_on.update(touched)
+            raise
+        norms = stepped.grad_norms
         row: dict[str, Any] = {
             "step": step,
             "time": time.time(),
@@ -154,6 +170,13 @@ class LMDriver:
         self.store.append_metrics(row)
         self.step = step
         return row
+
+    async def _drop_left(self, step: int) -> None:
+        """Drop (a step of scale 0) the gradients a try that did not finish may have left on its servers, under a call
+        id of its own (a server that applied that try's step answers a repeat of it from memory, and this is no
+        repeat). Best effort: a server that does not answer is not asked again; a drop cut short is sent again."""
+        await self.router.step(self.left_on, scale=0.0, step_id=f"drop-{step}-{time.time_ns() % 10**9}")
+        self.left_on = {}
 
     async def _abandon(self, touched: dict, step: int, lost: StageLost) -> None:
         """Drop the step's gradients everywhere, then wait until every stage is served again."""

@@ -7,7 +7,8 @@ sampler and GRPO trainer run unchanged on a model no single node holds:
   random route (one live server per stage; CheckFree+ swaps on odd calls), the logits come
   back, and `loss.backward()` sends their gradient back along the same route through an
   autograd Function (as Petals' RemoteSequential does). `RemoteOptimizer.step()` then asks
-  every server the update touched to clip and apply its gradients.
+  every server the update touched to clip and apply its gradients (a step some stage did not
+  apply is no policy version: `StepNotApplied`).
 - `model(..., use_cache=True[, past_key_values=session])` without autograd: an inference
   session. Each server keeps a per-session KV cache of its layers (Petals' inference
   sessions); the session pins one server per stage and keeps the tokens it has seen, so
@@ -32,6 +33,7 @@ from node.config import PipelineConfig
 from node.pipeline.client import HopFailed
 from node.pipeline.driver import PipelineRouter, StageLost, route_hops, route_order
 from node.pipeline.tensors import from_wire
+from node.trainer.grpo import StepNotApplied
 from protocol import StageAnnouncement
 
 log = logging.getLogger(__name__)
@@ -232,21 +234,40 @@ class RemoteCausalLM(torch.nn.Module):
 
 
 class RemoteOptimizer:
-    """The trainer's optimizer for a remote policy: `step()` makes every touched stage server apply its gradients."""
+    """The trainer's optimizer for a remote policy: `step()` makes every touched stage server apply its gradients.
+
+    A step that a touched stage did not apply (none of its servers answered: a server died, or this node's
+    connection did) raises StepNotApplied, so that it counts as no policy version. Each server that did not answer
+    may still hold the step's gradients, which would add to the next update's: it is sent a drop (a step of scale 0,
+    under a call id of its own), and, if it answers that neither, once more before the next update accumulates
+    anything (`zero_grad`: by then a node that lost its connection has rejoined). Past that it is owed nothing."""
 
     def __init__(self, model: RemoteCausalLM) -> None:
         self.model = model
         self.param_groups: list[dict] = []
         self.last_grad_norms: dict[int, float] = {}
+        self.owed_drops: dict[str, StageAnnouncement] = {}  # node id -> a server that answered neither step nor drop
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.anchor.grad = None  # stage servers zero their own gradients after each step
+        if self.owed_drops:
+            owed, self.owed_drops = self.owed_drops, {}
+            self._drop(owed)
 
     def step(self) -> None:
         touched, self.model.touched = self.model.touched.servers, _Touched()
-        self.last_grad_norms = self.model._run(
-            self.model.router.step(touched, scale=1.0, step_id=f"grpo-{time.time_ns()}")
-        )
+        outcome = self.model._run(self.model.router.step(touched, scale=1.0, step_id=f"grpo-{time.time_ns()}"))
+        self.last_grad_norms = outcome.grad_norms
+        if outcome.unanswered:
+            self.owed_drops.update(self._drop(outcome.unanswered))
+        missed = sorted({server.stage for server in touched.values()} - set(outcome.grad_norms))
+        if missed:
+            raise StepNotApplied(f"stage(s) {', '.join(map(str, missed))} did not answer the step")
+
+    def _drop(self, servers: dict[str, StageAnnouncement]) -> dict[str, StageAnnouncement]:
+        """Drop what `servers` accumulated, best effort: those that did not answer."""
+        outcome = self.model._run(self.model.router.step(servers, scale=0.0, step_id=f"drop-{time.time_ns()}"))
+        return outcome.unanswered
 
     def state_dict(self) -> dict:
         return {}

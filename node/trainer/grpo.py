@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,14 @@ from node.rollouts.base import Demonstration, TrainingBatch, is_uniform
 from node.trainer.losses import group_advantages, imitation_loss, policy_loss, truncated_importance_weights
 from node.trainer.optim import build_optimizer, clipped_grad_norm, enable_gradient_checkpointing, stepped_grad_norm
 from node.trainer.scoring import completion_logprobs, pad_rows, padded_positions, prompt_sharing_supported
+
+log = logging.getLogger(__name__)
+
+
+class StepNotApplied(RuntimeError):
+    """The optimizer's step did not reach every part of the policy (a stage of a policy split over stage servers did
+    not answer it): the round takes no further epoch, and an update none of whose epochs was applied is no new policy
+    version."""
 
 
 @dataclass
@@ -192,7 +201,8 @@ class GRPOTrainer:
 
     def step(self, batch: TrainingBatch) -> TrainStats:
         """One optimizer step on the round's batch: its groups in the policy-gradient term, its demonstrations in the
-        imitation term."""
+        imitation term. A step the optimizer could not apply (StepNotApplied) ends the update; without an epoch applied
+        before it, it is not stepped and no new policy version."""
         stats = TrainStats()
         rows = self.training_rows(batch, stats)
         policy_tokens = sum(row.policy_tokens for row in rows)
@@ -210,7 +220,9 @@ class GRPOTrainer:
             frozen = [self.frozen_logprobs(batch) for batch in batches]
             stats.forward_tokens += sum(positions for _, _, positions in frozen)
         sums = _RoundSums()
+        epochs_run = 0
         for epoch in range(self.config.epochs_per_round):
+            epochs_run += 1
             self.optimizer.zero_grad(set_to_none=True)
             for k, batch in enumerate(batches):
                 self._accumulate_gradient(
@@ -223,7 +235,16 @@ class GRPOTrainer:
                     stats,
                 )
             grad_norm = clipped_grad_norm(self.model.parameters(), self.config.max_grad_norm, self.policy_version)
-            self.optimizer.step()
+            try:
+                self.optimizer.step()
+            except StepNotApplied as missed:
+                log.warning(
+                    "%s: the round takes no further step (epoch %d of %d)",
+                    missed,
+                    epoch + 1,
+                    self.config.epochs_per_round,
+                )
+                break
             stats.optimizer_steps += 1
             stats.grad_norm = stepped_grad_norm(self.optimizer, grad_norm)
         self.model.eval()
@@ -231,12 +252,13 @@ class GRPOTrainer:
             stats.importance_weight_mean = torch.cat(sums.importance_weights).mean().item()
         if demonstrations:
             stats.imitation_nll = sums.imitation_nll / demonstration_tokens
-        epoch_tokens = max(1, policy_tokens * self.config.epochs_per_round)  # 0: only demonstrations this round
+        epoch_tokens = max(1, policy_tokens * epochs_run)  # 0: only demonstrations this round
         stats.loss = sums.policy_loss / epoch_tokens
         stats.clip_fraction = sums.clipped_tokens / epoch_tokens
         stats.kl = sums.kl / epoch_tokens
-        stats.stepped = True
-        self.policy_version += 1
+        stats.stepped = stats.optimizer_steps > 0  # an epoch applied before the one that was not moved the policy
+        if stats.stepped:
+            self.policy_version += 1
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"non-finite loss at policy version {self.policy_version}")
         return stats

@@ -19,6 +19,31 @@ PIPELINE_OVERRIDES = [
     "swarm.swarm_id=test-pipeline",
     "pipeline.num_stages=4",
 ]
+# A `join` node whose policy the stage servers hold (pipeline.objective=grpo): a model warmed up enough for its
+# rounds to have reward spreads (and so updates), rounds of a few short rollouts, 2 stages. Each test names its swarm.
+GRPO_OVERRIDES = [
+    "model.default.hidden_size=32",
+    "model.default.num_layers=2",
+    "model.default.num_heads=2",
+    "model.default.intermediate_size=64",
+    "model.default.max_position_embeddings=128",
+    "model.default.warmup_steps=60",
+    "model.default.warmup_batch_size=8",
+    'swarm.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "swarm.local_questions=2",
+    "swarm.external_questions=0",
+    "swarm.gossip=dht",
+    "swarm.bootstrap_backoff_s=0.5",
+    "rollout.completions_per_question=4",
+    "rollout.max_new_tokens=6",
+    "tasks.format_reward=0.1",
+    "tasks.heldout_size=8",
+    "eval_every=2",
+    "pipeline.num_stages=2",
+    "pipeline.announce_interval_s=0.5",
+    "pipeline.announce_ttl_s=4",
+    "torch_threads=1",
+]
 START_S = 180  # a process imports torch and hivemind and starts p2pd: generous on a loaded 2-core machine
 
 
