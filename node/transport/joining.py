@@ -223,15 +223,23 @@ async def probe_tcp(maddr: str, timeout: float = 3.0) -> str:
     return "TCP port open, but the p2p handshake failed: a different peer id there, or another program on that port"
 
 
+DEAD_DAEMON_SHUTDOWN_S = 2.0  # a shutdown once the daemon has exited: its parts that ask the daemon never hear back
+
+
 async def shutdown_dht(dht, timeout: float = 10.0) -> None:
     """Shut the DHT node and its p2pd down, without hanging when p2pd is already gone.
 
     A Ctrl-C in a terminal reaches the whole process group, so p2pd often dies of the same
-    signal that asked the node to stop, and a polite shutdown would then wait forever.
+    signal that asked the node to stop, and a polite shutdown would then wait forever. Once the
+    daemon has exited (a node leaving a connection that died to rejoin), the shutdown gets
+    DEAD_DAEMON_SHUTDOWN_S rather than `timeout`: every second of it delays the rejoin.
     """
     from node.transport import hivemind_p2p
 
     p2p = getattr(dht, "p2p", None)
+    process = hivemind_p2p.daemon_process(p2p) if p2p is not None else None
+    if process is not None and process.returncode is not None:
+        timeout = min(timeout, DEAD_DAEMON_SHUTDOWN_S)
     try:
         await asyncio.wait_for(dht.shutdown(), timeout)
     except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - leaving anyway; say why
