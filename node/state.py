@@ -354,7 +354,13 @@ def read_runs(root: Path) -> Runs:
     try:
         saved = json.loads(path.read_text())
         known = {f.name for f in fields(Runs)}
-        return Runs(**{key: value for key, value in saved.items() if key in known})
+        runs = Runs(**{key: value for key, value in saved.items() if key in known})
+        counts = (runs.starts, runs.after_unclean_end, runs.stall_restarts)
+        if not all(type(n) is int and n >= 0 for n in counts) or type(runs.running) is not bool:
+            raise ValueError(f"not counts: {saved}")
+        if runs.stall_round is not None and type(runs.stall_round) is not int:
+            raise ValueError(f"stall_round is not a round: {runs.stall_round!r}")
+        return runs
     except FileNotFoundError:
         return Runs()
     except (OSError, ValueError, TypeError, AttributeError) as exc:
@@ -375,12 +381,16 @@ def record_start(root: Path) -> Runs:
 
 
 def record_stop(root: Path, runs: Runs, stalled_round: int | None = None) -> None:
-    """This process ends cleanly, or (`stalled_round`) restarts itself because that round stalled."""
+    """This process ends cleanly, or (`stalled_round`) restarts itself because that round stalled. A directory that
+    can no longer be written to costs the count, never the stop."""
     runs.running = False
     if stalled_round is not None:
         runs.stall_restarts += 1
         runs.stall_round = stalled_round
-    write_snapshot(root / RUNS_FILE, json.dumps(asdict(runs)))
+    try:
+        write_snapshot(root / RUNS_FILE, json.dumps(asdict(runs)))
+    except OSError as exc:
+        log.warning("could not count this stop in %s: %s", root / RUNS_FILE, exc)
 
 
 def restore_rng(rng: dict[str, Any]) -> None:

@@ -44,6 +44,10 @@ def test_a_start_after_an_unclean_end_or_a_stall_is_a_restart_and_a_users_stop_i
         assert read_runs(tmp_path) == Runs()
     assert "is damaged" in caplog.text and "counting this state directory's restarts from now" in caplog.text
     assert record_start(tmp_path).starts == 1  # a bad file stops nothing
+    for wrong in ('{"starts": "many"}', '{"starts": 2, "running": "yes"}', "[1, 2]", '{"stall_round": 1.5}'):
+        (tmp_path / RUNS_FILE).write_text(wrong)
+        assert read_runs(tmp_path) == Runs(), wrong
+        assert record_start(tmp_path).starts == 1, wrong
 
 
 def test_restarts_are_counted_in_prometheus_and_the_totals():
