@@ -587,29 +587,17 @@ def test_device_is_a_bounded_string_required_from_minor_8():
         assert caught.value.reason is reason, bad
 
 
-def test_restarts_is_a_count_required_from_minor_12():
-    wire = make_stats(restarts=4).to_wire()
-    assert PeerStats.from_wire(wire).restarts == 4
-    del wire["restarts"]
-    assert PeerStats.from_wire(wire, minor=11).restarts == 0  # an older sender omits it
-    with pytest.raises(ProtocolRejection, match="lacks restarts"):
-        PeerStats.from_wire(wire, minor=12)
+@pytest.mark.parametrize("field, since", [("rejoins", 9), ("restarts", 12)])
+def test_a_heartbeat_count_is_required_from_its_minor(field, since):
+    wire = make_stats(**{field: 3}).to_wire()
+    assert getattr(PeerStats.from_wire(wire), field) == 3
+    del wire[field]
+    assert getattr(PeerStats.from_wire(wire, minor=since - 1), field) == 0  # an older sender omits it
+    with pytest.raises(ProtocolRejection, match=f"lacks {field}"):
+        PeerStats.from_wire(wire, minor=since)
     for bad, reason in (("3", Refusal.BAD_STRUCTURE), (-1, Refusal.BAD_VALUE)):
         with pytest.raises(ProtocolRejection) as caught:
-            PeerStats.from_wire({**wire, "restarts": bad})
-        assert caught.value.reason is reason, bad
-
-
-def test_rejoins_is_a_count_required_from_minor_9():
-    wire = make_stats(rejoins=3).to_wire()
-    assert PeerStats.from_wire(wire).rejoins == 3
-    del wire["rejoins"]
-    assert PeerStats.from_wire(wire, minor=8).rejoins == 0  # an older sender omits it
-    with pytest.raises(ProtocolRejection, match="lacks rejoins"):
-        PeerStats.from_wire(wire, minor=9)
-    for bad, reason in (("3", Refusal.BAD_STRUCTURE), (-1, Refusal.BAD_VALUE)):
-        with pytest.raises(ProtocolRejection) as caught:
-            PeerStats.from_wire({**wire, "rejoins": bad})
+            PeerStats.from_wire({**wire, field: bad})
         assert caught.value.reason is reason, bad
 
 
