@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,15 @@ from benchmarks.common import print_result_line
 from benchmarks.lab import lab_unavailable
 from benchmarks.soak.plan import FAULT_KINDS, SoakPlan
 from benchmarks.soak.run import Soak
+
+
+def stop_once(*_) -> None:
+    """The first SIGTERM or Ctrl-C (even in a soak a script started in the background, where the shell set SIGINT to
+    be ignored) leaves through the `with Soak` block, which stops its processes and removes its namespaces and tmpfs
+    within a bounded time; a signal after it would cut that cleanup short, so it is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main() -> int:
@@ -60,12 +70,18 @@ def main() -> int:
         recover_timeout_s=args.recover_timeout_s,
         rss_baseline_s=args.rss_baseline_s,
     )
+    signal.signal(signal.SIGINT, stop_once)
+    signal.signal(signal.SIGTERM, stop_once)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
         root = args.state_root or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
-        with Soak(plan, root, env, log=lambda line: print(line, flush=True)) as soak:
-            result = soak.run(hours=args.hours)
+        try:
+            with Soak(plan, root, env, log=lambda line: print(line, flush=True)) as soak:
+                result = soak.run(hours=args.hours)
+        except KeyboardInterrupt:
+            print("soak: stopped before its schedule ended; its processes are stopped, no figures", file=sys.stderr)
+            return 130
     print_result_line(result, args.results)
     return 0
 
