@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import threading
 
 import pytest
 
 from node.stats import HTTP_FILE, MetricsServer, RoundProgress, probe
 from tests.helpers.common import CLI_TIMEOUT_S, cli
-from tests.helpers.rollouts import ScriptedBackend
+from tests.helpers.rollouts import hanging_node
 from tests.helpers.swarm import SwarmProcess, read_rows, wait_for, wait_for_async
 
 
@@ -102,21 +101,10 @@ def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp
     """A real node, its rollouts scripted so that one round's generation blocks: /readyz over HTTP says stalled while
     it blocks and ready once the round completes; the watchdog logs the stall once, with the part the round is in and
     where each thread is."""
-    from node.loop import Node
 
-    release, hanging = threading.Event(), threading.Event()
     hang_at_call = 3
-
-    def script(backend, prompts, call):
-        if call == hang_at_call:
-            hanging.set()
-            release.wait(CLI_TIMEOUT_S)
-        return [[backend.right(p), backend.wrong(p), backend.wrong(p), backend.wrong(p)] for p in prompts]
-
     config = tiny_config("swarm.metrics_port=0", "swarm.stall_min_s=2", "swarm.stall_factor=2")
-    node = Node(config, rollout_backend=ScriptedBackend.factory(script))
-    node.load()  # the answers of the questions its rounds draw, for the scripted backend to grade its texts
-    node.backend.remember({node.tasks.prompt(q): q.answer for q in node.tasks.batch(first_draw=0, count=40)})
+    node, hanging, release = hanging_node(config, hang_at_call)
 
     async def scenario():
         stop = asyncio.Event()

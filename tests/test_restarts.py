@@ -9,7 +9,6 @@ import fcntl
 import json
 import logging
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -19,8 +18,8 @@ import pytest
 from node.config import dump_config
 from node.state import RUNS_FILE, Runs, read_runs, record_start, record_stop
 from node.stats import RoundProgress, SwarmStats, prometheus_text, stall_restart_due
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
-from tests.helpers.rollouts import ScriptedBackend
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, reporting_child
+from tests.helpers.rollouts import hanging_node
 from tests.helpers.swarm import SwarmProcess, read_rows, wait_for, wait_for_async
 
 
@@ -100,21 +99,8 @@ def test_a_process_restarting_itself_ends_its_children_and_threads_and_takes_its
     state = tmp_path / "state"
     script = tmp_path / "restarting.py"
     script.write_text(RESTARTING)
-    with open(tmp_path / "err", "w") as errors:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(state), "--fresh", "--keep"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-            env=cli_env,
-            cwd=REPO,
-        )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], CLI_TIMEOUT_S)
-        assert ready, (tmp_path / "err").read_text()
-        line = proc.stdout.readline()
-        assert line, (tmp_path / "err").read_text()
+    argv = [sys.executable, str(script), str(state), "--fresh", "--keep"]
+    with reporting_child(argv, cli_env, tmp_path / "err") as (proc, line):
         seen = json.loads(line)
         assert seen["pid"] == proc.pid  # the same process, a new image
         assert seen["alive"] == []
@@ -126,32 +112,16 @@ def test_a_process_restarting_itself_ends_its_children_and_threads_and_takes_its
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-        proc.stdout.close()
-        proc.stdin.close()
 
 
 def test_a_node_whose_round_stays_stalled_is_due_a_restart_once_per_round(tiny_config, caplog):
     """A real node, one round's generation blocked: the restart is due for that round once it has stayed stalled
     swarm.stall_restart_s past its bound; a round that already restarted the process is only reported."""
     from node.commands import stalled_round_to_restart
-    from node.loop import Node
 
-    release, hanging = threading.Event(), threading.Event()
     hang_at_call = 2
-
-    def script(backend, prompts, call):
-        if call == hang_at_call:
-            hanging.set()
-            release.wait(CLI_TIMEOUT_S)
-        return [[backend.right(p), backend.wrong(p), backend.wrong(p), backend.wrong(p)] for p in prompts]
-
     config = tiny_config("swarm.stall_min_s=1", "swarm.stall_factor=2", "swarm.stall_restart_s=1")
-    node = Node(config, rollout_backend=ScriptedBackend.factory(script))
-    node.load()
-    node.backend.remember({node.tasks.prompt(q): q.answer for q in node.tasks.batch(first_draw=0, count=40)})
+    node, hanging, release = hanging_node(config, hang_at_call)
 
     async def scenario():
         stop = asyncio.Event()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from node.config import ConfigError, dump_config
 from node.loop import Node
 from node.state import StateStore, lock_state_dir
-from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli
+from tests.helpers.common import CLI_TIMEOUT_S, REPO, cli, reporting_child
 
 
 def run_cli(env, *args):
@@ -136,19 +135,9 @@ HOLDER = (
 @pytest.mark.integration
 def test_a_second_process_on_a_state_directory_is_refused_naming_the_holder(tiny_config, cli_env, tmp_path):
     state = tmp_path / "state"
-    with open(tmp_path / "holder.err", "w") as errors:
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(state)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-            env=cli_env,
-            cwd=REPO,
-        )
-    try:
-        ready, _, _ = select.select([holder.stdout], [], [], CLI_TIMEOUT_S)
-        assert ready and holder.stdout.readline() == "held\n", (tmp_path / "holder.err").read_text()
+    holding = reporting_child([sys.executable, "-c", HOLDER, str(state)], cli_env, tmp_path / "holder.err")
+    with holding as (holder, line):  # SIGKILLed at the end, to this one process: the OS releases its lock
+        assert line == "held\n"
         assert (state / "lock").read_text().strip() == str(holder.pid)
         path = tmp_path / "tiny.yaml"
         path.write_text(dump_config(tiny_config()))
@@ -164,10 +153,5 @@ def test_a_second_process_on_a_state_directory_is_refused_naming_the_holder(tiny
         served = run_cli(cli_env, "serve", "--state-dir", str(state), "--stage", "0")  # a stage server too
         assert served.returncode == 2, served.stderr
         assert f"is in use by process {holder.pid} " in served.stderr.strip().splitlines()[-1]
-    finally:
-        holder.kill()  # SIGKILL, to this one process: the OS releases its lock
-        holder.wait(timeout=60)
-        holder.stdout.close()
-        holder.stdin.close()
     lock_state_dir(state)  # free again once its holder died (this test process holds it until the session ends)
     assert (state / "lock").read_text().strip() == str(os.getpid())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
+import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.lab.presets import TINY_MODEL
@@ -34,3 +38,25 @@ def get_json(url: str):
     """A JSON answer of an HTTP endpoint (the dashboard's API)."""
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def reporting_child(argv: list[str], env: dict, errors: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A child that reports one line on stdout, then waits on stdin (a lock's holder, a process restarting itself):
+    yields it and that line once printed (its stderr, in `errors`, says why not); SIGKILLed, to this one process,
+    and reaped at the end."""
+    with open(errors, "w") as stderr:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO
+        )
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], CLI_TIMEOUT_S)
+        assert ready, errors.read_text()
+        line = child.stdout.readline()
+        assert line, errors.read_text()
+        yield child, line
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+        child.stdout.close()
+        child.stdin.close()

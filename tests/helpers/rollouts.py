@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+
+from tests.helpers.common import CLI_TIMEOUT_S
 
 from node.rollouts.base import Completion, RolloutBackend
 
@@ -61,3 +64,22 @@ class ScriptedBackend(RolloutBackend):
 
     def sync_weights(self, model, policy_version: int) -> None:
         pass
+
+
+def hanging_node(config, hang_at_call: int):
+    """A real, loaded Node whose `hang_at_call`-th training generation blocks (every other answers one right of
+    four): (node, hanging, release), `hanging` set once it blocks, which lasts until the test sets `release`."""
+    from node.loop import Node
+
+    release, hanging = threading.Event(), threading.Event()
+
+    def script(backend, prompts, call):
+        if call == hang_at_call:
+            hanging.set()
+            release.wait(CLI_TIMEOUT_S)
+        return [[backend.right(p), backend.wrong(p), backend.wrong(p), backend.wrong(p)] for p in prompts]
+
+    node = Node(config, rollout_backend=ScriptedBackend.factory(script))
+    node.load()  # the answers of the questions its rounds draw, for the backend to grade its texts
+    node.backend.remember({node.tasks.prompt(q): q.answer for q in node.tasks.batch(first_draw=0, count=40)})
+    return node, hanging, release
