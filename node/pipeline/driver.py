@@ -109,16 +109,6 @@ class StageLost(Exception):
 
 
 @dataclass
-class StepReport:
-    loss: float
-    micro_batches: int
-    retries: int = 0
-    hop_failures: Counter = field(default_factory=Counter)
-    servers: dict[int, list[str]] = field(default_factory=dict)  # node ids used per stage
-    grad_norms: dict[int, float] = field(default_factory=dict)  # per stage, as the servers report after stepping
-
-
-@dataclass
 class StepOutcome:
     """What a `step` call to the servers of a step came back with."""
 
