@@ -26,6 +26,7 @@ from benchmarks.lab.network import (
     remove_stale_namespaces,
     router_lan_ip,
     router_wan_ip,
+    stop_on_first_signal,
 )
 from benchmarks.lab.swarm import (
     PHASES,
@@ -74,6 +75,7 @@ __all__ = [
     "router_wan_ip",
     "seconds_by_phase",
     "start_swarm",
+    "stop_on_first_signal",
     "start_workers",
     "steady_rows",
     "wait_file",

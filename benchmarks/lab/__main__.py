@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.lab.network import Lab, Link, cleanup_stale, lab_unavailable
+from benchmarks.lab.network import Lab, Link, cleanup_stale, lab_unavailable, stop_on_first_signal
 from benchmarks.lab.swarm import isolated_argv, node_summary, start_swarm
 
 
@@ -83,7 +82,7 @@ def main() -> int:
         print(f"lab: {why}; running the nodes on 127.0.0.1 without shaping or faults")
     lab = Lab(args.nodes + args.isolated, loopback=why is not None)
     root = args.state_root or Path(tempfile.mkdtemp(prefix="swarm-lab-"))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stop_on_first_signal()
     rng = random.Random(args.seed)
     events: list[dict] = []
     started = time.monotonic()

@@ -507,6 +507,20 @@ def host_link_holder() -> str | None:
     return None
 
 
+def stop_on_first_signal() -> None:
+    """From now on the first SIGTERM or Ctrl-C raises KeyboardInterrupt, so that the caller's cleanup of its lab runs
+    (its processes stopped, its namespaces removed), even in a process a script started in the background, where the
+    shell set SIGINT to be ignored. A signal after that one is ignored: it would cut the cleanup short."""
+
+    def stop(*_) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cleanup_stale() -> list[str]:
     """Remove what labs whose owner process is gone left behind (process groups, namespaces, links); their tags."""
     removed = []

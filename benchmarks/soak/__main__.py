@@ -15,24 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.common import print_result_line
-from benchmarks.lab import lab_unavailable
+from benchmarks.lab import lab_unavailable, stop_on_first_signal
 from benchmarks.soak.plan import FAULT_KINDS, SoakPlan
 from benchmarks.soak.run import Soak
-
-
-def stop_once(*_) -> None:
-    """The first SIGTERM or Ctrl-C (even in a soak a script started in the background, where the shell set SIGINT to
-    be ignored) leaves through the `with Soak` block, which stops its processes and removes its namespaces and tmpfs
-    within a bounded time; a signal after it would cut that cleanup short, so it is ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
 
 
 def main() -> int:
@@ -70,8 +60,7 @@ def main() -> int:
         recover_timeout_s=args.recover_timeout_s,
         rss_baseline_s=args.rss_baseline_s,
     )
-    signal.signal(signal.SIGINT, stop_once)
-    signal.signal(signal.SIGTERM, stop_once)
+    stop_on_first_signal()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
         root = args.state_root or Path(scratch)
