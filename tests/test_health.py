@@ -101,7 +101,6 @@ def test_a_node_whose_round_hangs_turns_stalled_and_ready_again(tiny_config, tmp
     """A real node, its rollouts scripted so that one round's generation blocks: /readyz over HTTP says stalled while
     it blocks and ready once the round completes; the watchdog logs the stall once, with the part the round is in and
     where each thread is."""
-
     hang_at_call = 3
     config = tiny_config("swarm.metrics_port=0", "swarm.stall_min_s=2", "swarm.stall_factor=2")
     node, hanging, release = hanging_node(config, hang_at_call)
