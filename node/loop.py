@@ -153,7 +153,8 @@ class Node:
         self.swarm_lost: str | None = None  # why its swarm connection is down while it rejoins (None: joined)
         self._rejoining: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
-        self._daemon_silent: str | None = None  # set by the watchdog: the daemon stopped answering
+        # set by the watchdog: the session whose daemon stopped answering, and how it was found so
+        self._daemon_silent: tuple[object, str] | None = None
         self.sampler_model = None  # the policy the rollout backend samples from: the trainer's, or a copy of it
         self._ahead: asyncio.Task | None = None  # the next round's own rollouts, generating (rollout.max_staleness 1)
         # when the last of them finished (perf_counter): the sampler has been idle since
@@ -387,7 +388,10 @@ class Node:
                 self._rejoining.result()  # it ends only once joined again (or by an error that is not the network's)
                 self._rejoining = None
             return
-        silent, self._daemon_silent = self._daemon_silent, None
+        verdict, self._daemon_silent = self._daemon_silent, None
+        # a verdict on a session already left (a probe of the old daemon that outlasted the rejoin) says nothing of
+        # this one: acting on it would leave a healthy session
+        silent = verdict[1] if verdict is not None and verdict[0] is self.session else None
         reason = None
         try:  # asked even when the watchdog found the daemon silent: a daemon that exited says how, which is news
             self.transport.check_alive()
@@ -423,9 +427,10 @@ class Node:
                 continue
             if time.monotonic() - last_probe >= probe_s:
                 last_probe = time.monotonic()
-                silent = await self.session.probe_daemon(probe_s)
+                probed = self.session
+                silent = await probed.probe_daemon(probe_s)
                 if silent is not None and self._daemon_silent is None:
-                    self._daemon_silent = silent
+                    self._daemon_silent = (probed, silent)
             if (
                 not self.policy.trains_while_rejoining
                 and self.swarm_lost is None  # not leaving or rejoining already
