@@ -346,6 +346,89 @@ def test_a_step_call_whose_stream_broke_is_sent_again_and_a_dead_server_is_not_w
     assert "n1" in router.avoid
 
 
+def test_a_step_call_a_server_never_answered_is_sent_again_before_the_next_step_adds_gradients(tmp_path):
+    """Stage 1 answers none of step 1's three tries (its answer lost, or the call): the step counts without it, and
+    the next step first sends stage 1 the same call again, before its first forward (a server that applied it
+    answers from memory, one that never received it applies it now: it must not keep step 1's gradients for step
+    2). One that answers that neither is owed nothing more."""
+
+    async def two_steps(breaks: int):
+        cfg = config(tmp_path / f"owed{breaks}").model_copy(deep=True)
+        cfg.pipeline.checkfree_plus = False
+        router = BrokenStepRouter(cfg, breaks, "unreachable")
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+        first = await driver.train_step()
+        steps_before = len(router.step_calls)
+        second = await driver.train_step()
+        return router.step_calls[:steps_before], router.step_calls[steps_before:], first, second
+
+    first_calls, second_calls, first, second = asyncio.run(two_steps(3))
+    assert set(first["grad_norms"]) == {0}  # stage 1 did not answer step 1
+    step_one = {call_id for stage, call_id in first_calls if stage == 1}
+    assert len(step_one) == 1
+    assert second_calls[0] == (1, step_one.pop())  # the same call, first of step 2's
+    assert [stage for stage, _ in second_calls[1:]] in ([0, 1], [1, 0]) and second["step"] == 2
+    assert set(second["grad_norms"]) == {0, 1}
+
+    first_calls, second_calls, _, second = asyncio.run(two_steps(6))  # it answers step 1's call neither time
+    step_one = {call_id for stage, call_id in first_calls if stage == 1}
+    assert second_calls[:3] == [(1, *step_one)] * 3  # sent again (three broken streams), then owed nothing more
+    assert sorted(stage for stage, _ in second_calls[3:]) == [0, 1] and set(second["grad_norms"]) == {0, 1}
+
+
+class HungStepRouter(FixedRouter):
+    """FixedRouter that notes every call as (op, stage, call id, scale); the first step call to stage 1 never answers,
+    as over a connection that died, until the step is cancelled."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.calls: list[tuple[str, int, str, float]] = []
+        self.hung = False
+
+    async def call(self, server, call, timeout=None):
+        self.calls.append((call.op, server.stage, call.call_id, call.scale))
+        if call.op == "step" and server.stage == 1 and not self.hung:
+            self.hung = True
+            await asyncio.Event().wait()
+        return await super().call(server, call, timeout)
+
+
+def test_a_step_cancelled_in_its_step_call_is_finished_with_the_same_call_and_not_taken_again(tmp_path):
+    """`drive` cancels the step in flight when its connection dies. Once its micro-batches went through, taking it
+    again would have a server that applied its step call apply the step a second time: the step call is sent again
+    instead, the same call to the same servers (answered from memory where it was applied), and the step counts once,
+    with the losses of its micro-batches."""
+
+    async def scenario():
+        cfg = config(tmp_path).model_copy(deep=True)
+        cfg.pipeline.checkfree_plus = False
+        router = HungStepRouter(cfg)
+        corpus = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(0))
+        driver = LMDriver(cfg, router, corpus, corpus, StateStore(cfg.resolved_state_dir()))
+        first = asyncio.create_task(driver.train_step())
+        await wait_for_async(lambda: router.hung, 20, "the step call to stage 1 to hang")
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert driver.step == 0
+        tried = len(router.calls)
+        row = await driver.train_step()
+        finished = router.calls[tried:]
+        after = len(router.calls)
+        next_row = await driver.train_step()
+        return router.calls[:tried], finished, row, router.calls[after:], next_row
+
+    tried, finished, row, next_calls, next_row = asyncio.run(scenario())
+    cut_short = {(stage, call_id) for op, stage, call_id, _ in tried if op == "step"}
+    assert {stage for stage, _ in cut_short} == {0, 1} and len({call_id for _, call_id in cut_short}) == 1
+    assert sorted((op, stage, call_id) for op, stage, call_id, _ in finished) == sorted(
+        ("step", stage, call_id) for stage, call_id in cut_short
+    )  # no forward, no drop: the same step call, again
+    assert all(scale == 1.0 for *_, scale in finished)
+    assert row["step"] == 1 and row["grad_norms"] == {0: 0.5, 1: 0.5} and math.isfinite(row["loss"])
+    assert next_row["step"] == 2 and [op for op, *_ in next_calls][:2] == ["forward", "forward"]
+
+
 class LostAnswerRouter(FixedRouter):
     """FixedRouter whose forward and backward calls to stage 1 lose their answer (the call ran: the server's work is
     done) `breaks` times each, with `reason`; it notes every call as (op, stage, call id)."""

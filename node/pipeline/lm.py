@@ -5,7 +5,10 @@ random route (`micro_batches_in_flight` of them at once), then `step` on every s
 used. A lost stage abandons the step, waits for the stage to be served again and retries
 the same step (same micro-batches), so a failure costs time, never data; a try cut short
 otherwise (cancelled when the connection died: `drive` takes the step again once rejoined)
-has what it accumulated on its servers dropped before the retake. Each step
+has what it accumulated on its servers dropped before the retake. A try whose micro-batches
+all went through is never taken again: its step call is sent again, the same call, to the
+servers that did not answer it (a server that applied it answers a repeat from memory), so
+no server applies a step twice and none keeps a step's gradients for the next. Each step
 appends a row to metrics.jsonl: loss, the validation loss every `eval_every` steps,
 retries, hop failures, the servers used and their gradient norms, and a `recovery`
 record on the first step after a lost stage (`swarm-node stats` sums them up: step_metrics.py).
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -43,6 +47,19 @@ def full_masks(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(length).expand(batch, length).contiguous(), torch.ones((batch, length), dtype=torch.long)
 
 
+@dataclass
+class AccumulatedStep:
+    """A step whose micro-batches all went through: the servers that hold its gradients, the one step call (the same
+    id each time it is sent) that makes them apply them, and what its metrics row reports."""
+
+    step: int
+    step_id: str
+    servers: dict[str, StageAnnouncement]
+    losses: list[float]
+    report: dict[str, Any]
+    started: float  # perf_counter at its first try
+
+
 class LMDriver:
     def __init__(
         self,
@@ -66,6 +83,10 @@ class LMDriver:
         # node id -> a server a try that did not finish (cancelled: its connection died; or failed) may have left
         # gradients on: dropped before the step is taken again
         self.left_on: dict[str, StageAnnouncement] = {}
+        # the step whose micro-batches went through, until every server it touched answered its step call
+        self.stepping: AccumulatedStep | None = None
+        # the servers of the last step that answered its step call neither, sent it once more before the next step
+        self.owed: AccumulatedStep | None = None
 
     async def _micro_batch(self, step: int, index: int, touched: dict, report: dict) -> float:
         input_ids = micro_batch(self.corpus, step, index, self.pipeline.micro_batch_size)
@@ -123,26 +144,18 @@ class LMDriver:
 
     async def train_step(self) -> dict[str, Any]:
         step = self.step + 1
-        started = time.perf_counter()
+        if self.owed is not None:
+            await self._send_owed()
         if self.left_on:
             await self._drop_left(step)
-        touched: dict = {}
-        try:
-            while True:
-                touched = {}
-                report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
-                try:
-                    losses = await self._micro_batches(step, touched, report)
-                    break
-                except StageLost as lost:
-                    await self._abandon(touched, step, lost)
-            # unique per try: a driver restarted at this step must not be answered with the step its last run applied
-            stepped = await self.router.step(touched, scale=1.0, step_id=f"step-{step}-{time.time_ns() % 10**9}")
-        except BaseException:
-            # cancelled (`drive` takes the step again over a new session once rejoined) or failed: what this try
-            # accumulated must not add to the next try's gradients
-            self.left_on.update(touched)
-            raise
+        if self.stepping is None:  # else: its step call was cut short (cancelled), sent again below
+            self.stepping = await self._accumulate(step)
+        taken = self.stepping
+        stepped = await self.router.step(taken.servers, scale=1.0, step_id=taken.step_id)
+        self.stepping = None
+        if stepped.unanswered:
+            self.owed = replace(taken, servers=stepped.unanswered)
+        losses, report, started = taken.losses, taken.report, taken.started
         norms = stepped.grad_norms
         row: dict[str, Any] = {
             "step": step,
@@ -170,6 +183,46 @@ class LMDriver:
         self.store.append_metrics(row)
         self.step = step
         return row
+
+    async def _accumulate(self, step: int) -> AccumulatedStep:
+        """Every micro-batch of `step` forward and backward, its gradients accumulated on the servers it touched; a
+        lost stage abandons the try and the step is tried again once the stage is served."""
+        started = time.perf_counter()
+        touched: dict = {}
+        try:
+            while True:
+                touched = {}
+                report: dict[str, Any] = {"retries": 0, "backward_failures": 0, "servers": {}}
+                try:
+                    losses = await self._micro_batches(step, touched, report)
+                    break
+                except StageLost as lost:
+                    await self._abandon(touched, step, lost)
+        except BaseException:
+            # cancelled (`drive` takes the step again over a new session once rejoined) or failed: what this try
+            # accumulated must not add to the next try's gradients
+            self.left_on.update(touched)
+            raise
+        # unique per step: a driver restarted at this step must not be answered with the step its last run applied
+        step_id = f"step-{step}-{time.time_ns() % 10**9}"
+        return AccumulatedStep(step, step_id, touched, losses, report, started)
+
+    async def _send_owed(self) -> None:
+        """Send the last step's call once more to its servers that answered it neither (their answer lost, or the
+        call): one that applied it answers from memory, one that never received it applies it now, before this step
+        adds anything to its gradients. One that does not answer this either is owed nothing more."""
+        owed = self.owed
+        outcome = await self.router.step(owed.servers, scale=1.0, step_id=owed.step_id)
+        self.owed = None
+        late = sorted(owed.servers[n].stage for n in set(owed.servers) - set(outcome.unanswered))
+        if late:
+            log.info("step %d taken late by stage(s) %s", owed.step, ", ".join(map(str, late)))
+        if outcome.unanswered:
+            log.warning(
+                "step %d: stage(s) %s did not answer its step call either time",
+                owed.step,
+                ", ".join(str(s.stage) for s in outcome.unanswered.values()),
+            )
 
     async def _drop_left(self, step: int) -> None:
         """Drop (a step of scale 0) the gradients a try that did not finish may have left on its servers, under a call
